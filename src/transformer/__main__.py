@@ -1,0 +1,3 @@
+from transformer.cli import main
+
+raise SystemExit(main())
