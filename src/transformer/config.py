@@ -1,0 +1,324 @@
+"""Typed configuration: ModelConfig, TrainConfig, DecodeConfig, the presets, YAML + overrides.
+
+A field name is also its YAML key and its override key (`train.warmup_steps=8000`). An unknown
+key or a value of the wrong type is an error that names the file (or "override") and the key.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field, fields, replace
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from transformer.errors import UserError
+
+
+class ConfigError(UserError):
+    """A configuration file or override is invalid; the message names the source and the key."""
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """§3 architecture. Defaults are the paper's base model (Table 3, first row)."""
+
+    vocab_size: int = 37000  # joint vocabulary (§5.1), or the source vocabulary when not shared
+    tgt_vocab_size: int | None = None  # None: one joint vocabulary for both sides
+    n_layers: int = 6  # N, in the encoder and in the decoder
+    d_model: int = 512
+    d_ff: int = 2048
+    n_heads: int = 8  # h
+    d_k: int = 64
+    d_v: int = 64
+    p_drop: float = 0.1  # §5.4 residual and embedding dropout
+    share_embeddings: bool = True  # §3.4: source embedding = target embedding (joint vocabulary)
+    tie_output: bool = True  # §3.4: target embedding = pre-softmax projection
+    learned_pos: bool = False  # Table 3 row (E) instead of §3.5 sinusoids
+    max_len: int = 1024  # positions available to the positional encoding
+    norm_first: bool = False  # not in the paper: pre-norm with a final LayerNorm per stack
+    p_attn_drop: float = 0.0  # not in the paper (tensor2tensor): dropout on attention weights
+    p_relu_drop: float = 0.0  # not in the paper (tensor2tensor): dropout after the FFN ReLU
+    attn_window: int | None = None  # §4 Table 1: restricted self-attention, r neighbours each side
+
+    def __post_init__(self) -> None:
+        checks = {
+            "vocab_size": self.vocab_size > 0,
+            "n_layers": self.n_layers > 0,
+            "d_model": self.d_model > 0,
+            "d_ff": self.d_ff > 0,
+            "n_heads": self.n_heads > 0,
+            "d_k": self.d_k > 0,
+            "d_v": self.d_v > 0,
+            "p_drop": 0.0 <= self.p_drop < 1.0,
+            "p_attn_drop": 0.0 <= self.p_attn_drop < 1.0,
+            "p_relu_drop": 0.0 <= self.p_relu_drop < 1.0,
+            "max_len": self.max_len > 0,
+            "attn_window": self.attn_window is None or self.attn_window >= 0,
+        }
+        for name, ok in checks.items():
+            if not ok:
+                raise ConfigError(f"model.{name}: invalid value {getattr(self, name)!r}")
+        separate = self.tgt_vocab_size is not None and self.tgt_vocab_size != self.vocab_size
+        if self.share_embeddings and separate:
+            raise ConfigError(
+                "model.share_embeddings: sharing source and target embeddings needs one joint "
+                f"vocabulary, but vocab_size={self.vocab_size} and "
+                f"tgt_vocab_size={self.tgt_vocab_size}"
+            )
+
+    @property
+    def target_vocab_size(self) -> int:
+        return self.vocab_size if self.tgt_vocab_size is None else self.tgt_vocab_size
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """§5 training recipe. Defaults are the paper's (§5.3 Adam + eq. 3, §5.4 eps_ls)."""
+
+    max_tokens: int = 25000  # §5.1: tokens per side per batch (padding counted), per accumulation
+    accum_steps: int = 1  # gradient accumulation: batches per optimizer step
+    warmup_steps: int = 4000  # §5.3
+    lr_scale: float = 1.0  # constant multiplier on eq. (3) (tensor2tensor later used 2.0)
+    beta1: float = 0.9  # §5.3
+    beta2: float = 0.98  # §5.3
+    adam_eps: float = 1e-9  # §5.3
+    eps_ls: float = 0.1  # §5.4 label smoothing
+    clip_norm: float = 0.0  # not in the paper: gradient-norm clipping, 0 = off
+    max_steps: int = 100000  # §5.2: base 100K steps, big 300K
+    max_minutes: float | None = None  # wall-clock budget
+    dtype: str = "bf16"  # "bf16" (fp32 master weights) or "fp32"
+    compile: bool = False  # torch.compile the model
+    seed: int = 1
+    save_every_steps: int = 0  # 0 = only by time
+    save_every_minutes: float = 10.0  # §6.1: checkpoints every 10 minutes
+    keep_last: int = 5  # §6.1: average the last 5 (base) or 20 (big)
+    valid_every_steps: int = 1000
+    log_every_steps: int = 50
+    deterministic: bool = False  # deterministic algorithms, for bit-exact resume tests
+
+    def __post_init__(self) -> None:
+        if self.dtype not in ("bf16", "fp32"):
+            raise ConfigError(f"train.dtype: expected 'bf16' or 'fp32', got {self.dtype!r}")
+        for name in ("max_tokens", "accum_steps", "warmup_steps", "max_steps", "keep_last"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"train.{name}: must be positive, got {getattr(self, name)!r}")
+        if not 0.0 <= self.eps_ls < 1.0:
+            raise ConfigError(f"train.eps_ls: must be in [0, 1), got {self.eps_ls!r}")
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    """§6.1 inference: beam 4, α 0.6, maximum output length = input length + 50."""
+
+    beam_size: int = 4
+    length_penalty: float = 0.6  # α in lp(Y) = ((5 + |Y|) / 6)^α
+    max_len_a: float = 1.0  # maximum output length = a * source length + b
+    max_len_b: int = 50
+    n_best: int = 1
+    max_tokens: int = 4000  # source tokens per translation batch
+
+    def __post_init__(self) -> None:
+        if self.beam_size < 1:
+            raise ConfigError(f"decode.beam_size: must be >= 1, got {self.beam_size}")
+        if not 1 <= self.n_best <= self.beam_size:
+            raise ConfigError(
+                f"decode.n_best: must be in [1, beam_size={self.beam_size}], got {self.n_best}"
+            )
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """Everything a training run needs besides the data directory."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    decode: DecodeConfig = field(default_factory=DecodeConfig)
+
+
+# ---------------------------------------------------------------------------------------------
+# Presets. A preset is a set of overrides on the defaults (= the paper's base model), so each
+# Table 3 row reads exactly as in the paper: only the values that differ are listed.
+# ---------------------------------------------------------------------------------------------
+
+_TABLE3_ROWS: dict[str, dict[str, Any]] = {
+    "A1": {"n_heads": 1, "d_k": 512, "d_v": 512},
+    "A2": {"n_heads": 4, "d_k": 128, "d_v": 128},
+    "A3": {"n_heads": 16, "d_k": 32, "d_v": 32},
+    "A4": {"n_heads": 32, "d_k": 16, "d_v": 16},
+    "B1": {"d_k": 16},
+    "B2": {"d_k": 32},
+    "C1": {"n_layers": 2},
+    "C2": {"n_layers": 4},
+    "C3": {"n_layers": 8},
+    "C4": {"d_model": 256, "d_k": 32, "d_v": 32},
+    "C5": {"d_model": 1024, "d_k": 128, "d_v": 128},
+    "C6": {"d_ff": 1024},
+    "C7": {"d_ff": 4096},
+    "D1": {"p_drop": 0.0},
+    "D2": {"p_drop": 0.2},
+    "D3": {"train.eps_ls": 0.0},
+    "D4": {"train.eps_ls": 0.2},
+    "E": {"learned_pos": True},
+}
+
+PRESETS: dict[str, dict[str, Any]] = {
+    "base": {},
+    # Table 3 "big": d_k stays 64 (16 heads x 64 = 1024); §5.2: 300K steps; §6.1: average 20.
+    "big": {
+        "d_model": 1024,
+        "d_ff": 4096,
+        "n_heads": 16,
+        "p_drop": 0.3,
+        "train.max_steps": 300000,
+        "train.keep_last": 20,
+    },
+    **_TABLE3_ROWS,
+    # §6.3: 4 layers, d_model 1024, everything else as base; d_k = d_v = 1024 / 8 as in row C5.
+    "parsing": {"n_layers": 4, "d_model": 1024, "d_k": 128, "d_v": 128},
+    # CPU-sized presets for the small corpora here (not in the paper).
+    "tiny": {"n_layers": 2, "d_model": 32, "d_ff": 64, "n_heads": 4, "d_k": 8, "d_v": 8},
+    "cpu-small": {
+        "n_layers": 3,
+        "d_model": 256,
+        "d_ff": 1024,
+        "n_heads": 4,
+        "d_k": 64,
+        "d_v": 64,
+        "train.max_tokens": 4000,
+        "train.warmup_steps": 800,
+    },
+    "cpu-medium": {
+        "n_layers": 4,
+        "d_model": 384,
+        "d_ff": 1536,
+        "n_heads": 6,
+        "d_k": 64,
+        "d_v": 64,
+        "train.max_tokens": 6000,
+        "train.warmup_steps": 1500,
+    },
+    "parsing-cpu": {
+        "n_layers": 4,
+        "d_model": 256,
+        "d_ff": 1024,
+        "n_heads": 4,
+        "d_k": 64,
+        "d_v": 64,
+        "p_drop": 0.3,
+        "train.max_tokens": 4000,
+        "train.warmup_steps": 1000,
+    },
+}
+
+
+def preset_overrides(name: str) -> dict[str, str]:
+    """The preset's values as `section.key` overrides (model keys get the `model.` prefix)."""
+    if name not in PRESETS:
+        raise ConfigError(f"unknown preset {name!r}; choose one of: {', '.join(PRESETS)}")
+    return {(k if "." in k else f"model.{k}"): v for k, v in PRESETS[name].items()}
+
+
+def build_config(
+    preset: str | None = None,
+    yaml_path: Path | None = None,
+    overrides: list[str] | None = None,
+    vocab_size: int | None = None,
+) -> RunConfig:
+    """Resolve a RunConfig: defaults < preset < YAML file < `key=value` overrides.
+
+    Args:
+        preset: a name from PRESETS, or None for the paper's base model.
+        yaml_path: a YAML file with sections `model`, `train`, `decode` (optional `preset`).
+        overrides: strings `section.key=value`, value parsed as YAML.
+        vocab_size: the prepared data's vocabulary size (overrides any other source).
+    """
+    cfg = RunConfig()
+    if yaml_path is not None:
+        raw = _read_yaml(yaml_path)
+        preset = raw.pop("preset", preset)
+    if preset is not None:
+        cfg = apply_overrides(cfg, preset_overrides(preset), source=f"preset {preset}")
+    if yaml_path is not None:
+        flat = {}
+        for section, values in raw.items():
+            if not isinstance(values, dict):
+                raise ConfigError(f"{yaml_path}: section {section!r} must be a mapping")
+            flat.update({f"{section}.{k}": v for k, v in values.items()})
+        cfg = apply_overrides(cfg, flat, source=str(yaml_path))
+    parsed = {}
+    for item in overrides or []:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise ConfigError(f"override {item!r}: expected section.key=value")
+        parsed[key.strip()] = yaml.safe_load(value)
+    cfg = apply_overrides(cfg, parsed, source="override")
+    if vocab_size is not None:
+        cfg = replace(cfg, model=replace(cfg.model, vocab_size=vocab_size))
+    return cfg
+
+
+def _read_yaml(path: Path) -> dict[str, Any]:
+    try:
+        raw = yaml.safe_load(Path(path).read_text(encoding="utf-8")) or {}
+    except (OSError, yaml.YAMLError) as e:
+        raise ConfigError(f"{path}: cannot read config: {e}") from e
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: top level must be a mapping")
+    return raw
+
+
+def apply_overrides(cfg: RunConfig, values: dict[str, Any], source: str) -> RunConfig:
+    """Return a copy of cfg with `section.key` values set, each type-checked."""
+    sections: dict[str, dict[str, Any]] = {}
+    for key, value in values.items():
+        section, _, name = key.partition(".")
+        if section not in {f.name for f in fields(RunConfig)} or not name:
+            raise ConfigError(f"{source}: unknown key {key!r} (sections: model, train, decode)")
+        sections.setdefault(section, {})[name] = value
+    for section, kv in sections.items():
+        current = getattr(cfg, section)
+        hints = typing.get_type_hints(type(current))
+        known = {f.name for f in fields(current)}
+        checked = {}
+        for name, value in kv.items():
+            if name not in known:
+                raise ConfigError(f"{source}: unknown key {section}.{name!r}")
+            checked[name] = _coerce(value, hints[name], f"{source}: {section}.{name}")
+        try:
+            cfg = replace(cfg, **{section: replace(current, **checked)})
+        except ConfigError as e:
+            raise ConfigError(f"{source}: {e}") from e
+    return cfg
+
+
+def _coerce(value: Any, hint: Any, where: str) -> Any:
+    """Check `value` against a field's type hint; ints are accepted for floats."""
+    options = typing.get_args(hint) if isinstance(hint, types.UnionType) else (hint,)
+    for t in options:
+        if t is type(None) and value is None:
+            return None
+        if t is bool and isinstance(value, bool):
+            return value
+        if t is int and isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if t is float and isinstance(value, int | float) and not isinstance(value, bool):
+            return float(value)
+        if t is str and isinstance(value, str):
+            return value
+    names = " or ".join(getattr(t, "__name__", str(t)) for t in options)
+    raise ConfigError(f"{where}: expected {names}, got {value!r}")
+
+
+def to_dict(cfg: RunConfig) -> dict[str, Any]:
+    """A plain dict (YAML/JSON-ready) of the resolved config."""
+    return dataclasses.asdict(cfg)
+
+
+def from_dict(raw: dict[str, Any], source: str = "checkpoint") -> RunConfig:
+    """Inverse of to_dict, with the same checks as a YAML file."""
+    flat = {f"{s}.{k}": v for s, section in raw.items() for k, v in section.items()}
+    return apply_overrides(RunConfig(), flat, source=source)

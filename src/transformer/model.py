@@ -1,0 +1,429 @@
+"""§3 The Transformer: attention, feed-forward, positional encoding, layers, stacks.
+
+Shapes: B batch, S source length, T target length, D d_model, H heads, K d_k, Vd d_v, V vocab.
+Masks are boolean and True where a position takes part (a real token), as in
+`F.scaled_dot_product_attention`. This module imports only torch.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from transformer.config import ModelConfig
+
+
+def attention_reference(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    p_drop: float = 0.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """§3.2.1 eq. (1), written out: softmax(Q K^T / sqrt(d_k)) V.
+
+    Args:
+        q: (B, H, Tq, K); k: (B, H, Tk, K); v: (B, H, Tk, Vd).
+        mask: bool, broadcastable to (B, H, Tq, Tk), True where attention is allowed.
+        p_drop: dropout on the attention weights (not in the paper; 0 by default).
+
+    Returns:
+        The attended values (B, H, Tq, Vd) and the attention weights (B, H, Tq, Tk).
+    """
+    scores = q @ k.transpose(-2, -1) / math.sqrt(q.size(-1))  # (B, H, Tq, Tk)
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))  # §3.2.1: illegal connections -> -inf
+    weights = scores.softmax(dim=-1)
+    out = F.dropout(weights, p_drop) @ v  # (B, H, Tq, Vd)
+    return out, weights
+
+
+def attention_fused(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    p_drop: float = 0.0,
+    is_causal: bool = False,
+) -> torch.Tensor:
+    """The same eq. (1) through PyTorch's fused kernels (flash / memory-efficient / math)."""
+    return F.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask, dropout_p=p_drop, is_causal=is_causal
+    )
+
+
+def causal_mask(
+    t_q: int, t_k: int, device: torch.device, window: int | None = None
+) -> torch.Tensor:
+    """(Tq, Tk) bool: query i (the last Tq of Tk positions) sees key j iff j <= i, i - j <= r."""
+    q_pos = torch.arange(t_k - t_q, t_k, device=device)[:, None]
+    k_pos = torch.arange(t_k, device=device)[None, :]
+    allowed = k_pos <= q_pos
+    if window is not None:
+        allowed &= q_pos - k_pos <= window
+    return allowed
+
+
+def window_mask(t: int, window: int, device: torch.device) -> torch.Tensor:
+    """(T, T) bool for §4 restricted self-attention: |i - j| <= r."""
+    pos = torch.arange(t, device=device)
+    return (pos[:, None] - pos[None, :]).abs() <= window
+
+
+class MultiHeadAttention(nn.Module):
+    """§3.2.2: h heads of eq. (1) over projected queries, keys and values, then W^O.
+
+    d_k and d_v are free (Table 3 rows A, B, C). W^K and W^V are stored as one (D, H*(K+Vd))
+    projection so that keys and values come from a single matrix product.
+    """
+
+    def __init__(self, d_model: int, n_heads: int, d_k: int, d_v: int, p_attn_drop: float = 0.0):
+        super().__init__()
+        self.n_heads, self.d_k, self.d_v = n_heads, d_k, d_v
+        self.p_attn_drop = p_attn_drop
+        self.w_q = nn.Linear(d_model, n_heads * d_k)
+        self.w_kv = nn.Linear(d_model, n_heads * (d_k + d_v))
+        self.w_o = nn.Linear(n_heads * d_v, d_model)
+
+    def project_kv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(B, T, D) -> keys (B, H, T, K) and values (B, H, T, Vd)."""
+        B, T, _ = x.shape
+        k, v = self.w_kv(x).split([self.n_heads * self.d_k, self.n_heads * self.d_v], dim=-1)
+        k = k.view(B, T, self.n_heads, self.d_k).transpose(1, 2)  # (B, H, T, K)
+        v = v.view(B, T, self.n_heads, self.d_v).transpose(1, 2)  # (B, H, T, Vd)
+        return k, v
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        mask: torch.Tensor | None,
+        is_causal: bool = False,
+        weights: list[torch.Tensor] | None = None,
+    ) -> torch.Tensor:
+        """Attend from queries x (B, Tq, D) over projected k, v; returns (B, Tq, D).
+
+        When `weights` is a list, the reference path runs and appends its (B, H, Tq, Tk) weights.
+        """
+        B, Tq, _ = x.shape
+        q = self.w_q(x).view(B, Tq, self.n_heads, self.d_k).transpose(1, 2)  # (B, H, Tq, K)
+        p = self.p_attn_drop if self.training else 0.0
+        if weights is not None:
+            if is_causal:
+                mask = causal_mask(Tq, k.size(2), x.device)
+            out, w = attention_reference(q, k, v, mask, p)
+            weights.append(w)
+        else:
+            out = attention_fused(q, k, v, mask, p, is_causal=is_causal)
+        out = out.transpose(1, 2).reshape(B, Tq, self.n_heads * self.d_v)  # (B, Tq, H*Vd)
+        return self.w_o(out)
+
+
+class PositionwiseFeedForward(nn.Module):
+    """§3.3 eq. (2): FFN(x) = max(0, x W1 + b1) W2 + b2."""
+
+    def __init__(self, d_model: int, d_ff: int, p_relu_drop: float = 0.0):
+        super().__init__()
+        self.w_1 = nn.Linear(d_model, d_ff)
+        self.w_2 = nn.Linear(d_ff, d_model)
+        self.p_relu_drop = p_relu_drop  # not in the paper (tensor2tensor): dropout after ReLU
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = F.relu(self.w_1(x))  # (B, T, d_ff)
+        return self.w_2(F.dropout(h, self.p_relu_drop, self.training))
+
+
+def sinusoid_table(max_len: int, d_model: int) -> torch.Tensor:
+    """§3.5: PE(pos, 2i) = sin(pos / 10000^(2i/d)), PE(pos, 2i+1) = cos(...); (max_len, D)."""
+    pos = torch.arange(max_len, dtype=torch.float64)[:, None]
+    two_i = torch.arange(0, d_model, 2, dtype=torch.float64)
+    angle = pos / torch.pow(10000.0, two_i / d_model)  # (max_len, ceil(D/2))
+    table = torch.zeros(max_len, d_model, dtype=torch.float64)
+    table[:, 0::2] = torch.sin(angle)
+    table[:, 1::2] = torch.cos(angle[:, : d_model // 2])
+    return table.float()
+
+
+class PositionalEncoding(nn.Module):
+    """§3.5 sinusoids, or learned position embeddings (Table 3 row E)."""
+
+    def __init__(self, d_model: int, max_len: int, learned: bool):
+        super().__init__()
+        self.max_len = max_len
+        if learned:
+            self.learned = nn.Embedding(max_len, d_model)
+            nn.init.normal_(self.learned.weight, std=d_model**-0.5)
+        else:
+            self.learned = None
+            self.register_buffer("table", sinusoid_table(max_len, d_model), persistent=False)
+
+    def forward(self, t: int, offset: int = 0) -> torch.Tensor:
+        """Encodings of positions offset .. offset+t-1: (t, D)."""
+        if offset + t > self.max_len:
+            raise ValueError(f"sequence of {offset + t} positions exceeds max_len={self.max_len}")
+        if self.learned is not None:
+            return self.learned.weight[offset : offset + t]
+        return self.table[offset : offset + t]
+
+
+class _Residual(nn.Module):
+    """One sub-layer connection: post-norm LayerNorm(x + Dropout(f(x))) (§3.1, §5.4), or
+    pre-norm x + Dropout(f(LayerNorm(x))) when norm_first (not in the paper)."""
+
+    def __init__(self, d_model: int, p_drop: float, norm_first: bool):
+        super().__init__()
+        self.norm = nn.LayerNorm(d_model)
+        self.p_drop, self.norm_first = p_drop, norm_first
+
+    def forward(self, x: torch.Tensor, sublayer) -> torch.Tensor:
+        if self.norm_first:
+            return x + F.dropout(sublayer(self.norm(x)), self.p_drop, self.training)
+        return self.norm(x + F.dropout(sublayer(x), self.p_drop, self.training))
+
+
+class EncoderLayer(nn.Module):
+    """§3.1: self-attention, then the feed-forward network, each in a residual sub-layer."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.self_attn = MultiHeadAttention(
+            cfg.d_model, cfg.n_heads, cfg.d_k, cfg.d_v, cfg.p_attn_drop
+        )
+        self.ffn = PositionwiseFeedForward(cfg.d_model, cfg.d_ff, cfg.p_relu_drop)
+        self.res_attn = _Residual(cfg.d_model, cfg.p_drop, cfg.norm_first)
+        self.res_ffn = _Residual(cfg.d_model, cfg.p_drop, cfg.norm_first)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None, weights: list | None = None):
+        """x: (B, S, D); mask: broadcastable to (B, H, S, S)."""
+
+        def attend(y: torch.Tensor) -> torch.Tensor:
+            k, v = self.self_attn.project_kv(y)
+            return self.self_attn(y, k, v, mask, weights=weights)
+
+        return self.res_ffn(self.res_attn(x, attend), self.ffn)
+
+
+@dataclass
+class LayerCache:
+    """One decoder layer's keys and values: self-attention (grows by one step at a time) and
+    encoder-decoder attention (computed once per sentence)."""
+
+    self_k: torch.Tensor | None = None  # (B, H, t, K)
+    self_v: torch.Tensor | None = None  # (B, H, t, Vd)
+    cross_k: torch.Tensor | None = None  # (B, H, S, K)
+    cross_v: torch.Tensor | None = None  # (B, H, S, Vd)
+
+
+@dataclass
+class DecoderCache:
+    """Incremental-decoding state for all decoder layers; `length` target positions so far."""
+
+    layers: list[LayerCache] = field(default_factory=list)
+    length: int = 0
+
+    def reorder(self, index: torch.Tensor) -> DecoderCache:
+        """Select batch rows (beam search: the surviving hypotheses' parents)."""
+
+        def pick(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t.index_select(0, index)
+
+        layers = [
+            LayerCache(pick(c.self_k), pick(c.self_v), pick(c.cross_k), pick(c.cross_v))
+            for c in self.layers
+        ]
+        return DecoderCache(layers, self.length)
+
+
+class DecoderLayer(nn.Module):
+    """§3.1: masked self-attention, encoder-decoder attention, feed-forward network."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        d = cfg.d_model
+        self.self_attn = MultiHeadAttention(d, cfg.n_heads, cfg.d_k, cfg.d_v, cfg.p_attn_drop)
+        self.cross_attn = MultiHeadAttention(d, cfg.n_heads, cfg.d_k, cfg.d_v, cfg.p_attn_drop)
+        self.ffn = PositionwiseFeedForward(d, cfg.d_ff, cfg.p_relu_drop)
+        self.res_self = _Residual(d, cfg.p_drop, cfg.norm_first)
+        self.res_cross = _Residual(d, cfg.p_drop, cfg.norm_first)
+        self.res_ffn = _Residual(d, cfg.p_drop, cfg.norm_first)
+        self.window = cfg.attn_window
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        memory: torch.Tensor,
+        memory_mask: torch.Tensor | None,
+        cache: LayerCache | None = None,
+        weights: dict[str, list] | None = None,
+    ) -> torch.Tensor:
+        """x: (B, T, D) new target positions; memory: (B, S, D); memory_mask: (B, 1, 1, S)."""
+
+        def self_attend(y: torch.Tensor) -> torch.Tensor:
+            k, v = self.self_attn.project_kv(y)  # (B, H, T, K), (B, H, T, Vd)
+            if cache is not None:
+                if cache.self_k is not None:
+                    k = torch.cat([cache.self_k, k], dim=2)  # (B, H, t + T, K)
+                    v = torch.cat([cache.self_v, v], dim=2)
+                cache.self_k, cache.self_v = k, v
+            t_q, t_k = y.size(1), k.size(2)
+            # §3.2.3: no position attends to later positions. A single new query (cached
+            # decoding) may see every key in the cache, so it needs no mask.
+            if self.window is None and weights is None and (t_q == t_k or t_q == 1):
+                return self.self_attn(y, k, v, None, is_causal=t_q > 1)
+            mask = causal_mask(t_q, t_k, y.device, self.window)
+            return self.self_attn(
+                y, k, v, mask, weights=None if weights is None else weights["decoder"]
+            )
+
+        def cross_attend(y: torch.Tensor) -> torch.Tensor:
+            if cache is not None and cache.cross_k is not None:
+                k, v = cache.cross_k, cache.cross_v
+            else:
+                k, v = self.cross_attn.project_kv(memory)  # (B, H, S, K), (B, H, S, Vd)
+                if cache is not None:
+                    cache.cross_k, cache.cross_v = k, v
+            w = None if weights is None else weights["cross"]
+            return self.cross_attn(y, k, v, memory_mask, weights=w)
+
+        x = self.res_self(x, self_attend)
+        x = self.res_cross(x, cross_attend)
+        return self.res_ffn(x, self.ffn)
+
+
+class Transformer(nn.Module):
+    """§3 encoder-decoder with shared embeddings (§3.4) and positional encodings (§3.5)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        d = cfg.d_model
+        self.src_embed = nn.Embedding(cfg.vocab_size, d)
+        if cfg.share_embeddings:
+            self.tgt_embed = self.src_embed  # §3.4: one weight matrix
+        else:
+            self.tgt_embed = nn.Embedding(cfg.target_vocab_size, d)
+        self.out_proj = None if cfg.tie_output else nn.Linear(d, cfg.target_vocab_size, bias=False)
+        self.src_pos = PositionalEncoding(d, cfg.max_len, cfg.learned_pos)
+        self.tgt_pos = (
+            self.src_pos if not cfg.learned_pos else PositionalEncoding(d, cfg.max_len, True)
+        )
+        self.encoder_layers = nn.ModuleList(EncoderLayer(cfg) for _ in range(cfg.n_layers))
+        self.decoder_layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.n_layers))
+        # Pre-norm needs a final LayerNorm on each stack's output; post-norm already ends in one.
+        self.encoder_norm = nn.LayerNorm(d) if cfg.norm_first else None
+        self.decoder_norm = nn.LayerNorm(d) if cfg.norm_first else None
+        self.embed_scale = math.sqrt(d)  # §3.4: embeddings are multiplied by sqrt(d_model)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """Glorot-uniform projections and zero biases (tensor2tensor, fairseq); embeddings
+        N(0, d^-1/2), so that after the sqrt(d) scale they have unit variance."""
+        for name, p in self.named_parameters():
+            if "embed" in name or "learned" in name:
+                nn.init.normal_(p, std=self.cfg.d_model**-0.5)
+            elif p.dim() > 1:
+                nn.init.xavier_uniform_(p)
+            elif name.endswith("bias"):
+                nn.init.zeros_(p)
+
+    def _embed(
+        self, tokens: torch.Tensor, embed: nn.Embedding, pos: PositionalEncoding, offset: int
+    ):
+        x = embed(tokens) * self.embed_scale + pos(tokens.size(1), offset).to(embed.weight.dtype)
+        return F.dropout(x, self.cfg.p_drop, self.training)  # §5.4: dropout on the sums
+
+    def encode(self, src: torch.Tensor, src_mask: torch.Tensor, weights: list | None = None):
+        """Encoder stack. src: (B, S) ids; src_mask: (B, S) bool, True at real tokens.
+
+        Returns:
+            memory: (B, S, D).
+        """
+        x = self._embed(src, self.src_embed, self.src_pos, 0)
+        mask = src_mask[:, None, None, :]  # (B, 1, 1, S): keys that are real tokens
+        if self.cfg.attn_window is not None:
+            mask = mask & window_mask(src.size(1), self.cfg.attn_window, src.device)
+        for layer in self.encoder_layers:
+            x = layer(x, mask, weights)
+        return x if self.encoder_norm is None else self.encoder_norm(x)
+
+    def decode_hidden(
+        self,
+        tgt: torch.Tensor,
+        memory: torch.Tensor,
+        src_mask: torch.Tensor,
+        cache: DecoderCache | None = None,
+        weights: dict[str, list] | None = None,
+    ) -> torch.Tensor:
+        """Decoder stack up to (not including) the output projection; (B, T, D).
+
+        With a cache, tgt holds only the new positions, and the cache is extended in place.
+        """
+        offset = 0 if cache is None else cache.length
+        x = self._embed(tgt, self.tgt_embed, self.tgt_pos, offset)
+        if cache is not None and not cache.layers:
+            cache.layers = [LayerCache() for _ in self.decoder_layers]
+        memory_mask = src_mask[:, None, None, :]  # (B, 1, 1, S)
+        for i, layer in enumerate(self.decoder_layers):
+            x = layer(x, memory, memory_mask, None if cache is None else cache.layers[i], weights)
+        if cache is not None:
+            cache.length += tgt.size(1)
+        return x if self.decoder_norm is None else self.decoder_norm(x)
+
+    def output_weight(self) -> torch.Tensor:
+        """The pre-softmax projection (V, D): the shared embedding when tied (§3.4)."""
+        return self.tgt_embed.weight if self.out_proj is None else self.out_proj.weight
+
+    def project(self, hidden: torch.Tensor) -> torch.Tensor:
+        """(..., D) -> logits (..., V)."""
+        return F.linear(hidden, self.output_weight())
+
+    def decode(
+        self,
+        tgt: torch.Tensor,
+        memory: torch.Tensor,
+        src_mask: torch.Tensor,
+        cache: DecoderCache | None = None,
+    ) -> torch.Tensor:
+        """Decoder logits. tgt: (B, T) ids starting with BOS (or, with a cache, only the new
+        ids); memory: (B, S, D); src_mask: (B, S). Returns logits (B, T, V).
+
+        The cache is an explicit object (see `new_cache`), extended in place; beam search
+        reorders it with `DecoderCache.reorder`.
+        """
+        return self.project(self.decode_hidden(tgt, memory, src_mask, cache))
+
+    @staticmethod
+    def new_cache() -> DecoderCache:
+        return DecoderCache()
+
+    def forward(self, src: torch.Tensor, src_mask: torch.Tensor, tgt: torch.Tensor) -> torch.Tensor:
+        """Training: decoder hidden states (B, T, D) for teacher-forced targets.
+
+        The loss projects only the non-pad positions (see `project`), which saves the
+        vocabulary-sized work on padding.
+        """
+        return self.decode_hidden(tgt, self.encode(src, src_mask), src_mask)
+
+    @torch.no_grad()
+    def attention_weights(
+        self, src: torch.Tensor, src_mask: torch.Tensor, tgt: torch.Tensor
+    ) -> dict[str, list[torch.Tensor]]:
+        """Attention weights of every layer (Figures 3-5), through the reference path.
+
+        Returns:
+            {"encoder": [(B, H, S, S)] * N, "decoder": [(B, H, T, T)] * N,
+             "cross": [(B, H, T, S)] * N}.
+        """
+        weights: dict[str, list] = {"encoder": [], "decoder": [], "cross": []}
+        memory = self.encode(src, src_mask, weights["encoder"])
+        self.decode_hidden(tgt, memory, src_mask, weights=weights)
+        return weights
+
+    def num_parameters(self) -> int:
+        """Trainable parameters, each shared tensor counted once."""
+        return sum(p.numel() for p in self.parameters())
