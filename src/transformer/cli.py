@@ -10,6 +10,7 @@ import argparse
 import json
 import logging
 import sys
+from pathlib import Path
 
 from transformer.errors import UserError
 
@@ -35,8 +36,87 @@ def _add_presets(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_cmd_presets)
 
 
+def _cmd_flops(args: argparse.Namespace) -> int:
+    from transformer.flops import paper_report, run_report
+
+    if args.paper:
+        report = paper_report(args.preset)
+    elif args.run_dir is None:
+        raise UserError("flops: give a RUN_DIR, or --paper for the paper's own inputs")
+    else:
+        report = run_report(
+            args.run_dir, args.device_tflops, args.devices, args.src_len, args.tgt_len
+        )
+    print("\n".join(report.lines()))
+    return 0
+
+
+def _add_flops(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("flops", help="Table 2: a run's training cost, estimated and counted")
+    p.add_argument("run_dir", nargs="?", type=Path, help="training run directory")
+    p.add_argument("--paper", action="store_true", help="the paper's own inputs (§5.1, §5.2)")
+    p.add_argument("--preset", default="base", choices=["base", "big"], help="with --paper")
+    p.add_argument(
+        "--device-tflops", type=float, help="sustained TFLOPS per device (default: measured)"
+    )
+    p.add_argument("--devices", type=int, default=1, help="number of devices the run used")
+    p.add_argument("--src-len", type=float, help="mean source length (attention terms)")
+    p.add_argument("--tgt-len", type=float, help="mean target length (attention terms)")
+    p.set_defaults(func=_cmd_flops)
+
+
+def _cmd_train(args: argparse.Namespace) -> int:
+    from transformer.config import build_config
+    from transformer.training import train
+
+    positional = [a for a in args.args if "=" not in a]
+    overrides = [a for a in args.args if "=" in a]
+    if len(positional) > 1:
+        raise UserError(f"train: expected one DATA_DIR, got {positional}")
+    data_dir = Path(positional[0]) if positional else None
+    for flag, key in ((args.max_steps, "train.max_steps"), (args.max_minutes, "train.max_minutes")):
+        if flag is not None:
+            overrides.append(f"{key}={flag}")
+    if args.resume is not None:
+        train(data_dir, args.resume, resume=True, overrides=overrides, device=args.device)
+        return 0
+    if args.out is None or data_dir is None:
+        raise UserError("train: give DATA_DIR and --out RUN_DIR (or --resume RUN_DIR)")
+    config = build_config(args.preset, args.config)
+    train(data_dir, args.out, config, overrides=overrides, device=args.device)
+    return 0
+
+
+def _add_train(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("train", help="§5 training on a prepared-data directory (or --resume)")
+    p.add_argument("args", nargs="*", metavar="DATA_DIR | key=value", help="data and overrides")
+    p.add_argument("--preset", help="a model preset (see `transformer presets`)")
+    p.add_argument("--config", type=Path, help="a YAML config (configs/*.yaml)")
+    p.add_argument("--out", type=Path, help="the run directory to create")
+    p.add_argument("--resume", type=Path, metavar="RUN_DIR", help="continue this run exactly")
+    p.add_argument("--max-steps", type=int, help="stop after this many optimizer steps")
+    p.add_argument("--max-minutes", type=float, help="stop after this many minutes")
+    p.add_argument("--device", help="cpu, cuda, cuda:1 ... (default: cuda if available)")
+    p.set_defaults(func=_cmd_train)
+
+
+def _cmd_average(args: argparse.Namespace) -> int:
+    from transformer.checkpoint import average_run
+
+    print(average_run(args.run_dir, args.last, args.out))
+    return 0
+
+
+def _add_average(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("average", help="§6.1: average a run's last N checkpoints into a model")
+    p.add_argument("run_dir", type=Path, help="training run directory")
+    p.add_argument("--last", type=int, default=5, help="checkpoints to average (§6.1: 5 / 20)")
+    p.add_argument("--out", type=Path, help="model file (default RUN_DIR/average_last<N>...)")
+    p.set_defaults(func=_cmd_average)
+
+
 # Each entry adds one subcommand. Subcommands live here in the order a user meets them.
-_SUBCOMMANDS = [_add_presets]
+_SUBCOMMANDS = [_add_presets, _add_flops, _add_train, _add_average]
 
 
 def build_parser() -> argparse.ArgumentParser:
