@@ -1,0 +1,115 @@
+"""Config: presets, YAML, overrides, and the errors that name the source and the key."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from transformer.config import (
+    PRESETS,
+    ConfigError,
+    DecodeConfig,
+    ModelConfig,
+    RunConfig,
+    TrainConfig,
+    build_config,
+    from_dict,
+    to_dict,
+)
+
+
+def test_defaults_are_the_papers_base_model_and_recipe() -> None:
+    m, t, d = ModelConfig(), TrainConfig(), DecodeConfig()
+    assert (m.n_layers, m.d_model, m.d_ff, m.n_heads, m.d_k, m.d_v) == (6, 512, 2048, 8, 64, 64)
+    assert (m.p_drop, m.share_embeddings, m.tie_output, m.norm_first) == (0.1, True, True, False)
+    assert (t.beta1, t.beta2, t.adam_eps, t.warmup_steps, t.eps_ls) == (0.9, 0.98, 1e-9, 4000, 0.1)
+    assert (d.beam_size, d.length_penalty, d.max_len_a, d.max_len_b) == (4, 0.6, 1.0, 50)
+
+
+def test_table3_rows_change_only_their_columns() -> None:
+    base = build_config("base").model
+    a1 = build_config("A1").model
+    assert (a1.n_heads, a1.d_k, a1.d_v) == (1, 512, 512)
+    assert (a1.n_layers, a1.d_model, a1.d_ff) == (base.n_layers, base.d_model, base.d_ff)
+    assert build_config("D3").train.eps_ls == 0.0
+    assert build_config("D4").train.eps_ls == 0.2
+    assert build_config("E").model.learned_pos
+    big = build_config("big")
+    assert (big.model.d_model, big.model.n_heads, big.model.p_drop) == (1024, 16, 0.3)
+    assert (big.train.max_steps, big.train.keep_last) == (300000, 20)
+    parsing = build_config("parsing").model
+    assert (parsing.n_layers, parsing.d_model) == (4, 1024)
+    for name in ["A1", "A2", "A3", "A4", "B1", "B2"] + [f"C{i}" for i in range(1, 8)]:
+        assert name in PRESETS
+    assert {"D1", "D2", "D3", "D4", "E", "base", "big", "parsing"} <= set(PRESETS)
+
+
+def test_order_preset_then_yaml_then_overrides(tmp_path: Path) -> None:
+    path = tmp_path / "run.yaml"
+    path.write_text("preset: cpu-small\nmodel:\n  d_ff: 512\ntrain:\n  warmup_steps: 123\n")
+    cfg = build_config(yaml_path=path, overrides=["train.warmup_steps=77", "model.p_drop=0.3"])
+    assert cfg.model.d_model == 256  # from the preset
+    assert cfg.model.d_ff == 512  # YAML over preset
+    assert cfg.train.warmup_steps == 77  # override over YAML
+    assert cfg.model.p_drop == 0.3
+    assert build_config("base", vocab_size=8000).model.vocab_size == 8000
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("model.d_modle=3", "unknown key model.'d_modle'"),
+        ("optim.lr=3", "unknown key 'optim.lr'"),
+        ("model.d_model=big", "model.d_model: expected int"),
+        ("train.compile=1", "train.compile: expected bool"),
+        ("train.dtype=fp16", "train.dtype"),
+        ("model.p_drop=1.5", "model.p_drop"),
+        ("decode.n_best=9", "decode.n_best"),
+        ("model.d_model", "expected section.key=value"),
+    ],
+)
+def test_bad_overrides_name_the_key(override: str, message: str) -> None:
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(")) as err:
+        build_config(overrides=[override])
+    assert "override" in str(err.value)
+
+
+def test_bad_yaml_names_the_file(tmp_path: Path) -> None:
+    path = tmp_path / "bad.yaml"
+    path.write_text("model:\n  n_heads: eight\n")
+    with pytest.raises(ConfigError, match=rf"{path}: model.n_heads: expected int"):
+        build_config(yaml_path=path)
+    path.write_text("model: [1, 2]\n")
+    with pytest.raises(ConfigError, match="section 'model' must be a mapping"):
+        build_config(yaml_path=path)
+    path.write_text("model: {d_model: 8\n")
+    with pytest.raises(ConfigError, match="cannot read config"):
+        build_config(yaml_path=path)
+    with pytest.raises(ConfigError, match="unknown preset 'huge'"):
+        build_config("huge")
+
+
+def test_shared_embeddings_need_one_vocabulary() -> None:
+    with pytest.raises(ConfigError, match="joint"):
+        ModelConfig(vocab_size=100, tgt_vocab_size=90)
+    assert (
+        ModelConfig(vocab_size=100, tgt_vocab_size=90, share_embeddings=False).target_vocab_size
+        == 90
+    )
+    assert ModelConfig(vocab_size=100).target_vocab_size == 100
+
+
+def test_float_fields_accept_ints_and_none_where_optional() -> None:
+    cfg = build_config(
+        overrides=["train.lr_scale=2", "train.max_minutes=null", "model.attn_window=3"]
+    )
+    assert cfg.train.lr_scale == 2.0 and isinstance(cfg.train.lr_scale, float)
+    assert cfg.train.max_minutes is None
+    assert cfg.model.attn_window == 3
+
+
+def test_round_trip_through_a_dict() -> None:
+    cfg = build_config("C4", overrides=["train.accum_steps=3", "decode.beam_size=21"])
+    assert from_dict(to_dict(cfg)) == cfg
+    assert isinstance(from_dict(to_dict(RunConfig())), RunConfig)

@@ -1,0 +1,267 @@
+"""Properties of the §3 model: counts, masking, padding, caching, tying, the two attention paths."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+
+import pytest
+import torch
+
+from transformer.config import PRESETS, ModelConfig, build_config
+from transformer.model import (
+    PositionalEncoding,
+    Transformer,
+    attention_fused,
+    attention_reference,
+    causal_mask,
+    sinusoid_table,
+)
+
+V = 41
+
+
+def tiny(**kw) -> ModelConfig:
+    return replace(build_config("tiny", vocab_size=V).model, **kw)
+
+
+def batch(b: int = 3, s: int = 7, t: int = 6):
+    src = torch.randint(4, V, (b, s))
+    src_mask = torch.ones(b, s, dtype=torch.bool)
+    src_mask[0, s - 2 :] = False  # first sentence is padded
+    tgt = torch.randint(4, V, (b, t))
+    return src, src_mask, tgt
+
+
+def analytic_parameters(cfg: ModelConfig) -> int:
+    """The paper's architecture counted by hand: embeddings, attention, FFN, LayerNorms."""
+    d, h = cfg.d_model, cfg.n_heads
+    attn = d * h * cfg.d_k + h * cfg.d_k  # W^Q and bias
+    attn += d * h * cfg.d_k + h * cfg.d_k  # W^K
+    attn += d * h * cfg.d_v + h * cfg.d_v  # W^V
+    attn += h * cfg.d_v * d + d  # W^O
+    ffn = d * cfg.d_ff + cfg.d_ff + cfg.d_ff * d + d
+    norm = 2 * d
+    encoder_layer = attn + ffn + 2 * norm
+    decoder_layer = 2 * attn + ffn + 3 * norm
+    embeddings = cfg.vocab_size * d  # one matrix: source, target, pre-softmax (§3.4)
+    positions = 2 * cfg.max_len * d if cfg.learned_pos else 0  # row (E): one table per stack
+    return embeddings + positions + cfg.n_layers * (encoder_layer + decoder_layer)
+
+
+@pytest.mark.parametrize("name", list(PRESETS))
+def test_every_preset_has_the_analytic_parameter_count(name: str) -> None:
+    cfg = build_config(name, vocab_size=37000).model
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    assert model.num_parameters() == analytic_parameters(cfg)
+
+
+def test_base_and_big_parameter_counts_at_37k() -> None:
+    # Golden numbers from the issue: the paper's base and big models with V = 37,000.
+    for name, expected in (("base", 63_082_496), ("big", 214_245_376)):
+        with torch.device("meta"):
+            model = Transformer(build_config(name, vocab_size=37000).model)
+        assert model.num_parameters() == expected
+
+
+def test_paper_params_column_to_the_rounding_at_41k() -> None:
+    # SPEC Table 3 params (M) for base..C7 at a joint vocabulary of ~41,000 (see docs/model.md).
+    paper = {"base": 65, "B1": 58, "B2": 60, "C1": 36, "C2": 50, "C3": 80, "C4": 28, "C5": 168,
+             "C6": 53, "C7": 90}  # fmt: skip
+    for name, millions in paper.items():
+        n = analytic_parameters(build_config(name, vocab_size=41000).model)
+        assert round(n / 1e6) == millions, name
+
+
+def test_big_matches_the_paper_at_37k() -> None:
+    assert round(analytic_parameters(build_config("big", vocab_size=37000).model) / 1e6) == 214
+    # The paper prints 213: big rounds to 213 at a vocabulary slightly under 37,000.
+    assert round(analytic_parameters(build_config("big", vocab_size=36000).model) / 1e6) == 213
+
+
+def test_untied_and_separate_vocabularies_add_their_matrices() -> None:
+    tied = Transformer(tiny()).num_parameters()
+    untied = Transformer(tiny(tie_output=False)).num_parameters()
+    assert untied - tied == V * 32
+    separate = Transformer(tiny(share_embeddings=False, tgt_vocab_size=29)).num_parameters()
+    assert separate - tied == 29 * 32
+    model = Transformer(tiny(share_embeddings=False, tie_output=False, tgt_vocab_size=29))
+    assert model.decode(*_decode_args(model)).shape[-1] == 29
+
+
+def _decode_args(model: Transformer):
+    src, src_mask, tgt = batch()
+    return tgt % model.cfg.target_vocab_size, model.encode(src, src_mask), src_mask
+
+
+def test_tying_is_one_shared_tensor() -> None:
+    model = Transformer(tiny())
+    assert model.src_embed.weight is model.tgt_embed.weight
+    assert model.output_weight() is model.src_embed.weight
+    src, src_mask, tgt = batch()
+    model(src, src_mask, tgt).sum().backward()
+    grad = model.src_embed.weight.grad
+    assert grad is not None and grad.abs().sum() > 0
+    with torch.no_grad():
+        model.src_embed.weight[5].fill_(0.25)
+    assert torch.equal(model.output_weight()[5], torch.full((32,), 0.25))
+
+
+@pytest.mark.parametrize("norm_first", [False, True])
+@pytest.mark.parametrize("window", [None, 2])
+def test_future_targets_never_change_earlier_outputs(norm_first: bool, window: int | None) -> None:
+    model = Transformer(tiny(norm_first=norm_first, attn_window=window)).eval()
+    src, src_mask, tgt = batch()
+    memory = model.encode(src, src_mask)
+    out = model.decode(tgt, memory, src_mask)
+    changed = tgt.clone()
+    changed[:, 4:] = torch.randint(4, V, changed[:, 4:].shape)
+    out2 = model.decode(changed, memory, src_mask)
+    torch.testing.assert_close(out[:, :4], out2[:, :4], rtol=0, atol=1e-5)
+    assert not torch.allclose(out[:, 4:], out2[:, 4:])
+
+
+def test_padding_never_changes_real_positions() -> None:
+    model = Transformer(tiny()).eval()
+    src = torch.randint(4, V, (1, 5))
+    tgt = torch.randint(4, V, (1, 4))
+    full_mask = torch.ones(1, 5, dtype=torch.bool)
+    ref = model.decode(tgt, model.encode(src, full_mask), full_mask)
+    padded_src = torch.cat([src, torch.full((1, 3), 0)], dim=1)
+    padded_mask = torch.tensor([[True] * 5 + [False] * 3])
+    padded_tgt = torch.cat([tgt, torch.full((1, 2), 0)], dim=1)
+    memory = model.encode(padded_src, padded_mask)
+    out = model.decode(padded_tgt, memory, padded_mask)
+    torch.testing.assert_close(out[:, :4], ref, rtol=0, atol=1e-5)
+    # Different pad contents: still no effect.
+    memory2 = model.encode(padded_src.masked_fill(~padded_mask, 7), padded_mask)
+    torch.testing.assert_close(model.decode(padded_tgt, memory2, padded_mask)[:, :4], ref,
+                               rtol=0, atol=1e-5)  # fmt: skip
+
+
+@pytest.mark.parametrize("window", [None, 1])
+def test_cached_decoding_equals_full_decoding(window: int | None) -> None:
+    model = Transformer(tiny(attn_window=window)).eval()
+    src, src_mask, tgt = batch()
+    memory = model.encode(src, src_mask)
+    full = model.decode(tgt, memory, src_mask)
+    cache = model.new_cache()
+    steps = [model.decode(tgt[:, i : i + 1], memory, src_mask, cache) for i in range(tgt.size(1))]
+    torch.testing.assert_close(torch.cat(steps, dim=1), full, rtol=0, atol=1e-5)
+    assert cache.length == tgt.size(1)
+
+
+def test_cache_reorder_selects_rows() -> None:
+    model = Transformer(tiny()).eval()
+    src, src_mask, tgt = batch()
+    memory = model.encode(src, src_mask)
+    cache = model.new_cache()
+    model.decode(tgt[:, :3], memory, src_mask, cache)
+    index = torch.tensor([2, 2, 0])
+    reordered = cache.reorder(index)
+    nxt = tgt[index, 3:4]
+    out = model.decode(nxt, memory[index], src_mask[index], reordered)
+    full = model.decode(tgt[index, :4], memory[index], src_mask[index])
+    torch.testing.assert_close(out[:, 0], full[:, 3], rtol=0, atol=1e-5)
+
+
+def test_fused_attention_equals_reference() -> None:
+    q, k, v = torch.randn(2, 3, 5, 8), torch.randn(2, 3, 7, 8), torch.randn(2, 3, 7, 6)
+    mask = torch.rand(2, 1, 5, 7) > 0.3
+    mask[..., 0] = True  # every query sees at least one key
+    ref, weights = attention_reference(q, k, v, mask)
+    torch.testing.assert_close(attention_fused(q, k, v, mask), ref, rtol=1e-5, atol=1e-5)
+    assert torch.all(weights[~mask.expand_as(weights)] == 0)
+    torch.testing.assert_close(weights.sum(-1), torch.ones(2, 3, 5))
+    q = torch.randn(2, 3, 7, 8)
+    causal, _ = attention_reference(q, k, v, causal_mask(7, 7, q.device))
+    torch.testing.assert_close(attention_fused(q, k, v, None, is_causal=True), causal,
+                               rtol=1e-5, atol=1e-5)  # fmt: skip
+
+
+def test_model_paths_agree_and_return_weights() -> None:
+    model = Transformer(tiny()).eval()
+    src, src_mask, tgt = batch()
+    weights = model.attention_weights(src, src_mask, tgt)
+    assert [w.shape for w in weights["encoder"]] == [(3, 4, 7, 7)] * 2
+    assert [w.shape for w in weights["decoder"]] == [(3, 4, 6, 6)] * 2
+    assert [w.shape for w in weights["cross"]] == [(3, 4, 6, 7)] * 2
+    assert torch.all(weights["cross"][0][0, :, :, 5:] == 0)  # padded source keys get no weight
+    assert torch.all(weights["decoder"][1].triu(1) == 0)  # no attention to later positions
+    # The reference path (taken when weights are requested) gives the fused path's outputs.
+    memory = model.encode(src, src_mask)
+    ref_memory = model.encode(src, src_mask, weights=[])
+    torch.testing.assert_close(ref_memory, memory, rtol=1e-5, atol=1e-5)
+
+
+def test_multihead_attention_allows_dk_independent_of_dmodel_over_h() -> None:
+    for kw in ({"n_heads": 1, "d_k": 32, "d_v": 32}, {"d_k": 2, "d_v": 16}):
+        model = Transformer(tiny(**kw)).eval()
+        src, src_mask, tgt = batch()
+        assert model.decode(tgt, model.encode(src, src_mask), src_mask).shape == (3, 6, V)
+
+
+def test_sinusoidal_encoding_at_hand_computed_points() -> None:
+    table = sinusoid_table(10, 4)
+    # §3.5 with d_model = 4: PE(pos, 0) = sin(pos), PE(pos, 1) = cos(pos),
+    # PE(pos, 2) = sin(pos / 10000^(2/4)) = sin(pos / 100), PE(pos, 3) = cos(pos / 100).
+    assert table[0].tolist() == [0.0, 1.0, 0.0, 1.0]
+    assert table[1, 0].item() == pytest.approx(0.8414709848)
+    assert table[1, 1].item() == pytest.approx(0.5403023059)
+    assert table[2, 2].item() == pytest.approx(math.sin(0.02))  # 0.0199986667
+    assert table[7, 3].item() == pytest.approx(math.cos(0.07))
+    assert sinusoid_table(3, 5)[2, 4].item() == pytest.approx(math.sin(2 / 10000 ** (4 / 5)))
+
+
+def test_embeddings_are_scaled_and_positions_added() -> None:
+    model = Transformer(tiny(p_drop=0.0)).eval()
+    tokens = torch.tensor([[5, 6, 7]])
+    x = model._embed(tokens, model.src_embed, model.src_pos, 0)
+    expected = model.src_embed.weight[tokens] * math.sqrt(32) + sinusoid_table(3, 32)
+    torch.testing.assert_close(x, expected)
+
+
+def test_learned_positions_option() -> None:
+    model = Transformer(tiny(learned_pos=True, max_len=16))
+    assert model.src_pos.learned is not None and model.tgt_pos is not model.src_pos
+    assert "src_pos.learned.weight" in dict(model.named_parameters())
+    with pytest.raises(ValueError, match="max_len=16"):
+        model.src_pos(17)
+
+
+def test_pre_norm_adds_final_layer_norms() -> None:
+    post = Transformer(tiny())
+    pre = Transformer(tiny(norm_first=True))
+    assert post.encoder_norm is None and pre.encoder_norm is not None
+    assert pre.num_parameters() - post.num_parameters() == 2 * 2 * 32
+
+
+def test_restricted_self_attention_ignores_tokens_beyond_the_window() -> None:
+    model = Transformer(tiny(attn_window=1, n_layers=1)).eval()
+    src = torch.randint(4, V, (1, 8))
+    mask = torch.ones(1, 8, dtype=torch.bool)
+    out = model.encode(src, mask)
+    changed = src.clone()
+    changed[0, 7] = (src[0, 7] + 1 - 4) % (V - 4) + 4
+    out2 = model.encode(changed, mask)
+    # One layer, r = 1: position 5 sees 4..6 only, so token 7 cannot reach it.
+    torch.testing.assert_close(out[0, :6], out2[0, :6], rtol=0, atol=1e-6)
+    assert not torch.allclose(out[0, 6:], out2[0, 6:])
+
+
+@pytest.mark.parametrize("option", ["p_attn_drop", "p_relu_drop", "p_drop"])
+def test_dropout_options_act_in_training_only(option: str) -> None:
+    cfg = tiny(**{"p_drop": 0.0, option: 0.5})
+    model = Transformer(cfg)
+    src, src_mask, tgt = batch()
+    model.eval()
+    a, b = model(src, src_mask, tgt), model(src, src_mask, tgt)
+    torch.testing.assert_close(a, b)
+    model.train()
+    assert not torch.allclose(model(src, src_mask, tgt), model(src, src_mask, tgt))
+
+
+def test_positional_encoding_rejects_long_sequences() -> None:
+    with pytest.raises(ValueError, match="exceeds max_len"):
+        PositionalEncoding(8, 4, learned=False)(3, offset=2)
