@@ -1,0 +1,354 @@
+"""§6.1 search: greedy decoding and batched beam search with the GNMT length penalty.
+
+Search talks to the model through a small step interface (`Stepper`): `step(tokens)` feeds the
+last token of every live row and returns next-token log-probabilities, `reorder(index)` keeps
+and reorders rows. `ModelStepper` implements it with the model's incremental-decoding cache
+(encoder once per sentence, cross-attention keys/values once, one new position per step); tests
+plug in a scripted stepper whose per-step probabilities are written by hand. See
+docs/decoding.md for the search rules and the early-termination criterion.
+
+Shapes: B sentences, K beam size, R live rows (B * K, fewer once sentences finish), V vocab.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from transformer.model import DecoderCache, Transformer
+from transformer.tokenizer import BOS_ID, EOS_ID, PAD_ID
+
+NEG_INF = float("-inf")
+
+
+def length_penalty(length: int, alpha: float) -> float:
+    """§6.1 (GNMT): lp(Y) = ((5 + |Y|) / 6)^α; a hypothesis scores log P(Y|X) / lp(Y).
+
+    |Y| counts the generated tokens including the final EOS (as tensor2tensor and fairseq do).
+    """
+    return ((5.0 + length) / 6.0) ** alpha
+
+
+def max_output_lengths(
+    src_lengths: torch.Tensor, max_len_a: float, max_len_b: int, limit: int
+) -> torch.Tensor:
+    """§6.1: maximum output length (EOS included) = a * source length + b, capped at `limit`.
+
+    Args:
+        src_lengths: (B,) real source tokens per sentence (including the source EOS).
+        limit: the most target positions the model can encode (its max_len).
+
+    Returns:
+        (B,) int64 lengths, at least 1.
+    """
+    lengths = torch.floor(src_lengths.double() * max_len_a).long() + max_len_b
+    return lengths.clamp(min=1, max=limit)
+
+
+@dataclass
+class Hypothesis:
+    """A finished translation: ids without BOS/EOS, its length-penalized score and log P(Y|X)."""
+
+    tokens: list[int]
+    score: float
+    log_prob: float
+
+
+class Stepper(Protocol):
+    """What search needs from a decoder: one step of next-token log-probs, and row selection."""
+
+    def step(self, tokens: torch.Tensor) -> torch.Tensor:
+        """tokens: (R,) the last token of each live row -> log-probs (R, V) of the next token."""
+        ...
+
+    def reorder(self, index: torch.Tensor) -> None:
+        """Keep rows `index` (R',) of the state, in that order (duplicates allowed)."""
+        ...
+
+
+class ModelStepper:
+    """`Stepper` over a Transformer: encodes once, then decodes one cached position per step.
+
+    The first step runs on B rows (every beam starts from the same BOS); beam search's first
+    `reorder` expands each sentence's cache, cross-attention keys/values included, to K rows.
+    """
+
+    def __init__(self, model: Transformer, src: torch.Tensor, src_mask: torch.Tensor):
+        self.model = model
+        self.src_mask = src_mask  # (R, S)
+        self.memory = model.encode(src, src_mask)  # (B, S, D); read only by the first step
+        self.cache: DecoderCache = model.new_cache()
+
+    def step(self, tokens: torch.Tensor) -> torch.Tensor:
+        # From the second step on, cross-attention reads its keys/values from the cache, so
+        # `memory` (still B rows) is not touched and needs no reordering.
+        hidden = self.model.decode_hidden(tokens[:, None], self.memory, self.src_mask, self.cache)
+        logits = self.model.project(hidden[:, -1])  # (R, V): only the new position
+        return torch.log_softmax(logits.float(), dim=-1)
+
+    def reorder(self, index: torch.Tensor) -> None:
+        self.src_mask = self.src_mask.index_select(0, index)
+        self.cache = self.cache.reorder(index)
+
+
+def _mask_specials(lprobs: torch.Tensor, force_eos: torch.Tensor) -> torch.Tensor:
+    """Never emit PAD or BOS; rows with `force_eos` (R,) may emit only EOS (max length)."""
+    lprobs[:, PAD_ID] = NEG_INF
+    lprobs[:, BOS_ID] = NEG_INF
+    if bool(force_eos.any()):
+        eos = lprobs[:, EOS_ID].clone()
+        lprobs[force_eos] = NEG_INF
+        lprobs[:, EOS_ID] = torch.where(force_eos, eos, lprobs[:, EOS_ID])
+    return lprobs
+
+
+@torch.inference_mode()
+def greedy_search(
+    model: Transformer,
+    src: torch.Tensor,
+    src_mask: torch.Tensor,
+    max_len_a: float = 1.0,
+    max_len_b: int = 50,
+) -> list[list[int]]:
+    """Greedy decoding: the most probable token at each step, until EOS or the maximum length.
+
+    Args:
+        src: (B, S) source ids ending in EOS, right-padded; src_mask: (B, S) True at real tokens.
+        max_len_a, max_len_b: maximum output length = a * source length + b (EOS included).
+
+    Returns:
+        B token lists, without BOS and EOS.
+    """
+    stepper = ModelStepper(model, src, src_mask)
+    max_lens = max_output_lengths(src_mask.sum(1), max_len_a, max_len_b, model.cfg.max_len)
+    return greedy_steps(stepper, max_lens)
+
+
+def greedy_steps(stepper: Stepper, max_lens: torch.Tensor) -> list[list[int]]:
+    """Greedy search over any `Stepper`; finished rows are dropped from the state.
+
+    Args:
+        max_lens: (B,) maximum output length per sentence, EOS included.
+    """
+    B = max_lens.size(0)
+    out: list[list[int]] = [[] for _ in range(B)]
+    alive = torch.arange(B)  # sentence of each live row
+    last = torch.full((B,), BOS_ID, dtype=torch.long)
+    t = 0
+    while alive.numel() > 0:
+        t += 1
+        lprobs = _mask_specials(stepper.step(last), max_lens[alive] <= t)
+        last = lprobs.argmax(dim=-1)  # (R,)
+        for row, token in zip(alive.tolist(), last.tolist(), strict=True):
+            if token != EOS_ID:
+                out[row].append(token)
+        running = last != EOS_ID
+        if not bool(running.all()):
+            keep = running.nonzero().squeeze(1)
+            stepper.reorder(keep)
+            alive, last = alive[keep], last[keep]
+    return out
+
+
+@torch.inference_mode()
+def beam_search(
+    model: Transformer,
+    src: torch.Tensor,
+    src_mask: torch.Tensor,
+    beam_size: int = 4,
+    length_penalty: float = 0.6,
+    max_len_a: float = 1.0,
+    max_len_b: int = 50,
+    n_best: int = 1,
+) -> list[list[Hypothesis]]:
+    """§6.1 batched beam search (beam 4, α 0.6, max length = source length + 50).
+
+    Args:
+        src: (B, S) source ids ending in EOS, right-padded; src_mask: (B, S) True at real tokens.
+        beam_size: K hypotheses kept per sentence (§6.3 parsing uses 21).
+        length_penalty: α of lp(Y) = ((5 + |Y|) / 6)^α (§6.3 uses 0.3).
+        max_len_a, max_len_b: maximum output length = a * source length + b (EOS included).
+        n_best: hypotheses returned per sentence, best first.
+
+    Returns:
+        For each sentence, its `n_best` finished hypotheses sorted by score.
+    """
+    if not 1 <= n_best <= beam_size:
+        raise ValueError(f"n_best must be in [1, beam_size={beam_size}], got {n_best}")
+    stepper = ModelStepper(model, src, src_mask)
+    max_lens = max_output_lengths(src_mask.sum(1), max_len_a, max_len_b, model.cfg.max_len)
+    return beam_steps(stepper, max_lens, beam_size, length_penalty, n_best)
+
+
+@dataclass
+class _BeamState:
+    """Live beams of the active sentences; row r of the stepper is (sentence r // k, beam r % k)."""
+
+    sentences: torch.Tensor  # (Ba,) original index of each active sentence
+    scores: torch.Tensor  # (Ba, k) cumulative log-probs, -inf for empty beam slots
+    tokens: torch.Tensor  # (Ba * k, t) generated ids so far
+    finished: list[list[Hypothesis]]  # per original sentence
+
+
+def beam_steps(
+    stepper: Stepper,
+    max_lens: torch.Tensor,
+    beam_size: int,
+    alpha: float,
+    n_best: int = 1,
+) -> list[list[Hypothesis]]:
+    """Beam search over any `Stepper`, starting from one BOS row per sentence.
+
+    Each step: expand every live beam by every token, take the top 2K candidates per sentence
+    (`_top_candidates`), finalize those ending in EOS that rank within the top K
+    (`_finalize`), keep the best K others as the new beams, then drop sentences that are done
+    (`_is_done`) and reorder the stepper's state in one `reorder` call.
+    """
+    B = max_lens.size(0)
+    state = _BeamState(
+        sentences=torch.arange(B),
+        scores=torch.zeros(B, 1),
+        tokens=torch.empty(B, 0, dtype=torch.long),
+        finished=[[] for _ in range(B)],
+    )
+    last = torch.full((B,), BOS_ID, dtype=torch.long)
+    t = 0
+    while state.sentences.numel() > 0:
+        t += 1
+        k = state.scores.size(1)
+        force_eos = (max_lens[state.sentences] <= t).repeat_interleave(k)
+        lprobs = _mask_specials(stepper.step(last), force_eos)  # (Ba * k, V)
+        cand_scores, cand_beams, cand_tokens = _top_candidates(state.scores, lprobs, beam_size)
+        _finalize(state, cand_scores, cand_beams, cand_tokens, beam_size, t, alpha)
+        scores, beams, tokens = _select_live(cand_scores, cand_beams, cand_tokens, beam_size)
+        parents = beams + torch.arange(beams.size(0))[:, None] * k  # (Ba, K) stepper rows
+        done = _is_done(state, scores, max_lens, t, beam_size, alpha, n_best)
+        keep = (~done).nonzero().squeeze(1)
+        rows = parents[keep].reshape(-1)  # one reorder: beam parents of the kept sentences
+        if rows.numel() > 0:
+            stepper.reorder(rows)
+        state.tokens = torch.cat(
+            [state.tokens.index_select(0, rows), tokens[keep].reshape(-1, 1)], 1
+        )
+        state.scores, state.sentences = scores[keep], state.sentences[keep]
+        last = tokens[keep].reshape(-1)
+    return [sorted(h, key=lambda h: -h.score)[:n_best] for h in state.finished]
+
+
+def _top_candidates(
+    scores: torch.Tensor, lprobs: torch.Tensor, beam_size: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Top 2K extensions per sentence over all (beam, token) pairs.
+
+    Args:
+        scores: (Ba, k) cumulative log-probs of the live beams; lprobs: (Ba * k, V).
+
+    Returns:
+        Candidate cumulative log-probs, parent beams and tokens, each (Ba, C), best first.
+    """
+    Ba, k = scores.shape
+    V = lprobs.size(-1)
+    total = (scores[:, :, None] + lprobs.view(Ba, k, V)).view(Ba, k * V)  # (Ba, k * V)
+    cand_scores, flat = total.topk(min(2 * beam_size, k * V), dim=1)  # (Ba, C)
+    return cand_scores, flat // V, flat % V
+
+
+def _finalize(
+    state: _BeamState,
+    cand_scores: torch.Tensor,
+    cand_beams: torch.Tensor,
+    cand_tokens: torch.Tensor,
+    beam_size: int,
+    t: int,
+    alpha: float,
+) -> None:
+    """Move EOS candidates that rank within the top K into the finished lists."""
+    top = cand_tokens[:, :beam_size] == EOS_ID
+    ends = (top & (cand_scores[:, :beam_size] > NEG_INF)).nonzero().tolist()
+    if not ends:
+        return
+    k = state.scores.size(1)
+    lp = length_penalty(t, alpha)  # §6.1: lp(Y) = ((5 + |Y|) / 6)^α, |Y| = t with the EOS
+    for b, c in ends:
+        log_prob = float(cand_scores[b, c])
+        row = b * k + int(cand_beams[b, c])
+        prefix = state.tokens[row].tolist()
+        hyp = Hypothesis(tokens=prefix, score=log_prob / lp, log_prob=log_prob)
+        state.finished[int(state.sentences[b])].append(hyp)
+
+
+def _select_live(
+    cand_scores: torch.Tensor, cand_beams: torch.Tensor, cand_tokens: torch.Tensor, beam_size: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The best K candidates that do not end in EOS become the next beams, each (Ba, K).
+
+    Slots without a finite candidate (tiny vocabularies, forced EOS) get score -inf.
+    """
+    C = cand_scores.size(1)
+    usable = (cand_tokens != EOS_ID) & (cand_scores > NEG_INF)
+    rank = torch.arange(C).expand_as(cand_scores) + C * (~usable).long()  # usable ones first
+    order = rank.argsort(dim=1)
+    if C < beam_size:  # pad with repeats of the last (unusable or worst) candidate
+        order = torch.cat([order, order[:, -1:].expand(-1, beam_size - C)], dim=1)
+    order = order[:, :beam_size]
+    scores = cand_scores.gather(1, order)
+    scores = scores.masked_fill(~usable.gather(1, order), NEG_INF)
+    if C < beam_size:
+        scores[:, C:] = NEG_INF
+    return scores, cand_beams.gather(1, order), cand_tokens.gather(1, order)
+
+
+def _is_done(
+    state: _BeamState,
+    scores: torch.Tensor,
+    max_lens: torch.Tensor,
+    t: int,
+    beam_size: int,
+    alpha: float,
+    n_best: int,
+) -> torch.Tensor:
+    """(Ba,) bool: a sentence is done when it has K finished hypotheses (the beam is used up),
+    when no live beam is left (maximum length), or when no live beam can still beat its
+    n_best-th finished score (§6.1 early termination).
+
+    The bound: log-probs only fall as a hypothesis grows, so a live beam with log-prob s can
+    score at most s / lp(L) at best over the lengths L still open to it.
+    """
+    done = torch.zeros(scores.size(0), dtype=torch.bool)
+    best_live = scores.max(dim=1).values.tolist()
+    for b, sentence in enumerate(state.sentences.tolist()):
+        hyps = state.finished[sentence]
+        if len(hyps) >= beam_size or best_live[b] == NEG_INF:
+            done[b] = True
+        elif len(hyps) >= n_best:
+            max_len = int(max_lens[sentence])
+            lp_best = max(length_penalty(t + 1, alpha), length_penalty(max_len, alpha))
+            nth = sorted((h.score for h in hyps), reverse=True)[n_best - 1]
+            done[b] = best_live[b] / lp_best <= nth
+    return done
+
+
+def log_prob_of(stepper: Stepper, tokens: list[int]) -> float:
+    """log P(tokens + EOS) under a one-row stepper (for tests and rescoring)."""
+    total, last = 0.0, BOS_ID
+    for token in [*tokens, EOS_ID]:
+        lprobs = stepper.step(torch.tensor([last]))
+        total += float(lprobs[0, token])
+        last = token
+    return total
+
+
+__all__ = [
+    "Hypothesis",
+    "ModelStepper",
+    "Stepper",
+    "beam_search",
+    "beam_steps",
+    "greedy_search",
+    "greedy_steps",
+    "length_penalty",
+    "log_prob_of",
+    "max_output_lengths",
+]

@@ -1,0 +1,252 @@
+from __future__ import annotations
+
+import itertools
+import math
+
+import pytest
+import torch
+
+from transformer.config import ModelConfig
+from transformer.model import Transformer
+from transformer.search import (
+    ModelStepper,
+    beam_search,
+    beam_steps,
+    greedy_search,
+    greedy_steps,
+    length_penalty,
+    max_output_lengths,
+)
+from transformer.tokenizer import BOS_ID, EOS_ID, PAD_ID
+
+
+def tiny_model(vocab: int = 20, max_len: int = 64, scale: float = 1.0) -> Transformer:
+    cfg = ModelConfig(
+        vocab_size=vocab, n_layers=2, d_model=16, d_ff=32, n_heads=2, d_k=8, d_v=8,
+        p_drop=0.0, max_len=max_len,
+    )  # fmt: skip
+    model = Transformer(cfg).eval()
+    with torch.no_grad():  # a larger logit spread makes the searches disagree more often
+        model.src_embed.weight.mul_(scale)
+    return model
+
+
+def random_batch(B: int, vocab: int, lengths: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(B, S) sources ending in EOS, right-padded, and their masks."""
+    S = max(lengths)
+    src = torch.full((B, S), PAD_ID, dtype=torch.long)
+    for i, n in enumerate(lengths):
+        src[i, : n - 1] = torch.randint(4, vocab, (n - 1,))
+        src[i, n - 1] = EOS_ID
+    return src, src != PAD_ID
+
+
+# ------------------------------------------------------------------------------ pure functions
+
+
+def test_length_penalty_matches_gnmt_formula():
+    # §6.1: lp(Y) = ((5 + |Y|) / 6)^α, worked by hand: ((5 + 1) / 6)^0.6 = 1; ((5 + 7) / 6)^0.6
+    # = 2^0.6 = 1.515716...; α = 0 disables it.
+    assert length_penalty(1, 0.6) == 1.0
+    assert length_penalty(7, 0.6) == pytest.approx(1.5157165665103982)
+    assert length_penalty(30, 0.0) == 1.0
+
+
+def test_max_output_lengths_is_a_times_source_plus_b_capped():
+    lens = max_output_lengths(torch.tensor([3, 10, 400]), 1.0, 50, limit=256)
+    assert lens.tolist() == [53, 60, 256]
+    assert max_output_lengths(torch.tensor([10]), 2.0, 300, limit=1024).tolist() == [320]
+
+
+# ------------------------------------------------------------------------ incremental decoding
+
+
+def test_cached_decoding_equals_full_decoding():
+    model = tiny_model()
+    src, src_mask = random_batch(3, 20, [5, 7, 3])
+    tgt = torch.cat([torch.full((3, 1), BOS_ID), torch.randint(4, 20, (3, 8))], dim=1)
+    with torch.no_grad():
+        memory = model.encode(src, src_mask)
+        full = model.decode(tgt, memory, src_mask).log_softmax(-1)  # (B, T, V)
+        cache = model.new_cache()
+        steps = [model.decode(tgt[:, t : t + 1], memory, src_mask, cache) for t in range(9)]
+    cached = torch.cat(steps, dim=1).log_softmax(-1)
+    torch.testing.assert_close(cached, full, atol=1e-5, rtol=1e-5)
+
+
+def test_reordered_cache_equals_full_decoding_of_reordered_prefixes():
+    model = tiny_model()
+    src, src_mask = random_batch(2, 20, [6, 4])
+    tgt = torch.cat([torch.full((2, 1), BOS_ID), torch.randint(4, 20, (2, 6))], dim=1)
+    index = torch.tensor([1, 0, 1])
+    stepper = ModelStepper(model, src, src_mask)
+    with torch.no_grad():
+        for t in range(3):
+            stepper.step(tgt[:, t])
+        stepper.reorder(index)
+        got = torch.stack([stepper.step(tgt[index, t]) for t in range(3, 7)], dim=1)
+        memory = model.encode(src[index], src_mask[index])
+        want = model.decode(tgt[index], memory, src_mask[index]).log_softmax(-1)[:, 3:]
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+# ---------------------------------------------------------------------------- model searches
+
+
+def test_beam_size_1_equals_greedy():
+    model = tiny_model(scale=4.0)
+    src, src_mask = random_batch(5, 20, [6, 9, 4, 7, 2])
+    greedy = greedy_search(model, src, src_mask, max_len_a=1.0, max_len_b=5)
+    beams = beam_search(model, src, src_mask, beam_size=1, length_penalty=0.6, max_len_b=5)
+    assert [h[0].tokens for h in beams] == greedy
+    assert any(len(g) > 0 for g in greedy)
+
+
+def test_outputs_respect_max_length_and_never_emit_specials():
+    model = tiny_model(scale=4.0)
+    src, src_mask = random_batch(4, 20, [3, 5, 2, 6])
+    max_lens = max_output_lengths(src_mask.sum(1), 1.0, 2, model.cfg.max_len)
+    for hyps in beam_search(model, src, src_mask, beam_size=3, max_len_b=2, n_best=3):
+        assert len(hyps) == 3
+        assert [h.score for h in hyps] == sorted((h.score for h in hyps), reverse=True)
+    results = beam_search(model, src, src_mask, beam_size=3, max_len_b=2)
+    for i, hyps in enumerate(results):
+        assert len(hyps[0].tokens) + 1 <= int(max_lens[i])  # + EOS
+        assert not {PAD_ID, BOS_ID, EOS_ID} & set(hyps[0].tokens)
+    for i, tokens in enumerate(greedy_search(model, src, src_mask, max_len_b=2)):
+        assert len(tokens) + 1 <= int(max_lens[i])
+        assert not {PAD_ID, BOS_ID, EOS_ID} & set(tokens)
+
+
+def test_batched_beam_search_equals_one_sentence_at_a_time():
+    model = tiny_model(scale=4.0)
+    src, src_mask = random_batch(4, 20, [5, 8, 3, 6])
+    batched = beam_search(model, src, src_mask, beam_size=4, max_len_b=6, n_best=2)
+    for i in range(4):
+        n = int(src_mask[i].sum())
+        alone = beam_search(model, src[i : i + 1, :n], src_mask[i : i + 1, :n], 4, max_len_b=6,
+                            n_best=2)  # fmt: skip
+        assert [h.tokens for h in alone[0]] == [h.tokens for h in batched[i]]
+        for a, b in zip(alone[0], batched[i], strict=True):
+            assert a.score == pytest.approx(b.score, abs=1e-5)
+
+
+def test_exhaustive_beam_finds_the_exact_best_under_the_length_penalty():
+    # V = 6: PAD, BOS, EOS, UNK and two words; outputs may use UNK and the two words.
+    # With max length 4 (EOS included) there are 1 + 3 + 9 + 27 = 40 outputs, and a beam of
+    # 64 holds every live prefix, so search must return the exact top of the enumeration.
+    model = tiny_model(vocab=6, scale=3.0)
+    src, src_mask = random_batch(1, 6, [4])
+    alpha, max_len = 0.6, 4
+    with torch.no_grad():
+        memory = model.encode(src, src_mask)
+    scored = []
+    for n in range(max_len):
+        for body in itertools.product([3, 4, 5], repeat=n):
+            tgt_in = torch.tensor([[BOS_ID, *body]])
+            with torch.no_grad():
+                lprobs = model.decode(tgt_in, memory, src_mask).log_softmax(-1)[0]
+            log_prob = sum(float(lprobs[t, y]) for t, y in enumerate([*body, EOS_ID]))
+            scored.append((log_prob / length_penalty(n + 1, alpha), list(body)))
+    scored.sort(key=lambda x: -x[0])
+    hyps = beam_search(model, src, src_mask, 64, alpha, max_len_a=0.0, max_len_b=max_len,
+                       n_best=5)[0]  # fmt: skip
+    assert [h.tokens for h in hyps] == [body for _, body in scored[:5]]
+    for h, (score, _) in zip(hyps, scored, strict=False):
+        assert h.score == pytest.approx(score, abs=1e-5)
+    assert len(scored[0][1]) > 0  # the test is not trivially "stop at once"
+
+
+# -------------------------------------------------------------------------- scripted decoder
+
+A, B_ = 4, 5  # two words of a 6-id vocabulary (PAD, BOS, EOS, UNK, a, b)
+
+# Per-step probabilities written by hand: prefix -> {token: p}; every other token has p = 0.
+SCRIPT = {
+    (): {A: 0.55, B_: 0.35, EOS_ID: 0.10},
+    (A,): {A: 0.60, B_: 0.30, EOS_ID: 0.10},
+    (B_,): {A: 0.05, B_: 0.05, EOS_ID: 0.90},
+    (A, A): {A: 0.07, B_: 0.03, EOS_ID: 0.90},
+    (A, B_): {A: 0.12, B_: 0.08, EOS_ID: 0.80},
+}
+
+
+class ScriptedStepper:
+    """A `Stepper` that reads its next-token probabilities from SCRIPT by prefix."""
+
+    def __init__(self, script: dict, rows: int = 1, vocab: int = 6):
+        self.script, self.vocab = script, vocab
+        self.prefixes: list[tuple[int, ...]] = [()] * rows
+        self.started, self.calls = False, 0
+
+    def step(self, tokens: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        if self.started:
+            self.prefixes = [p + (t,) for p, t in zip(self.prefixes, tokens.tolist(), strict=True)]
+        self.started = True
+        probs = torch.zeros(len(self.prefixes), self.vocab, dtype=torch.float64)
+        for r, prefix in enumerate(self.prefixes):
+            for token, p in self.script.get(prefix, {EOS_ID: 1.0}).items():
+                probs[r, token] = p
+        return probs.log().float()
+
+    def reorder(self, index: torch.Tensor) -> None:
+        self.prefixes = [self.prefixes[i] for i in index.tolist()]
+
+
+def test_scripted_beam_gives_exact_hypotheses_and_scores():
+    # Beam 2, by hand. Step 1 keeps a (.55), b (.35). Step 2: a a .33, b EOS .315, a b .165,
+    # a EOS .055: "b EOS" ranks within the top 2 and is finished; a a, a b stay live. Step 3:
+    # a a EOS .297 and a b EOS .132 rank top 2 and finish; 3 finished >= beam, so search stops.
+    lp = {n: ((5 + n) / 6) for n in (2, 3)}  # α = 1: lp = (5 + |Y|) / 6, |Y| with the EOS
+    want_logp = {(B_,): math.log(0.35 * 0.90), (A, A): math.log(0.55 * 0.60 * 0.90),
+                 (A, B_): math.log(0.55 * 0.30 * 0.80)}  # fmt: skip
+    for alpha, order in [(0.0, [(B_,), (A, A), (A, B_)]), (1.0, [(A, A), (B_,), (A, B_)])]:
+        stepper = ScriptedStepper(SCRIPT)
+        hyps = beam_steps(stepper, torch.tensor([10]), beam_size=2, alpha=alpha, n_best=2)[0]
+        assert [tuple(h.tokens) for h in hyps] == order[:2]
+        for h in hyps:
+            penalty = lp[len(h.tokens) + 1] ** alpha
+            assert h.log_prob == pytest.approx(want_logp[tuple(h.tokens)], abs=1e-6)
+            assert h.score == pytest.approx(want_logp[tuple(h.tokens)] / penalty, abs=1e-6)
+        assert stepper.calls == 3
+    # Worked through by hand for α = 1: a a scores log(.297) / (8/6) = -0.910517; b scores
+    # log(.315) / (7/6) = -0.990157: the length penalty makes the longer output win.
+    hyps = beam_steps(ScriptedStepper(SCRIPT), torch.tensor([10]), 2, 1.0, n_best=2)[0]
+    assert [h.score for h in hyps] == pytest.approx([-0.910517, -0.990157], abs=1e-6)
+
+
+def test_scripted_early_termination_when_no_live_beam_can_win():
+    # α = 0: after step 2, "b EOS" (.36) is finished and the best live beam a a has .25 < .36;
+    # its log-prob can only fall, so search stops without a third step.
+    script = {
+        (): {A: 0.50, B_: 0.40, EOS_ID: 0.10},
+        (A,): {A: 0.50, B_: 0.30, EOS_ID: 0.20},
+        (B_,): {A: 0.05, B_: 0.05, EOS_ID: 0.90},
+    }
+    stepper = ScriptedStepper(script)
+    hyps = beam_steps(stepper, torch.tensor([10]), beam_size=2, alpha=0.0)[0]
+    assert [h.tokens for h in hyps] == [[B_]]
+    assert hyps[0].log_prob == pytest.approx(math.log(0.36), abs=1e-6)
+    assert stepper.calls == 2
+    # With α = 1 the bound log(.25) / lp(10) beats log(.36) / lp(2), so search goes on.
+    stepper = ScriptedStepper(script)
+    beam_steps(stepper, torch.tensor([10]), beam_size=2, alpha=1.0)
+    assert stepper.calls > 2
+
+
+def test_scripted_max_length_forces_eos():
+    script = {(): {A: 0.9, EOS_ID: 0.1}, (A,): {A: 0.9, EOS_ID: 0.1}}
+    hyps = beam_steps(ScriptedStepper(script), torch.tensor([2]), beam_size=2, alpha=0.0)[0]
+    # At length 2 only EOS is allowed: "a EOS" gets log(.9) + log(.1) (the forced EOS keeps
+    # its own probability); "EOS" alone scores log(.1) and wins.
+    assert [h.tokens for h in hyps] == [[]]
+    full = beam_steps(ScriptedStepper(script), torch.tensor([2]), 2, 0.0, n_best=2)[0]
+    assert [h.tokens for h in full] == [[], [A]]
+    assert full[1].log_prob == pytest.approx(math.log(0.9 * 0.1), abs=1e-6)
+
+
+def test_scripted_greedy_follows_the_argmax():
+    tokens = greedy_steps(ScriptedStepper(SCRIPT, rows=2), torch.tensor([10, 2]))
+    # Row 0: a (.55), a (.60), EOS (.90). Row 1 has max length 2: a, then forced EOS.
+    assert tokens == [[A, A], [A]]
