@@ -1,0 +1,105 @@
+"""§6.3 the parsing corpus: PTB trees -> parallel text (words -> linearized tree tokens).
+
+The data here is smaller than the paper's (WSJ 02-21, ~40K sentences):
+  - train: NLTK's 10% WSJ sample, files wsj_0001-wsj_0169 (sections 00-01, gold trees);
+  - dev:   the same sample's files wsj_0170-wsj_0199, held out by file (whole articles, ~10%);
+  - test:  WSJ section 22 (`22.auto.clean`, 1,700 trees), the paper's development section;
+           section 23 is not available here.
+
+For each split, `write_parsing_corpus` writes
+  `{split}.src`   the words, space-separated, as tokenized in the treebank (`-LRB-` etc. kept);
+  `{split}.tgt`   the linearized tree (`trees.linearize`), space-separated;
+  `{split}.trees` the cleaned gold trees, one per line, for EVALB and for their POS tags;
+and `tgt_symbols.txt`, the target-side symbols (one per line, most frequent first). Every
+bracket token must stay one symbol: the target side needs a word-level vocabulary, or these
+symbols as sentencepiece `user_defined_symbols`.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections import Counter
+from pathlib import Path
+
+from transformer.trees import Tree, linearize, read_trees, write_trees
+
+logger = logging.getLogger(__name__)
+
+PTB_SAMPLE_DIR = Path("ptb_sample") / "combined"  # under the shared data root
+WSJ22_PATH = Path("ptb_wsj") / "22.auto.clean"
+DEV_FIRST_FILE = 170  # wsj_0170 .. wsj_0199 are the dev split
+SPLITS = ("train", "dev", "test")
+
+_MRG_NAME = re.compile(r"wsj_(\d{4})\.mrg")
+
+
+def split_sample_files(sample_dir: str | Path) -> tuple[list[Path], list[Path]]:
+    """The NLTK sample's `.mrg` files, split by file number into (train, dev).
+
+    Raises:
+        FileNotFoundError: `sample_dir` holds no `wsj_NNNN.mrg` file.
+    """
+    files = sorted(p for p in Path(sample_dir).iterdir() if _MRG_NAME.fullmatch(p.name))
+    if not files:
+        raise FileNotFoundError(f"{sample_dir}: no wsj_NNNN.mrg files")
+    train = [p for p in files if int(_MRG_NAME.fullmatch(p.name).group(1)) < DEV_FIRST_FILE]
+    dev = [p for p in files if int(_MRG_NAME.fullmatch(p.name).group(1)) >= DEV_FIRST_FILE]
+    return train, dev
+
+
+def load_parsing_splits(data_root: str | Path) -> dict[str, list[Tree]]:
+    """Cleaned trees of the train, dev and test splits (see the module docstring)."""
+    data_root = Path(data_root)
+    train_files, dev_files = split_sample_files(data_root / PTB_SAMPLE_DIR)
+    return {
+        "train": [tree for path in train_files for tree in read_trees(path)],
+        "dev": [tree for path in dev_files for tree in read_trees(path)],
+        "test": read_trees(data_root / WSJ22_PATH),
+    }
+
+
+def write_parsing_corpus(
+    out_dir: str | Path, data_root: str | Path, *, keep_pos: bool = False
+) -> dict:
+    """Write the parallel parsing corpus (words -> linearized trees) for all splits.
+
+    Args:
+        out_dir: output directory, created if missing.
+        data_root: the shared data directory holding `ptb_sample/` and `ptb_wsj/`.
+        keep_pos: write POS tags instead of `XX` in the targets.
+
+    Returns:
+        {split: {"src", "tgt", "trees": paths, "sentences": count, "max_src_len",
+        "max_tgt_len": token counts}} and "tgt_symbols": the path of the symbol list.
+    """
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    symbols: Counter[str] = Counter()
+    result: dict = {}
+    for split, trees in load_parsing_splits(data_root).items():
+        paths = {kind: out_dir / f"{split}.{kind}" for kind in ("src", "tgt", "trees")}
+        max_src = max_tgt = 0
+        with (
+            open(paths["src"], "w", encoding="utf-8") as src,
+            open(paths["tgt"], "w", encoding="utf-8") as tgt,
+        ):
+            for tree in trees:
+                words, tokens = tree.leaves(), linearize(tree, keep_pos=keep_pos)
+                src.write(" ".join(words) + "\n")
+                tgt.write(" ".join(tokens) + "\n")
+                max_src, max_tgt = max(max_src, len(words)), max(max_tgt, len(tokens))
+                if split == "train":
+                    symbols.update(tokens)
+        write_trees(trees, paths["trees"])
+        result[split] = {
+            **{kind: str(path) for kind, path in paths.items()},
+            "sentences": len(trees),
+            "max_src_len": max_src,
+            "max_tgt_len": max_tgt,
+        }
+        logger.info("%s: %d sentences -> %s", split, len(trees), paths["tgt"])
+    symbols_path = out_dir / "tgt_symbols.txt"
+    symbols_path.write_text("".join(f"{s}\n" for s, _ in symbols.most_common()), encoding="utf-8")
+    result["tgt_symbols"] = str(symbols_path)
+    return result

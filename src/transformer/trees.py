@@ -1,0 +1,355 @@
+"""§6.3 Penn Treebank trees: read, clean, linearize for a sequence model, and repair its output.
+
+Trees are read from both PTB forms found here: multi-line `.mrg` files (`( (S ...) )`, an empty
+root label) and one tree per line (`(TOP (S ...))`). Every tree read gets the root label `TOP`.
+
+Cleaning is the standard preprocessing of the WSJ parsing setup: -NONE- empty elements are
+removed, then every constituent left without words; function tags and indices are stripped
+(`NP-SBJ-1` -> `NP`, `PP-LOC=2` -> `PP`; `-LRB-`, `-RRB-` and `-NONE-` stay intact because they
+start with `-`); an uncertain label `ADVP|PRT` keeps its first alternative. Unary chains are kept.
+
+Linearization follows "Grammar as a foreign language" (Vinyals & Kaiser et al., 2015, the
+paper's reference [37]): a depth-first traversal that writes an opening token `(S` and a
+closing token `)S` for every constituent, and one token per word. The POS tags are normalized to
+`XX` as in that paper's final models (`keep_pos=True` writes the tag instead). The `TOP` root is
+not written::
+
+    (TOP (S (NP (NNP John)) (VP (VBZ has) (NP (DT a) (NN dog))) (. .)))
+    -> (S (NP XX )NP (VP XX (NP XX XX )NP )VP XX )S
+
+`delinearize` turns any token sequence back into a tree whose leaves are exactly the sentence's
+words; how it repairs ill-formed output is documented there.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+ROOT_LABEL = "TOP"
+NONE_LABEL = "-NONE-"
+NORMALIZED_POS = "XX"  # Vinyals & Kaiser et al. (2015): every POS tag is written as XX
+UNKNOWN_LABEL = "X"  # PTB's label for an unknown constituent; used for a bare "(" in output
+OPEN, CLOSE = "(", ")"
+
+_TOKEN = re.compile(r"\(|\)|[^\s()]+")
+
+
+class TreeFormatError(ValueError):
+    """A malformed bracketed tree; the message names the file, the tree and the line."""
+
+
+@dataclass
+class Tree:
+    """A constituency tree node.
+
+    A preterminal has a `word` and no children (its `label` is the POS tag); every other node
+    has children and no word.
+    """
+
+    label: str
+    children: list[Tree] = field(default_factory=list)
+    word: str | None = None
+
+    @property
+    def is_preterminal(self) -> bool:
+        return self.word is not None
+
+    def preterminals(self) -> Iterator[Tree]:
+        """Yield the preterminals left to right."""
+        stack = [self]
+        while stack:
+            node = stack.pop()
+            if node.is_preterminal:
+                yield node
+            else:
+                stack.extend(reversed(node.children))
+
+    def leaves(self) -> list[str]:
+        """The words, left to right."""
+        return [node.word for node in self.preterminals()]
+
+    def pos(self) -> list[str]:
+        """The POS tags, left to right."""
+        return [node.label for node in self.preterminals()]
+
+    def __str__(self) -> str:
+        """One-line PTB bracketing, e.g. `(TOP (S (NP (NNP John)) (VP (VBZ runs))))`."""
+        if self.is_preterminal:
+            return f"({self.label} {self.word})"
+        return f"({self.label} {' '.join(str(child) for child in self.children)})"
+
+
+# ---------------------------------------------------------------------------------------------
+# Reading
+
+
+def read_trees(path: str | Path, *, clean: bool = True) -> list[Tree]:
+    """Read every tree of a PTB file, in `.mrg` (multi-line) or one-tree-per-line form.
+
+    Args:
+        path: the file.
+        clean: strip -NONE- elements, constituents left empty and function tags (`clean_tree`).
+
+    Returns:
+        The trees in file order, each with root label `TOP`.
+
+    Raises:
+        TreeFormatError: a malformed tree, a tree that is empty after cleaning, or a file with
+            no tree; the message names the file, the tree number and its line.
+    """
+    path = Path(path)
+    return parse_trees(path.read_text(encoding="utf-8"), source=str(path), clean=clean)
+
+
+def parse_trees(text: str, source: str = "<string>", *, clean: bool = True) -> list[Tree]:
+    """Parse every bracketed tree in `text` (see `read_trees`); `source` names it in errors."""
+    trees = []
+    for number, line, tree in _parse_sexprs(text, source):
+        tree = _normalize_root(tree)
+        if clean:
+            cleaned = clean_tree(tree)
+            if cleaned is None:
+                raise TreeFormatError(
+                    f"{source}: tree {number} (line {line}): no words left after removing "
+                    f"{NONE_LABEL} elements"
+                )
+            tree = cleaned
+        trees.append(tree)
+    if not trees:
+        raise TreeFormatError(f"{source}: no trees found")
+    return trees
+
+
+def parse_tree(text: str, source: str = "<string>", *, clean: bool = True) -> Tree:
+    """Parse exactly one bracketed tree."""
+    trees = parse_trees(text, source, clean=clean)
+    if len(trees) != 1:
+        raise TreeFormatError(f"{source}: expected one tree, found {len(trees)}")
+    return trees[0]
+
+
+def _parse_sexprs(text: str, source: str) -> Iterator[tuple[int, int, Tree]]:
+    """Yield (tree number, first line, tree) for each top-level bracketing in `text`.
+
+    A node on the stack is [label or None (not read yet), children, word]. A tree starts with a
+    "(" in column 0 in both PTB forms, so a "(" in column 0 inside an open tree means the
+    previous tree was never closed; this keeps the error at the tree that is wrong.
+    """
+    stack: list[list] = []
+    number, start = 0, 0
+
+    def fail(problem: str, line: int) -> TreeFormatError:
+        where = f"tree {number} (line {start})" if stack else f"after tree {number}"
+        return TreeFormatError(f"{source}: {where}: {problem} at line {line}")
+
+    for lineno, line in enumerate(text.splitlines(), 1):
+        for match in _TOKEN.finditer(line):
+            token = match.group()
+            if token == OPEN:
+                if stack and match.start() == 0:
+                    raise fail(
+                        "unbalanced brackets: the tree is not closed before a new one", lineno
+                    )
+                if not stack:
+                    number, start = number + 1, lineno
+                elif stack[-1][0] is None:
+                    stack[-1][0] = ""  # "( (S ...))": the empty root label of .mrg files
+                if stack and stack[-1][2] is not None:
+                    raise fail(
+                        f"({stack[-1][0]} {stack[-1][2]} has both a word and subtrees", lineno
+                    )
+                stack.append([None, [], None])
+            elif token == CLOSE:
+                if not stack:
+                    raise fail("unbalanced brackets: ')' without an open bracket", lineno)
+                label, children, word = stack[-1]
+                if label is None or (word is None and not children):
+                    raise fail("empty brackets", lineno)
+                stack.pop()
+                node = Tree(label, children, word)
+                if stack:
+                    stack[-1][1].append(node)
+                else:
+                    yield number, start, node
+            elif not stack:
+                raise fail(f"text {token!r} outside brackets", lineno)
+            elif stack[-1][0] is None:
+                stack[-1][0] = token
+            elif stack[-1][1]:
+                raise fail(f"({stack[-1][0]} ... has both subtrees and the word {token!r}", lineno)
+            elif stack[-1][2] is not None:
+                raise fail(f"({stack[-1][0]} has more than one word: {token!r}", lineno)
+            else:
+                stack[-1][2] = token
+    if stack:
+        raise fail("unbalanced brackets: the tree is not closed at the end of the file", lineno)
+
+
+def _normalize_root(tree: Tree) -> Tree:
+    if tree.label in ("", "ROOT"):
+        tree.label = ROOT_LABEL
+    if tree.label != ROOT_LABEL:
+        tree = Tree(ROOT_LABEL, [tree])
+    return tree
+
+
+# ---------------------------------------------------------------------------------------------
+# Cleaning
+
+
+def strip_function_tags(label: str) -> str:
+    """`NP-SBJ-1` -> `NP`, `PP-LOC=2` -> `PP`, `ADVP|PRT` -> `ADVP`; `-LRB-`, `-NONE-` kept."""
+    if label.startswith("-"):
+        return label
+    return re.split(r"[-=|]", label, maxsplit=1)[0]
+
+
+def clean_tree(tree: Tree) -> Tree | None:
+    """Remove -NONE- elements and the constituents they leave empty; strip function tags.
+
+    Returns a new tree, or None if no word is left. POS tags lose indices too (rare in the PTB).
+    """
+    if tree.is_preterminal:
+        if tree.label == NONE_LABEL:
+            return None
+        return Tree(strip_function_tags(tree.label), word=tree.word)
+    children = [c for c in (clean_tree(child) for child in tree.children) if c is not None]
+    if not children:
+        return None
+    return Tree(strip_function_tags(tree.label), children)
+
+
+def write_trees(trees: Iterable[Tree], path: str | Path) -> int:
+    """Write trees one per line (PTB bracketing); returns how many."""
+    n = 0
+    with open(path, "w", encoding="utf-8") as f:
+        for tree in trees:
+            f.write(f"{tree}\n")
+            n += 1
+    return n
+
+
+# ---------------------------------------------------------------------------------------------
+# Linearization (Vinyals & Kaiser et al., 2015)
+
+
+def linearize(tree: Tree, *, keep_pos: bool = False) -> list[str]:
+    """Depth-first bracket tokens of a tree: `(S (NP XX )NP ... )S`.
+
+    Args:
+        tree: a tree; a `TOP` root is not written, its children are.
+        keep_pos: write each word's POS tag instead of `XX`.
+
+    Returns:
+        The target tokens, one per word plus two per constituent.
+    """
+    tokens: list[str] = []
+
+    def visit(node: Tree) -> None:
+        if node.is_preterminal:
+            tokens.append(node.label if keep_pos else NORMALIZED_POS)
+            return
+        tokens.append(OPEN + node.label)
+        for child in node.children:
+            visit(child)
+        tokens.append(CLOSE + node.label)
+
+    for top in tree.children if tree.label == ROOT_LABEL else [tree]:
+        visit(top)
+    return tokens
+
+
+def delinearize(
+    tokens: Sequence[str], words: Sequence[str], pos: Sequence[str] | None = None
+) -> Tree:
+    """Build a tree from bracket tokens, repairing them so its leaves are exactly `words`.
+
+    Every token that starts with "(" opens a constituent, every token that starts with ")"
+    closes one, and any other token is a leaf (`XX` or a POS tag). Repairs:
+      - a closing token closes the innermost open constituent whatever its label (the opening
+        label wins); a closing token with nothing open is dropped;
+      - a bare "(" opens a constituent labelled `X` (PTB's unknown constituent);
+      - leaves beyond the number of words are dropped; words left over at the end are attached
+        to the innermost constituent still open or, when all are closed, to the last top-level
+        constituent, so the sentence keeps one spanning bracket;
+      - constituents still open at the end are closed; constituents without words are removed.
+
+    Args:
+        tokens: model output, e.g. `["(S", "(NP", "XX", ")NP", ...]`.
+        words: the sentence.
+        pos: POS tags for the words; without them a leaf token is used as the tag (`XX` or the
+            tag that a `keep_pos` model predicted), and `XX` for words attached by repair.
+
+    Returns:
+        A tree with root `TOP` and leaves `words`.
+    """
+    if pos is not None and len(pos) != len(words):
+        raise ValueError(f"{len(pos)} POS tags for {len(words)} words")
+    root = Tree(ROOT_LABEL)
+    stack = [root]
+    n_leaves = 0
+
+    def add_leaf(node: Tree, tag: str) -> None:
+        nonlocal n_leaves
+        node.children.append(Tree(pos[n_leaves] if pos is not None else tag, word=words[n_leaves]))
+        n_leaves += 1
+
+    for token in tokens:
+        if token.startswith(OPEN):
+            node = Tree(token[1:] or UNKNOWN_LABEL)
+            stack[-1].children.append(node)
+            stack.append(node)
+        elif token.startswith(CLOSE):
+            if len(stack) > 1:
+                stack.pop()
+        elif n_leaves < len(words):
+            add_leaf(stack[-1], token)
+    if n_leaves < len(words):
+        last = stack[-1]
+        if last is root and root.children and not root.children[-1].is_preterminal:
+            last = root.children[-1]
+        while n_leaves < len(words):
+            add_leaf(last, NORMALIZED_POS)
+    _remove_empty(root)
+    assert root.leaves() == list(words), "delinearize must keep exactly the sentence's words"
+    return root
+
+
+def _remove_empty(node: Tree) -> bool:
+    """Drop descendants without words; returns whether `node` has a word below it."""
+    if node.is_preterminal:
+        return True
+    node.children = [child for child in node.children if _remove_empty(child)]
+    return bool(node.children)
+
+
+def trees_from_predictions(
+    pred_lines: Sequence[str],
+    sentences: Sequence[Sequence[str]],
+    pos: Sequence[Sequence[str]] | None = None,
+) -> list[Tree]:
+    """Turn decoded lines of bracket tokens into repaired trees, one per sentence.
+
+    Args:
+        pred_lines: one line of space-separated target tokens per sentence.
+        sentences: the words of each sentence.
+        pos: optional POS tags per sentence. Pass the test file's tags so EVALB removes the
+            same punctuation from both trees (it deletes words by each tree's own tags).
+
+    Returns:
+        One `TOP` tree per sentence (`delinearize`).
+    """
+    if len(pred_lines) != len(sentences):
+        raise ValueError(f"{len(pred_lines)} predictions for {len(sentences)} sentences")
+    if pos is not None and len(pos) != len(sentences):
+        raise ValueError(f"{len(pos)} POS sequences for {len(sentences)} sentences")
+    return [
+        delinearize(line.split(), words, None if pos is None else pos[i])
+        for i, (line, words) in enumerate(zip(pred_lines, sentences, strict=True))
+    ]
