@@ -1,0 +1,488 @@
+"""`transformer prepare`: parallel text in, a prepared-data directory out (§5.1).
+
+Two streaming passes, so a WMT-sized corpus never has to fit in memory:
+
+1. read each split in lockstep, validating UTF-8 and alignment; drop empty training pairs;
+   write the surviving raw lines;
+2. train the joint sentencepiece model on (a sample of) the training text, then encode every
+   split in chunks, drop training pairs that are too long or have an extreme length ratio, and
+   write the binarized ids next to the kept raw lines.
+
+The directory is built under a temporary name and renamed when complete. Preparing again with
+the same inputs (same sha256) and settings reuses it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gzip
+import hashlib
+import itertools
+import json
+import logging
+import os
+import shutil
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+
+from transformer import corpora
+from transformer.data import (
+    FILTER_REASONS,
+    FORMAT_VERSION,
+    MANIFEST,
+    DataError,
+    TokenWriter,
+    filter_reason,
+    length_filter_reason,
+    read_parallel,
+)
+from transformer.download import download, sha256_file
+from transformer.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
+
+CUSTOM = "custom"
+DEFAULT_MAX_LEN = 256  # positions, EOS included; like tensor2tensor's max_length
+DEFAULT_MAX_RATIO = 9.0  # Moses clean-corpus-n.perl default
+DEFAULT_SPM_SAMPLE = 1_000_000  # sentences sampled for sentencepiece training
+CUSTOM_VOCAB_SIZE = 8000
+_CHUNK = 50_000  # pairs encoded at a time
+SPM_PREFIX = "spm"
+
+
+@dataclasses.dataclass(frozen=True)
+class Manifest:
+    """What `manifest.json` holds (see docs/data.md)."""
+
+    format_version: int
+    corpus: str
+    src_lang: str
+    tgt_lang: str
+    vocab_size: int
+    spm_model: str
+    spm_type: str
+    token_dtype: str
+    splits: dict
+    filters: dict
+    inputs: dict
+    settings: dict
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> Manifest:
+        return cls(**{f.name: d[f.name] for f in dataclasses.fields(cls)})
+
+
+def prepare_corpus(
+    name: str,
+    src_lang: str,
+    tgt_lang: str,
+    out_dir: Path,
+    from_dir: Path | None = None,
+    vocab_size: int | None = None,
+    spm_type: str | None = None,
+    max_len: int = DEFAULT_MAX_LEN,
+    max_ratio: float = DEFAULT_MAX_RATIO,
+    train_files: Sequence[Path] | None = None,
+    valid_files: Sequence[Path] | None = None,
+    test_files: Sequence[Path] | None = None,
+    force: bool = False,
+    download_dir: Path | None = None,
+    spm_sample: int = DEFAULT_SPM_SAMPLE,
+    num_threads: int | None = None,
+) -> Manifest:
+    """Prepare a named corpus (or `name="custom"` with explicit files) into `out_dir`.
+
+    Args:
+        name: "multi30k", "tatoeba", "iwslt14", "wmt14", or "custom".
+        src_lang, tgt_lang: language codes, e.g. "en", "de".
+        out_dir: the prepared-data directory to write.
+        from_dir: read the corpus's files from here instead of downloading.
+        vocab_size, spm_type: joint sentencepiece size and type; default per corpus.
+        max_len: longest training sequence kept, in subwords including EOS.
+        max_ratio: largest training length ratio kept (longer side / shorter side).
+        train_files, valid_files, test_files: (src, tgt) paths, plain or `.gz`, for "custom".
+        force: rebuild even if `out_dir` holds a matching or different preparation.
+        download_dir: where downloads go (default `{out_dir}.downloads`).
+        spm_sample: sentences sampled for sentencepiece training.
+        num_threads: threads for sentencepiece (default min(4, cpu count)).
+
+    Returns:
+        The manifest written to `out_dir/manifest.json`.
+
+    Raises:
+        DataError: missing or misaligned files, invalid UTF-8, unknown corpus or pair.
+    """
+    out_dir = Path(out_dir)
+    threads = num_threads or min(4, os.cpu_count() or 1)
+    if name == CUSTOM:
+        inputs = _custom_inputs(train_files, valid_files, test_files)
+        official: dict[str, str] = {}
+        vocab_size = vocab_size or CUSTOM_VOCAB_SIZE
+        spm_type = spm_type or "bpe"
+    else:
+        recipe = corpora.resolve(name, src_lang, tgt_lang)
+        if from_dir is None:
+            from_dir = _download(
+                recipe, download_dir or out_dir.with_name(out_dir.name + ".downloads")
+            )
+        inputs = _named_inputs(recipe, Path(from_dir))
+        official = recipe.text_sha256
+        vocab_size = vocab_size or recipe.vocab_size
+        spm_type = spm_type or recipe.spm_type
+    settings = {
+        "vocab_size": vocab_size,
+        "spm_type": spm_type,
+        "max_len": max_len,
+        "max_ratio": max_ratio,
+        "spm_sample": spm_sample,
+    }
+    input_info = _hash_inputs(inputs, src_lang, tgt_lang, official)
+    reused = _reusable(out_dir, name, src_lang, tgt_lang, settings, input_info, force)
+    if reused is not None:
+        return reused
+
+    tmp = out_dir.with_name(f".{out_dir.name}.partial-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        manifest = _build(tmp, name, src_lang, tgt_lang, inputs, settings, input_info, threads)
+        if out_dir.exists():
+            shutil.rmtree(out_dir)
+        os.replace(tmp, out_dir)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    logger.info("%s", summarize(manifest))
+    return manifest
+
+
+# --------------------------------------------------------------------------------------------
+# Inputs
+# --------------------------------------------------------------------------------------------
+
+# split -> (src path, tgt path, original split name)
+Inputs = dict[str, tuple[Path, Path, str]]
+
+
+def _custom_inputs(train, valid, test) -> Inputs:
+    inputs: Inputs = {}
+    for split, files in (("train", train), ("valid", valid), ("test", test)):
+        if files is None:
+            if split != "test":
+                raise DataError(f"--{split}", f"custom corpora need {split} files (SRC TGT)")
+            continue
+        if len(files) != 2:
+            raise DataError(f"--{split}", f"expected 2 files (SRC TGT), got {len(files)}")
+        inputs[split] = (Path(files[0]), Path(files[1]), split)
+    return inputs
+
+
+def _named_inputs(recipe: corpora.CorpusRecipe, directory: Path) -> Inputs:
+    inputs: Inputs = {}
+    for split, stem in recipe.splits.items():
+        src = recipe.find(directory, split, recipe.src_lang)
+        tgt = recipe.find(directory, split, recipe.tgt_lang)
+        if src is None or tgt is None:
+            if split == "test" and src is None and tgt is None:
+                logger.info("%s: no %s split (%s.*) found; skipping it", directory, split, stem)
+                continue
+            missing = [
+                f"{stem}.{lang}[.gz]"
+                for lang, p in ((recipe.src_lang, src), (recipe.tgt_lang, tgt))
+                if p is None
+            ]
+            raise DataError(directory, f"{recipe.name} {split} split: missing {', '.join(missing)}")
+        inputs[split] = (src, tgt, stem)
+    return inputs
+
+
+def _download(recipe: corpora.CorpusRecipe, directory: Path) -> Path:
+    for remote in recipe.downloads:
+        try:
+            download(remote.url, directory / remote.name, remote.sha256)
+        except Exception as e:  # a missing optional test file should not stop the rest
+            if remote.name.startswith(recipe.splits.get("test", "\0")):
+                logger.warning("optional test file not downloaded: %s", e)
+                continue
+            raise
+    if recipe.assemble is not None and recipe.find(directory, "train", recipe.src_lang) is None:
+        recipe.assemble(directory)
+    return directory
+
+
+def _text_sha256(path: Path) -> str:
+    if path.suffix != ".gz":
+        return sha256_file(path)
+    digest = hashlib.sha256()
+    with gzip.open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _hash_inputs(inputs: Inputs, src_lang: str, tgt_lang: str, official: dict) -> dict:
+    info = {}
+    for split, (src, tgt, stem) in inputs.items():
+        for lang, path in ((src_lang, src), (tgt_lang, tgt)):
+            entry = {"path": str(path), "sha256": sha256_file(path)}
+            expected = official.get(f"{stem}.{lang}")
+            if expected is not None:
+                text_sha = entry["sha256"] if path.suffix != ".gz" else _text_sha256(path)
+                entry["official_text_sha256"] = expected
+                entry["verified"] = text_sha == expected
+                if text_sha != expected:
+                    logger.warning("%s differs from the official file (sha256 %s)", path, text_sha)
+            else:
+                entry["verified"] = None
+            info[f"{split}.{lang}"] = entry
+    return info
+
+
+def _reusable(out_dir, name, src_lang, tgt_lang, settings, input_info, force) -> Manifest | None:
+    manifest_path = out_dir / MANIFEST
+    if not out_dir.exists() or force and manifest_path.is_file():
+        return None
+    if not manifest_path.is_file():
+        if any(out_dir.iterdir()):
+            raise DataError(out_dir, "exists, is not empty and is not a prepared-data directory")
+        return None
+    old = json.loads(manifest_path.read_text(encoding="utf-8"))
+    same = (
+        old.get("format_version") == FORMAT_VERSION
+        and (old.get("corpus"), old.get("src_lang"), old.get("tgt_lang"))
+        == (name, src_lang, tgt_lang)
+        and old.get("settings") == settings
+        and {k: v["sha256"] for k, v in old.get("inputs", {}).items()}
+        == {k: v["sha256"] for k, v in input_info.items()}
+    )
+    if same:
+        logger.info("%s: already prepared from the same inputs and settings; reusing it", out_dir)
+        return Manifest.from_dict(old)
+    raise DataError(
+        manifest_path,
+        "was prepared from other inputs or settings; pass --force to overwrite it",
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# The two passes
+# --------------------------------------------------------------------------------------------
+
+
+def _build(tmp, name, src_lang, tgt_lang, inputs, settings, input_info, threads) -> Manifest:
+    splits: dict[str, dict] = {}
+    filters: dict[str, dict] = {}
+    for split, (src, tgt, stem) in inputs.items():
+        stage = "stage1" if split == "train" else "txt"
+        counts = _validate_split(
+            src, tgt, tmp, split, stage, (src_lang, tgt_lang), split == "train"
+        )
+        splits[split] = {"source": stem, "input_pairs": counts.pop("input_pairs")}
+        splits[split].update(counts)
+    train_txt = [tmp / f"train.{lang}.stage1" for lang in (src_lang, tgt_lang)]
+    tokenizer = _train_tokenizer(train_txt, tmp / SPM_PREFIX, settings, threads)
+    for split in inputs:
+        is_train = split == "train"
+        stage = "stage1" if is_train else "txt"
+        paths = [tmp / f"{split}.{lang}.{stage}" for lang in (src_lang, tgt_lang)]
+        dropped, stats = _binarize_split(
+            tokenizer, paths, tmp, split, (src_lang, tgt_lang), settings, is_train, threads
+        )
+        splits[split].update(stats)
+        if is_train:
+            filters[split] = {"empty": splits[split].pop("empty"), **dropped}
+            for path in paths:
+                path.unlink()
+    manifest = Manifest(
+        format_version=FORMAT_VERSION,
+        corpus=name,
+        src_lang=src_lang,
+        tgt_lang=tgt_lang,
+        vocab_size=tokenizer.vocab_size,
+        spm_model=f"{SPM_PREFIX}.model",
+        spm_type=settings["spm_type"],
+        token_dtype="int32",
+        splits=splits,
+        filters=filters,
+        inputs=input_info,
+        settings=settings,
+    )
+    text = json.dumps(manifest.to_dict(), indent=2, ensure_ascii=False) + "\n"
+    (tmp / MANIFEST).write_text(text, encoding="utf-8")
+    return manifest
+
+
+def _validate_split(src, tgt, tmp, split, stage, langs, drop_empty) -> dict:
+    """Pass 1: validate and copy a split's raw lines; count (and for train, drop) empties."""
+    n_in = n_empty = 0
+    out = [
+        open(tmp / f"{split}.{lang}.{stage}", "w", encoding="utf-8", newline="") for lang in langs
+    ]
+    try:
+        for s, t in read_parallel(src, tgt):
+            n_in += 1
+            if filter_reason(s, t) == "empty":
+                n_empty += 1
+                if drop_empty:
+                    continue
+            out[0].write(s + "\n")
+            out[1].write(t + "\n")
+    finally:
+        for f in out:
+            f.close()
+    if n_in == 0:
+        raise DataError(src, f"{split} split is empty")
+    key = "empty" if drop_empty else "empty_kept"
+    return {"input_pairs": n_in, key: n_empty}
+
+
+def _train_tokenizer(
+    train_txt: list[Path], prefix: Path, settings: dict, threads: int
+) -> Tokenizer:
+    try:
+        return Tokenizer.train(
+            train_txt,
+            prefix,
+            vocab_size=settings["vocab_size"],
+            model_type=settings["spm_type"],
+            input_sentence_size=settings["spm_sample"],
+            num_threads=threads,
+        )
+    except RuntimeError as e:  # e.g. "Vocabulary size too high (8000). Please set it to ..."
+        raise DataError(
+            train_txt[0], f"sentencepiece training failed: {e}; adjust --vocab-size"
+        ) from e
+
+
+def _chunks(paths: Sequence[Path]) -> Iterable[tuple[list[str], list[str]]]:
+    files = [open(p, encoding="utf-8", newline="") for p in paths]
+    try:
+        lines = zip(*(_lines(f) for f in files), strict=True)
+        while chunk := list(itertools.islice(lines, _CHUNK)):
+            yield [c[0] for c in chunk], [c[1] for c in chunk]
+    finally:
+        for f in files:
+            f.close()
+
+
+def _lines(f) -> Iterable[str]:
+    for line in f:
+        yield line[:-1] if line.endswith("\n") else line
+
+
+def _binarize_split(tokenizer, paths, tmp, split, langs, settings, is_train, threads):
+    """Pass 2: encode in chunks, length-filter training pairs, write ids and kept raw lines."""
+    writers = [TokenWriter(tmp / f"{split}.{lang}") for lang in langs]
+    texts = (
+        [open(tmp / f"{split}.{lang}.txt", "w", encoding="utf-8", newline="") for lang in langs]
+        if is_train
+        else None
+    )
+    dropped = dict.fromkeys(FILTER_REASONS[1:], 0)
+    n_kept = 0
+    try:
+        for src_lines, tgt_lines in _chunks(paths):
+            src_ids = tokenizer.encode_batch(src_lines, num_threads=threads)
+            tgt_ids = tokenizer.encode_batch(tgt_lines, num_threads=threads)
+            if is_train:
+                keep = []
+                for i, (s, t) in enumerate(zip(src_ids, tgt_ids, strict=True)):
+                    reason = length_filter_reason(
+                        len(s), len(t), settings["max_len"], settings["max_ratio"]
+                    )
+                    if reason is None:
+                        keep.append(i)
+                    else:
+                        dropped[reason] += 1
+                src_ids = [src_ids[i] for i in keep]
+                tgt_ids = [tgt_ids[i] for i in keep]
+                texts[0].writelines(src_lines[i] + "\n" for i in keep)
+                texts[1].writelines(tgt_lines[i] + "\n" for i in keep)
+            writers[0].add(src_ids)
+            writers[1].add(tgt_ids)
+            n_kept += len(src_ids)
+    finally:
+        for f in texts or ():
+            f.close()
+        counts = [w.close() for w in writers]
+    assert counts[0] == counts[1] == n_kept, "binarized sides are misaligned"
+    stats = {"pairs": n_kept, "src_tokens": writers[0].n_tokens, "tgt_tokens": writers[1].n_tokens}
+    return dropped, stats
+
+
+def summarize(manifest: Manifest) -> str:
+    """A human-readable report: pairs per split and pairs dropped per filter."""
+    pair = f"{manifest.src_lang}-{manifest.tgt_lang}"
+    lines = [f"prepared {manifest.corpus} {pair}, V={manifest.vocab_size}"]
+    for split, s in manifest.splits.items():
+        lines.append(f"  {split} ({s['source']}): {s['pairs']} pairs of {s['input_pairs']}")
+    for split, f in manifest.filters.items():
+        lines.append(f"  {split} dropped: " + ", ".join(f"{k}={v}" for k, v in f.items()))
+    return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------------------------
+# CLI
+# --------------------------------------------------------------------------------------------
+
+
+def add_prepare_arguments(parser: argparse.ArgumentParser) -> None:
+    """The flags of `transformer prepare`."""
+    parser.add_argument("name", choices=[*corpora.REGISTRY, CUSTOM], help="corpus name")
+    parser.add_argument("--src", required=True, help="source language code, e.g. en")
+    parser.add_argument("--tgt", required=True, help="target language code, e.g. de")
+    parser.add_argument("--out", required=True, type=Path, help="prepared-data directory")
+    parser.add_argument("--from", dest="from_dir", type=Path, help="use files in DIR, no download")
+    parser.add_argument(
+        "--train", nargs=2, type=Path, metavar=("SRC", "TGT"), help="custom: train files"
+    )
+    parser.add_argument(
+        "--valid", nargs=2, type=Path, metavar=("SRC", "TGT"), help="custom: valid files"
+    )
+    parser.add_argument(
+        "--test", nargs=2, type=Path, metavar=("SRC", "TGT"), help="custom: test files"
+    )
+    parser.add_argument(
+        "--vocab-size", type=int, help="joint subword vocabulary (default per corpus)"
+    )
+    parser.add_argument("--spm-type", choices=["bpe", "unigram"], help="default per corpus")
+    parser.add_argument(
+        "--max-len", type=int, default=DEFAULT_MAX_LEN, help="train: max subwords incl. EOS"
+    )
+    parser.add_argument(
+        "--max-ratio", type=float, default=DEFAULT_MAX_RATIO, help="train: max length ratio"
+    )
+    parser.add_argument(
+        "--spm-sample", type=int, default=DEFAULT_SPM_SAMPLE, help="sentences for spm training"
+    )
+    parser.add_argument("--threads", type=int, help="sentencepiece threads")
+    parser.add_argument("--download-dir", type=Path, help="default: OUT.downloads")
+    parser.add_argument("--force", action="store_true", help="rebuild OUT even if it exists")
+
+
+def run_prepare(args: argparse.Namespace) -> int:
+    """Run `transformer prepare` from parsed arguments; returns the exit status."""
+    if not logging.getLogger().handlers:
+        logging.basicConfig(level=logging.INFO, format="%(message)s")
+    prepare_corpus(
+        args.name,
+        args.src,
+        args.tgt,
+        args.out,
+        from_dir=args.from_dir,
+        vocab_size=args.vocab_size,
+        spm_type=args.spm_type,
+        max_len=args.max_len,
+        max_ratio=args.max_ratio,
+        train_files=args.train,
+        valid_files=args.valid,
+        test_files=args.test,
+        force=args.force,
+        download_dir=args.download_dir,
+        spm_sample=args.spm_sample,
+        num_threads=args.threads,
+    )
+    return 0

@@ -1,0 +1,85 @@
+"""§5.1 subword model: special ids, round trip, batch encode/decode."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import sentencepiece as spm
+
+from transformer.tokenizer import BOS_ID, EOS_ID, PAD_ID, UNK_ID, Tokenizer
+
+WORDS = (
+    "the a man woman dog cat runs sits on in with red blue small big street park water ball "
+    "der die das Mann Frau Hund Katze läuft sitzt auf im mit rot blau klein groß Straße Park"
+).split()
+
+
+def write_corpus(path, n=600, seed=0):
+    rng = random.Random(seed)
+    lines = [" ".join(rng.choice(WORDS) for _ in range(rng.randint(3, 12))) + "." for _ in range(n)]
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return lines
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory):
+    d = tmp_path_factory.mktemp("spm")
+    write_corpus(d / "a.txt", seed=0)
+    write_corpus(d / "b.txt", seed=1)
+    return Tokenizer.train([d / "a.txt", d / "b.txt"], d / "spm", vocab_size=320, num_threads=1)
+
+
+def test_special_ids_are_the_single_definition(tokenizer):
+    assert (PAD_ID, BOS_ID, EOS_ID, UNK_ID) == (0, 1, 2, 3)
+    sp = spm.SentencePieceProcessor(model_file=str(tokenizer.model_path))
+    assert (sp.pad_id(), sp.bos_id(), sp.eos_id(), sp.unk_id()) == (0, 1, 2, 3)
+    assert tokenizer.vocab_size == 320
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "the man runs in the park.",
+        "Der Hund läuft auf der Straße.",
+        "Va !\u00a0Quoi\u202f?",  # no-break spaces as in Tatoeba French: kept, not normalized
+        "Ünïcödé 東京 — “quotes” ½ ﬁ",  # unseen characters: byte fallback, no NFKC
+    ],
+)
+def test_decode_encode_round_trips_plain_sentences(tokenizer, text):
+    ids = tokenizer.encode(text)
+    assert UNK_ID not in ids
+    assert tokenizer.decode(ids) == text
+
+
+def test_encode_has_no_bos_eos_and_decode_drops_specials(tokenizer):
+    ids = tokenizer.encode("the dog sits.")
+    assert BOS_ID not in ids and EOS_ID not in ids
+    assert tokenizer.decode([BOS_ID, *ids, EOS_ID, PAD_ID, PAD_ID]) == "the dog sits."
+
+
+def test_batch_matches_single(tokenizer):
+    texts = ["the cat.", "ein Hund im Park.", ""]
+    assert tokenizer.encode_batch(texts, num_threads=2) == [tokenizer.encode(t) for t in texts]
+    assert tokenizer.decode_batch(tokenizer.encode_batch(texts)) == texts
+
+
+def test_unigram_model_type(tmp_path):
+    write_corpus(tmp_path / "a.txt")
+    tok = Tokenizer.train([tmp_path / "a.txt"], tmp_path / "u", 300, model_type="unigram")
+    assert tok.decode(tok.encode("a small red ball.")) == "a small red ball."
+
+
+def test_bad_model_type_and_foreign_model_are_errors(tmp_path):
+    write_corpus(tmp_path / "a.txt")
+    with pytest.raises(ValueError, match="model_type"):
+        Tokenizer.train([tmp_path / "a.txt"], tmp_path / "x", 300, model_type="char")
+    # a model with sentencepiece's default ids (unk=0, bos=1, eos=2, no pad) is refused
+    spm.SentencePieceTrainer.train(
+        input=str(tmp_path / "a.txt"),
+        model_prefix=str(tmp_path / "d"),
+        vocab_size=60,
+        minloglevel=2,
+    )
+    with pytest.raises(ValueError, match="special ids"):
+        Tokenizer(tmp_path / "d.model")
