@@ -1,0 +1,89 @@
+"""Shared test helpers: a tiny random model file with a real sentencepiece model.
+
+Random weights decode deterministically, so a model file built here is enough to test serving and
+export on real Multi30k sentences without training. Import with `from fixtures import ...`
+(pytest puts tests/ on sys.path because tests/conftest.py lives there).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import sentencepiece as spm
+import torch
+
+from transformer.config import DecodeConfig, ModelConfig, RunConfig
+from transformer.model import Transformer
+from transformer.modelfile import save_model
+from transformer.tokenizer import BOS_ID, EOS_ID, PAD_ID, UNK_ID
+
+MULTI30K = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "multi30k"
+
+# A few sentences to train the subword model on when Multi30k is absent (CI without data).
+_FALLBACK = [
+    "Two young, White males are outside near many bushes.",
+    "Zwei junge weiße Männer sind im Freien in der Nähe vieler Büsche.",
+    "A little girl climbing into a wooden playhouse.",
+    "Ein kleines Mädchen klettert in ein Spielhaus aus Holz.",
+] * 50
+
+
+def multi30k_lines(split: str, lang: str, n: int) -> list[str]:
+    """The first n lines of a Multi30k file, or fallback sentences when the data is absent."""
+    path = MULTI30K / f"{split}.{lang}"
+    if not path.is_file():
+        return _FALLBACK[:n]
+    with path.open(encoding="utf-8") as f:
+        return [next(f).strip() for _ in range(n)]
+
+
+def train_spm(tmp_dir: Path, vocab_size: int = 400, n_lines: int = 300) -> bytes:
+    """Train a joint en+de sentencepiece model with the project's special ids; its bytes."""
+    text = tmp_dir / "spm_train.txt"
+    lines = multi30k_lines("train", "en", n_lines) + multi30k_lines("train", "de", n_lines)
+    text.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    prefix = tmp_dir / "spm"
+    spm.SentencePieceTrainer.train(
+        input=str(text),
+        model_prefix=str(prefix),
+        vocab_size=vocab_size,
+        model_type="bpe",
+        pad_id=PAD_ID,
+        bos_id=BOS_ID,
+        eos_id=EOS_ID,
+        unk_id=UNK_ID,
+        character_coverage=1.0,
+        byte_fallback=True,
+        normalization_rule_name="identity",
+        num_threads=1,
+        minloglevel=2,
+    )
+    return prefix.with_suffix(".model").read_bytes()
+
+
+def make_model_file(
+    tmp_dir: Path,
+    seed: int = 0,
+    decode: DecodeConfig | None = None,
+    **model_overrides,
+) -> Path:
+    """Save a tiny random Transformer (d_model=32, 2 layers) with a real spm model; its path."""
+    tmp_dir.mkdir(parents=True, exist_ok=True)
+    proto = train_spm(tmp_dir)
+    sp = spm.SentencePieceProcessor(model_proto=proto)
+    fields = dict(
+        vocab_size=sp.get_piece_size(),
+        n_layers=2,
+        d_model=32,
+        d_ff=64,
+        n_heads=4,
+        d_k=8,
+        d_v=8,
+        p_drop=0.0,
+        max_len=256,
+    )
+    fields.update(model_overrides)
+    config = RunConfig(model=ModelConfig(**fields), decode=decode or DecodeConfig(max_len_b=10))
+    torch.manual_seed(seed)
+    model = Transformer(config.model).eval()
+    return save_model(tmp_dir / "model.safetensors", model, config, proto, "en", "de")
