@@ -115,8 +115,38 @@ def _add_average(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_cmd_average)
 
 
+def _cmd_attention(args: argparse.Namespace) -> int:
+    from transformer.attention_plot import KINDS, plot_attention
+
+    kinds = KINDS if args.kind == "all" else (args.kind,)
+    paths = plot_attention(
+        args.model, args.text, args.out, args.layer, args.head, kinds, args.word, args.target
+    )
+    print("\n".join(str(p) for p in paths))
+    return 0
+
+
+def _add_attention(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("attention", help="Figures 3-5: PNG pictures of attention weights")
+    p.add_argument("model", type=Path, help="a model file")
+    p.add_argument("--text", required=True, help="the source sentence")
+    p.add_argument("--target", help="the target sentence (default: the greedy translation)")
+    p.add_argument("--layer", type=int, default=4, help="0-based layer (paper: 5 of 6 = 4)")
+    p.add_argument("--head", type=int, help="one head for the Figure 4 picture (default: all)")
+    p.add_argument("--word", help="Figure 3 query word: a subword or 0-based position")
+    p.add_argument("--kind", choices=["encoder", "decoder", "cross", "all"], default="all")
+    p.add_argument("--out", type=Path, default=Path("attention"), help="output directory")
+    p.set_defaults(func=_cmd_attention)
+
+
 # Each entry adds one subcommand. Subcommands live here in the order a user meets them.
-_SUBCOMMANDS = [_add_presets, _add_flops, _add_train, _add_average]
+_SUBCOMMANDS = [
+    _add_presets,
+    _add_flops,
+    _add_train,
+    _add_average,
+    _add_attention,
+]
 
 
 def build_parser() -> argparse.ArgumentParser:

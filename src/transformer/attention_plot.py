@@ -1,0 +1,238 @@
+"""Figures 3-5: pictures of a model's attention weights for one sentence.
+
+Three kinds of picture (matplotlib, the optional `plot` extra, imported lazily):
+- a grid of heatmaps, one per head, for encoder self-attention, decoder self-attention or
+  encoder-decoder attention of one layer;
+- Figure 3 style: one source word, lines to the words it attends to, one colour per head;
+- Figure 4 style: one head, lines between all words, opacity = attention weight.
+The paper draws encoder self-attention in layer 5 of 6 (0-based 4), the default here.
+"""
+
+from __future__ import annotations
+
+import logging
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from transformer.errors import UserError
+from transformer.tokenizer import BOS_ID, EOS_ID
+
+log = logging.getLogger(__name__)
+
+KINDS = ("encoder", "decoder", "cross")
+PAPER_LAYER = 4  # Figures 3-5: "layer 5 of 6", 0-based
+
+
+@dataclass
+class SentenceAttention:
+    """The attention weights of every layer for one sentence pair, with the token labels."""
+
+    src_pieces: list[str]  # S labels: the subwords and </s>
+    tgt_pieces: list[str]  # T labels: <s> and the subwords
+    weights: dict[str, list[torch.Tensor]]  # kind -> N tensors (H, Tq, Tk)
+
+
+def _import_pyplot():
+    try:
+        import matplotlib
+    except ImportError as e:
+        raise UserError("attention plots need matplotlib: pip install 'transformer[plot]'") from e
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _tokenizer(loaded):
+    """The model file's tokenizer (written to a temporary file if `Tokenizer.from_proto` is
+    not available)."""
+    from transformer.tokenizer import Tokenizer
+
+    if hasattr(Tokenizer, "from_proto"):
+        return loaded.tokenizer()
+    with tempfile.NamedTemporaryFile(suffix=".model") as f:
+        f.write(loaded.spm_proto)
+        f.flush()
+        return Tokenizer(f.name)
+
+
+def sentence_attention(model, tokenizer, text: str, target: str | None = None) -> SentenceAttention:
+    """Run the model on one sentence and collect its attention weights (reference path).
+
+    Args:
+        model: a `Transformer` (eval mode).
+        tokenizer: its `Tokenizer`.
+        text: the source sentence.
+        target: the target sentence for the decoder; None decodes one greedily.
+    """
+    from transformer.search import greedy_search
+
+    src_ids = tokenizer.encode(text) + [EOS_ID]
+    if len(src_ids) > model.cfg.max_len:
+        raise UserError(f"--text: {len(src_ids)} tokens exceed the model's max_len")
+    src = torch.tensor([src_ids])  # (1, S)
+    src_mask = torch.ones_like(src, dtype=torch.bool)  # (1, S)
+    if target is None:
+        tgt_ids = greedy_search(model, src, src_mask)[0]
+        log.info("greedy translation: %s", tokenizer.decode(tgt_ids))
+    else:
+        tgt_ids = tokenizer.encode(target)
+    tgt = torch.tensor([[BOS_ID] + tgt_ids])  # (1, T)
+    raw = model.attention_weights(src, src_mask, tgt)
+    weights = {kind: [w[0].float().cpu() for w in raw[kind]] for kind in KINDS}  # (H, Tq, Tk)
+    return SentenceAttention(
+        src_pieces=[tokenizer.id_to_piece(i) for i in src_ids[:-1]] + ["</s>"],
+        tgt_pieces=["<s>"] + [tokenizer.id_to_piece(i) for i in tgt_ids],
+        weights=weights,
+    )
+
+
+def plot_heads(weights: torch.Tensor, q_labels, k_labels, path: Path, title: str) -> Path:
+    """A grid of heatmaps, one per head. weights: (H, Tq, Tk); rows are queries."""
+    plt = _import_pyplot()
+    H = weights.size(0)
+    cols = min(H, 4)
+    rows = -(-H // cols)
+    cell = 0.22 * max(len(k_labels), 6)
+    fig, axes = plt.subplots(rows, cols, figsize=(cols * cell + 1, rows * cell + 1), squeeze=False)
+    for h, ax in enumerate(axes.flat):
+        if h >= H:
+            ax.axis("off")
+            continue
+        ax.imshow(weights[h].numpy(), cmap="viridis", vmin=0.0, vmax=1.0)
+        ax.set_title(f"head {h}", fontsize=8)
+        ax.set_xticks(range(len(k_labels)), k_labels, rotation=90, fontsize=6)
+        ax.set_yticks(range(len(q_labels)), q_labels, fontsize=6)
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    return _save(fig, path, plt)
+
+
+def _draw_lines(ax, labels, weights, colors, heads) -> None:
+    """Two columns of labels; a line from query i (left) to key j (right), alpha = weight."""
+    n = len(labels)
+    for i, label in enumerate(labels):
+        ax.text(0.0, n - 1 - i, label, ha="right", va="center", fontsize=7)
+        ax.text(1.0, n - 1 - i, label, ha="left", va="center", fontsize=7)
+    for h in heads:
+        for i in range(weights.size(1)):
+            for j in range(weights.size(2)):
+                w = float(weights[h, i, j])
+                if w > 0.02:
+                    ax.plot([0.02, 0.98], [n - 1 - i, n - 1 - j], color=colors[h], alpha=w, lw=2)
+    ax.set_xlim(-0.6, 1.6)
+    ax.set_ylim(-1, n)
+    ax.axis("off")
+
+
+def plot_word(weights: torch.Tensor, labels, word: int, path: Path, title: str) -> Path:
+    """Figure 3 style: one query word, its lines to every key, one colour per head.
+
+    Args:
+        weights: (H, T, T) self-attention of one layer.
+        labels: T token labels.
+        word: the query position.
+    """
+    plt = _import_pyplot()
+    H = weights.size(0)
+    colors = plt.get_cmap("tab10" if H <= 10 else "tab20")(range(H))
+    only = torch.zeros_like(weights)
+    only[:, word] = weights[:, word]  # (H, T, T): keep the one query's row
+    fig, ax = plt.subplots(figsize=(4, 0.25 * len(labels) + 1))
+    _draw_lines(ax, labels, only, colors, range(H))
+    ax.set_title(f"{title}\nword {labels[word]!r}; colour = head 0..{H - 1}", fontsize=8)
+    return _save(fig, path, plt)
+
+
+def plot_all_words(weights: torch.Tensor, labels, heads, path: Path, title: str) -> Path:
+    """Figure 4 style: for each given head, lines between all words, opacity = weight."""
+    plt = _import_pyplot()
+    heads = list(heads)
+    fig, axes = plt.subplots(1, len(heads), figsize=(3 * len(heads), 0.25 * len(labels) + 1))
+    for ax, h in zip(axes if len(heads) > 1 else [axes], heads, strict=True):
+        colors = {h: "tab:blue"}
+        _draw_lines(ax, labels, weights, colors, [h])
+        ax.set_title(f"head {h}", fontsize=8)
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    return _save(fig, path, plt)
+
+
+def _save(fig, path: Path, plt) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return path
+
+
+def _pick_word(labels: list[str], word: str | None) -> int:
+    """The position of `word` (a subword label, or a 0-based index); default the longest piece."""
+    if word is None:
+        return max(range(len(labels) - 1), key=lambda i: len(labels[i].lstrip("▁")))
+    if word.isdigit() and int(word) < len(labels):
+        return int(word)
+    for i, label in enumerate(labels):
+        if label.lstrip("▁") == word.lstrip("▁"):
+            return i
+    raise UserError(f"--word {word!r}: not a token of the sentence {labels}")
+
+
+def plot_attention(
+    model_path: Path,
+    text: str,
+    out_dir: Path,
+    layer: int = PAPER_LAYER,
+    head: int | None = None,
+    kinds: tuple[str, ...] = KINDS,
+    word: str | None = None,
+    target: str | None = None,
+) -> list[Path]:
+    """`transformer attention`: write PNGs of one sentence's attention weights.
+
+    Args:
+        model_path: a model file (`modelfile.save_model`).
+        text: the source sentence.
+        out_dir: where the PNGs go.
+        layer: 0-based layer (default 4: the paper's "layer 5 of 6"; clipped to the last layer).
+        head: one head for the Figure 4 picture; None draws every head.
+        kinds: any of "encoder", "decoder", "cross" (heatmaps); encoder adds Figures 3 and 4.
+        word: the Figure 3 query word (a subword or a 0-based position); None picks the longest.
+        target: the target sentence; None uses the model's greedy translation.
+
+    Returns:
+        The paths written.
+    """
+    from transformer.modelfile import load_model
+
+    loaded = load_model(model_path)
+    model = loaded.model
+    n = model.cfg.n_layers
+    if not -n <= layer < n:
+        raise UserError(f"--layer {layer}: the model has {n} layers (0..{n - 1})")
+    layer = layer % n
+    if head is not None and not 0 <= head < model.cfg.n_heads:
+        raise UserError(f"--head {head}: the model has {model.cfg.n_heads} heads")
+    att = sentence_attention(model, _tokenizer(loaded), text, target)
+    labels = {"encoder": (att.src_pieces, att.src_pieces), "decoder": (att.tgt_pieces,) * 2,
+              "cross": (att.tgt_pieces, att.src_pieces)}  # fmt: skip
+    out_dir = Path(out_dir)
+    written = []
+    for kind in kinds:
+        w = att.weights[kind][layer]  # (H, Tq, Tk)
+        q_labels, k_labels = labels[kind]
+        title = f"{kind} attention, layer {layer + 1} of {n}"
+        written.append(plot_heads(w, q_labels, k_labels, out_dir / f"{kind}_l{layer}.png", title))
+    if "encoder" in kinds:
+        w = att.weights["encoder"][layer]
+        i = _pick_word(att.src_pieces, word)
+        title = f"encoder self-attention, layer {layer + 1} of {n}"
+        path = out_dir / f"encoder_l{layer}_word{i}.png"
+        written.append(plot_word(w, att.src_pieces, i, path, title))
+        heads = range(w.size(0)) if head is None else [head]
+        path = out_dir / f"encoder_l{layer}_head{'all' if head is None else head}.png"
+        written.append(plot_all_words(w, att.src_pieces, heads, path, title))
+    return written

@@ -1,0 +1,75 @@
+"""Figures 3-5: attention pictures from a tiny random model file."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("matplotlib")
+
+from fixtures import make_model_file  # noqa: E402
+from transformer.attention_plot import (  # noqa: E402
+    _pick_word,
+    _tokenizer,
+    plot_attention,
+    sentence_attention,
+)
+from transformer.errors import UserError  # noqa: E402
+from transformer.modelfile import load_model  # noqa: E402
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.fixture(scope="module")
+def model_file(tmp_path_factory):
+    return make_model_file(tmp_path_factory.mktemp("model"))
+
+
+def test_sentence_attention_shapes_and_rows_sum_to_one(model_file) -> None:
+    loaded = load_model(model_file)
+    tok = _tokenizer(loaded)
+    att = sentence_attention(loaded.model, tok, "A little girl.", target="Ein kleines Mädchen.")
+    S, T = len(att.src_pieces), len(att.tgt_pieces)
+    assert S == len(tok.encode("A little girl.")) + 1 and att.src_pieces[-1] == "</s>"
+    assert T == len(tok.encode("Ein kleines Mädchen.")) + 1 and att.tgt_pieces[0] == "<s>"
+    H, N = loaded.model.cfg.n_heads, loaded.model.cfg.n_layers
+    shapes = {"encoder": (H, S, S), "decoder": (H, T, T), "cross": (H, T, S)}
+    for kind, shape in shapes.items():
+        assert len(att.weights[kind]) == N
+        for w in att.weights[kind]:
+            assert w.shape == shape
+            torch.testing.assert_close(w.sum(-1), torch.ones(shape[:2]))
+    # Decoder self-attention is causal: no weight on later positions (§3.2.3).
+    assert float(att.weights["decoder"][0].triu(1).abs().sum()) == 0.0
+
+
+def test_plot_attention_writes_pngs(model_file, tmp_path) -> None:
+    paths = plot_attention(model_file, "Two dogs run.", tmp_path, layer=1, head=2, word="0")
+    names = sorted(p.name for p in paths)
+    assert names == sorted(
+        [
+            "encoder_l1.png",
+            "decoder_l1.png",
+            "cross_l1.png",
+            "encoder_l1_word0.png",
+            "encoder_l1_head2.png",
+        ]  # fmt: skip
+    )
+    for p in paths:
+        assert p.read_bytes()[:8] == PNG_MAGIC
+
+
+def test_default_layer_clipped_and_bad_arguments(model_file, tmp_path) -> None:
+    with pytest.raises(UserError, match="--layer 4"):
+        plot_attention(model_file, "Two dogs.", tmp_path)  # 2-layer model: paper's layer 4 absent
+    with pytest.raises(UserError, match="--head 9"):
+        plot_attention(model_file, "Two dogs.", tmp_path, layer=0, head=9)
+
+
+def test_pick_word() -> None:
+    labels = ["▁The", "▁law", "▁will", "▁never", "</s>"]
+    assert _pick_word(labels, "law") == 1
+    assert _pick_word(labels, "3") == 3
+    assert _pick_word(labels, None) == 3  # the longest piece: "never"
+    with pytest.raises(UserError, match="not a token"):
+        _pick_word(labels, "making")
