@@ -139,6 +139,67 @@ def _add_attention(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_cmd_attention)
 
 
+def _cmd_translate(args: argparse.Namespace) -> int:
+    from transformer.translate import Translator, translate_stream
+
+    translator = Translator.from_path(args.model, dtype=args.dtype)
+    translator.decode = translator.options(args.beam, args.alpha, max_tokens=args.max_tokens)
+    if args.input == "-":
+        outputs = translate_stream(translator, sys.stdin.buffer, "<stdin>")
+    else:
+        if not Path(args.input).is_file():
+            raise UserError(f"{args.input}: no such input file")
+        with open(args.input, "rb") as f:
+            outputs = translate_stream(translator, f, args.input)
+    sys.stdout.write("".join(line + "\n" for line in outputs))
+    return 0
+
+
+def _add_translate(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("translate", help="§6.1 beam search: translate lines (stdin or a file)")
+    p.add_argument("model", help="a model file, or a run directory (its averaged/latest model)")
+    p.add_argument("input", nargs="?", default="-", help="a UTF-8 text file (default: stdin)")
+    p.add_argument("--beam", type=int, help="beam size (default: the model's, §6.1: 4; 1 = greedy)")
+    p.add_argument("--alpha", type=float, help="length penalty α (default: the model's, 0.6)")
+    p.add_argument("--dtype", choices=["fp32", "bf16", "int8"], default="fp32")
+    p.add_argument("--max-tokens", type=int, help="source tokens per batch (padding counted)")
+    p.set_defaults(func=_cmd_translate)
+
+
+def _cmd_evaluate(args: argparse.Namespace) -> int:
+    from transformer.evaluate import evaluate
+
+    report = evaluate(
+        args.model, args.data, args.split, args.beam, args.alpha, args.dtype, args.output,
+        args.limit,
+    )  # fmt: skip
+    if args.json:
+        print(json.dumps(report, indent=2))
+        return 0
+    print(f"{report['split']}: {report['sentences']} sentences in {report['seconds']:.1f} s")
+    print(f"sacreBLEU {report['bleu']:.2f}  {report['bleu_signature']}")
+    print(f"  {report['bleu_details']}")
+    print(f"chrF {report['chrf']:.2f}  {report['chrf_signature']}")
+    if "paper_bleu" in report:
+        print(f"tokenized BLEU, compounds split (paper) {report['paper_bleu']:.2f}  "
+              f"{report['paper_bleu_signature']}")  # fmt: skip
+    return 0
+
+
+def _add_evaluate(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("evaluate", help="translate a prepared split; sacreBLEU, chrF (paper BLEU)")
+    p.add_argument("model", help="a model file, or a run directory (its averaged/latest model)")
+    p.add_argument("--data", required=True, help="a prepared-data directory")
+    p.add_argument("--split", default="test", help="split name (default: test)")
+    p.add_argument("--beam", type=int, help="beam size (default: the model's, §6.1: 4)")
+    p.add_argument("--alpha", type=float, help="length penalty α (default: the model's, 0.6)")
+    p.add_argument("--dtype", choices=["fp32", "bf16", "int8"], default="fp32")
+    p.add_argument("--output", help="write the translations to this file")
+    p.add_argument("--limit", type=int, help="only the first N sentences")
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.set_defaults(func=_cmd_evaluate)
+
+
 # Each entry adds one subcommand. Subcommands live here in the order a user meets them.
 _SUBCOMMANDS = [
     _add_presets,
@@ -146,6 +207,8 @@ _SUBCOMMANDS = [
     _add_train,
     _add_average,
     _add_attention,
+    _add_translate,
+    _add_evaluate,
 ]
 
 

@@ -1,0 +1,283 @@
+"""Inference: text -> subword ids -> token-budget batches -> §6.1 search -> detokenized text.
+
+`Translator` wraps a loaded model file (or a run directory's averaged / latest model) with its
+tokenizer and decoding options. Lines are batched by source tokens, longest first, and the
+outputs are returned in input order. Precision: fp32, bf16 (the model is cast to bfloat16), or
+int8 (dynamic quantization of every `nn.Linear`; the tied output projection and the embeddings
+stay fp32, see docs/decoding.md).
+"""
+
+from __future__ import annotations
+
+import logging
+import tempfile
+import warnings
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import BinaryIO
+
+import torch
+from torch import nn
+
+from transformer.config import DecodeConfig
+from transformer.errors import UserError
+from transformer.modelfile import LoadedModel, load_model
+from transformer.search import beam_search, greedy_search
+from transformer.tokenizer import BOS_ID, EOS_ID, PAD_ID
+
+logger = logging.getLogger(__name__)
+
+AVERAGED_MODEL = "model_avg.safetensors"
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "int8": "int8"}
+
+
+@dataclass
+class Translation:
+    """One output: detokenized text, its subword ids (no BOS/EOS) and its search score."""
+
+    text: str
+    tokens: list[int]
+    score: float
+
+
+def resolve_model(path: str | Path, device: str | torch.device = "cpu") -> LoadedModel:
+    """Load a model file, or a run directory's model: `model_avg.safetensors`, else the newest
+    `average_last*.safetensors` (`transformer average`), else its latest checkpoint."""
+    path = Path(path)
+    if not path.is_dir():
+        return load_model(path, device)
+    if (path / AVERAGED_MODEL).is_file():
+        return load_model(path / AVERAGED_MODEL, device)
+    averages = sorted(path.glob("average_last*.safetensors"), key=lambda p: p.stat().st_mtime)
+    if averages:
+        return load_model(averages[-1], device)
+    return _load_latest_checkpoint(path, device)
+
+
+def _load_latest_checkpoint(run_dir: Path, device: str | torch.device) -> LoadedModel:
+    from transformer.checkpoint import latest_checkpoint, load_checkpoint
+    from transformer.config import from_dict
+    from transformer.model import Transformer
+
+    ckpt = latest_checkpoint(run_dir)
+    if ckpt is None:
+        raise UserError(f"{run_dir}: no model file ({AVERAGED_MODEL}) and no checkpoints")
+    state = load_checkpoint(ckpt)
+    config = from_dict(state["config"], source=str(ckpt))
+    model = Transformer(config.model)
+    model.load_state_dict(state["model"])
+    model.to(device).eval()
+    meta = state["data"]
+    spm = bytes(meta["spm_proto"].numpy())
+    logger.info("using the latest checkpoint %s (no averaged model in %s)", ckpt, run_dir)
+    return LoadedModel(model, config, spm, meta["src"], meta["tgt"], ckpt)
+
+
+def _tokenizer(loaded: LoadedModel):
+    """The model file's tokenizer (Tokenizer.from_proto, or the bytes written to a temp file)."""
+    from transformer.tokenizer import Tokenizer
+
+    if hasattr(Tokenizer, "from_proto"):
+        return loaded.tokenizer()
+    with tempfile.NamedTemporaryFile(suffix=".model", delete=False) as f:
+        f.write(loaded.spm_proto)
+    return Tokenizer(f.name)
+
+
+def quantize_int8(model: nn.Module) -> nn.Module:
+    """Dynamic int8 quantization of every nn.Linear (attention W^Q, W^KV, W^O and the FFN).
+
+    Not covered: embeddings and the tied pre-softmax projection (`F.linear` on the shared
+    embedding, §3.4), which stay fp32.
+    """
+    with warnings.catch_warnings():  # torch.ao.quantization is deprecated but still works
+        warnings.simplefilter("ignore")
+        return torch.ao.quantization.quantize_dynamic(model, {nn.Linear}, dtype=torch.qint8)
+
+
+class Translator:
+    """Translate text with a loaded model.
+
+    Args:
+        loaded: a model file's contents (`modelfile.load_model` or `resolve_model`).
+        decode: beam size, α, max-length rule, n-best and the token budget per batch.
+        device: where to run.
+        dtype: torch.float32, torch.bfloat16, or "fp32" / "bf16" / "int8".
+    """
+
+    def __init__(
+        self,
+        loaded: LoadedModel,
+        decode: DecodeConfig | None = None,
+        device: str | torch.device = "cpu",
+        dtype: torch.dtype | str = torch.float32,
+    ):
+        self.loaded = loaded
+        self.decode = decode if decode is not None else loaded.config.decode
+        self.device = torch.device(device)
+        self.tokenizer = _tokenizer(loaded)
+        if isinstance(dtype, str):
+            if dtype not in DTYPES:
+                raise UserError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+            dtype = DTYPES[dtype]
+        model = loaded.model.to(self.device).eval()
+        if dtype == "int8":
+            model = quantize_int8(model)
+        elif dtype != torch.float32:
+            model = model.to(dtype)
+        self.model, self.dtype = model, dtype
+        self.max_src_len = model.cfg.max_len
+
+    @classmethod
+    def from_path(
+        cls,
+        path: str | Path,
+        decode: DecodeConfig | None = None,
+        device: str | torch.device = "cpu",
+        dtype: torch.dtype | str = torch.float32,
+    ) -> Translator:
+        """A Translator for a model file or a run directory (see `resolve_model`)."""
+        return cls(resolve_model(path, device), decode, device, dtype)
+
+    def encode(self, lines: Sequence[str]) -> list[list[int]]:
+        """Subword ids + EOS per line; a line longer than the model's maximum is truncated to
+        it with a warning naming the line (1-based). Empty lines give []."""
+        out = []
+        for number, (line, ids) in enumerate(
+            zip(lines, self.tokenizer.encode_batch(list(lines)), strict=True), start=1
+        ):
+            if not line.strip():
+                out.append([])
+                continue
+            if len(ids) + 1 > self.max_src_len:
+                logger.warning(
+                    "line %d: %d subword tokens exceed the model's maximum of %d; truncated",
+                    number, len(ids) + 1, self.max_src_len,
+                )  # fmt: skip
+                ids = ids[: self.max_src_len - 1]
+            out.append([*ids, EOS_ID])
+        return out
+
+    def batches(self, sources: Sequence[list[int]]) -> Iterator[list[int]]:
+        """Indices of non-empty sources in batches of at most `decode.max_tokens` padded source
+        tokens, longest first (stable), so that padding and search steps are few."""
+        order = sorted((i for i, s in enumerate(sources) if s), key=lambda i: -len(sources[i]))
+        batch: list[int] = []
+        for i in order:
+            width = len(sources[batch[0]]) if batch else len(sources[i])
+            if batch and (len(batch) + 1) * width > self.decode.max_tokens:
+                yield batch
+                batch = []
+            batch.append(i)
+        if batch:
+            yield batch
+
+    def _collate(self, sources: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        S = max(len(s) for s in sources)
+        src = torch.full((len(sources), S), PAD_ID, dtype=torch.long)
+        for row, ids in enumerate(sources):
+            src[row, : len(ids)] = torch.tensor(ids)
+        src = src.to(self.device)
+        return src, src != PAD_ID  # (B, S), (B, S)
+
+    @torch.inference_mode()
+    def translate(
+        self,
+        lines: Sequence[str],
+        beam_size: int | None = None,
+        length_penalty: float | None = None,
+        n_best: int | None = None,
+    ) -> list[list[Translation]]:
+        """Translate lines; returns, per line in input order, its n-best translations.
+
+        Beam size 1 runs greedy search (score 0). An empty line gives one empty translation.
+        """
+        cfg = self.options(beam_size, length_penalty, n_best)
+        sources = self.encode(lines)
+        results: list[list[Translation]] = [[Translation("", [], 0.0)] for _ in lines]
+        for batch in self.batches(sources):
+            src, src_mask = self._collate([sources[i] for i in batch])
+            if cfg.beam_size == 1:
+                outs = greedy_search(self.model, src, src_mask, cfg.max_len_a, cfg.max_len_b)
+                hyps = [[(tokens, 0.0)] for tokens in outs]
+            else:
+                found = beam_search(
+                    self.model, src, src_mask, cfg.beam_size, cfg.length_penalty,
+                    cfg.max_len_a, cfg.max_len_b, cfg.n_best,
+                )  # fmt: skip
+                hyps = [[(h.tokens, h.score) for h in nbest] for nbest in found]
+            for i, nbest in zip(batch, hyps, strict=True):
+                results[i] = [Translation(self.tokenizer.decode(t), t, s) for t, s in nbest]
+        return results
+
+    def options(
+        self,
+        beam_size: int | None = None,
+        length_penalty: float | None = None,
+        n_best: int | None = None,
+        max_tokens: int | None = None,
+    ) -> DecodeConfig:
+        """This translator's DecodeConfig with the given (non-None) values changed; n_best is
+        capped to a smaller beam. Invalid values raise ConfigError."""
+        changes = {
+            "beam_size": beam_size,
+            "length_penalty": length_penalty,
+            "n_best": n_best,
+            "max_tokens": max_tokens,
+        }
+        changes = {k: v for k, v in changes.items() if v is not None}
+        if "beam_size" in changes and "n_best" not in changes:
+            changes["n_best"] = min(self.decode.n_best, changes["beam_size"])
+        return replace(self.decode, **changes)
+
+    def translate_lines(self, lines: Sequence[str]) -> list[str]:
+        """The best translation of each line, in input order."""
+        return [nbest[0].text for nbest in self.translate(lines)]
+
+    @torch.inference_mode()
+    def attention(self, src_text: str, tgt_text: str | None = None) -> dict:
+        """Attention weights of one sentence pair (Figures 3-5); decodes tgt when not given.
+
+        Returns:
+            {"source_pieces": S pieces (ending "</s>"), "target_pieces": T output pieces
+            (ending "</s>"; row i of decoder/cross is where piece i is predicted),
+            "target_input_pieces": T decoder inputs ("<s>" first), "translation": tgt text,
+            "encoder": N x H x S x S, "decoder": N x H x T x T, "cross": N x H x T x S},
+            weights as nested lists of floats.
+        """
+        if tgt_text is None:
+            tgt_text = self.translate_lines([src_text])[0]
+        src_ids = self.encode([src_text])[0] or [EOS_ID]
+        tgt_ids = self.tokenizer.encode(tgt_text)
+        src, src_mask = self._collate([src_ids])
+        tgt = torch.tensor([[BOS_ID, *tgt_ids]], device=self.device)  # (1, T)
+        weights = self.model.attention_weights(src, src_mask, tgt)
+        piece = self.tokenizer.id_to_piece
+        return {
+            "source_pieces": [piece(i) for i in src_ids],
+            "target_pieces": [piece(i) for i in [*tgt_ids, EOS_ID]],
+            "target_input_pieces": [piece(i) for i in [BOS_ID, *tgt_ids]],
+            "translation": tgt_text,
+            **{k: [w[0].float().tolist() for w in v] for k, v in weights.items()},
+        }
+
+
+def read_lines(stream: BinaryIO, name: str) -> list[str]:
+    """Lines of a UTF-8 byte stream without their line ends; invalid UTF-8 is a UserError
+    naming the stream and the line."""
+    lines = []
+    for number, raw in enumerate(stream, start=1):
+        raw = raw.rstrip(b"\n").rstrip(b"\r")
+        try:
+            lines.append(raw.decode("utf-8"))
+        except UnicodeDecodeError as e:
+            raise UserError(f"{name}:{number}: invalid UTF-8 at byte {e.start}") from None
+    return lines
+
+
+def translate_stream(translator: Translator, stream: BinaryIO, name: str) -> list[str]:
+    """`transformer translate`: read all lines of `stream`, return their translations."""
+    lines = read_lines(stream, name)
+    logger.info("translating %d lines from %s", len(lines), name)
+    return translator.translate_lines(lines)

@@ -1,0 +1,175 @@
+from __future__ import annotations
+
+import io
+import logging
+from pathlib import Path
+
+import pytest
+import sentencepiece as spm
+import torch
+
+from transformer.cli import main
+from transformer.config import DecodeConfig, ModelConfig, RunConfig
+from transformer.errors import UserError
+from transformer.model import Transformer
+from transformer.modelfile import load_model, save_model
+from transformer.search import beam_search, greedy_search
+from transformer.tokenizer import BOS_ID, EOS_ID, PAD_ID, UNK_ID
+from transformer.translate import Translator, read_lines, resolve_model
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """Tiny models run fastest on one thread, and the test machine's cores are shared."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+WORDS = "a man woman dog cat runs sits on the red blue street park ball with two young".split()
+
+
+def _train_spm(tmp: Path) -> bytes:
+    """A small joint subword model on synthetic sentences (no corpus needed)."""
+    g = torch.Generator().manual_seed(0)
+    lines = []
+    for _ in range(400):
+        n = int(torch.randint(3, 12, (1,), generator=g))
+        idx = torch.randint(len(WORDS), (n,), generator=g).tolist()
+        lines.append(" ".join(WORDS[i] for i in idx).capitalize() + ".")
+    (tmp / "text.txt").write_text("\n".join(lines) + "\n", encoding="utf-8")
+    spm.SentencePieceTrainer.train(
+        input=str(tmp / "text.txt"), model_prefix=str(tmp / "spm"), vocab_size=300,
+        model_type="bpe", pad_id=PAD_ID, bos_id=BOS_ID, eos_id=EOS_ID, unk_id=UNK_ID,
+        byte_fallback=True, character_coverage=1.0, normalization_rule_name="identity",
+        num_threads=1, minloglevel=2,
+    )  # fmt: skip
+    return (tmp / "spm.model").read_bytes()
+
+
+@pytest.fixture(scope="module")
+def model_file(tmp_path_factory) -> Path:
+    """A tiny random model file (d_model 16, 2 layers, max_len 64) with a real spm model."""
+    tmp = tmp_path_factory.mktemp("translate")
+    proto = _train_spm(tmp)
+    vocab = spm.SentencePieceProcessor(model_proto=proto).get_piece_size()
+    cfg = RunConfig(
+        model=ModelConfig(vocab_size=vocab, n_layers=2, d_model=16, d_ff=32, n_heads=2, d_k=8,
+                          d_v=8, p_drop=0.0, max_len=64),
+        decode=DecodeConfig(beam_size=3, max_len_b=8, max_tokens=40),
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = Transformer(cfg.model).eval()
+    with torch.no_grad():  # a wider logit spread than the init, so outputs vary by input
+        model.src_embed.weight.mul_(4.0)
+    return save_model(tmp / "model.safetensors", model, cfg, proto, "en", "de")
+
+
+LINES = ["A man runs.", "", "Two young dogs sit on the red street with a ball.", "A cat."]
+
+
+def test_batched_translation_keeps_input_order_and_equals_one_at_a_time(model_file):
+    tr = Translator.from_path(model_file)
+    assert len(list(tr.batches(tr.encode(LINES)))) > 1  # max_tokens=40 forces several batches
+    together = tr.translate(LINES, n_best=2)
+    for line, nbest in zip(LINES, together, strict=True):
+        alone = tr.translate([line], n_best=2)[0]
+        assert [t.tokens for t in alone] == [t.tokens for t in nbest]
+    assert together[1] == [together[1][0]] and together[1][0].text == ""  # empty line -> ""
+    assert [len(n) for i, n in enumerate(together) if i != 1] == [2, 2, 2]
+    assert tr.translate_lines(LINES) == [n[0].text for n in together]
+
+
+def test_translation_matches_search_on_the_encoded_source(model_file):
+    tr = Translator.from_path(model_file)
+    ids = tr.tokenizer.encode(LINES[2]) + [EOS_ID]
+    src = torch.tensor([ids])
+    want = beam_search(tr.model, src, src != PAD_ID, beam_size=3, length_penalty=0.6,
+                       max_len_b=8)[0][0]  # fmt: skip
+    got = tr.translate([LINES[2]])[0][0]
+    assert got.tokens == want.tokens and got.score == pytest.approx(want.score)
+    assert got.text == tr.tokenizer.decode(want.tokens)
+
+
+def test_beam_1_is_greedy_and_options_are_validated(model_file):
+    tr = Translator.from_path(model_file)
+    greedy = tr.translate(LINES, beam_size=1)
+    assert all(len(n) == 1 for n in greedy)
+    ids = tr.tokenizer.encode(LINES[2]) + [EOS_ID]
+    src = torch.tensor([ids])
+    assert greedy[2][0].tokens == greedy_search(tr.model, src, src != PAD_ID, 1.0, 8)[0]
+    with pytest.raises(UserError):
+        tr.translate(LINES, beam_size=0)
+
+
+def test_long_line_is_truncated_with_a_warning_naming_it(model_file, caplog):
+    tr = Translator.from_path(model_file)
+    long = " ".join(["two young dogs"] * 40)
+    with caplog.at_level(logging.WARNING, logger="transformer.translate"):
+        sources = tr.encode(["A cat.", long])
+        out = tr.translate_lines(["A cat.", long])
+    assert len(sources[1]) == 64 and sources[1][-1] == EOS_ID  # max_len 64 positions
+    assert "line 2:" in caplog.text and "truncated" in caplog.text
+    assert len(out) == 2
+
+
+def test_bf16_and_int8(model_file):
+    fp32 = Translator.from_path(model_file).translate_lines(LINES)
+    bf16 = Translator.from_path(model_file, dtype="bf16")
+    assert bf16.model.output_weight().dtype == torch.bfloat16
+    assert len(bf16.translate_lines(LINES)) == 4
+    int8 = Translator.from_path(model_file, dtype="int8")
+    dynamic_linear = torch.ao.nn.quantized.dynamic.Linear
+    quantized = [m for m in int8.model.modules() if isinstance(m, dynamic_linear)]
+    assert len(quantized) == 2 * 5 + 2 * 8  # encoder: 3 attn + 2 ffn; decoder: 6 attn + 2 ffn
+    out = int8.translate_lines(LINES)
+    assert out[1] == "" and len(out) == 4
+    assert fp32[1] == ""
+    with pytest.raises(UserError, match="dtype"):
+        Translator.from_path(model_file, dtype="fp8")
+
+
+def test_attention_has_pieces_and_per_layer_head_weights(model_file):
+    tr = Translator.from_path(model_file)
+    att = tr.attention("A man runs.")
+    S, T = len(att["source_pieces"]), len(att["target_pieces"])
+    assert att["source_pieces"][-1] == att["target_pieces"][-1] == "</s>"
+    assert att["target_input_pieces"][0] == "<s>" and len(att["target_input_pieces"]) == T
+    for key, shape in [("encoder", (S, S)), ("decoder", (T, T)), ("cross", (T, S))]:
+        layers = torch.tensor(att[key])
+        assert layers.shape == (2, 2, *shape)  # N layers, H heads
+        torch.testing.assert_close(layers.sum(-1), torch.ones(2, 2, shape[0]))
+    given = tr.attention("A man runs.", "Ein Mann.")
+    assert given["translation"] == "Ein Mann."
+
+
+def test_read_lines_names_the_invalid_utf8_line():
+    assert read_lines(io.BytesIO(b"a\r\n\nb"), "x") == ["a", "", "b"]
+    with pytest.raises(UserError, match=r"in\.txt:2: invalid UTF-8"):
+        read_lines(io.BytesIO(b"ok\nbad \xff\n"), "in.txt")
+
+
+def test_run_directory_uses_its_averaged_model(model_file, tmp_path):
+    with pytest.raises(UserError, match="no model file"):
+        resolve_model(tmp_path)
+    loaded = load_model(model_file)
+    run = tmp_path / "run"
+    save_model(run / "model_avg.safetensors", loaded.model, loaded.config, loaded.spm_proto,
+               "en", "de")  # fmt: skip
+    assert resolve_model(run).path == run / "model_avg.safetensors"
+
+
+def test_cli_translate_file_and_errors(model_file, tmp_path, capsys):
+    src = tmp_path / "in.txt"
+    src.write_text("\n".join(LINES) + "\n", encoding="utf-8")
+    assert main(["translate", str(model_file), str(src), "--beam", "2", "--alpha", "0.6"]) == 0
+    out = capsys.readouterr().out.split("\n")
+    assert len(out) == 5 and out[1] == "" and out[4] == ""  # 4 lines, the empty one kept
+    expected = Translator.from_path(model_file).translate(LINES, beam_size=2, length_penalty=0.6)
+    assert out[:4] == [n[0].text for n in expected]
+    bad = tmp_path / "bad.txt"
+    bad.write_bytes(b"A man.\n\xc3\x28 broken\n")
+    assert main(["translate", str(model_file), str(bad)]) == 2
+    assert "bad.txt:2: invalid UTF-8" in capsys.readouterr().err
+    assert main(["translate", str(tmp_path / "missing.safetensors"), str(src)]) == 2
