@@ -177,7 +177,16 @@ def _report(name, cfg, steps, src_tok, tgt_tok, src_len, tgt_len, hours, devices
 
 
 def read_run(run_dir: Path) -> tuple[RunConfig, dict]:
-    """The run's resolved config (config.yaml) and its last metrics record (metrics.jsonl)."""
+    """The run's resolved config (config.yaml) and its training totals from metrics.jsonl.
+
+    The trainer appends one `{"kind": "train", "step", "tokens" (target tokens so far),
+    "tokens_per_s" (over the window since the previous record), ...}` line per log window.
+    Training time is the sum over windows of window tokens / tokens_per_s, so validation and
+    checkpointing time are not counted. A record with `elapsed_s` is taken as is.
+
+    Returns:
+        (config, {"step", "tgt_tokens", "elapsed_s"}).
+    """
     run_dir = Path(run_dir)
     cfg_path, metrics_path = run_dir / "config.yaml", run_dir / "metrics.jsonl"
     for p in (cfg_path, metrics_path):
@@ -188,7 +197,8 @@ def read_run(run_dir: Path) -> tuple[RunConfig, dict]:
     except yaml.YAMLError as e:
         raise UserError(f"{cfg_path}: cannot parse YAML: {e}") from e
     cfg = from_dict(raw, source=str(cfg_path))
-    last: dict | None = None
+    totals: dict | None = None
+    seconds, tokens_before = 0.0, 0
     with open(metrics_path, encoding="utf-8") as f:
         for number, line in enumerate(f, 1):
             if not line.strip():
@@ -197,24 +207,33 @@ def read_run(run_dir: Path) -> tuple[RunConfig, dict]:
                 record = json.loads(line)
             except json.JSONDecodeError as e:
                 raise UserError(f"{metrics_path}:{number}: not a JSON line: {e}") from e
-            if "step" in record and _tokens(record) is not None and _elapsed(record) is not None:
-                last = record
-    if last is None:
-        raise UserError(f"{metrics_path}: no record with step, tokens and elapsed time")
-    return cfg, last
+            if record.get("kind", "train") != "train" or "tokens" not in record:
+                continue
+            if "elapsed_s" in record:
+                seconds = float(record["elapsed_s"])
+            elif record.get("tokens_per_s"):
+                seconds += (record["tokens"] - tokens_before) / record["tokens_per_s"]
+            else:
+                raise UserError(f"{metrics_path}:{number}: no tokens_per_s or elapsed_s")
+            tokens_before = record["tokens"]
+            totals = {"step": int(record["step"]), "tgt_tokens": float(record["tokens"]),
+                      "elapsed_s": seconds}  # fmt: skip
+    if totals is None:
+        raise UserError(f"{metrics_path}: no training record (step, tokens, tokens_per_s)")
+    return cfg, totals
 
 
-def _tokens(record: dict) -> tuple[float, float] | None:
-    src = record.get("src_tokens", record.get("tokens"))
-    tgt = record.get("tgt_tokens", record.get("tokens"))
-    return None if src is None or tgt is None else (float(src), float(tgt))
+def _data_lengths(run_dir: Path) -> tuple[float, float] | None:
+    """Mean source and target lengths (EOS included) of the run's training split, if found."""
+    try:
+        from transformer.data import load_prepared
 
-
-def _elapsed(record: dict) -> float | None:
-    for key in ("elapsed_s", "elapsed", "wall_s", "time_s"):
-        if key in record:
-            return float(record[key])
-    return None
+        data_dir = json.loads((Path(run_dir) / "run.json").read_text(encoding="utf-8"))
+        split = load_prepared(data_dir["data_dir"]).split("train")
+        return float(split.src_lens.mean()), float(split.tgt_lens.mean())
+    except (OSError, KeyError, ValueError, UserError) as e:
+        log.warning("%s: cannot read the run's data for mean lengths (%s)", run_dir, e)
+        return None
 
 
 def run_report(
@@ -226,23 +245,28 @@ def run_report(
 ) -> CostReport:
     """Table 2 for a training run directory.
 
+    Source tokens are not logged by the trainer; they are the target tokens scaled by the
+    mean source / target length ratio.
+
     Args:
-        run_dir: a directory with the trainer's config.yaml and metrics.jsonl.
+        run_dir: a directory with the trainer's config.yaml and metrics.jsonl (and run.json).
         device_tflops: sustained TFLOPS of one device; None measures this machine's matmul rate
             in the run's dtype (the paper's "sustained", not the datasheet peak).
         devices: number of devices the run used.
-        src_len, tgt_len: mean sentence lengths; None takes them from the metrics record
-            (`mean_src_len`/`mean_tgt_len`) or falls back to DEFAULT_MEAN_LEN.
+        src_len, tgt_len: mean sentence lengths; None takes them from the run's training data,
+            or DEFAULT_MEAN_LEN when that cannot be read.
     """
-    cfg, record = read_run(run_dir)
-    src_tok, tgt_tok = _tokens(record)
-    src_len = src_len or record.get("mean_src_len") or DEFAULT_MEAN_LEN
-    tgt_len = tgt_len or record.get("mean_tgt_len") or DEFAULT_MEAN_LEN
+    cfg, totals = read_run(run_dir)
+    if src_len is None or tgt_len is None:
+        lengths = _data_lengths(run_dir) or (DEFAULT_MEAN_LEN, DEFAULT_MEAN_LEN)
+        src_len, tgt_len = src_len or lengths[0], tgt_len or lengths[1]
+    tgt_tok = totals["tgt_tokens"]
+    src_tok = tgt_tok * src_len / tgt_len
     if device_tflops is None:
         device_tflops = measure_matmul_tflops(cfg.train.dtype)
-    hours = _elapsed(record) / 3600.0
+    hours = totals["elapsed_s"] / 3600.0
     return _report(
-        str(run_dir), cfg.model, int(record["step"]), src_tok, tgt_tok, src_len, tgt_len,
+        str(run_dir), cfg.model, totals["step"], src_tok, tgt_tok, src_len, tgt_len,
         hours, devices, device_tflops,
     )  # fmt: skip
 

@@ -65,21 +65,24 @@ def test_paper_arithmetic() -> None:
 def test_run_report_reads_run_dir(tmp_path) -> None:
     cfg = RunConfig(model=TINY)
     (tmp_path / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg)))
+    # The trainer's format: cumulative target tokens, window throughput; valid lines ignored.
     records = [
-        {"step": 1, "tokens": 10, "elapsed_s": 1.0},
-        {"step": 5, "tokens": 130, "elapsed_s": 36.0},
+        {"kind": "train", "step": 2, "tokens": 40, "tokens_per_s": 10.0},
+        {"kind": "valid", "step": 2, "loss": 3.0},
+        {"kind": "train", "step": 5, "tokens": 140, "tokens_per_s": 2.0},
     ]
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     report = run_report(tmp_path, device_tflops=1.0, src_len=6, tgt_len=7)
     assert report.steps == 5
-    assert report.analytic_flops == training_flops(TINY, 130, 130, 6, 7)
-    assert report.estimated_flops == pytest.approx(36.0 * 1e12)
+    # Source tokens = target tokens x 6/7; time = 40/10 + 100/2 = 54 s.
+    assert report.analytic_flops == pytest.approx(training_flops(TINY, 120, 140, 6, 7))
+    assert report.estimated_flops == pytest.approx(54.0 * 1e12)
 
 
 def test_run_report_errors_name_the_file(tmp_path) -> None:
     with pytest.raises(UserError, match="config.yaml"):
         run_report(tmp_path, device_tflops=1.0)
     (tmp_path / "config.yaml").write_text(yaml.safe_dump(to_dict(RunConfig(model=TINY))))
-    (tmp_path / "metrics.jsonl").write_text('{"step": 1}\nnot json\n')
+    (tmp_path / "metrics.jsonl").write_text('{"kind": "valid", "step": 1}\nnot json\n')
     with pytest.raises(UserError, match="metrics.jsonl:2"):
         run_report(tmp_path, device_tflops=1.0)
