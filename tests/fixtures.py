@@ -7,6 +7,11 @@ export on real Multi30k sentences without training. Import with `from fixtures i
 
 from __future__ import annotations
 
+import contextlib
+import subprocess
+import sys
+import tempfile
+import time
 from pathlib import Path
 
 import sentencepiece as spm
@@ -87,3 +92,50 @@ def make_model_file(
     torch.manual_seed(seed)
     model = Transformer(config.model).eval()
     return save_model(tmp_dir / "model.safetensors", model, config, proto, "en", "de")
+
+
+def free_port() -> int:
+    """A TCP port that is free on 127.0.0.1 right now."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def running_server(model: Path, *flags: str, timeout_s: float = 90.0):
+    """`transformer serve MODEL` as a subprocess on 127.0.0.1 and a free port; yields its URL.
+
+    Waits until GET /health answers; stops the server (SIGTERM, then SIGKILL) on exit.
+    """
+    import httpx
+
+    port = free_port()
+    cmd = [sys.executable, "-m", "transformer", "serve", str(model), "--port", str(port)]
+    log = tempfile.TemporaryFile()
+    proc = subprocess.Popen([*cmd, "--threads", "1", *flags], stdout=log, stderr=log)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if proc.poll() is not None:
+                log.seek(0)
+                raise RuntimeError(f"server exited {proc.returncode}: {log.read().decode()}")
+            try:
+                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"server did not start within {timeout_s} s")
+            time.sleep(0.2)
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        log.close()

@@ -200,6 +200,54 @@ def _add_evaluate(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_cmd_evaluate)
 
 
+def _cmd_serve(args: argparse.Namespace) -> int:
+    from transformer.serve import ServeLimits, serve
+
+    given = {
+        "max_request_bytes": args.max_request_bytes,
+        "max_sentences": args.max_sentences,
+        "max_sentence_tokens": args.max_sentence_tokens,
+        "batch_wait_ms": args.batch_wait_ms,
+        "max_batch_sentences": args.max_batch_sentences,
+    }
+    limits = ServeLimits(**{k: v for k, v in given.items() if v is not None})
+    print(f"serving {args.model} on http://{args.host}:{args.port}/ (Ctrl-C stops)")
+    serve(args.model, args.host, args.port, limits, args.dtype, args.threads)
+    return 0
+
+
+def _add_serve(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("serve", help="HTTP translation server: JSON API + attention web page")
+    p.add_argument("model", help="a model file, or a run directory (its averaged/latest model)")
+    p.add_argument("--host", default="127.0.0.1", help="interface (default: loopback only)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--dtype", choices=["fp32", "bf16", "int8"], default="fp32")
+    p.add_argument("--threads", type=int, help="torch threads for decoding")
+    p.add_argument("--max-request-bytes", type=int, help="JSON body limit (default 262144)")
+    p.add_argument("--max-sentences", type=int, help="sentences per request (default 64)")
+    p.add_argument("--max-sentence-tokens", type=int, help="subwords per sentence (default 250)")
+    p.add_argument("--batch-wait-ms", type=float, help="batching window (default 5 ms)")
+    p.add_argument("--max-batch-sentences", type=int, help="sentences per batch (default 64)")
+    p.set_defaults(func=_cmd_serve)
+
+
+def _cmd_export(args: argparse.Namespace) -> int:
+    from transformer.export import export_ctranslate2
+
+    print(export_ctranslate2(args.model, args.out, args.quantization, args.force))
+    return 0
+
+
+def _add_export(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("export", help="write a model for a fast inference engine (CTranslate2)")
+    p.add_argument("model", type=Path, help="a model file")
+    p.add_argument("out", type=Path, help="output directory")
+    p.add_argument("--to", choices=["ctranslate2"], required=True, help="target engine")
+    p.add_argument("--quantization", help="int8, int8_float32, int16, float16, bfloat16, float32")
+    p.add_argument("--force", action="store_true", help="replace an existing output directory")
+    p.set_defaults(func=_cmd_export)
+
+
 # Each entry adds one subcommand. Subcommands live here in the order a user meets them.
 _SUBCOMMANDS = [
     _add_presets,
@@ -209,6 +257,8 @@ _SUBCOMMANDS = [
     _add_attention,
     _add_translate,
     _add_evaluate,
+    _add_serve,
+    _add_export,
 ]
 
 
