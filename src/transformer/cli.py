@@ -248,6 +248,39 @@ def _add_export(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_cmd_export)
 
 
+def _cmd_sweep(args: argparse.Namespace) -> int:
+    from transformer.sweep import ROWS, run_table3
+
+    rows = [r.strip() for r in args.rows.split(",")] if args.rows else list(ROWS)
+    results = run_table3(
+        args.data, args.out, rows, args.scale, args.budget_steps, args.budget_minutes,
+        args.set, args.beam, args.alpha, args.valid_limit,
+    )  # fmt: skip
+    print((args.out / "table3.md").read_text(encoding="utf-8"))
+    print(f"{len(results)} rows; CSV: {args.out / 'table3.csv'}")
+    return 0
+
+
+def _add_sweep(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("sweep", help="§6.2 Table 3: train and measure the model variations")
+    p.add_argument("experiment", choices=["table3"], help="the sweep to run")
+    p.add_argument("--data", type=Path, required=True, help="a prepared-data directory")
+    p.add_argument("--out", type=Path, default=Path("runs/table3"), help="sweep directory")
+    p.add_argument("--rows", help="comma-separated Table 3 rows (default: all, base to big)")
+    p.add_argument("--scale", default="small", help="base, small (cpu-small) or a preset name")
+    budget = p.add_mutually_exclusive_group(required=True)
+    budget.add_argument("--budget-steps", type=int, help="training steps per row")
+    budget.add_argument("--budget-minutes", type=float, help="training minutes per row")
+    p.add_argument(
+        "--set", action="append", default=[], metavar="KEY=VALUE",
+        help="override on the base, e.g. train.max_tokens=2000 (repeatable)",
+    )  # fmt: skip
+    p.add_argument("--beam", type=int, default=4, help="dev BLEU beam size (§6.1: 4)")
+    p.add_argument("--alpha", type=float, default=0.6, help="length penalty α (§6.1: 0.6)")
+    p.add_argument("--valid-limit", type=int, help="dev BLEU on the first N sentences only")
+    p.set_defaults(func=_cmd_sweep)
+
+
 # Each entry adds one subcommand. Subcommands live here in the order a user meets them.
 _SUBCOMMANDS = [
     _add_presets,
@@ -259,6 +292,7 @@ _SUBCOMMANDS = [
     _add_evaluate,
     _add_serve,
     _add_export,
+    _add_sweep,
 ]
 
 

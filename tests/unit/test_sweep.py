@@ -1,0 +1,136 @@
+"""§6.2 Table 3 sweep: the row-scaling mapping, the report, and a tiny end-to-end sweep."""
+
+from __future__ import annotations
+
+import csv
+import json
+from dataclasses import asdict
+
+import pytest
+
+from transformer.config import RunConfig, build_config
+from transformer.errors import UserError
+from transformer.sweep import (
+    PAPER_TABLE3,
+    ROWS,
+    RowResult,
+    row_config,
+    run_table3,
+    scale_row,
+    write_report,
+)
+
+TABLE3_ROWS = [r for r in ROWS if r not in ("base", "big")]
+
+
+@pytest.mark.parametrize("row", TABLE3_ROWS)
+def test_rows_on_the_paper_base_are_the_paper_rows(row: str) -> None:
+    # config.PRESETS spells Table 3 out row by row (absolute values from the paper).
+    got, expected = row_config(row, RunConfig()), build_config(row)
+    assert got.model == expected.model
+    assert got.train.eps_ls == expected.train.eps_ls
+
+
+def test_big_on_the_paper_base_is_the_paper_big() -> None:
+    assert row_config("big", RunConfig()).model == build_config("big").model
+
+
+def test_rows_on_cpu_small_scale_relatively() -> None:
+    small = build_config("cpu-small").model  # N 3, d_model 256, d_ff 1024, h 4, d_k = d_v = 64
+    assert (small.n_layers, small.d_model, small.d_ff, small.n_heads, small.d_k) == (
+        3, 256, 1024, 4, 64,
+    )  # fmt: skip
+    expected = {
+        "A1": {"n_heads": 1, "d_k": 256, "d_v": 256},  # one head of d_model
+        "A2": {"n_heads": 2, "d_k": 128, "d_v": 128},
+        "A3": {"n_heads": 8, "d_k": 32, "d_v": 32},  # h x2, d_k / 2
+        "A4": {"n_heads": 16, "d_k": 16, "d_v": 16},
+        "B1": {"d_k": 16},  # d_k / 4
+        "B2": {"d_k": 32},
+        "C1": {"n_layers": 1},  # N x 2/6
+        "C2": {"n_layers": 2},  # N x 4/6
+        "C3": {"n_layers": 4},  # N x 8/6
+        "C4": {"d_model": 128, "d_k": 32, "d_v": 32},
+        "C5": {"d_model": 512, "d_k": 128, "d_v": 128},
+        "C6": {"d_ff": 512},
+        "C7": {"d_ff": 2048},
+        "D1": {"p_drop": 0.0},
+        "D2": {"p_drop": 0.2},
+        "D3": {"train.eps_ls": 0.0},
+        "D4": {"train.eps_ls": 0.2},
+        "E": {"learned_pos": True},
+        "big": {"d_model": 512, "d_ff": 2048, "n_heads": 8, "d_k": 64, "d_v": 64, "p_drop": 0.3},
+    }
+    for row, changes in expected.items():
+        assert scale_row(row, small) == changes, row
+    assert scale_row("base", small) == {}
+
+
+def test_row_a_keeps_attention_width() -> None:
+    for base in (RunConfig().model, build_config("cpu-small").model):
+        for row in ("A1", "A2", "A3", "A4"):
+            cfg = row_config(row, RunConfig(model=base)).model
+            assert cfg.n_heads * cfg.d_k == base.n_heads * base.d_k, row
+
+
+def test_unknown_row_is_a_user_error() -> None:
+    with pytest.raises(UserError, match="unknown Table 3 row 'F1'"):
+        scale_row("F1", RunConfig().model)
+
+
+def test_sweep_needs_a_budget(tmp_path) -> None:
+    with pytest.raises(UserError, match="--budget-steps or --budget-minutes"):
+        run_table3(tmp_path, tmp_path / "out", rows=["base"])
+
+
+def _result(row: str, ppl: float) -> RowResult:
+    return RowResult(row, 3, 256, 1024, 4, 64, 64, 0.1, 0.1, "sinusoid", 100, 9_500_000, ppl,
+                     12.5, 3000.0, 2.0, 2.5)  # fmt: skip
+
+
+def test_write_report(tmp_path) -> None:
+    results = [_result("base", 9.87), _result("A1", 10.5)]
+    write_report(results, tmp_path / "t.md", tmp_path / "t.csv", {"scale": "small"})
+    md = (tmp_path / "t.md").read_text()
+    assert (
+        "| base | 3 | 256 | 1024 | 4 | 64 | 64 | 0.1 | 0.1 | sinusoid | 100 | 9.50 | 9.87 |" in md
+    )
+    assert "| 4.92 | 25.8 |" in md  # the paper's base row beside ours
+    rows = list(csv.DictReader((tmp_path / "t.csv").open()))
+    assert [r["row"] for r in rows] == ["base", "A1"]
+    assert float(rows[1]["dev_ppl"]) == 10.5
+    assert float(rows[1]["paper_bleu"]) == PAPER_TABLE3["A1"][1]
+
+
+@pytest.mark.integration
+def test_two_row_sweep_end_to_end(shared_data, tmp_path) -> None:
+    from transformer.prepare import prepare_corpus
+
+    m30k = shared_data / "multi30k"
+    files = {}
+    for split, src_name, n in (("train", "train", 400), ("val", "val", 20)):
+        pair = []
+        for lang in ("en", "de"):
+            lines = (m30k / f"{src_name}.{lang}").read_text(encoding="utf-8").splitlines()[:n]
+            path = tmp_path / f"{split}.{lang}"
+            path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+            pair.append(path)
+        files[split] = pair
+    data = tmp_path / "prepared"
+    prepare_corpus("custom", "en", "de", data, train_files=files["train"],
+                   valid_files=files["val"], vocab_size=500, num_threads=1)  # fmt: skip
+    out = tmp_path / "sweep"
+    results = run_table3(data, out, rows=["base", "A1"], scale="tiny", budget_steps=3,
+                         overrides=["train.max_tokens=600", "train.dtype=fp32"],
+                         valid_limit=5)  # fmt: skip
+    assert [r.row for r in results] == ["base", "A1"]
+    assert results[1].n_heads == 1 and results[1].d_k == results[0].n_heads * results[0].d_k
+    for r in results:
+        assert r.steps == 3 and r.params > 0 and r.tokens_per_s > 0
+        assert 1.0 < r.dev_ppl < 1000  # about the vocabulary size (500) after 3 steps
+        assert 0.0 <= r.dev_bleu <= 100.0
+        assert json.loads((out / r.row / "result.json").read_text()) == asdict(r)
+    assert (out / "table3.md").is_file() and (out / "table3.csv").is_file()
+    # A second call reads the finished rows instead of training them again.
+    again = run_table3(data, out, rows=["base", "A1"], scale="tiny", budget_steps=3)
+    assert again == results
