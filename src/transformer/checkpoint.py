@@ -1,0 +1,198 @@
+"""Checkpoints: atomic save, keep the last K, a `latest` pointer, resume; §6.1 averaging.
+
+A run directory holds `checkpoints/ckpt_<step>.pt` and `checkpoints/latest` (the file name of
+the newest complete checkpoint). A checkpoint is written to a temporary file, fsynced and renamed
+into place; only then is `latest` replaced the same way, so a kill at any moment leaves `latest`
+naming a complete file. Checkpoints hold only tensors and plain Python values and are read with
+`torch.load(weights_only=True)`: loading never runs code from the file.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import re
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from transformer.errors import UserError
+
+logger = logging.getLogger(__name__)
+
+CHECKPOINT_DIR = "checkpoints"
+LATEST = "latest"
+_NAME = re.compile(r"^ckpt_(\d+)\.pt$")
+
+
+class CheckpointError(UserError):
+    """A checkpoint or run directory is missing or unreadable; the message names the file."""
+
+
+def _fsync_dir(directory: Path) -> None:
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:  # some platforms cannot open directories
+        return
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_atomic(path: Path, write) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with open(tmp, "wb") as f:
+        write(f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)
+
+
+def list_checkpoints(run_dir: Path) -> list[Path]:
+    """Complete checkpoints of a run, oldest first (by step)."""
+    directory = Path(run_dir) / CHECKPOINT_DIR
+    if not directory.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in directory.iterdir() if (m := _NAME.match(p.name))]
+    return [p for _, p in sorted(found)]
+
+
+def latest_checkpoint(run_dir: Path) -> Path | None:
+    """The checkpoint named by `latest`, or None if the run has none yet."""
+    pointer = Path(run_dir) / CHECKPOINT_DIR / LATEST
+    if not pointer.is_file():
+        return None
+    path = pointer.parent / pointer.read_text(encoding="utf-8").strip()
+    if not path.is_file():
+        raise CheckpointError(f"{pointer}: names {path.name}, which does not exist")
+    return path
+
+
+def save_checkpoint(run_dir: Path, step: int, state: dict[str, Any], keep_last: int) -> Path:
+    """Write `checkpoints/ckpt_<step>.pt` atomically, point `latest` at it, keep the last K.
+
+    Args:
+        run_dir: the run directory.
+        step: optimizer step, used in the file name.
+        state: tensors and plain values only (see `training_state`).
+        keep_last: how many checkpoints to keep (§6.1: 5 for base, 20 for big).
+
+    Returns:
+        The checkpoint's path.
+    """
+    directory = Path(run_dir) / CHECKPOINT_DIR
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / f"ckpt_{step}.pt"
+    _write_atomic(path, lambda f: torch.save(state, f))
+    _write_atomic(directory / LATEST, lambda f: f.write(path.name.encode("utf-8")))
+    for old in list_checkpoints(run_dir)[:-keep_last]:
+        old.unlink()
+    logger.info("saved checkpoint %s", path)
+    return path
+
+
+def load_checkpoint(path: Path) -> dict[str, Any]:
+    """Read a checkpoint (tensors and plain values only)."""
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # torch raises several types for truncated or foreign files
+        raise CheckpointError(f"{path}: not a readable checkpoint: {e}") from e
+
+
+def rng_state() -> dict[str, Any]:
+    """Every random generator's state as tensors and plain values (weights_only-safe)."""
+    np_state = np.random.get_state()
+    py_version, py_state, py_gauss = random.getstate()
+    state: dict[str, Any] = {
+        "torch": torch.get_rng_state(),
+        "numpy": torch.from_numpy(np_state[1].astype(np.int64)),
+        "numpy_pos": int(np_state[2]),
+        "numpy_gauss": [int(np_state[3]), float(np_state[4])],
+        "python": torch.tensor(py_state, dtype=torch.int64),
+        "python_version": py_version,
+        "python_gauss": py_gauss,
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    """Restore what `rng_state` returned."""
+    torch.set_rng_state(state["torch"])
+    has_gauss, gauss = state["numpy_gauss"]
+    np.random.set_state(
+        ("MT19937", state["numpy"].numpy().astype(np.uint32), state["numpy_pos"], has_gauss, gauss)
+    )
+    py_state = tuple(int(x) for x in state["python"].tolist())
+    random.setstate((state["python_version"], py_state, state["python_gauss"]))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def average_checkpoints(states: Sequence[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """§6.1: the element-wise mean of several model state dicts (in fp64, returned as fp32).
+
+    Args:
+        states: model state dicts with the same keys and shapes.
+
+    Returns:
+        The averaged state dict; non-float entries are taken from the last state.
+    """
+    if not states:
+        raise ValueError("average_checkpoints: no checkpoints given")
+    keys = list(states[-1])
+    for i, s in enumerate(states):
+        if list(s) != keys:
+            raise ValueError(f"average_checkpoints: state {i} has different keys")
+    out = {}
+    for k in keys:
+        if not states[-1][k].is_floating_point():
+            out[k] = states[-1][k].clone()
+            continue
+        total = torch.zeros(states[-1][k].shape, dtype=torch.float64)
+        for s in states:
+            total += s[k].double()
+        out[k] = (total / len(states)).float()
+    return out
+
+
+def average_run(run_dir: Path, last: int, out: Path | None = None) -> Path:
+    """`transformer average`: average the run's last N checkpoints into one model file (§6.1).
+
+    Args:
+        run_dir: a training run directory.
+        last: how many of the newest checkpoints to average (5 for base, 20 for big).
+        out: the model file to write (default `RUN_DIR/average_last<N>.safetensors`).
+
+    Returns:
+        The model file's path.
+    """
+    from transformer.config import from_dict
+    from transformer.model import Transformer
+    from transformer.modelfile import save_model
+
+    run_dir = Path(run_dir)
+    paths = list_checkpoints(run_dir)
+    if not paths:
+        raise CheckpointError(f"{run_dir / CHECKPOINT_DIR}: no checkpoints")
+    if last < 1 or last > len(paths):
+        raise CheckpointError(
+            f"{run_dir / CHECKPOINT_DIR}: --last {last} asked, {len(paths)} checkpoints present"
+        )
+    chosen = paths[-last:]
+    states = [load_checkpoint(p) for p in chosen]
+    config = from_dict(states[-1]["config"], source=str(chosen[-1]))
+    model = Transformer(config.model)
+    model.load_state_dict(average_checkpoints([s["model"] for s in states]))
+    meta = states[-1]["data"]
+    out = Path(out) if out is not None else run_dir / f"average_last{last}.safetensors"
+    save_model(out, model, config, bytes(meta["spm_proto"].numpy()), meta["src"], meta["tgt"])
+    logger.info("averaged %s into %s", ", ".join(p.name for p in chosen), out)
+    return out

@@ -1,0 +1,136 @@
+"""§5.4 label-smoothed cross-entropy: a reference on logits and a memory-lean chunked version.
+
+Smoothing denominator (see docs/training.md): the target class gets probability 1 - eps_ls and
+each of the other V - 1 classes gets eps_ls / (V - 1), as in the authors' tensor2tensor
+(`smoothing_cross_entropy`: low_confidence = (1 - confidence) / (vocab_size - 1)) and fairseq
+(`eps_i = epsilon / (V - 1)`). PyTorch's `F.cross_entropy(label_smoothing=eps)` spreads eps over
+all V classes instead (the target gets 1 - eps + eps / V). Padding positions are excluded.
+
+Both functions return sums over the real tokens; the trainer divides by the number of target
+tokens in the whole (accumulated, all-rank) batch.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from transformer.tokenizer import PAD_ID
+
+# Rows of the (N, V) logits built at once by the chunked loss: 1024 x 37k fp32 is ~150 MB.
+CHUNK_ROWS = 1024
+
+
+def smoothed_target_loss(lprobs: torch.Tensor, target: torch.Tensor, eps: float) -> torch.Tensor:
+    """Per-row §5.4 loss -sum_c q_c log p_c, with q = 1 - eps on the target, eps / (V - 1) else.
+
+    Args:
+        lprobs: (N, V) log-probabilities.
+        target: (N,) class ids.
+        eps: eps_ls.
+
+    Returns:
+        (N,) per-row loss.
+    """
+    n_classes = lprobs.size(-1)
+    nll = -lprobs.gather(-1, target[:, None]).squeeze(-1)  # (N,)
+    if eps == 0.0:
+        return nll
+    eps_other = eps / (n_classes - 1)
+    total = -lprobs.sum(-1)  # (N,) sum over all V classes
+    # sum over c != target of eps_other * (-log p_c) = eps_other * (total - nll)
+    return (1.0 - eps) * nll + eps_other * (total - nll)
+
+
+def label_smoothed_cross_entropy(
+    logits: torch.Tensor, target: torch.Tensor, eps: float, ignore_index: int = PAD_ID
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The reference §5.4 loss on full logits, positions with `target == ignore_index` excluded.
+
+    Args:
+        logits: (..., V) unnormalized scores (any float dtype; the log-softmax runs in fp32).
+        target: (...) class ids.
+        eps: eps_ls (§5.4: 0.1).
+        ignore_index: target id whose positions are excluded (padding).
+
+    Returns:
+        (loss, nll): scalar sums over the non-ignored positions of the smoothed loss and of the
+        plain negative log-likelihood (the latter gives perplexity).
+    """
+    logits = logits.reshape(-1, logits.size(-1))  # (N, V)
+    target = target.reshape(-1)  # (N,)
+    keep = target != ignore_index
+    lprobs = F.log_softmax(logits[keep].float(), dim=-1)  # (n, V)
+    tgt = target[keep]
+    loss = smoothed_target_loss(lprobs, tgt, eps).sum()
+    nll = -lprobs.gather(-1, tgt[:, None]).sum()
+    return loss, nll
+
+
+class _ChunkedProjectionLoss(torch.autograd.Function):
+    """Projection + log-softmax + §5.4 loss, chunk by chunk, with the gradient computed in the
+    forward pass, so no (N, V) tensor is ever stored for backward (only (N, D) and (V, D))."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, target, eps, chunk_rows):  # noqa: D102
+        n_rows, n_classes = hidden.size(0), weight.size(0)
+        need_grad = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
+        grad_hidden = torch.empty_like(hidden) if need_grad else None
+        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+        loss = hidden.new_zeros((), dtype=torch.float32)
+        nll = hidden.new_zeros((), dtype=torch.float32)
+        eps_other = eps / (n_classes - 1)
+        for start in range(0, n_rows, chunk_rows):
+            h = hidden[start : start + chunk_rows]  # (n, D)
+            t = target[start : start + chunk_rows]  # (n,)
+            logits = F.linear(h, weight)  # (n, V), in the parameters' dtype (bf16 matmul)
+            lprobs = F.log_softmax(logits.float(), dim=-1)  # (n, V) fp32
+            row_nll = -lprobs.gather(-1, t[:, None]).squeeze(-1)  # (n,)
+            loss += smoothed_target_loss(lprobs, t, eps).sum()
+            nll += row_nll.sum()
+            if not need_grad:
+                continue
+            # d loss / d logits = softmax - q, where q is the smoothed target distribution.
+            g = lprobs.exp_()  # (n, V), reuses the lprobs buffer
+            g.sub_(eps_other)
+            g.scatter_add_(-1, t[:, None], g.new_full((t.numel(), 1), eps_other - (1.0 - eps)))
+            g = g.to(weight.dtype)
+            grad_hidden[start : start + chunk_rows] = g @ weight  # (n, D)
+            grad_weight += (g.t() @ h).float()  # (V, D)
+        if need_grad:
+            ctx.save_for_backward(grad_hidden, grad_weight.to(weight.dtype))
+        ctx.mark_non_differentiable(nll)
+        return loss, nll
+
+    @staticmethod
+    def backward(ctx, grad_loss, grad_nll):  # noqa: ARG004, D102
+        grad_hidden, grad_weight = ctx.saved_tensors
+        scale = grad_loss.to(grad_hidden.dtype)
+        return grad_hidden * scale, grad_weight * scale, None, None, None
+
+
+def chunked_label_smoothed_loss(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    target: torch.Tensor,
+    eps: float,
+    chunk_rows: int = CHUNK_ROWS,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The §5.4 loss of the pre-softmax projection of the non-pad hidden states, in row chunks.
+
+    Equal to `label_smoothed_cross_entropy(hidden @ weight.T, target, eps)` but builds at most
+    `chunk_rows` x V logits at a time (fp32 log-softmax over matmul outputs in the parameters'
+    dtype) and keeps none of them for backward: the gradient with respect to the logits,
+    softmax - q, is folded into (N, D) and (V, D) gradients during the forward pass.
+
+    Args:
+        hidden: (N, D) decoder states of the non-pad target positions only.
+        weight: (V, D) output projection (the shared embedding when tied, §3.4).
+        target: (N,) the ids those positions predict (no padding).
+        eps: eps_ls.
+        chunk_rows: rows of logits per chunk.
+
+    Returns:
+        (loss, nll): scalar fp32 sums; only `loss` is differentiable.
+    """
+    return _ChunkedProjectionLoss.apply(hidden, weight, target, eps, chunk_rows)

@@ -1,0 +1,407 @@
+"""The §5 training loop: accumulation, validation, checkpoint cadence, budgets, fault handling.
+
+The trainer owns the loop and nothing else: the model, the optimizer (optim.MixedPrecisionAdam),
+the loss function, the batch sampler and the data are passed in (training.train builds them).
+
+One optimizer step = `accum_steps` batches per rank. The loss is summed over real target tokens
+and the summed gradient is divided by the number of target tokens in the whole step (all
+accumulated batches on all ranks), so the update equals that of one big batch.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from transformer import checkpoint, distributed
+from transformer.batching import TokenBatchSampler
+from transformer.config import RunConfig, to_dict
+from transformer.data import Batch, ParallelSplit, collate
+from transformer.errors import UserError
+from transformer.optim import MixedPrecisionAdam, learning_rate
+from transformer.tokenizer import PAD_ID
+
+logger = logging.getLogger(__name__)
+
+MAX_NONFINITE_IN_ROW = 5  # consecutive skipped steps before the run stops
+LossFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float], tuple[torch.Tensor, ...]]
+
+
+class TrainingError(UserError):
+    """Training cannot go on (e.g. the loss keeps diverging); the message says what to change."""
+
+
+@dataclass
+class TrainState:
+    """Counters saved in every checkpoint."""
+
+    step: int = 0  # optimizer steps taken (skipped steps excluded)
+    tokens: int = 0  # target tokens trained on, all ranks
+    skipped: int = 0  # non-finite steps skipped in total
+    nonfinite_in_row: int = 0
+
+
+@dataclass
+class _Window:
+    """Running sums between two log lines."""
+
+    loss: float = 0.0
+    nll: float = 0.0
+    tokens: int = 0
+    steps: int = 0
+    start: float = field(default_factory=time.monotonic)
+
+
+class Trainer:
+    """Runs optimizer steps until `max_steps` or `max_minutes`, validating and saving on cadence.
+
+    Args:
+        model: the Transformer (parameters in bf16 or fp32; the optimizer holds fp32 masters).
+        optimizer: MixedPrecisionAdam over the model's parameters.
+        loss_fn: (hidden (N, D), weight (V, D), target (N,), eps) -> (loss sum, nll sum).
+        sampler: this rank's resumable training batch sampler.
+        train_split, valid_split: the data (valid may be None: no validation).
+        tokenizer: decodes ids for validation BLEU.
+        config: the resolved run config.
+        run_dir: where checkpoints, metrics.jsonl and tensorboard/ go (rank 0 writes).
+        state: counters (restored on resume).
+        dist_info: this rank's place in a distributed job.
+        checkpoint_extra: plain values stored in every checkpoint (data/tokenizer info).
+        forward: the module to call for training (a torch.compile'd model), default `model`.
+        progress: show a tqdm progress bar (rank 0).
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: MixedPrecisionAdam,
+        loss_fn: LossFn,
+        sampler: TokenBatchSampler,
+        train_split: ParallelSplit,
+        valid_split: ParallelSplit | None,
+        tokenizer: Any,
+        config: RunConfig,
+        run_dir: Path,
+        state: TrainState | None = None,
+        dist_info: distributed.DistInfo | None = None,
+        checkpoint_extra: dict[str, Any] | None = None,
+        forward: nn.Module | None = None,
+        progress: bool = True,
+    ) -> None:
+        self.model, self.optimizer, self.loss_fn = model, optimizer, loss_fn
+        self.forward = forward or model
+        self.sampler, self.train_split, self.valid_split = sampler, train_split, valid_split
+        self.tokenizer, self.config, self.cfg = tokenizer, config, config.train
+        self.run_dir = Path(run_dir)
+        self.state = state or TrainState()
+        self.dist = dist_info or distributed.DistInfo()
+        self.extra = checkpoint_extra or {}
+        self.progress = progress and self.dist.is_main
+        self.device = next(model.parameters()).device
+        self._batches = iter(self.sampler)
+        self._writer = None
+
+    # ---------------------------------------------------------------- one step
+
+    def _next_batches(self) -> list[Batch]:
+        """The next `accum_steps` batches of this rank, crossing epoch boundaries."""
+        out: list[Batch] = []
+        while len(out) < self.cfg.accum_steps:
+            try:
+                indices = next(self._batches)
+            except StopIteration:
+                self._batches = iter(self.sampler)  # the sampler has moved to the next epoch
+                continue
+            out.append(collate(self.train_split, indices))
+        return out
+
+    def _batch_loss(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+        b = batch.to(self.device)
+        hidden = self.forward(b.src, b.src_mask, b.tgt_in)  # (B, T, D)
+        keep = b.tgt_out != PAD_ID  # (B, T): the loss projects only real target positions
+        weight = self.model.output_weight()
+        return self.loss_fn(hidden[keep], weight, b.tgt_out[keep], self.cfg.eps_ls)[:2]
+
+    def train_step(
+        self, batches: list[Batch], time_up: bool = False, save_due: bool = False
+    ) -> dict[str, float]:
+        """Forward/backward over the batches, reduce across ranks, one Adam step (or a skip).
+
+        Returns:
+            loss, nll (sums), tokens, grad_norm, lr, ok (1.0 if the step was taken),
+            time_up / save_due (> 0 if any rank's time budget is spent / checkpoint is due:
+            the flags are reduced with the gradients so every rank decides alike).
+        """
+        self.model.train()
+        loss_sum = torch.zeros((), dtype=torch.float32)
+        nll_sum = torch.zeros((), dtype=torch.float32)
+        for batch in batches:
+            loss, nll = self._batch_loss(batch)
+            loss.backward()
+            self.optimizer.collect_grads()
+            loss_sum += loss.detach().float().cpu()
+            nll_sum += nll.detach().float().cpu()
+        tokens = sum(b.n_tgt_tokens for b in batches)
+        flags = [float(time_up), float(save_due)]
+        stats = torch.tensor([loss_sum, nll_sum, tokens, *flags], dtype=torch.float32)
+        stats = stats.to(self.device)
+        distributed.all_reduce_sum([*self.optimizer.master_grads(), stats], self.dist)
+        loss_g, nll_g, tokens_g, time_g, save_g = stats.tolist()
+        lr = learning_rate(
+            self.state.step + 1, self.config.model.d_model, self.cfg.warmup_steps, self.cfg.lr_scale
+        )
+        norm = math.nan
+        if math.isfinite(loss_g):
+            norm = self.optimizer.step(lr, 1.0 / max(tokens_g, 1.0), self.cfg.clip_norm)
+        else:
+            self.optimizer.zero_grad()
+        ok = math.isfinite(loss_g) and math.isfinite(norm)
+        return {
+            "loss": loss_g,
+            "nll": nll_g,
+            "tokens": tokens_g,
+            "grad_norm": norm,
+            "lr": lr,
+            "ok": float(ok),
+            "time_up": time_g,
+            "save_due": save_g,
+        }
+
+    # ---------------------------------------------------------------- the loop
+
+    def run(self) -> TrainState:
+        """Train until a budget is spent; the last state is always checkpointed."""
+        start = time.monotonic()
+        last_save = start
+        window = _Window()
+        bar = self._progress_bar()
+        try:
+            while self.state.step < self.cfg.max_steps:
+                minutes = (time.monotonic() - start) / 60
+                time_up = self.cfg.max_minutes is not None and minutes >= self.cfg.max_minutes
+                save_due = (time.monotonic() - last_save) / 60 >= self.cfg.save_every_minutes
+                out = self.train_step(self._next_batches(), time_up, save_due)
+                if out["time_up"] > 0:
+                    logger.info("time budget of %s minutes spent", self.cfg.max_minutes)
+                    break
+                if not self._account(out, window):
+                    continue
+                self._update_bar(bar, out, window)
+                step = self.state.step
+                if step % self.cfg.log_every_steps == 0:
+                    self._log_train(window)
+                    window = _Window()
+                if self.valid_split is not None and step % self.cfg.valid_every_steps == 0:
+                    self._log_valid()
+                by_steps = self.cfg.save_every_steps > 0 and step % self.cfg.save_every_steps == 0
+                if by_steps or out["save_due"] > 0:
+                    self.save()
+                    last_save = time.monotonic()
+        finally:
+            if bar is not None:
+                bar.close()
+        if window.steps:
+            self._log_train(window)
+        self.save()
+        if self._writer:
+            self._writer.close()
+        return self.state
+
+    def _account(self, out: dict[str, float], window: _Window) -> bool:
+        """Update counters; on a skipped step, log it and stop after too many in a row."""
+        if out["ok"]:
+            self.state.step += 1
+            self.state.tokens += int(out["tokens"])
+            self.state.nonfinite_in_row = 0
+            window.loss += out["loss"]
+            window.nll += out["nll"]
+            window.tokens += int(out["tokens"])
+            window.steps += 1
+            return True
+        self.state.skipped += 1
+        self.state.nonfinite_in_row += 1
+        logger.warning(
+            "step %d: non-finite loss %s or gradient norm %s; step skipped (%d in a row)",
+            self.state.step + 1,
+            out["loss"],
+            out["grad_norm"],
+            self.state.nonfinite_in_row,
+        )
+        if self.state.nonfinite_in_row >= MAX_NONFINITE_IN_ROW:
+            path = self.save()
+            raise TrainingError(
+                f"{MAX_NONFINITE_IN_ROW} non-finite losses in a row after step {self.state.step}; "
+                f"stopped. The last checkpoint ({path}) holds the parameters before them. "
+                "Lower the learning rate (train.lr_scale), raise train.warmup_steps, set "
+                "train.clip_norm, or try train.dtype=fp32"
+            )
+        return False
+
+    # ---------------------------------------------------------------- monitoring
+
+    def _progress_bar(self):
+        if not self.progress:
+            return None
+        from tqdm import tqdm
+
+        return tqdm(
+            total=self.cfg.max_steps, initial=self.state.step, unit="step", dynamic_ncols=True
+        )
+
+    def _update_bar(self, bar, out: dict[str, float], window: _Window) -> None:
+        if bar is None:
+            return
+        elapsed = max(time.monotonic() - window.start, 1e-9)
+        bar.update(1)
+        bar.set_postfix(
+            tok_s=f"{window.tokens / elapsed:.0f}",
+            loss=f"{out['loss'] / max(out['tokens'], 1):.3f}",
+            lr=f"{out['lr']:.2e}",
+            refresh=False,
+        )
+
+    def _log_train(self, window: _Window) -> None:
+        if not self.dist.is_main or not window.steps:
+            return
+        elapsed = max(time.monotonic() - window.start, 1e-9)
+        tokens = max(window.tokens, 1)
+        lr = learning_rate(
+            self.state.step, self.config.model.d_model, self.cfg.warmup_steps, self.cfg.lr_scale
+        )
+        record = {
+            "loss": window.loss / tokens,
+            "nll": window.nll / tokens,
+            "ppl": math.exp(min(window.nll / tokens, 50.0)),
+            "lr": lr,
+            "tokens_per_s": window.tokens / elapsed,
+            "tokens": self.state.tokens,
+        }
+        logger.info(
+            "step %d | loss %.4f | ppl %.2f | lr %.3e | %.0f tok/s",
+            self.state.step,
+            record["loss"],
+            record["ppl"],
+            lr,
+            record["tokens_per_s"],
+        )
+        self._record("train", record)
+
+    def _log_valid(self) -> None:
+        if not self.dist.is_main:
+            return
+        record = self.validate()
+        logger.info(
+            "step %d | valid loss %.4f | valid ppl %.2f | valid BLEU %s",
+            self.state.step,
+            record["loss"],
+            record["ppl"],
+            record.get("bleu", "n/a"),
+        )
+        self._record("valid", record)
+
+    def _record(self, kind: str, values: dict[str, Any]) -> None:
+        """Append to metrics.jsonl (always) and TensorBoard (if installed)."""
+        line = {"kind": kind, "step": self.state.step, "time": time.time(), **values}
+        with open(self.run_dir / "metrics.jsonl", "a", encoding="utf-8") as f:
+            f.write(json.dumps(line) + "\n")
+        writer = self._tensorboard()
+        if writer is not None:
+            for key, value in values.items():
+                if isinstance(value, int | float):
+                    writer.add_scalar(f"{kind}/{key}", value, self.state.step)
+
+    def _tensorboard(self):
+        if self._writer is None:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError:  # the optional `tensorboard` extra is not installed
+                self._writer = False
+                return None
+            self._writer = SummaryWriter(str(self.run_dir / "tensorboard"))
+        return self._writer or None
+
+    @torch.no_grad()
+    def validate(self) -> dict[str, Any]:
+        """Validation loss, per-token perplexity and greedy BLEU on the valid split."""
+        split = self.valid_split
+        self.model.eval()
+        sampler = TokenBatchSampler(
+            split.src_lens, split.tgt_lens, self.cfg.max_tokens, seed=0, shuffle=False
+        )
+        loss = nll = 0.0
+        tokens = 0
+        hyps: dict[int, str] = {}
+        greedy = _greedy_search()
+        for indices in sampler:
+            batch = collate(split, indices)
+            out = self._batch_loss(batch)
+            loss, nll, tokens = (
+                loss + float(out[0]),
+                nll + float(out[1]),
+                tokens + batch.n_tgt_tokens,
+            )
+            if greedy is not None:
+                b = batch.to(self.device)
+                for i, ids in zip(
+                    batch.indices, greedy(self.model, b.src, b.src_mask), strict=True
+                ):
+                    hyps[i] = self.tokenizer.decode(ids)
+        self.model.train()
+        record: dict[str, Any] = {
+            "loss": loss / max(tokens, 1),
+            "nll": nll / max(tokens, 1),
+            "ppl": math.exp(min(nll / max(tokens, 1), 50.0)),
+        }
+        if greedy is not None:
+            from transformer.bleu import corpus_bleu
+
+            refs = [split.tgt_text(i) for i in range(len(split))]
+            result = corpus_bleu([hyps[i] for i in range(len(split))], refs)
+            record["bleu"] = float(result.score)
+        return record
+
+    # ---------------------------------------------------------------- checkpoints
+
+    def training_state(self) -> dict[str, Any]:
+        """Everything resume needs, as tensors and plain values (weights_only-safe)."""
+        rng = [checkpoint.rng_state()]
+        if self.dist.world_size > 1:
+            rng = [None] * self.dist.world_size
+            torch.distributed.all_gather_object(rng, checkpoint.rng_state())
+        return {
+            "step": self.state.step,
+            "counters": dict(vars(self.state)),
+            "model": self.optimizer.master_state(self.model),
+            "optimizer": self.optimizer.state_dict(),
+            "sampler": self.sampler.state_dict(),
+            "rng": rng,
+            "config": to_dict(self.config),
+            **self.extra,
+        }
+
+    def save(self) -> Path | None:
+        """Checkpoint the current state (rank 0 writes; every rank takes part)."""
+        state = self.training_state()
+        if not self.dist.is_main:
+            return None
+        return checkpoint.save_checkpoint(self.run_dir, self.state.step, state, self.cfg.keep_last)
+
+
+def _greedy_search():
+    """search.greedy_search if it and bleu.py are available (they land with the decoding issue)."""
+    try:
+        from transformer.bleu import corpus_bleu  # noqa: F401
+        from transformer.search import greedy_search
+    except ImportError:
+        logger.warning("transformer.search / transformer.bleu not available: no valid BLEU")
+        return None
+    return greedy_search

@@ -1,0 +1,199 @@
+"""`transformer train`: build the model, optimizer, sampler and run directory, then run the loop.
+
+A run directory holds `config.yaml` (the resolved config), `run.json` (the data directory),
+`train.log`, `metrics.jsonl`, `checkpoints/ckpt_<step>.pt` + `checkpoints/latest` and
+`tensorboard/`. Every checkpoint also carries the sentencepiece model, so `transformer average`
+writes a self-contained model file from the run directory alone.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections.abc import Sequence
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+import yaml
+
+from transformer import checkpoint, distributed
+from transformer.batching import TokenBatchSampler
+from transformer.config import RunConfig, apply_overrides, from_dict, to_dict
+from transformer.data import load_prepared
+from transformer.errors import UserError
+from transformer.loss import chunked_label_smoothed_loss
+from transformer.model import Transformer
+from transformer.optim import MixedPrecisionAdam
+from transformer.trainer import Trainer, TrainState
+
+logger = logging.getLogger(__name__)
+
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+def resolve_run(
+    data_dir: Path | None, out_dir: Path, config: RunConfig | None, resume: bool, overrides
+) -> tuple[Path, RunConfig]:
+    """The data directory and config of a new run, or of the run being resumed."""
+    out_dir = Path(out_dir)
+    if not resume:
+        if config is None or data_dir is None:
+            raise UserError("train: a new run needs DATA_DIR and a config (--preset/--config)")
+        if checkpoint.latest_checkpoint(out_dir) is not None:
+            raise UserError(f"{out_dir}: already holds a run; use --resume {out_dir} to continue")
+        return Path(data_dir), apply_overrides(config, _parse(overrides), source="override")
+    config_path = out_dir / "config.yaml"
+    if not config_path.is_file():
+        raise UserError(f"{config_path}: not found; is {out_dir} a run directory?")
+    raw = yaml.safe_load(config_path.read_text(encoding="utf-8"))
+    saved = from_dict(raw, source=str(config_path))
+    saved_data = Path(json.loads((out_dir / "run.json").read_text(encoding="utf-8"))["data_dir"])
+    return Path(data_dir or saved_data), apply_overrides(saved, _parse(overrides), "override")
+
+
+def _parse(overrides: Sequence[str]) -> dict:
+    parsed = {}
+    for item in overrides:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise UserError(f"override {item!r}: expected section.key=value")
+        parsed[key.strip()] = yaml.safe_load(value)
+    return parsed
+
+
+def _setup_torch(config: RunConfig, info: distributed.DistInfo, device: torch.device) -> None:
+    if config.train.deterministic:
+        # Bit-exact runs: deterministic kernels and a fixed thread count (reductions split
+        # work by thread count).
+        torch.use_deterministic_algorithms(True)
+        torch.set_num_threads(1)
+    elif device.type == "cpu":
+        # All cores by default, shared between the ranks of this node.
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local))
+    torch.manual_seed(config.train.seed)
+
+
+def _log_to_file(run_dir: Path) -> logging.Handler:
+    handler = logging.FileHandler(run_dir / "train.log", encoding="utf-8")
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    logging.getLogger("transformer").addHandler(handler)
+    if logging.getLogger("transformer").getEffectiveLevel() > logging.INFO:
+        logging.getLogger("transformer").setLevel(logging.INFO)
+    return handler
+
+
+def build_model(config: RunConfig, device: torch.device) -> Transformer:
+    """The model with parameters in the training dtype; buffers (the §3.5 table) stay fp32."""
+    model = Transformer(config.model).to(device)
+    dtype = DTYPES[config.train.dtype]
+    for p in model.parameters():
+        p.data = p.data.to(dtype)
+    return model
+
+
+def train(
+    data_dir: Path | None,
+    out_dir: Path,
+    config: RunConfig | None = None,
+    resume: bool = False,
+    overrides: Sequence[str] = (),
+    device: str | None = None,
+    progress: bool = True,
+) -> TrainState:
+    """Train (or resume) a run; returns the final counters. Launch with `torchrun` for DDP.
+
+    Args:
+        data_dir: a prepared-data directory (`transformer prepare`); on resume, None = the
+            directory the run was started with.
+        out_dir: the run directory.
+        config: the resolved config of a new run (ignored on resume: the run's own is used).
+        resume: continue from the run's latest checkpoint, exactly where it stopped.
+        overrides: `section.key=value` strings applied on top (e.g. a larger train.max_steps).
+        device: "cpu", "cuda" ...; default CUDA when available.
+        progress: show a progress bar.
+    """
+    out_dir = Path(out_dir)
+    data_dir, config = resolve_run(data_dir, out_dir, config, resume, overrides)
+    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    info = distributed.init_from_env(dev)
+    if dev.type == "cuda":
+        dev = torch.device("cuda", info.local_rank)
+        torch.cuda.set_device(dev)
+    _setup_torch(config, info, dev)
+    data = load_prepared(data_dir)
+    config = replace(config, model=replace(config.model, vocab_size=data.tokenizer.vocab_size))
+    handler = None
+    if info.is_main:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        handler = _log_to_file(out_dir)
+        (out_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(config)), encoding="utf-8")
+        (out_dir / "run.json").write_text(json.dumps({"data_dir": str(data_dir)}), "utf-8")
+    try:
+        return _run(data, out_dir, config, resume, info, dev, progress)
+    finally:
+        if handler is not None:
+            logging.getLogger("transformer").removeHandler(handler)
+            handler.close()
+        distributed.shutdown(info)
+
+
+def _run(data, out_dir, config, resume, info, dev, progress) -> TrainState:
+    model = build_model(config, dev)
+    distributed.broadcast_parameters(list(model.parameters()), info)
+    optimizer = MixedPrecisionAdam(
+        model.parameters(), (config.train.beta1, config.train.beta2), config.train.adam_eps
+    )
+    train_split = data.split("train")
+    sampler = TokenBatchSampler(
+        train_split.src_lens,
+        train_split.tgt_lens,
+        config.train.max_tokens,
+        seed=config.train.seed,
+        rank=info.rank,
+        world_size=info.world_size,
+    )
+    if len(sampler) == 0:
+        raise UserError(f"{data.path}: the train split gives no batch for this rank")
+    state = TrainState()
+    if resume:
+        state = _restore(out_dir, model, optimizer, sampler, info)
+    else:
+        torch.manual_seed(config.train.seed + info.rank)  # dropout differs between ranks
+    logger.info(
+        "model: %d parameters, %s; %d train batches per epoch and rank",
+        model.num_parameters(),
+        config.train.dtype,
+        len(sampler),
+    )
+    spm_proto = (Path(data.path) / data.manifest["spm_model"]).read_bytes()
+    extra = {
+        "data": {
+            "spm_proto": torch.frombuffer(bytearray(spm_proto), dtype=torch.uint8),
+            "src": data.src_lang,
+            "tgt": data.tgt_lang,
+        }
+    }
+    forward = torch.compile(model) if config.train.compile else model
+    valid = data.split("valid") if "valid" in data.split_names else None
+    trainer = Trainer(
+        model, optimizer, chunked_label_smoothed_loss, sampler, train_split, valid,
+        data.tokenizer, config, out_dir, state, info, extra, forward, progress,
+    )  # fmt: skip
+    return trainer.run()
+
+
+def _restore(out_dir, model, optimizer, sampler, info) -> TrainState:
+    path = checkpoint.latest_checkpoint(out_dir)
+    if path is None:
+        raise UserError(f"{out_dir}: no checkpoint to resume from")
+    ckpt = checkpoint.load_checkpoint(path)
+    optimizer.load_master_state(model, ckpt["model"])
+    optimizer.load_state_dict(ckpt["optimizer"])
+    sampler.load_state_dict(ckpt["sampler"])
+    rng = ckpt["rng"]
+    checkpoint.set_rng_state(rng[info.rank] if len(rng) == info.world_size else rng[0])
+    logger.info("resumed from %s at step %d", path, ckpt["step"])
+    return TrainState(**ckpt["counters"])

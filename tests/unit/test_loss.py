@@ -1,0 +1,117 @@
+"""§5.4 label-smoothed cross-entropy: hand-computed values, padding, chunked == reference."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from transformer.loss import (
+    chunked_label_smoothed_loss,
+    label_smoothed_cross_entropy,
+    smoothed_target_loss,
+)
+from transformer.tokenizer import PAD_ID
+
+
+def test_hand_computed_value():
+    # probs (0.25, 0.5, 0.25), target 1, eps 0.1, V = 3: q = (0.05, 0.9, 0.05), so
+    # loss = 0.9 ln 2 + 0.05 ln 4 + 0.05 ln 4 = 0.9 ln 2 + 0.1 ln 4 (worked out by hand).
+    logits = torch.log(torch.tensor([[0.25, 0.5, 0.25]]))
+    loss, nll = label_smoothed_cross_entropy(logits, torch.tensor([1]), eps=0.1, ignore_index=-1)
+    assert loss.item() == pytest.approx(0.9 * math.log(2) + 0.1 * math.log(4), rel=1e-6)
+    assert nll.item() == pytest.approx(math.log(2), rel=1e-6)
+
+
+def test_uniform_logits_give_log_v_whatever_eps():
+    # q sums to one, p is uniform: -sum q log(1/V) = log V for every eps.
+    logits = torch.zeros(2, 5)
+    for eps in (0.0, 0.1, 0.5):
+        loss, _ = label_smoothed_cross_entropy(logits, torch.tensor([1, 4]), eps)
+        assert loss.item() == pytest.approx(2 * math.log(5), rel=1e-6)
+
+
+def test_padding_is_excluded():
+    logits = torch.randn(2, 4, 7)
+    target = torch.tensor([[4, 5, PAD_ID, PAD_ID], [6, 4, 5, PAD_ID]])
+    loss, nll = label_smoothed_cross_entropy(logits, target, 0.1)
+    keep = target != PAD_ID
+    ref_loss, ref_nll = label_smoothed_cross_entropy(logits[keep], target[keep], 0.1)
+    assert torch.equal(loss, ref_loss) and torch.equal(nll, ref_nll)
+    changed = logits.clone()
+    changed[~keep] = 100.0  # garbage at padded positions changes nothing
+    assert torch.equal(label_smoothed_cross_entropy(changed, target, 0.1)[0], loss)
+
+
+def test_eps_zero_is_cross_entropy():
+    logits, target = torch.randn(6, 9), torch.randint(1, 9, (6,))
+    loss, nll = label_smoothed_cross_entropy(logits, target, 0.0)
+    ref = F.cross_entropy(logits, target, reduction="sum")
+    torch.testing.assert_close(loss, ref)
+    torch.testing.assert_close(nll, ref)
+
+
+def test_v_minus_1_denominator_vs_pytorch_builtin():
+    # PyTorch spreads eps over all V classes; ours (tensor2tensor, fairseq) over the V - 1
+    # non-target classes. They coincide when eps_torch = eps * V / (V - 1).
+    V, eps = 9, 0.1
+    logits, target = torch.randn(6, V), torch.randint(1, V, (6,))
+    ours, _ = label_smoothed_cross_entropy(logits, target, eps, ignore_index=-1)
+    torch_ls = F.cross_entropy(logits, target, label_smoothing=eps * V / (V - 1), reduction="sum")
+    torch.testing.assert_close(ours, torch_ls)
+    plain_torch = F.cross_entropy(logits, target, label_smoothing=eps, reduction="sum")
+    assert not torch.allclose(ours, plain_torch)
+
+
+def test_smoothed_target_loss_is_minimal_at_q():
+    # The loss -sum q log p is minimized by p = q (Gibbs' inequality).
+    V, eps = 5, 0.2
+    q = torch.full((V,), eps / (V - 1))
+    q[2] = 1 - eps
+    at_q = smoothed_target_loss(q.log()[None], torch.tensor([2]), eps)
+    other = smoothed_target_loss(torch.log_softmax(torch.randn(1, V), -1), torch.tensor([2]), eps)
+    assert at_q.item() < other.item()
+
+
+def _reference(hidden, weight, target, eps):
+    return label_smoothed_cross_entropy(hidden @ weight.t(), target, eps, ignore_index=-1)
+
+
+@pytest.mark.parametrize("chunk_rows", [3, 4, 1024])
+def test_chunked_equals_reference_with_gradients(chunk_rows):
+    torch.manual_seed(0)
+    hidden = torch.randn(10, 8, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(13, 8, dtype=torch.float64, requires_grad=True)
+    target = torch.randint(1, 13, (10,))
+    loss, nll = chunked_label_smoothed_loss(hidden, weight, target, 0.1, chunk_rows)
+    (2.0 * loss).backward()
+    g_h, g_w = hidden.grad.clone(), weight.grad.clone()
+    hidden.grad = weight.grad = None
+    ref_loss, ref_nll = _reference(hidden, weight, target, 0.1)
+    (2.0 * ref_loss).backward()
+    torch.testing.assert_close(loss, ref_loss.float())
+    torch.testing.assert_close(nll, ref_nll.float())
+    # The chunked loss runs its log-softmax in fp32 whatever the input dtype.
+    torch.testing.assert_close(g_h, hidden.grad, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(g_w, weight.grad, rtol=1e-5, atol=1e-6)
+
+
+def test_chunked_bf16_close_to_fp32():
+    torch.manual_seed(0)
+    hidden, weight = torch.randn(64, 32), torch.randn(50, 32) * 0.2
+    target = torch.randint(1, 50, (64,))
+    ref, _ = _reference(hidden, weight, target, 0.1)
+    got, _ = chunked_label_smoothed_loss(hidden.bfloat16(), weight.bfloat16(), target, 0.1, 16)
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got, ref, rtol=1e-2, atol=0.0)
+
+
+def test_chunked_without_grad_and_nll_not_differentiable():
+    hidden, weight = torch.randn(4, 6), torch.randn(7, 6, requires_grad=True)
+    loss, nll = chunked_label_smoothed_loss(hidden, weight, torch.tensor([1, 2, 3, 4]), 0.1)
+    assert loss.requires_grad and not nll.requires_grad
+    with torch.no_grad():
+        loss2, _ = chunked_label_smoothed_loss(hidden, weight, torch.tensor([1, 2, 3, 4]), 0.1)
+    torch.testing.assert_close(loss2, loss.detach())

@@ -1,0 +1,210 @@
+"""The training loop on a tiny model and a small slice of real Multi30k."""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+
+from transformer import checkpoint
+from transformer.batching import TokenBatchSampler
+from transformer.cli import main
+from transformer.config import build_config
+from transformer.data import collate, load_prepared
+from transformer.errors import UserError
+from transformer.loss import chunked_label_smoothed_loss
+from transformer.optim import MixedPrecisionAdam
+from transformer.prepare import prepare_corpus
+from transformer.trainer import MAX_NONFINITE_IN_ROW, Trainer, TrainingError
+from transformer.training import build_model, train
+
+TINY = [
+    "train.max_tokens=400",
+    "train.log_every_steps=2",
+    "train.valid_every_steps=1000",
+    "train.save_every_steps=2",
+    "train.save_every_minutes=1000",
+    "train.warmup_steps=10",
+]
+
+
+def prepare_slice(out: Path, multi30k: Path, n_train: int = 200, n_valid: int = 20) -> Path:
+    """A prepared-data directory from the first lines of Multi30k en-de (vocabulary 400)."""
+    raw = out / "raw"
+    raw.mkdir(parents=True)
+    files = {}
+    for split, name, n in (("train", "train", n_train), ("valid", "val", n_valid)):
+        for lang in ("en", "de"):
+            lines = (multi30k / f"{name}.{lang}").read_text(encoding="utf-8").splitlines()[:n]
+            path = raw / f"{split}.{lang}"
+            path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+            files.setdefault(split, []).append(path)
+    prepare_corpus(
+        "custom", "en", "de", out / "prepared", vocab_size=400,
+        train_files=files["train"], valid_files=files["valid"], num_threads=1,
+    )  # fmt: skip
+    return out / "prepared"
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory) -> Path:
+    multi30k = Path(__file__).resolve().parents[2].parent / "shared" / "data" / "multi30k"
+    if not multi30k.is_dir():
+        pytest.skip("Multi30k not found in ../shared/data")
+    return prepare_slice(tmp_path_factory.mktemp("data"), multi30k)
+
+
+def _config(*overrides: str, dtype: str = "fp32"):
+    return build_config("tiny", None, [*TINY, f"train.dtype={dtype}", *overrides])
+
+
+def _params(run_dir: Path) -> dict[str, torch.Tensor]:
+    return checkpoint.load_checkpoint(checkpoint.latest_checkpoint(run_dir))["model"]
+
+
+def test_run_writes_run_directory(data_dir, tmp_path):
+    run = tmp_path / "run"
+    state = train(data_dir, run, _config("train.max_steps=4", "train.keep_last=1"), progress=False)
+    assert state.step == 4 and state.tokens > 0
+    assert {"config.yaml", "run.json", "train.log", "metrics.jsonl"} <= {
+        p.name for p in run.iterdir()
+    }
+    assert [p.name for p in checkpoint.list_checkpoints(run)] == ["ckpt_4.pt"]
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    train_records = [r for r in records if r["kind"] == "train"]
+    assert [r["step"] for r in train_records] == [2, 4]
+    assert all(math.isfinite(r["loss"]) and r["tokens_per_s"] > 0 for r in train_records)
+    ckpt = checkpoint.load_checkpoint(checkpoint.latest_checkpoint(run))
+    assert set(ckpt) >= {"model", "optimizer", "sampler", "rng", "config", "data", "counters"}
+    assert ckpt["config"]["train"]["max_steps"] == 4
+    with pytest.raises(UserError, match="--resume"):
+        train(data_dir, run, _config("train.max_steps=4"), progress=False)
+
+
+def test_loss_goes_down(data_dir, tmp_path):
+    run = tmp_path / "run"
+    cfg = _config("train.max_steps=30", "train.lr_scale=4.0", "model.p_drop=0.0")
+    train(data_dir, run, cfg, progress=False)
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    losses = [r["loss"] for r in records if r["kind"] == "train"]
+    assert losses[-1] < losses[0] - 0.5
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_resume_in_process_is_exact(data_dir, tmp_path, dtype):
+    straight, split = tmp_path / "straight", tmp_path / "split"
+    cfg = _config("train.max_steps=6", "train.deterministic=true", dtype=dtype)
+    train(data_dir, straight, cfg, progress=False)
+    train(data_dir, split, replace(cfg, train=replace(cfg.train, max_steps=3)), progress=False)
+    train(None, split, resume=True, overrides=["train.max_steps=6"], progress=False)
+    a, b = _params(straight), _params(split)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def _trainer(data_dir: Path, run_dir: Path, cfg, loss_fn=chunked_label_smoothed_loss) -> Trainer:
+    data = load_prepared(data_dir)
+    cfg = replace(cfg, model=replace(cfg.model, vocab_size=data.tokenizer.vocab_size))
+    torch.manual_seed(0)
+    model = build_model(cfg, torch.device("cpu"))
+    opt = MixedPrecisionAdam(model.parameters(), (0.9, 0.98), 1e-9)
+    split = data.split("train")
+    sampler = TokenBatchSampler(split.src_lens, split.tgt_lens, cfg.train.max_tokens, seed=1)
+    run_dir.mkdir(exist_ok=True)
+    return Trainer(model, opt, loss_fn, sampler, split, data.split("valid"), data.tokenizer, cfg,
+                   run_dir, progress=False)  # fmt: skip
+
+
+def _capture_step_grads(trainer: Trainer) -> list:
+    """Record the normalized gradients each optimizer step sees (Adam's first step is
+    sign-like, so comparing parameters would amplify rounding noise in tiny gradients)."""
+    seen = []
+    step = trainer.optimizer.step
+
+    def recording_step(lr, grad_scale=1.0, clip_norm=0.0):
+        seen.append([g * grad_scale for g in trainer.optimizer.master_grads()])
+        return step(lr, grad_scale, clip_norm)
+
+    trainer.optimizer.step = recording_step
+    return seen
+
+
+def test_accumulation_equals_one_big_batch(data_dir, tmp_path):
+    cfg = _config("model.p_drop=0.0")
+    small, big = _trainer(data_dir, tmp_path / "a", cfg), _trainer(data_dir, tmp_path / "b", cfg)
+    grads_small, grads_big = _capture_step_grads(small), _capture_step_grads(big)
+    split = small.train_split
+    halves = [list(range(0, 7)), list(range(7, 20))]  # unequal token counts on purpose
+    out_small = small.train_step([collate(split, h) for h in halves])
+    out_big = big.train_step([collate(split, halves[0] + halves[1])])
+    assert out_small["tokens"] == out_big["tokens"]
+    assert out_small["loss"] == pytest.approx(out_big["loss"], rel=1e-5)
+    # Normalized by all tokens of the step: the mean-token gradient of the big batch.
+    for g, h in zip(grads_small[0], grads_big[0], strict=True):
+        torch.testing.assert_close(g, h, rtol=1e-4, atol=1e-6)
+    assert max(g.abs().max().item() for g in grads_big[0]) > 1e-3  # not trivially zero
+
+
+def test_nonfinite_losses_skip_then_stop_with_checkpoint(data_dir, tmp_path):
+    calls = {"n": 0}
+
+    def flaky(hidden, weight, target, eps):
+        loss, nll = chunked_label_smoothed_loss(hidden, weight, target, eps)
+        calls["n"] += 1
+        return (loss * math.nan, nll) if calls["n"] > 2 else (loss, nll)
+
+    cfg = _config("train.max_steps=50")
+    trainer = _trainer(data_dir, tmp_path / "run", cfg, flaky)
+    with pytest.raises(TrainingError, match="non-finite"):
+        trainer.run()
+    assert trainer.state.step == 2 and trainer.state.skipped == MAX_NONFINITE_IN_ROW
+    ckpt = checkpoint.load_checkpoint(checkpoint.latest_checkpoint(tmp_path / "run"))
+    assert ckpt["step"] == 2
+    live = trainer.optimizer.master_state(trainer.model)
+    assert all(
+        torch.equal(ckpt["model"][k], live[k]) for k in live
+    )  # skipped steps changed nothing
+    assert all(torch.isfinite(v).all() for v in ckpt["model"].values())
+
+
+def test_validate_reports_loss_ppl_and_bleu(data_dir, tmp_path):
+    trainer = _trainer(data_dir, tmp_path / "run", _config())
+    record = trainer.validate()
+    assert record["ppl"] == pytest.approx(math.exp(record["nll"]))
+    # An untrained model is close to uniform over the 400-piece vocabulary: ppl near 400.
+    assert 100 < record["ppl"] < 2000
+    assert 0.0 <= record.get("bleu", 0.0) <= 100.0
+
+
+def test_max_minutes_budget_stops(data_dir, tmp_path):
+    state = train(data_dir, tmp_path / "run", _config("train.max_minutes=0"), progress=False)
+    assert state.step == 0
+    assert checkpoint.latest_checkpoint(tmp_path / "run").name == "ckpt_0.pt"
+
+
+def test_cli_train_resume_average(data_dir, tmp_path):
+    run = tmp_path / "run"
+    args = ["train", str(data_dir), "--preset", "tiny", "--out", str(run), "--max-steps", "2"]
+    assert main([*args, *TINY]) == 0
+    assert main(["train", "--resume", str(run), "--max-steps", "4"]) == 0
+    assert checkpoint.latest_checkpoint(run).name == "ckpt_4.pt"
+    out = tmp_path / "avg.safetensors"
+    assert main(["average", str(run), "--last", "2", "--out", str(out)]) == 0
+    assert out.is_file()
+    assert main(["train", "--resume", str(tmp_path / "nothing")]) == 2
+
+
+def test_validation_bleu_aligns_hypotheses_with_references(data_dir, tmp_path, monkeypatch):
+    trainer = _trainer(data_dir, tmp_path / "run", _config())
+    split = trainer.valid_split
+    by_src = {tuple(split.src_tokens(i).tolist()): i for i in range(len(split))}
+
+    def oracle(model, src, src_mask):  # "translates" each source into its own reference
+        rows = [tuple(s[m][:-1].tolist()) for s, m in zip(src, src_mask, strict=True)]
+        return [split.tgt_tokens(by_src[r]).tolist() for r in rows]
+
+    monkeypatch.setattr("transformer.trainer._greedy_search", lambda: oracle)
+    assert trainer.validate()["bleu"] == pytest.approx(100.0)
