@@ -87,8 +87,25 @@ def _cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
+class _IntermixedParser(argparse.ArgumentParser):
+    """Lets `key=value` overrides follow options (`train DATA --out R k=v`): argparse alone
+    fills a positional only once, so positionals after options would be unrecognized."""
+
+    _inner = False
+
+    def parse_known_args(self, args=None, namespace=None):
+        if self._inner:
+            return super().parse_known_args(args, namespace)
+        self._inner = True
+        try:
+            return self.parse_known_intermixed_args(args, namespace)
+        finally:
+            self._inner = False
+
+
 def _add_train(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("train", help="§5 training on a prepared-data directory (or --resume)")
+    p.__class__ = _IntermixedParser
     p.add_argument("args", nargs="*", metavar="DATA_DIR | key=value", help="data and overrides")
     p.add_argument("--preset", help="a model preset (see `transformer presets`)")
     p.add_argument("--config", type=Path, help="a YAML config (configs/*.yaml)")
