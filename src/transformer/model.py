@@ -226,14 +226,22 @@ class DecoderCache:
     layers: list[LayerCache] = field(default_factory=list)
     length: int = 0
 
-    def reorder(self, index: torch.Tensor) -> DecoderCache:
-        """Select batch rows (beam search: the surviving hypotheses' parents)."""
+    def reorder(self, index: torch.Tensor, cross: bool = True) -> DecoderCache:
+        """Select batch rows (beam search: the surviving hypotheses' parents).
+
+        With cross=False the encoder-decoder keys/values are kept as they are: valid when
+        `index` maps every row to a row with the same source, as beams of one sentence do,
+        and it saves copying (R, H, S, K) per layer and step.
+        """
 
         def pick(t: torch.Tensor | None) -> torch.Tensor | None:
             return None if t is None else t.index_select(0, index)
 
+        def pick_cross(t: torch.Tensor | None) -> torch.Tensor | None:
+            return pick(t) if cross else t
+
         layers = [
-            LayerCache(pick(c.self_k), pick(c.self_v), pick(c.cross_k), pick(c.cross_v))
+            LayerCache(pick(c.self_k), pick(c.self_v), pick_cross(c.cross_k), pick_cross(c.cross_v))
             for c in self.layers
         ]
         return DecoderCache(layers, self.length)

@@ -63,8 +63,12 @@ class Stepper(Protocol):
         """tokens: (R,) the last token of each live row -> log-probs (R, V) of the next token."""
         ...
 
-    def reorder(self, index: torch.Tensor) -> None:
-        """Keep rows `index` (R',) of the state, in that order (duplicates allowed)."""
+    def reorder(self, index: torch.Tensor, same_sentences: bool = False) -> None:
+        """Keep rows `index` (R',) of the state, in that order (duplicates allowed).
+
+        same_sentences: row i is replaced by a row of the same sentence (beams are reordered
+        but no sentence is added or dropped), so per-sentence state can stay as it is.
+        """
         ...
 
 
@@ -88,9 +92,11 @@ class ModelStepper:
         logits = self.model.project(hidden[:, -1])  # (R, V): only the new position
         return torch.log_softmax(logits.float(), dim=-1)
 
-    def reorder(self, index: torch.Tensor) -> None:
-        self.src_mask = self.src_mask.index_select(0, index)
-        self.cache = self.cache.reorder(index)
+    def reorder(self, index: torch.Tensor, same_sentences: bool = False) -> None:
+        if not same_sentences:
+            self.src_mask = self.src_mask.index_select(0, index)
+        # Beams of one sentence share their cross-attention keys/values: no copy needed.
+        self.cache = self.cache.reorder(index, cross=not same_sentences)
 
 
 def _mask_specials(lprobs: torch.Tensor, force_eos: torch.Tensor) -> torch.Tensor:
@@ -228,7 +234,7 @@ def beam_steps(
         keep = (~done).nonzero().squeeze(1)
         rows = parents[keep].reshape(-1)  # one reorder: beam parents of the kept sentences
         if rows.numel() > 0:
-            stepper.reorder(rows)
+            stepper.reorder(rows, same_sentences=k == beam_size and keep.numel() == len(done))
         state.tokens = torch.cat(
             [state.tokens.index_select(0, rows), tokens[keep].reshape(-1, 1)], 1
         )

@@ -199,7 +199,7 @@ class ScriptedStepper:
                 probs[r, token] = p
         return probs.log().float()
 
-    def reorder(self, index: torch.Tensor) -> None:
+    def reorder(self, index: torch.Tensor, same_sentences: bool = False) -> None:
         self.prefixes = [self.prefixes[i] for i in index.tolist()]
 
 
@@ -259,3 +259,23 @@ def test_scripted_greedy_follows_the_argmax():
     tokens = greedy_steps(ScriptedStepper(SCRIPT, rows=2), torch.tensor([10, 2]))
     # Row 0: a (.55), a (.60), EOS (.90). Row 1 has max length 2: a, then forced EOS.
     assert tokens == [[A, A], [A]]
+
+
+def test_reorder_within_sentences_keeps_cross_attention_and_equals_full_decoding():
+    model = tiny_model()
+    src, src_mask = random_batch(2, 20, [6, 4])
+    tgt = torch.cat([torch.full((4, 1), BOS_ID), torch.randint(4, 20, (4, 5))], dim=1)
+    stepper = ModelStepper(model, src, src_mask)
+    with torch.no_grad():
+        stepper.step(tgt[[0, 2], 0])
+        stepper.reorder(torch.tensor([0, 0, 1, 1]))  # expand: 2 beams per sentence
+        stepper.step(tgt[:, 1])
+        cross = stepper.cache.layers[0].cross_k
+        swap = torch.tensor([1, 0, 3, 2])  # beams swap within each sentence
+        stepper.reorder(swap, same_sentences=True)
+        assert stepper.cache.layers[0].cross_k is cross  # not copied
+        got = torch.stack([stepper.step(tgt[swap, t]) for t in range(2, 6)], dim=1)
+        rows = torch.tensor([0, 0, 1, 1])[swap]  # the sentence of each new row
+        memory = model.encode(src[rows], src_mask[rows])
+        want = model.decode(tgt[swap], memory, src_mask[rows]).log_softmax(-1)[:, 2:]
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
