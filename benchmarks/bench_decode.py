@@ -1,0 +1,203 @@
+#!/usr/bin/env python
+"""Decoding speed: sentences/s and target tokens/s, beam 4 and greedy, fp32 / bf16 / int8.
+
+Two workloads:
+
+* W2 (as /work/shared/peers/bench_infer.py): a random Transformer-base (6+6 layers, d_model 512,
+  V 32,000), 64 source sentences of 26-34 tokens, exactly 50 decoder steps per sentence (EOS is
+  masked until step 50, where it is forced), so every variant does the same work. CTranslate2
+  and HuggingFace run in the same process when installed (`--peers ct2:int8,hf:fp32`), with
+  their own random weights of the same shapes (speed only, no output agreement).
+* A real model on a real test set (`--model FILE --data DIR --split test`): normal search with
+  early stopping, and for each dtype the sacreBLEU of its output (int8's BLEU cost).
+
+    python benchmarks/bench_decode.py --w2 --reps 1
+    python benchmarks/bench_decode.py --model runs/x/model_avg.safetensors --data data/ende
+    python benchmarks/bench_decode.py --w2 --profile fp32:4     # torch.profiler table
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src"))
+
+from transformer.config import ModelConfig  # noqa: E402
+from transformer.model import Transformer  # noqa: E402
+from transformer.search import ModelStepper, beam_steps, greedy_steps  # noqa: E402
+from transformer.tokenizer import EOS_ID, PAD_ID  # noqa: E402
+from transformer.translate import quantize_int8  # noqa: E402
+
+PEERS_DIR = "/work/shared/peers"
+
+
+class ForcedLengthStepper(ModelStepper):
+    """W2's fixed work: EOS is impossible before step `n_out`, where search forces it."""
+
+    def __init__(self, model, src, src_mask, n_out: int):
+        super().__init__(model, src, src_mask)
+        self.n_out, self.t = n_out, 0
+
+    def step(self, tokens: torch.Tensor) -> torch.Tensor:
+        self.t += 1
+        lprobs = super().step(tokens)
+        if self.t < self.n_out:
+            lprobs[:, EOS_ID] = float("-inf")
+        return lprobs
+
+
+def base_model(dtype: str) -> Transformer:
+    torch.manual_seed(1)
+    model = Transformer(ModelConfig(vocab_size=32000, max_len=256)).eval()
+    if dtype == "bf16":
+        return model.to(torch.bfloat16)
+    if dtype == "int8":
+        return quantize_int8(model)
+    return model
+
+
+def w2_source(n: int = 64, length: int = 30, jitter: int = 4, vocab: int = 32000):
+    """64 sentences, lengths (with EOS) uniform in [26, 34], right-padded (as peers' W2)."""
+    g = torch.Generator().manual_seed(0)
+    lens = torch.randint(length - jitter, length + jitter + 1, (n,), generator=g)
+    src = torch.full((n, int(lens.max())), PAD_ID, dtype=torch.long)
+    for i, L in enumerate(lens.tolist()):
+        src[i, : L - 1] = torch.randint(4, vocab, (L - 1,), generator=g)
+        src[i, L - 1] = EOS_ID
+    return src, src != PAD_ID
+
+
+@torch.inference_mode()
+def run_ours(model, src, src_mask, beam: int, n_out: int) -> int:
+    stepper = ForcedLengthStepper(model, src, src_mask, n_out)
+    max_lens = torch.full((src.size(0),), n_out)
+    if beam == 1:
+        out = greedy_steps(stepper, max_lens)
+        return sum(len(t) + 1 for t in out)
+    out = beam_steps(stepper, max_lens, beam, 0.6)
+    return sum(len(h[0].tokens) + 1 for h in out)
+
+
+def peer_runner(spec: str, threads: int):
+    """A CT2 / HF runner from the peers' W2 script (their weights, same shapes)."""
+    sys.path.insert(0, PEERS_DIR)
+    import bench_infer as peers  # noqa: PLC0415
+
+    workdir = "/tmp/peers-w2"
+    hf_dir = peers.build_marian_dir(workdir)
+    ctx = {"hf_dir": hf_dir, "threads": threads}
+    if spec.startswith("ct2"):
+        ctx["ct2_dir"] = peers.convert_ct2(hf_dir, workdir)
+    impl, variant = spec.split(":")
+    adapter = peers.INFER_ADAPTERS[impl](variant, ctx)
+    psrc, plens = peers.make_src(64, 30, 4, peers.CFG["vocab"])
+    prepared = adapter.prepare(psrc, plens)
+    return lambda beam, n_out: adapter.run(prepared, beam, n_out)
+
+
+def bench_w2(args) -> None:
+    src, src_mask = w2_source()
+    runners = {}
+    for dtype in args.dtypes.split(","):
+        model = base_model(dtype)
+        runners[f"ours:{dtype}"] = lambda b, n, m=model: run_ours(m, src, src_mask, b, n)
+    for spec in filter(None, args.peers.split(",")):
+        try:
+            runners[spec] = peer_runner(spec, args.threads)
+        except Exception as e:  # noqa: BLE001 - a missing optional peer is reported, not fatal
+            print(f"# peer {spec} unavailable: {type(e).__name__}: {e}")
+    beams = [int(b) for b in args.beams.split(",")]
+    for run in runners.values():  # warm-up on the full batch: oneDNN primitives, caches
+        for beam in beams:
+            run(beam, 4)
+    times: dict[tuple[str, int], list[float]] = {}
+    for _ in range(args.reps):  # interleaved, as the peers' W2
+        for beam in beams:
+            for name, run in runners.items():
+                t0 = time.perf_counter()
+                n = run(beam, args.out_len)
+                times.setdefault((name, beam), []).append(time.perf_counter() - t0)
+                assert n == 64 * args.out_len, (name, beam, n)
+                print(f"# {name} beam {beam}: {times[name, beam][-1]:.2f} s", flush=True)
+    print(f"\nW2: 64 sentences, {int(src_mask.sum())} source tokens, {args.out_len} target tokens")
+    print(f"each, threads={args.threads}, reps={args.reps} (median)\n")
+    print("| variant | beam | target tok/s | sent/s | s/batch | vs ct2:int8 |")
+    print("|---|---:|---:|---:|---:|---:|")
+    for beam in beams:
+        ref = times.get(("ct2:int8", beam))
+        for name in runners:
+            sec = statistics.median(times[name, beam])
+            ratio = f"{statistics.median(ref) / sec:.2f}" if ref else "-"
+            tps = 64 * args.out_len / sec
+            print(f"| {name} | {beam} | {tps:,.0f} | {64 / sec:.2f} | {sec:.2f} | {ratio} |")
+
+
+def bench_real(args) -> None:
+    from transformer.bleu import corpus_bleu
+    from transformer.data import load_prepared
+    from transformer.translate import Translator
+
+    data = load_prepared(args.data)
+    split = data.split(args.split)
+    sources, refs = split.text(data.src_lang), split.text(data.tgt_lang)
+    if args.limit:
+        sources, refs = sources[: args.limit], refs[: args.limit]
+    print(f"\n{args.model} on {args.data} {args.split}: {len(sources)} sentences\n")
+    print("| dtype | beam | sent/s | target tok/s | seconds | sacreBLEU |")
+    print("|---|---:|---:|---:|---:|---:|")
+    for dtype in args.dtypes.split(","):
+        tr = Translator.from_path(args.model, dtype=dtype)
+        tr.translate(sources[:16])  # warm-up
+        for beam in [int(b) for b in args.beams.split(",")]:
+            t0 = time.perf_counter()
+            out = tr.translate(sources, beam_size=beam)
+            sec = time.perf_counter() - t0
+            n_tok = sum(len(n[0].tokens) + 1 for n in out)
+            bleu = corpus_bleu([n[0].text for n in out], refs).score
+            print(f"| {dtype} | {beam} | {len(out) / sec:.1f} | {n_tok / sec:,.0f} | {sec:.1f} "
+                  f"| {bleu:.2f} |", flush=True)  # fmt: skip
+
+
+def profile(args) -> None:
+    dtype, beam = args.profile.split(":")
+    src, src_mask = w2_source()
+    model = base_model(dtype)
+    run_ours(model, src, src_mask, int(beam), 4)
+    with torch.profiler.profile() as prof:
+        run_ours(model, src, src_mask, int(beam), args.out_len)
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--w2", action="store_true", help="the peers' W2 workload")
+    ap.add_argument("--model", help="a real model file or run directory")
+    ap.add_argument("--data", help="its prepared data directory")
+    ap.add_argument("--split", default="test")
+    ap.add_argument("--limit", type=int, help="first N sentences of the split")
+    ap.add_argument("--dtypes", default="fp32,bf16,int8")
+    ap.add_argument("--beams", default="4,1")
+    ap.add_argument("--peers", default="ct2:int8", help="e.g. ct2:int8,ct2:float32,hf:fp32")
+    ap.add_argument("--out-len", type=int, default=50)
+    ap.add_argument("--reps", type=int, default=1)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--profile", help="DTYPE:BEAM, print a torch.profiler table of one W2 run")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    print(f"# torch {torch.__version__}, threads {torch.get_num_threads()}")
+    if args.profile:
+        profile(args)
+    if args.w2:
+        bench_w2(args)
+    if args.model:
+        bench_real(args)
+
+
+if __name__ == "__main__":
+    main()
