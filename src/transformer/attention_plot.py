@@ -5,7 +5,8 @@ Three kinds of picture (matplotlib, the optional `plot` extra, imported lazily):
   encoder-decoder attention of one layer;
 - Figure 3 style: one source word, lines to the words it attends to, one colour per head;
 - Figure 4 style: one head, lines between all words, opacity = attention weight.
-The paper draws encoder self-attention in layer 5 of 6 (0-based 4), the default here.
+The paper draws encoder self-attention in layer 5 of 6; the default here is likewise the
+last-but-one layer (0-based 4 for N = 6).
 """
 
 from __future__ import annotations
@@ -23,7 +24,6 @@ from transformer.tokenizer import BOS_ID, EOS_ID
 log = logging.getLogger(__name__)
 
 KINDS = ("encoder", "decoder", "cross")
-PAPER_LAYER = 4  # Figures 3-5: "layer 5 of 6", 0-based
 
 
 @dataclass
@@ -185,7 +185,7 @@ def plot_attention(
     model_path: Path,
     text: str,
     out_dir: Path,
-    layer: int = PAPER_LAYER,
+    layer: int | None = None,
     head: int | None = None,
     kinds: tuple[str, ...] = KINDS,
     word: str | None = None,
@@ -197,7 +197,7 @@ def plot_attention(
         model_path: a model file (`modelfile.save_model`).
         text: the source sentence.
         out_dir: where the PNGs go.
-        layer: 0-based layer (default 4: the paper's "layer 5 of 6"; clipped to the last layer).
+        layer: 0-based layer; None = the last but one (Figures 3-5: layer 5 of 6, i.e. 4).
         head: one head for the Figure 4 picture; None draws every head.
         kinds: any of "encoder", "decoder", "cross" (heatmaps); encoder adds Figures 3 and 4.
         word: the Figure 3 query word (a subword or a 0-based position); None picks the longest.
@@ -211,6 +211,8 @@ def plot_attention(
     loaded = load_model(model_path)
     model = loaded.model
     n = model.cfg.n_layers
+    if layer is None:
+        layer = max(0, n - 2)
     if not -n <= layer < n:
         raise UserError(f"--layer {layer}: the model has {n} layers (0..{n - 1})")
     layer = layer % n

@@ -148,7 +148,7 @@ def _add_attention(sub: argparse._SubParsersAction) -> None:
     p.add_argument("model", type=Path, help="a model file")
     p.add_argument("--text", required=True, help="the source sentence")
     p.add_argument("--target", help="the target sentence (default: the greedy translation)")
-    p.add_argument("--layer", type=int, default=4, help="0-based layer (paper: 5 of 6 = 4)")
+    p.add_argument("--layer", type=int, help="0-based layer (default: last but one, as the paper)")
     p.add_argument("--head", type=int, help="one head for the Figure 4 picture (default: all)")
     p.add_argument("--word", help="Figure 3 query word: a subword or 0-based position")
     p.add_argument("--kind", choices=["encoder", "decoder", "cross", "all"], default="all")

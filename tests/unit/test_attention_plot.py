@@ -59,9 +59,12 @@ def test_plot_attention_writes_pngs(model_file, tmp_path) -> None:
         assert p.read_bytes()[:8] == PNG_MAGIC
 
 
-def test_default_layer_clipped_and_bad_arguments(model_file, tmp_path) -> None:
+def test_default_layer_is_last_but_one_and_bad_arguments(model_file, tmp_path) -> None:
+    # Figures 3-5 use layer 5 of 6; on this 2-layer model the last but one is layer 0.
+    paths = plot_attention(model_file, "Two dogs.", tmp_path, kinds=("cross",))
+    assert [p.name for p in paths] == ["cross_l0.png"]
     with pytest.raises(UserError, match="--layer 4"):
-        plot_attention(model_file, "Two dogs.", tmp_path)  # 2-layer model: paper's layer 4 absent
+        plot_attention(model_file, "Two dogs.", tmp_path, layer=4)
     with pytest.raises(UserError, match="--head 9"):
         plot_attention(model_file, "Two dogs.", tmp_path, layer=0, head=9)
 
