@@ -171,10 +171,10 @@ def export_ctranslate2(
     out_dir = Path(out_dir)
     if quantization is not None and quantization not in QUANTIZATIONS:
         raise ExportError(f"quantization {quantization!r}: choose one of {QUANTIZATIONS}")
-    if out_dir.exists() and not force:
-        raise ExportError(f"{out_dir}: already exists (pass force=True / --force to replace)")
     loaded = load_model(Path(model_path))
     _check_exportable(loaded.model.cfg, loaded.path)
+    if out_dir.exists() and not force:
+        raise ExportError(f"{out_dir}: already exists (pass force=True / --force to replace)")
     spec = build_spec(loaded.model, spm_pieces(loaded.spm_proto))
     spec.validate()
     spec.optimize(quantization=quantization)

@@ -141,3 +141,15 @@ def test_unknown_quantization_is_an_error(exported, tmp_path):
     loaded, _ = exported
     with pytest.raises(ExportError, match="quantization 'int3'"):
         export_ctranslate2(loaded.path, tmp_path / "q", quantization="int3")
+
+
+def test_cli_export_writes_the_model_and_reports_errors_cleanly(exported, tmp_path, capsys):
+    from transformer.cli import main
+
+    loaded, _ = exported
+    out = tmp_path / "cli"
+    assert main(["export", str(loaded.path), "--to", "ctranslate2", str(out)]) == 0
+    assert capsys.readouterr().out.strip() == str(out)
+    assert (out / "model.bin").is_file()
+    assert main(["export", str(tmp_path / "missing"), "--to", "ctranslate2", str(out)]) == 2
+    assert "no such model file" in capsys.readouterr().err

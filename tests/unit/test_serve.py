@@ -207,3 +207,10 @@ def test_queue_respects_max_sentences_and_reports_failures():
     results, stats = asyncio.run(main())
     assert results == [["0"], ["1"], ["2"], ["3"]]
     assert stats.largest_batch == 2 and stats.errors == 1
+
+
+def test_cli_serve_with_a_missing_model_is_a_clean_error(tmp_path, capsys):
+    from transformer.cli import main
+
+    assert main(["serve", str(tmp_path / "missing.safetensors"), "--port", "1"]) == 2
+    assert "no such model file" in capsys.readouterr().err
