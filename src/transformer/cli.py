@@ -51,6 +51,49 @@ def _cmd_flops(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_quickstart(args: argparse.Namespace) -> int:
+    from transformer.quickstart import quickstart
+
+    r = quickstart(args.out, args.src, args.tgt, smoke=args.smoke, train_minutes=args.minutes)
+    rep = r.report
+    print()
+    print(f"Multi30k {args.src}→{args.tgt}, test_2016_flickr ({rep['sentences']} sentences), "
+          f"beam 4, α 0.6, {rep['train_steps']} training steps")
+    print(f"  sacreBLEU {rep['bleu']:.2f}   {rep['bleu_signature']}")
+    print(f"  chrF      {rep['chrf']:.2f}   {rep['chrf_signature']}")
+    if "paper_bleu" in rep:
+        print(f"  tokenized BLEU, compounds split (the paper's metric): {rep['paper_bleu']:.2f}")
+    total = sum(r.stage_seconds.values())
+    stages = ", ".join(f"{k} {v:.0f} s" for k, v in r.stage_seconds.items())
+    print(f"  wall time {total / 60:.1f} min ({stages})")
+    print(f"  model:        {r.model}")
+    print(f"  translations: {r.translations}")
+    if args.smoke and not r.loss_fell:
+        print("smoke run: the training loss did not fall", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _add_quickstart(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "quickstart", help="Multi30k end to end: prepare, train, average, translate, BLEU"
+    )
+    p.add_argument("--out", type=Path, default=Path("runs/quickstart"), help="output directory")
+    p.add_argument("--src", default="en", help="source language: en, de, fr or cs")
+    p.add_argument("--tgt", default="de", help="target language: en, de, fr or cs")
+    p.add_argument("--smoke", action="store_true", help="tiny model, a few steps (tests)")
+    p.add_argument("--minutes", type=float, help="training budget in minutes (default 15.5)")
+    p.set_defaults(func=_cmd_quickstart)
+
+
+def _add_prepare(sub: argparse._SubParsersAction) -> None:
+    from transformer.prepare import add_prepare_arguments, run_prepare
+
+    p = sub.add_parser("prepare", help="§5.1 corpus -> joint subwords + binarized splits")
+    add_prepare_arguments(p)
+    p.set_defaults(func=run_prepare)
+
+
 def _add_flops(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("flops", help="Table 2: a run's training cost, estimated and counted")
     p.add_argument("run_dir", nargs="?", type=Path, help="training run directory")
@@ -63,6 +106,63 @@ def _add_flops(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--src-len", type=float, help="mean source length (attention terms)")
     p.add_argument("--tgt-len", type=float, help="mean target length (attention terms)")
     p.set_defaults(func=_cmd_flops)
+
+
+def _cmd_attention(args: argparse.Namespace) -> int:
+    from transformer.attention_plot import KINDS, plot_attention
+
+    kinds = KINDS if args.kind == "all" else (args.kind,)
+    paths = plot_attention(
+        args.model, args.text, args.out, args.layer, args.head, kinds, args.word, args.target
+    )
+    print("\n".join(str(p) for p in paths))
+    return 0
+
+
+def _add_attention(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("attention", help="Figures 3-5: PNG pictures of attention weights")
+    p.add_argument("model", type=Path, help="a model file")
+    p.add_argument("--text", required=True, help="the source sentence")
+    p.add_argument("--target", help="the target sentence (default: the greedy translation)")
+    p.add_argument("--layer", type=int, help="0-based layer (default: last but one, as the paper)")
+    p.add_argument("--head", type=int, help="one head for the Figure 4 picture (default: all)")
+    p.add_argument("--word", help="Figure 3 query word: a subword or 0-based position")
+    p.add_argument("--kind", choices=["encoder", "decoder", "cross", "all"], default="all")
+    p.add_argument("--out", type=Path, default=Path("attention"), help="output directory")
+    p.set_defaults(func=_cmd_attention)
+
+
+def _cmd_sweep(args: argparse.Namespace) -> int:
+    from transformer.sweep import ROWS, run_table3
+
+    rows = [r.strip() for r in args.rows.split(",")] if args.rows else list(ROWS)
+    results = run_table3(
+        args.data, args.out, rows, args.scale, args.budget_steps, args.budget_minutes,
+        args.set, args.beam, args.alpha, args.valid_limit,
+    )  # fmt: skip
+    print((args.out / "table3.md").read_text(encoding="utf-8"))
+    print(f"{len(results)} rows; CSV: {args.out / 'table3.csv'}")
+    return 0
+
+
+def _add_sweep(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("sweep", help="§6.2 Table 3: train and measure the model variations")
+    p.add_argument("experiment", choices=["table3"], help="the sweep to run")
+    p.add_argument("--data", type=Path, required=True, help="a prepared-data directory")
+    p.add_argument("--out", type=Path, default=Path("runs/table3"), help="sweep directory")
+    p.add_argument("--rows", help="comma-separated Table 3 rows (default: all, base to big)")
+    p.add_argument("--scale", default="small", help="base, small (cpu-small) or a preset name")
+    budget = p.add_mutually_exclusive_group(required=True)
+    budget.add_argument("--budget-steps", type=int, help="training steps per row")
+    budget.add_argument("--budget-minutes", type=float, help="training minutes per row")
+    p.add_argument(
+        "--set", action="append", default=[], metavar="KEY=VALUE",
+        help="override on the base, e.g. train.max_tokens=2000 (repeatable)",
+    )  # fmt: skip
+    p.add_argument("--beam", type=int, default=4, help="dev BLEU beam size (§6.1: 4)")
+    p.add_argument("--alpha", type=float, default=0.6, help="length penalty α (§6.1: 0.6)")
+    p.add_argument("--valid-limit", type=int, help="dev BLEU on the first N sentences only")
+    p.set_defaults(func=_cmd_sweep)
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
@@ -130,30 +230,6 @@ def _add_average(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--last", type=int, default=5, help="checkpoints to average (§6.1: 5 / 20)")
     p.add_argument("--out", type=Path, help="model file (default RUN_DIR/average_last<N>...)")
     p.set_defaults(func=_cmd_average)
-
-
-def _cmd_attention(args: argparse.Namespace) -> int:
-    from transformer.attention_plot import KINDS, plot_attention
-
-    kinds = KINDS if args.kind == "all" else (args.kind,)
-    paths = plot_attention(
-        args.model, args.text, args.out, args.layer, args.head, kinds, args.word, args.target
-    )
-    print("\n".join(str(p) for p in paths))
-    return 0
-
-
-def _add_attention(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("attention", help="Figures 3-5: PNG pictures of attention weights")
-    p.add_argument("model", type=Path, help="a model file")
-    p.add_argument("--text", required=True, help="the source sentence")
-    p.add_argument("--target", help="the target sentence (default: the greedy translation)")
-    p.add_argument("--layer", type=int, help="0-based layer (default: last but one, as the paper)")
-    p.add_argument("--head", type=int, help="one head for the Figure 4 picture (default: all)")
-    p.add_argument("--word", help="Figure 3 query word: a subword or 0-based position")
-    p.add_argument("--kind", choices=["encoder", "decoder", "cross", "all"], default="all")
-    p.add_argument("--out", type=Path, default=Path("attention"), help="output directory")
-    p.set_defaults(func=_cmd_attention)
 
 
 def _cmd_translate(args: argparse.Namespace) -> int:
@@ -265,51 +341,20 @@ def _add_export(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_cmd_export)
 
 
-def _cmd_sweep(args: argparse.Namespace) -> int:
-    from transformer.sweep import ROWS, run_table3
-
-    rows = [r.strip() for r in args.rows.split(",")] if args.rows else list(ROWS)
-    results = run_table3(
-        args.data, args.out, rows, args.scale, args.budget_steps, args.budget_minutes,
-        args.set, args.beam, args.alpha, args.valid_limit,
-    )  # fmt: skip
-    print((args.out / "table3.md").read_text(encoding="utf-8"))
-    print(f"{len(results)} rows; CSV: {args.out / 'table3.csv'}")
-    return 0
-
-
-def _add_sweep(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("sweep", help="§6.2 Table 3: train and measure the model variations")
-    p.add_argument("experiment", choices=["table3"], help="the sweep to run")
-    p.add_argument("--data", type=Path, required=True, help="a prepared-data directory")
-    p.add_argument("--out", type=Path, default=Path("runs/table3"), help="sweep directory")
-    p.add_argument("--rows", help="comma-separated Table 3 rows (default: all, base to big)")
-    p.add_argument("--scale", default="small", help="base, small (cpu-small) or a preset name")
-    budget = p.add_mutually_exclusive_group(required=True)
-    budget.add_argument("--budget-steps", type=int, help="training steps per row")
-    budget.add_argument("--budget-minutes", type=float, help="training minutes per row")
-    p.add_argument(
-        "--set", action="append", default=[], metavar="KEY=VALUE",
-        help="override on the base, e.g. train.max_tokens=2000 (repeatable)",
-    )  # fmt: skip
-    p.add_argument("--beam", type=int, default=4, help="dev BLEU beam size (§6.1: 4)")
-    p.add_argument("--alpha", type=float, default=0.6, help="length penalty α (§6.1: 0.6)")
-    p.add_argument("--valid-limit", type=int, help="dev BLEU on the first N sentences only")
-    p.set_defaults(func=_cmd_sweep)
-
-
 # Each entry adds one subcommand. Subcommands live here in the order a user meets them.
 _SUBCOMMANDS = [
+    _add_quickstart,
+    _add_prepare,
     _add_presets,
     _add_flops,
+    _add_attention,
+    _add_sweep,
     _add_train,
     _add_average,
-    _add_attention,
     _add_translate,
     _add_evaluate,
     _add_serve,
     _add_export,
-    _add_sweep,
 ]
 
 

@@ -201,6 +201,21 @@ PRESETS: dict[str, dict[str, Any]] = {
         "train.max_tokens": 6000,
         "train.warmup_steps": 1500,
     },
+    # `transformer quickstart`: Multi30k on a 2-core CPU in 20 minutes (tuning: docs/quickstart.md).
+    "quickstart": {
+        "n_layers": 3,
+        "d_model": 256,
+        "d_ff": 1024,
+        "n_heads": 4,
+        "d_k": 64,
+        "d_v": 64,
+        "p_drop": 0.1,
+        "train.max_tokens": 6000,
+        "train.warmup_steps": 800,
+        "train.save_every_minutes": 1.0,
+        "train.keep_last": 5,
+        "train.valid_every_steps": 1000000,
+    },
     "parsing-cpu": {
         "n_layers": 4,
         "d_model": 256,
