@@ -21,6 +21,7 @@ from typing import BinaryIO
 import numpy as np
 import torch
 
+from transformer.errors import UserError
 from transformer.tokenizer import BOS_ID, EOS_ID, PAD_ID, Tokenizer
 
 MANIFEST = "manifest.json"
@@ -29,7 +30,7 @@ TOKEN_DTYPE = np.dtype("<i4")
 FILTER_REASONS = ("empty", "too_long", "length_ratio")
 
 
-class DataError(ValueError):
+class DataError(UserError):
     """Bad user data. The message names the file, the line (where there is one) and the problem."""
 
     def __init__(self, path: str | Path, problem: str, line: int | None = None) -> None:

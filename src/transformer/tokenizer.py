@@ -14,6 +14,8 @@ from pathlib import Path
 
 import sentencepiece as spm
 
+from transformer.errors import UserError
+
 logger = logging.getLogger(__name__)
 
 # Special-token ids, defined here and nowhere else. sentencepiece is trained with these ids.
@@ -33,15 +35,29 @@ class Tokenizer:
         model_path: path to a sentencepiece `.model` file trained by `Tokenizer.train`.
     """
 
-    def __init__(self, model_path: str | Path) -> None:
-        self.model_path = Path(model_path)
-        self._sp = spm.SentencePieceProcessor(model_file=str(self.model_path))
+    def __init__(self, model_path: str | Path | None = None, *, proto: bytes | None = None) -> None:
+        self.model_path = Path(model_path) if model_path is not None else None
+        source = (
+            str(self.model_path) if self.model_path is not None else "the model file's tokenizer"
+        )
+        try:
+            if proto is not None:
+                self._sp = spm.SentencePieceProcessor(model_proto=proto)
+            else:
+                self._sp = spm.SentencePieceProcessor(model_file=str(self.model_path))
+        except (OSError, RuntimeError) as e:
+            raise UserError(f"{source}: not a readable sentencepiece model: {e}") from e
         ids = (self._sp.pad_id(), self._sp.bos_id(), self._sp.eos_id(), self._sp.unk_id())
         if ids != (PAD_ID, BOS_ID, EOS_ID, UNK_ID):
-            raise ValueError(
-                f"{self.model_path}: special ids (pad, bos, eos, unk) are {ids}, "
+            raise UserError(
+                f"{source}: special ids (pad, bos, eos, unk) are {ids}, "
                 f"expected {(PAD_ID, BOS_ID, EOS_ID, UNK_ID)}; retrain with Tokenizer.train"
             )
+
+    @classmethod
+    def from_proto(cls, proto: bytes) -> Tokenizer:
+        """The tokenizer from a serialized sentencepiece model (as stored in a model file)."""
+        return cls(proto=proto)
 
     @classmethod
     def train(

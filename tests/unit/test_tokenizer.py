@@ -83,3 +83,21 @@ def test_bad_model_type_and_foreign_model_are_errors(tmp_path):
     )
     with pytest.raises(ValueError, match="special ids"):
         Tokenizer(tmp_path / "d.model")
+
+
+def test_from_proto_equals_the_file_and_bad_models_are_user_errors(tmp_path) -> None:
+    from transformer.errors import UserError
+
+    lines = [f"a small sentence number {i} about cats and dogs" for i in range(300)]
+    corpus = tmp_path / "c.txt"
+    corpus.write_text("\n".join(lines) + "\n")
+    tok = Tokenizer.train([corpus], tmp_path / "spm", vocab_size=400)
+    from_bytes = Tokenizer.from_proto((tmp_path / "spm.model").read_bytes())
+    assert from_bytes.encode(lines[7]) == tok.encode(lines[7])
+    assert from_bytes.decode(tok.encode(lines[7])) == lines[7]
+    bad = tmp_path / "bad.model"
+    bad.write_bytes(b"junk")
+    with pytest.raises(UserError, match="bad.model: not a readable sentencepiece model"):
+        Tokenizer(bad)
+    with pytest.raises(UserError, match="not a readable sentencepiece model"):
+        Tokenizer.from_proto(b"junk")
