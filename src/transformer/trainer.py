@@ -109,6 +109,7 @@ class Trainer:
         self.device = next(model.parameters()).device
         self._batches = iter(self.sampler)
         self._writer = None
+        self._last_save = time.monotonic()
 
     # ---------------------------------------------------------------- one step
 
@@ -180,32 +181,21 @@ class Trainer:
 
     def run(self) -> TrainState:
         """Train until a budget is spent; the last state is always checkpointed."""
-        start = time.monotonic()
-        last_save = start
+        start = self._last_save = time.monotonic()
         window = _Window()
         bar = self._progress_bar()
         try:
             while self.state.step < self.cfg.max_steps:
                 minutes = (time.monotonic() - start) / 60
                 time_up = self.cfg.max_minutes is not None and minutes >= self.cfg.max_minutes
-                save_due = (time.monotonic() - last_save) / 60 >= self.cfg.save_every_minutes
+                save_due = (time.monotonic() - self._last_save) / 60 >= self.cfg.save_every_minutes
                 out = self.train_step(self._next_batches(), time_up, save_due)
-                if out["time_up"] > 0:
+                if self._account(out, window):
+                    self._update_bar(bar, out, window)
+                    window = self._after_step(out, window)
+                if out["time_up"] > 0:  # the flag was raised before this step: it counts
                     logger.info("time budget of %s minutes spent", self.cfg.max_minutes)
                     break
-                if not self._account(out, window):
-                    continue
-                self._update_bar(bar, out, window)
-                step = self.state.step
-                if step % self.cfg.log_every_steps == 0:
-                    self._log_train(window)
-                    window = _Window()
-                if self.valid_split is not None and step % self.cfg.valid_every_steps == 0:
-                    self._log_valid()
-                by_steps = self.cfg.save_every_steps > 0 and step % self.cfg.save_every_steps == 0
-                if by_steps or out["save_due"] > 0:
-                    self.save()
-                    last_save = time.monotonic()
         finally:
             if bar is not None:
                 bar.close()
@@ -215,6 +205,20 @@ class Trainer:
         if self._writer:
             self._writer.close()
         return self.state
+
+    def _after_step(self, out: dict[str, float], window: _Window) -> _Window:
+        """Log, validate and checkpoint on their cadences; returns the (new) log window."""
+        step = self.state.step
+        if step % self.cfg.log_every_steps == 0:
+            self._log_train(window)
+            window = _Window()
+        if self.valid_split is not None and step % self.cfg.valid_every_steps == 0:
+            self._log_valid()
+        by_steps = self.cfg.save_every_steps > 0 and step % self.cfg.save_every_steps == 0
+        if by_steps or out["save_due"] > 0:
+            self.save()
+            self._last_save = time.monotonic()
+        return window
 
     def _account(self, out: dict[str, float], window: _Window) -> bool:
         """Update counters; on a skipped step, log it and stop after too many in a row."""

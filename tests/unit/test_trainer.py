@@ -180,9 +180,10 @@ def test_validate_reports_loss_ppl_and_bleu(data_dir, tmp_path):
 
 
 def test_max_minutes_budget_stops(data_dir, tmp_path):
+    # The budget is checked before each step and the step in flight completes: one step.
     state = train(data_dir, tmp_path / "run", _config("train.max_minutes=0"), progress=False)
-    assert state.step == 0
-    assert checkpoint.latest_checkpoint(tmp_path / "run").name == "ckpt_0.pt"
+    assert state.step == 1
+    assert checkpoint.latest_checkpoint(tmp_path / "run").name == "ckpt_1.pt"
 
 
 def test_cli_train_resume_average(data_dir, tmp_path):
