@@ -170,14 +170,21 @@ def _save(fig, path: Path, plt) -> Path:
 
 
 def _pick_word(labels: list[str], word: str | None) -> int:
-    """The position of `word` (a subword label, or a 0-based index); default the longest piece."""
+    """The position of `word`: a 0-based index, a subword label, or a whole word (its first
+    subword). Default: the first piece of the longest word."""
+    starts = [i for i, label in enumerate(labels) if i == 0 or label.startswith("▁")]
+    words = {}
+    for i, j in zip(starts, starts[1:] + [len(labels)], strict=True):
+        words.setdefault("".join(labels[i:j]).lstrip("▁").removesuffix("</s>"), i)
     if word is None:
-        return max(range(len(labels) - 1), key=lambda i: len(labels[i].lstrip("▁")))
+        return words[max(words, key=len)]
     if word.isdigit() and int(word) < len(labels):
         return int(word)
     for i, label in enumerate(labels):
         if label.lstrip("▁") == word.lstrip("▁"):
             return i
+    if word in words:
+        return words[word]
     raise UserError(f"--word {word!r}: not a token of the sentence {labels}")
 
 

@@ -166,6 +166,7 @@ def dev_perplexity(model, split, max_tokens: int) -> float:
 
 def _train_row(row: str, config: RunConfig, data_dir: Path, run_dir: Path, args: dict) -> RowResult:
     """Train one row, then measure it; `args` holds beam, alpha, valid_limit, eval_max_tokens."""
+    from transformer.checkpoint import latest_checkpoint
     from transformer.data import load_prepared
     from transformer.evaluate import evaluate
     from transformer.flops import read_run
@@ -173,7 +174,11 @@ def _train_row(row: str, config: RunConfig, data_dir: Path, run_dir: Path, args:
     from transformer.translate import resolve_model
 
     start = time.perf_counter()
-    state = train(data_dir, run_dir, config, progress=False)
+    if latest_checkpoint(run_dir) is not None:  # trained, then stopped before being measured
+        state = train(None, run_dir, resume=True, progress=False)
+    else:
+        (run_dir / "metrics.jsonl").unlink(missing_ok=True)  # an interrupted attempt's lines
+        state = train(data_dir, run_dir, config, progress=False)
     wall = time.perf_counter() - start
     _, totals = read_run(run_dir)
     loaded = resolve_model(run_dir)  # the latest checkpoint: no averaging (§6.2)

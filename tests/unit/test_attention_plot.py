@@ -70,9 +70,10 @@ def test_default_layer_is_last_but_one_and_bad_arguments(model_file, tmp_path) -
 
 
 def test_pick_word() -> None:
-    labels = ["▁The", "▁law", "▁will", "▁never", "</s>"]
-    assert _pick_word(labels, "law") == 1
-    assert _pick_word(labels, "3") == 3
-    assert _pick_word(labels, None) == 3  # the longest piece: "never"
+    labels = ["▁The", "▁law", "▁will", "▁ne", "ver", "▁be", "</s>"]
+    assert _pick_word(labels, "law") == 1  # a subword
+    assert _pick_word(labels, "never") == 3  # a whole word: its first subword
+    assert _pick_word(labels, "4") == 4  # a position
+    assert _pick_word(labels, None) == 3  # the longest word: "never"
     with pytest.raises(UserError, match="not a token"):
         _pick_word(labels, "making")

@@ -134,3 +134,8 @@ def test_two_row_sweep_end_to_end(shared_data, tmp_path) -> None:
     # A second call reads the finished rows instead of training them again.
     again = run_table3(data, out, rows=["base", "A1"], scale="tiny", budget_steps=3)
     assert again == results
+    # A row trained but not measured (result.json lost) resumes from its checkpoint: no retraining.
+    (out / "A1" / "result.json").unlink()
+    resumed = run_table3(data, out, rows=["A1"], scale="tiny", budget_steps=3, valid_limit=5)[0]
+    assert resumed.steps == 3 and resumed.dev_bleu == results[1].dev_bleu
+    assert resumed.dev_ppl == pytest.approx(results[1].dev_ppl, rel=1e-5)  # same weights
