@@ -12,6 +12,7 @@ last-but-one layer (0-based 4 for N = 6).
 from __future__ import annotations
 
 import logging
+import string
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -96,32 +97,37 @@ def plot_heads(weights: torch.Tensor, q_labels, k_labels, path: Path, title: str
     H = weights.size(0)
     cols = min(H, 4)
     rows = -(-H // cols)
-    cell = 0.22 * max(len(k_labels), 6)
+    cell = min(max(0.14 * len(k_labels), 2.5), 5.0)  # inches per head
+    font = 6 if len(k_labels) <= 40 else 4
     fig, axes = plt.subplots(rows, cols, figsize=(cols * cell + 1, rows * cell + 1), squeeze=False)
     for h, ax in enumerate(axes.flat):
         if h >= H:
             ax.axis("off")
             continue
-        ax.imshow(weights[h].numpy(), cmap="viridis", vmin=0.0, vmax=1.0)
-        ax.set_title(f"head {h}", fontsize=8)
-        ax.set_xticks(range(len(k_labels)), k_labels, rotation=90, fontsize=6)
-        ax.set_yticks(range(len(q_labels)), q_labels, fontsize=6)
+        # Each head on its own scale (0 to its largest weight), so diffuse heads stay visible.
+        ax.imshow(weights[h].numpy(), cmap="viridis", vmin=0.0, vmax=float(weights[h].max()))
+        ax.set_title(f"head {h} (max {float(weights[h].max()):.2f})", fontsize=8)
+        ax.set_xticks(range(len(k_labels)), k_labels, rotation=90, fontsize=font)
+        ax.set_yticks(range(len(q_labels)), q_labels, fontsize=font)
     fig.suptitle(title, fontsize=9)
     fig.tight_layout()
     return _save(fig, path, plt)
 
 
 def _draw_lines(ax, labels, weights, colors, heads) -> None:
-    """Two columns of labels; a line from query i (left) to key j (right), alpha = weight."""
+    """Two columns of labels; a line from query i (left) to key j (right), opacity = weight
+    relative to the largest one drawn."""
     n = len(labels)
     for i, label in enumerate(labels):
         ax.text(0.0, n - 1 - i, label, ha="right", va="center", fontsize=7)
         ax.text(1.0, n - 1 - i, label, ha="left", va="center", fontsize=7)
+    heads = list(heads)
+    top = float(weights[heads].max()) or 1.0  # the strongest line is opaque
     for h in heads:
         for i in range(weights.size(1)):
             for j in range(weights.size(2)):
-                w = float(weights[h, i, j])
-                if w > 0.02:
+                w = float(weights[h, i, j]) / top
+                if w > 0.05:
                     ax.plot([0.02, 0.98], [n - 1 - i, n - 1 - j], color=colors[h], alpha=w, lw=2)
     ax.set_xlim(-0.6, 1.6)
     ax.set_ylim(-1, n)
@@ -175,7 +181,9 @@ def _pick_word(labels: list[str], word: str | None) -> int:
     starts = [i for i, label in enumerate(labels) if i == 0 or label.startswith("▁")]
     words = {}
     for i, j in zip(starts, starts[1:] + [len(labels)], strict=True):
-        words.setdefault("".join(labels[i:j]).lstrip("▁").removesuffix("</s>"), i)
+        text = "".join(labels[i:j]).lstrip("▁").removesuffix("</s>")
+        words.setdefault(text, i)
+        words.setdefault(text.strip(string.punctuation), i)  # "perfect," -> "perfect"
     if word is None:
         return words[max(words, key=len)]
     if word.isdigit() and int(word) < len(labels):

@@ -70,10 +70,11 @@ def test_default_layer_is_last_but_one_and_bad_arguments(model_file, tmp_path) -
 
 
 def test_pick_word() -> None:
-    labels = ["▁The", "▁law", "▁will", "▁ne", "ver", "▁be", "</s>"]
+    labels = ["▁The", "▁law", "▁will", "▁ne", "ver", "▁be", "▁perf", "ect", ",", "</s>"]
     assert _pick_word(labels, "law") == 1  # a subword
     assert _pick_word(labels, "never") == 3  # a whole word: its first subword
+    assert _pick_word(labels, "perfect") == 6  # punctuation attached to the word is ignored
     assert _pick_word(labels, "4") == 4  # a position
-    assert _pick_word(labels, None) == 3  # the longest word: "never"
+    assert _pick_word(labels, None) == 6  # the longest word: "perfect,"
     with pytest.raises(UserError, match="not a token"):
         _pick_word(labels, "making")
