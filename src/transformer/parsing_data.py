@@ -13,12 +13,17 @@ For each split, `write_parsing_corpus` writes
 and `tgt_symbols.txt`, the target-side symbols (one per line, most frequent first). Every
 bracket token must stay one symbol: the target side needs a word-level vocabulary, or these
 symbols as sentencepiece `user_defined_symbols`.
+
+`prepare_parsing` (`transformer prepare ptb --from DATA_ROOT --out DIR`) writes that corpus to
+`DIR.text/`, then prepares it like any custom corpus (train / valid = dev / test) with the
+symbols kept whole in one joint vocabulary, and copies the gold trees to `DIR/{split}.trees`.
 """
 
 from __future__ import annotations
 
 import logging
 import re
+import shutil
 from collections import Counter
 from pathlib import Path
 
@@ -30,6 +35,14 @@ PTB_SAMPLE_DIR = Path("ptb_sample") / "combined"  # under the shared data root
 WSJ22_PATH = Path("ptb_wsj") / "22.auto.clean"
 DEV_FIRST_FILE = 170  # wsj_0170 .. wsj_0199 are the dev split
 SPLITS = ("train", "dev", "test")
+PREPARED_SPLITS = {"train": "train", "dev": "valid", "test": "test"}  # ours -> prepare.py's
+SRC_LANG, TGT_LANG = "en", "tree"
+# Not the paper's 16K (WSJ only, ~40K sentences): ~3.5K training sentences here (~8.5K word
+# types) share a smaller joint vocabulary, so rare words in section 22 still split into known
+# pieces.
+PARSING_VOCAB_SIZE = 4000
+PARSING_MAX_LEN = 1024  # keep every training tree (the longest is ~600 tokens); = model max_len
+PARSING_MAX_RATIO = 100.0  # a tree is ~4x its sentence; the length-ratio filter is for MT
 
 _MRG_NAME = re.compile(r"wsj_(\d{4})\.mrg")
 
@@ -103,3 +116,56 @@ def write_parsing_corpus(
     symbols_path.write_text("".join(f"{s}\n" for s, _ in symbols.most_common()), encoding="utf-8")
     result["tgt_symbols"] = str(symbols_path)
     return result
+
+
+def prepare_parsing(
+    out_dir: str | Path,
+    data_root: str | Path | None,
+    *,
+    vocab_size: int | None = None,
+    force: bool = False,
+):
+    """§6.3 `transformer prepare ptb`: the parsing corpus as a prepared-data directory.
+
+    Args:
+        out_dir: the prepared-data directory; the parallel text goes to `{out_dir}.text/`.
+        data_root: the shared data directory holding `ptb_sample/` and `ptb_wsj/`.
+        vocab_size: joint sentencepiece vocabulary (default PARSING_VOCAB_SIZE).
+        force: rebuild `out_dir` even if it was prepared from other inputs.
+
+    Returns:
+        The prepare.Manifest; `out_dir` also holds `{train,valid,test}.trees`.
+    """
+    from transformer.data import DataError
+    from transformer.prepare import CUSTOM, prepare_corpus
+
+    if data_root is None:
+        raise DataError("prepare ptb", "needs --from DATA_ROOT (holding ptb_sample/, ptb_wsj/)")
+    out_dir = Path(out_dir)
+    text_dir = out_dir.with_name(out_dir.name + ".text")
+    try:
+        written = write_parsing_corpus(text_dir, data_root)
+    except FileNotFoundError as e:
+        raise DataError(data_root, f"not a PTB data root: {e}") from e
+    files = {
+        PREPARED_SPLITS[split]: (Path(written[split]["src"]), Path(written[split]["tgt"]))
+        for split in SPLITS
+    }
+    symbols = Path(written["tgt_symbols"]).read_text(encoding="utf-8").split()
+    manifest = prepare_corpus(
+        CUSTOM,
+        SRC_LANG,
+        TGT_LANG,
+        out_dir,
+        vocab_size=vocab_size or PARSING_VOCAB_SIZE,
+        max_len=PARSING_MAX_LEN,
+        max_ratio=PARSING_MAX_RATIO,
+        train_files=files["train"],
+        valid_files=files["valid"],
+        test_files=files["test"],
+        force=force,
+        user_symbols=symbols,
+    )
+    for split, prepared in PREPARED_SPLITS.items():
+        shutil.copyfile(written[split]["trees"], out_dir / f"{prepared}.trees")
+    return manifest

@@ -43,6 +43,7 @@ from transformer.tokenizer import Tokenizer
 logger = logging.getLogger(__name__)
 
 CUSTOM = "custom"
+PTB = "ptb"  # §6.3 parsing corpus (parsing_data.prepare_parsing)
 DEFAULT_MAX_LEN = 256  # positions, EOS included; like tensor2tensor's max_length
 DEFAULT_MAX_RATIO = 9.0  # Moses clean-corpus-n.perl default
 DEFAULT_SPM_SAMPLE = 1_000_000  # sentences sampled for sentencepiece training
@@ -93,6 +94,7 @@ def prepare_corpus(
     download_dir: Path | None = None,
     spm_sample: int = DEFAULT_SPM_SAMPLE,
     num_threads: int | None = None,
+    user_symbols: Sequence[str] = (),
 ) -> Manifest:
     """Prepare a named corpus (or `name="custom"` with explicit files) into `out_dir`.
 
@@ -109,6 +111,7 @@ def prepare_corpus(
         download_dir: where downloads go (default `{out_dir}.downloads`).
         spm_sample: sentences sampled for sentencepiece training.
         num_threads: threads for sentencepiece (default min(4, cpu count)).
+        user_symbols: tokens kept whole in the vocabulary (§6.3 tree symbols, `Tokenizer.train`).
 
     Returns:
         The manifest written to `out_dir/manifest.json`.
@@ -140,6 +143,8 @@ def prepare_corpus(
         "max_ratio": max_ratio,
         "spm_sample": spm_sample,
     }
+    if user_symbols:  # only when set, so manifests written before this option stay reusable
+        settings["user_symbols"] = list(user_symbols)
     input_info = _hash_inputs(inputs, src_lang, tgt_lang, official)
     reused = _reusable(out_dir, name, src_lang, tgt_lang, settings, input_info, force)
     if reused is not None:
@@ -350,6 +355,7 @@ def _train_tokenizer(
             model_type=settings["spm_type"],
             input_sentence_size=settings["spm_sample"],
             num_threads=threads,
+            user_symbols=settings.get("user_symbols", ()),
         )
     except RuntimeError as e:  # e.g. "Vocabulary size too high (8000). Please set it to ..."
         raise DataError(
@@ -431,9 +437,11 @@ def summarize(manifest: Manifest) -> str:
 
 def add_prepare_arguments(parser: argparse.ArgumentParser) -> None:
     """The flags of `transformer prepare`."""
-    parser.add_argument("name", choices=[*corpora.REGISTRY, CUSTOM], help="corpus name")
-    parser.add_argument("--src", required=True, help="source language code, e.g. en")
-    parser.add_argument("--tgt", required=True, help="target language code, e.g. de")
+    parser.add_argument(
+        "name", choices=[*corpora.REGISTRY, CUSTOM, PTB], help="corpus name (ptb: §6.3 parsing)"
+    )
+    parser.add_argument("--src", help="source language code, e.g. en (ptb: en)")
+    parser.add_argument("--tgt", help="target language code, e.g. de (ptb: tree)")
     parser.add_argument("--out", required=True, type=Path, help="prepared-data directory")
     parser.add_argument("--from", dest="from_dir", type=Path, help="use files in DIR, no download")
     parser.add_argument(
@@ -459,6 +467,9 @@ def add_prepare_arguments(parser: argparse.ArgumentParser) -> None:
         "--spm-sample", type=int, default=DEFAULT_SPM_SAMPLE, help="sentences for spm training"
     )
     parser.add_argument("--threads", type=int, help="sentencepiece threads")
+    parser.add_argument(
+        "--user-symbols", type=Path, help="file of tokens (one a line) kept whole in the vocabulary"
+    )
     parser.add_argument("--download-dir", type=Path, help="default: OUT.downloads")
     parser.add_argument("--force", action="store_true", help="rebuild OUT even if it exists")
 
@@ -467,6 +478,14 @@ def run_prepare(args: argparse.Namespace) -> int:
     """Run `transformer prepare` from parsed arguments; returns the exit status."""
     if not logging.getLogger().handlers:
         logging.basicConfig(level=logging.INFO, format="%(message)s")
+    if args.name == PTB:
+        from transformer.parsing_data import prepare_parsing
+
+        prepare_parsing(args.out, args.from_dir, vocab_size=args.vocab_size, force=args.force)
+        return 0
+    if args.src is None or args.tgt is None:
+        raise DataError("prepare", f"{args.name}: --src and --tgt are required")
+    symbols = _read_symbols(args.user_symbols) if args.user_symbols else ()
     prepare_corpus(
         args.name,
         args.src,
@@ -484,5 +503,18 @@ def run_prepare(args: argparse.Namespace) -> int:
         download_dir=args.download_dir,
         spm_sample=args.spm_sample,
         num_threads=args.threads,
+        user_symbols=symbols,
     )
     return 0
+
+
+def _read_symbols(path: Path) -> list[str]:
+    """One token a line; blank lines are skipped, a line with inner spaces is an error."""
+    try:
+        lines = Path(path).read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as e:
+        raise DataError(path, f"cannot read user symbols: {e}") from e
+    for i, line in enumerate(lines, 1):
+        if len(line.split()) > 1:
+            raise DataError(path, f"a user symbol holds no spaces, got {line!r}", line=i)
+    return [line.strip() for line in lines if line.strip()]

@@ -26,6 +26,7 @@ UNK_ID = 3
 SPECIAL_IDS = frozenset({PAD_ID, BOS_ID, EOS_ID, UNK_ID})
 
 MODEL_TYPES = ("bpe", "unigram")
+_SPACE = "\u2581"  # sentencepiece's word-boundary mark
 
 
 class Tokenizer:
@@ -69,6 +70,7 @@ class Tokenizer:
         input_sentence_size: int = 1_000_000,
         num_threads: int | None = None,
         seed_sentencepiece_size: int = 1_000_000,
+        user_symbols: Sequence[str] = (),
     ) -> Tokenizer:
         """Train a joint subword model on plain-text files (one sentence per line).
 
@@ -84,6 +86,8 @@ class Tokenizer:
             input_sentence_size: sentences sampled from `inputs` for training (0 = all).
             num_threads: training threads; default min(4, cpu count).
             seed_sentencepiece_size: unigram seed vocabulary size.
+            user_symbols: whole space-separated tokens that must each be one subword, e.g. the
+                §6.3 tree symbols `(NP`, `)NP`, `XX`; they count towards `vocab_size`.
 
         Returns:
             The trained tokenizer.
@@ -91,6 +95,12 @@ class Tokenizer:
         if model_type not in MODEL_TYPES:
             raise ValueError(f"model_type must be one of {MODEL_TYPES}, got {model_type!r}")
         threads = num_threads or min(4, os.cpu_count() or 1)
+        bad = [s for s in user_symbols if not s or any(c.isspace() for c in s)]
+        if bad:
+            raise ValueError(f"user_symbols must be non-empty and without spaces, got {bad[:3]}")
+        # A symbol is stored with its word-boundary mark ("▁(NP"): a space-separated token then
+        # costs one piece, where a bare "(NP" would cost two ("▁", "(NP").
+        extra = {"user_defined_symbols": [_SPACE + s for s in user_symbols]} if user_symbols else {}
         spm.SentencePieceTrainer.train(
             input=[str(p) for p in inputs],
             model_prefix=str(model_prefix),
@@ -108,6 +118,7 @@ class Tokenizer:
             seed_sentencepiece_size=seed_sentencepiece_size,
             num_threads=threads,
             minloglevel=2,
+            **extra,
         )
         logger.info(
             "trained %s sentencepiece model %s.model (V=%d)", model_type, model_prefix, vocab_size

@@ -234,3 +234,38 @@ def test_cli_arguments(corpus, tmp_path):
     manifest = load_prepared(tmp_path / "o").manifest
     assert manifest["spm_type"] == "unigram" and manifest["settings"]["spm_sample"] == 0
     assert manifest["filters"]["train"]["length_ratio"] == 1
+
+
+def test_user_symbols_file_keeps_tokens_whole(corpus, tmp_path):
+    files, *_ = corpus
+    (tmp_path / "symbols.txt").write_text("(NP\n)NP\n\nXX\n", encoding="utf-8")
+    parser = argparse.ArgumentParser()
+    add_prepare_arguments(parser)
+    argv = ["custom", "--src", "en", "--tgt", "de", "--out", str(tmp_path / "o"), "--threads", "1"]
+    argv += ["--train", *map(str, files["train"]), "--valid", *map(str, files["valid"])]
+    argv += ["--vocab-size", "300", "--max-len", "100", "--max-ratio", "4"]
+    assert (
+        run_prepare(parser.parse_args([*argv, "--user-symbols", str(tmp_path / "symbols.txt")]))
+        == 0
+    )
+    data = load_prepared(tmp_path / "o")
+    assert data.manifest["settings"]["user_symbols"] == ["(NP", ")NP", "XX"]
+    assert len(data.tokenizer.encode("(NP XX )NP")) == 3
+
+
+def test_user_symbols_file_with_spaces_names_the_line(corpus, tmp_path):
+    files, *_ = corpus
+    (tmp_path / "symbols.txt").write_text("(NP\n(N P\n", encoding="utf-8")
+    parser = argparse.ArgumentParser()
+    add_prepare_arguments(parser)
+    argv = ["custom", "--src", "en", "--tgt", "de", "--out", str(tmp_path / "o")]
+    argv += ["--train", *map(str, files["train"]), "--valid", *map(str, files["valid"])]
+    with pytest.raises(DataError, match=r"symbols.txt:2: a user symbol holds no spaces"):
+        run_prepare(parser.parse_args([*argv, "--user-symbols", str(tmp_path / "symbols.txt")]))
+
+
+def test_named_corpora_need_src_and_tgt(tmp_path):
+    parser = argparse.ArgumentParser()
+    add_prepare_arguments(parser)
+    with pytest.raises(DataError, match="--src and --tgt are required"):
+        run_prepare(parser.parse_args(["multi30k", "--out", str(tmp_path / "o")]))

@@ -101,3 +101,29 @@ def test_from_proto_equals_the_file_and_bad_models_are_user_errors(tmp_path) -> 
         Tokenizer(bad)
     with pytest.raises(UserError, match="not a readable sentencepiece model"):
         Tokenizer.from_proto(b"junk")
+
+
+SYMBOLS = ["(S", ")S", "(NP", ")NP", "(VP", ")VP", "XX"]
+
+
+def test_user_symbols_are_one_piece_each_and_round_trip(tmp_path):
+    """§6.3: every tree token must stay one symbol, and cost one piece (no separate "▁")."""
+    lines = write_corpus(tmp_path / "a.txt", seed=2)
+    tree = "(S (NP XX XX )NP (VP XX (NP XX )NP )VP XX )S"
+    with open(tmp_path / "a.txt", "a", encoding="utf-8") as f:
+        f.write((tree + "\n") * 50)
+    tok = Tokenizer.train(
+        [tmp_path / "a.txt"], tmp_path / "spm", vocab_size=320, num_threads=1, user_symbols=SYMBOLS
+    )
+    ids = tok.encode(tree)
+    assert len(ids) == len(tree.split())
+    assert [tok.id_to_piece(i) for i in ids] == ["\u2581" + t for t in tree.split()]
+    assert tok.decode(ids) == tree
+    assert tok.decode(tok.encode(lines[0])) == lines[0]  # ordinary text unaffected
+    assert tok.vocab_size == 320  # the symbols count towards the vocabulary size
+
+
+def test_user_symbols_with_spaces_are_rejected(tmp_path):
+    write_corpus(tmp_path / "a.txt")
+    with pytest.raises(ValueError, match="without spaces"):
+        Tokenizer.train([tmp_path / "a.txt"], tmp_path / "spm", 320, user_symbols=["(N P"])
