@@ -341,6 +341,61 @@ def _add_export(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_cmd_export)
 
 
+def _cmd_parse(args: argparse.Namespace) -> int:
+    from transformer.parse import evaluate_parser, parse_file
+    from transformer.translate import read_lines
+
+    if args.eval is not None:
+        r = evaluate_parser(
+            args.model, args.eval, args.split, beam=args.beam, alpha=args.alpha,
+            limit=args.limit, dtype=args.dtype, output=args.output,
+        )  # fmt: skip
+        short = r["len<=40"]
+        print(f"{r['split']}: {r['sentences']} sentences in {r['seconds']:.1f} s "
+              f"(beam {r['beam']}, alpha {r['alpha']})")  # fmt: skip
+        for name, s in (("all", r), ("len<=40", short)):
+            print(f"EVALB {name}: P {s['precision']:.2f}  R {s['recall']:.2f}  F1 {s['f1']:.2f}  "
+                  f"exact {s['exact_match']:.2f}  valid {s['valid_sentences']}  "
+                  f"errors {s['error_sentences']}")  # fmt: skip
+        return 0
+
+    def lines(path: str) -> list[str]:
+        if path == "-":
+            return read_lines(sys.stdin.buffer, "<stdin>")
+        if not Path(path).is_file():
+            raise UserError(f"{path}: no such input file")
+        with open(path, "rb") as f:
+            return read_lines(f, path)
+
+    name = "<stdin>" if args.input == "-" else args.input
+    pos = lines(args.pos) if args.pos else None
+    trees = parse_file(args.model, lines(args.input), name, pos, args.beam, args.alpha, args.dtype)
+    text = "".join(t + "\n" for t in trees)
+    if args.output:
+        Path(args.output).write_text(text, encoding="utf-8")
+    else:
+        sys.stdout.write(text)
+    return 0
+
+
+def _add_parse(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("parse", help="§6.3 constituency parsing: sentences -> bracketed trees")
+    p.add_argument("model", help="a parsing model file, or its run directory")
+    p.add_argument("input", nargs="?", default="-", help="one tokenized sentence a line (stdin)")
+    p.add_argument("--pos", help="POS tags, one line per sentence, for the trees (default XX)")
+    p.add_argument("--beam", type=int, default=21, help="beam size (§6.3: 21)")
+    p.add_argument("--alpha", type=float, default=0.3, help="length penalty α (§6.3: 0.3)")
+    p.add_argument("--dtype", choices=["fp32", "bf16", "int8"], default="fp32")
+    p.add_argument("--output", help="write the trees to this file (default stdout)")
+    p.add_argument(
+        "--eval", metavar="GOLD", help="parse GOLD's sentences (a tree file or `prepare ptb` dir) "
+        "with its POS tags and print EVALB (COLLINS.prm) P/R/F1"
+    )  # fmt: skip
+    p.add_argument("--split", default="test", help="with --eval DIR: train, valid or test")
+    p.add_argument("--limit", type=int, help="with --eval: only the first N trees")
+    p.set_defaults(func=_cmd_parse)
+
+
 # Each entry adds one subcommand. Subcommands live here in the order a user meets them.
 _SUBCOMMANDS = [
     _add_quickstart,
@@ -353,6 +408,7 @@ _SUBCOMMANDS = [
     _add_average,
     _add_translate,
     _add_evaluate,
+    _add_parse,
     _add_serve,
     _add_export,
 ]

@@ -1,0 +1,70 @@
+"""§6.3 end to end on the real treebank data: `prepare ptb`, a few training steps of a tiny
+model, `average`, then `parse` (plain sentences and `--eval` on dev trees with EVALB)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from transformer.trees import read_trees
+
+pytestmark = pytest.mark.integration
+
+
+def _cli(*args: str, stdin: bytes = b"") -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.run(
+        [sys.executable, "-m", "transformer", *args], input=stdin, capture_output=True,
+        env=env, timeout=600,
+    )  # fmt: skip
+
+
+def test_prepare_train_average_parse(shared_data, tmp_path):
+    if not (shared_data / "ptb_sample").is_dir() or not (shared_data / "ptb_wsj").is_dir():
+        pytest.skip("treebank data not found")
+    data = tmp_path / "ptb"
+    res = _cli("prepare", "ptb", "--from", str(shared_data), "--out", str(data))
+    assert res.returncode == 0, res.stderr.decode()
+    manifest = json.loads((data / "manifest.json").read_text())
+    # Sentence counts of the split in parsing_data (NLTK sample files 0001-0169 / 0170-0199,
+    # and section 22's 1,700 trees); no training pair is filtered.
+    assert {k: v["pairs"] for k, v in manifest["splits"].items()} == {
+        "train": 3501,
+        "valid": 413,
+        "test": 1700,
+    }
+    assert len(manifest["settings"]["user_symbols"]) > 40  # the tree symbols, kept whole
+    assert len(read_trees(data / "valid.trees")) == 413
+
+    run = tmp_path / "run"
+    res = _cli("train", str(data), "--preset", "tiny", "--out", str(run), "--max-steps", "4",
+               "--device", "cpu", "train.max_tokens=600", "train.save_every_steps=2",
+               "model.max_len=512")  # fmt: skip
+    assert res.returncode == 0, res.stderr.decode()
+    res = _cli("average", str(run), "--last", "2", "--out", str(tmp_path / "model.safetensors"))
+    assert res.returncode == 0, res.stderr.decode()
+    model = str(tmp_path / "model.safetensors")
+
+    gold = read_trees(data / "valid.trees")[:3]
+    text = "".join(" ".join(t.leaves()) + "\n" for t in gold)
+    res = _cli("parse", model, "--beam", "2", stdin=text.encode())
+    assert res.returncode == 0, res.stderr.decode()
+    out = res.stdout.decode().splitlines()
+    assert [t.leaves() for t in map(_one_tree, out)] == [t.leaves() for t in gold]
+
+    res = _cli("parse", model, "--eval", str(data), "--split", "valid", "--limit", "3",
+               "--beam", "2")  # fmt: skip
+    assert res.returncode == 0, res.stderr.decode()
+    lines = res.stdout.decode().splitlines()
+    assert lines[0].startswith("valid: 3 sentences")
+    assert "EVALB all: P" in lines[1] and "errors 0" in lines[1]
+
+
+def _one_tree(line: str):
+    from transformer.trees import parse_tree
+
+    return parse_tree(line)
