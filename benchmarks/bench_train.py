@@ -6,6 +6,7 @@ A step is the full training step: forward, chunked §5.4 loss, backward, fp32-ma
     .venv/bin/python benchmarks/bench_train.py                      # cpu-small and base
     .venv/bin/python benchmarks/bench_train.py --presets base --tokens 4000 --steps 3
     .venv/bin/python benchmarks/bench_train.py --profile cpu-small:bf16   # where time goes
+    .venv/bin/python benchmarks/bench_train.py --interleaved --steps 6    # fair bf16/fp32 ratio
 """
 
 from __future__ import annotations
@@ -37,7 +38,8 @@ def synthetic_batch(tokens: int, length: int, vocab: int, seed: int = 0):
     return src, torch.ones_like(src, dtype=torch.bool), tgt_in, tgt_out
 
 
-def run_one(preset: str, dtype: str, tokens: int, length: int, steps: int, vocab: int) -> dict:
+def make_step(preset: str, dtype: str, tokens: int, length: int, vocab: int):
+    """A closure running one full training step on a fixed synthetic batch; and the model."""
     cfg = build_config(preset, None, [f"train.dtype={dtype}"], vocab_size=vocab)
     model = build_model(cfg, torch.device("cpu")).train()
     opt = MixedPrecisionAdam(model.parameters(), (0.9, 0.98), 1e-9)
@@ -53,6 +55,11 @@ def run_one(preset: str, dtype: str, tokens: int, length: int, steps: int, vocab
         opt.collect_grads()
         opt.step(learning_rate(i + 1, cfg.model.d_model, 4000), 1.0 / tgt_out.numel())
 
+    return step, model, tgt_out.numel()
+
+
+def run_one(preset: str, dtype: str, tokens: int, length: int, steps: int, vocab: int) -> dict:
+    step, model, n_tgt = make_step(preset, dtype, tokens, length, vocab)
     step(0)  # warm-up: allocations, kernel selection
     start = time.perf_counter()
     for i in range(steps):
@@ -62,11 +69,32 @@ def run_one(preset: str, dtype: str, tokens: int, length: int, steps: int, vocab
         "preset": preset,
         "dtype": dtype,
         "params_M": model.num_parameters() / 1e6,
-        "batch_tgt_tokens": tgt_out.numel(),
+        "batch_tgt_tokens": n_tgt,
         "s_per_step": elapsed / steps,
-        "tgt_tokens_per_s": tgt_out.numel() * steps / elapsed,
+        "tgt_tokens_per_s": n_tgt * steps / elapsed,
         "peak_rss_GiB": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
     }
+
+
+def interleaved(preset: str, tokens: int, length: int, steps: int, vocab: int) -> None:
+    """fp32 and bf16 steps alternated in one process: on a shared machine both see the same
+    load, so their ratio is fair even when absolute numbers are not."""
+    runs = {d: make_step(preset, d, tokens, length, vocab) for d in ("fp32", "bf16")}
+    times: dict[str, list[float]] = {d: [] for d in runs}
+    for step, _, _ in runs.values():
+        step(0)  # warm-up
+    for i in range(steps):
+        for d, (step, _, _) in runs.items():
+            start = time.perf_counter()
+            step(i + 1)
+            times[d].append(time.perf_counter() - start)
+    n_tgt = runs["fp32"][2]
+    for d, t in times.items():
+        best, med = min(t), sorted(t)[len(t) // 2]
+        print(f"{preset:>10} {d:>5}  median {med:7.3f} s/step ({n_tgt / med:6.0f} tgt tok/s), "
+              f"best {best:7.3f} s/step ({n_tgt / best:6.0f} tgt tok/s)")  # fmt: skip
+    ratio = sorted(times["fp32"])[steps // 2] / sorted(times["bf16"])[steps // 2]
+    print(f"{preset}: bf16 / fp32 throughput (medians, interleaved) = {ratio:.2f}x")
 
 
 def profile(preset: str, dtype: str, tokens: int, length: int, vocab: int) -> None:
@@ -99,6 +127,7 @@ def main() -> None:
     p.add_argument("--vocab", type=int, default=8000, help="8000 = the Multi30k preparation")
     p.add_argument("--threads", type=int, default=0, help="0 = all cores")
     p.add_argument("--profile", metavar="PRESET:DTYPE", help="profile one step instead")
+    p.add_argument("--interleaved", action="store_true", help="alternate fp32/bf16 steps")
     p.add_argument("--one", nargs=2, metavar=("PRESET", "DTYPE"), help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.threads:
@@ -106,6 +135,10 @@ def main() -> None:
     if args.profile:
         preset, dtype = args.profile.split(":")
         profile(preset, dtype, args.tokens, args.length, args.vocab)
+        return
+    if args.interleaved:
+        for preset in args.presets:
+            interleaved(preset, args.tokens, args.length, args.steps, args.vocab)
         return
     if args.one:
         res = run_one(*args.one, args.tokens, args.length, args.steps, args.vocab)

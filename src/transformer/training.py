@@ -122,6 +122,7 @@ def train(
     if dev.type == "cuda":
         dev = torch.device("cuda", info.local_rank)
         torch.cuda.set_device(dev)
+    saved_torch = (torch.are_deterministic_algorithms_enabled(), torch.get_num_threads())
     _setup_torch(config, info, dev)
     data = load_prepared(data_dir)
     config = replace(config, model=replace(config.model, vocab_size=data.tokenizer.vocab_size))
@@ -138,6 +139,10 @@ def train(
             logging.getLogger("transformer").removeHandler(handler)
             handler.close()
         distributed.shutdown(info)
+        # Process-wide settings go back to what they were (train() may run inside a bigger
+        # program, or a test session).
+        torch.use_deterministic_algorithms(saved_torch[0])
+        torch.set_num_threads(saved_torch[1])
 
 
 def _run(data, out_dir, config, resume, info, dev, progress) -> TrainState:
