@@ -37,7 +37,7 @@ DEV_FIRST_FILE = 170  # wsj_0170 .. wsj_0199 are the dev split
 SPLITS = ("train", "dev", "test")
 PREPARED_SPLITS = {"train": "train", "dev": "valid", "test": "test"}  # ours -> prepare.py's
 SRC_LANG, TGT_LANG = "en", "tree"
-# Not the paper's 16K (WSJ only, ~40K sentences): ~3.5K training sentences here (~8.5K word
+# Not the paper's 16K (WSJ only, ~40K sentences): ~3.5K training sentences here (11.2K word
 # types) share a smaller joint vocabulary, so rare words in section 22 still split into known
 # pieces.
 PARSING_VOCAB_SIZE = 4000
