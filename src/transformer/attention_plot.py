@@ -81,6 +81,8 @@ def sentence_attention(model, tokenizer, text: str, target: str | None = None) -
         log.info("greedy translation: %s", tokenizer.decode(tgt_ids))
     else:
         tgt_ids = tokenizer.encode(target)
+        if len(tgt_ids) + 1 > model.cfg.max_len:
+            raise UserError(f"--target: {len(tgt_ids) + 1} tokens exceed the model's max_len")
     tgt = torch.tensor([[BOS_ID] + tgt_ids])  # (1, T)
     raw = model.attention_weights(src, src_mask, tgt)
     weights = {kind: [w[0].float().cpu() for w in raw[kind]] for kind in KINDS}  # (H, Tq, Tk)
@@ -149,7 +151,12 @@ def plot_word(weights: torch.Tensor, labels, word: int, path: Path, title: str) 
     only[:, word] = weights[:, word]  # (H, T, T): keep the one query's row
     fig, ax = plt.subplots(figsize=(4, 0.25 * len(labels) + 1))
     _draw_lines(ax, labels, only, colors, range(H))
-    ax.set_title(f"{title}\nword {labels[word]!r}; colour = head 0..{H - 1}", fontsize=8)
+    from matplotlib.lines import Line2D
+
+    handles = [Line2D([0], [0], color=colors[h], lw=2, label=f"head {h}") for h in range(H)]
+    ax.legend(handles=handles, fontsize=6, ncol=min(H, 4), loc="upper center",
+              bbox_to_anchor=(0.5, 0.0), frameon=False)  # fmt: skip
+    ax.set_title(f"{title}\nword {labels[word]!r}, one colour per head", fontsize=8)
     return _save(fig, path, plt)
 
 
