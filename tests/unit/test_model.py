@@ -180,6 +180,27 @@ def test_fused_attention_equals_reference() -> None:
                                rtol=1e-5, atol=1e-5)  # fmt: skip
 
 
+def test_a_query_with_no_legal_key_gets_zero_weights_on_both_paths() -> None:
+    q, k, v = torch.randn(1, 2, 3, 4), torch.randn(1, 2, 5, 4), torch.randn(1, 2, 5, 4)
+    mask = torch.ones(1, 1, 3, 5, dtype=torch.bool)
+    mask[..., 1, :] = False  # query 1 may see nothing
+    out, weights = attention_reference(q, k, v, mask)
+    assert torch.all(weights[:, :, 1] == 0) and torch.all(out[:, :, 1] == 0)
+    torch.testing.assert_close(attention_fused(q, k, v, mask), out, rtol=1e-5, atol=1e-5)
+
+
+def test_cpu_dispatch_takes_the_explicit_path_for_short_sequences_only() -> None:
+    from transformer import model as model_module
+
+    q, k, v = torch.randn(2, 2, 4, 8), torch.randn(2, 2, 6, 8), torch.randn(2, 2, 6, 8)
+    ref, _ = attention_reference(q, k, v, causal_mask(4, 6, q.device))
+    torch.testing.assert_close(model_module.attention(q, k, v, None, is_causal=True), ref)
+    long = model_module.CPU_EXPLICIT_MAX_KEYS + 1
+    q, k, v = torch.randn(1, 1, long, 8), torch.randn(1, 1, long, 8), torch.randn(1, 1, long, 8)
+    fused = attention_fused(q, k, v, None, is_causal=True)
+    torch.testing.assert_close(model_module.attention(q, k, v, None, is_causal=True), fused)
+
+
 def test_model_paths_agree_and_return_weights() -> None:
     model = Transformer(tiny()).eval()
     src, src_mask, tgt = batch()
