@@ -109,7 +109,8 @@ def quickstart(
     if smoke:
         overrides += [f"train.max_steps={SMOKE_STEPS}", "train.save_every_steps=10",
                       "train.warmup_steps=10", "train.valid_every_steps=1000000",
-                      "train.max_tokens=2000", "train.keep_last=2"]  # fmt: skip
+                      "train.max_tokens=2000", "train.keep_last=2",
+                      "train.log_every_steps=5"]  # fmt: skip
     else:
         overrides.append(f"train.max_minutes={train_minutes or TRAIN_MINUTES}")
     config = build_config(preset, overrides=overrides, vocab_size=manifest.vocab_size)

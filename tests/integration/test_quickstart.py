@@ -1,0 +1,45 @@
+"""`transformer quickstart --smoke`: the README's main job end to end on real Multi30k."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+
+@pytest.mark.integration
+def test_quickstart_smoke_runs_the_whole_pipeline_and_the_loss_falls(shared_data, tmp_path) -> None:
+    out = tmp_path / "qs"
+    proc = subprocess.run(
+        [sys.executable, "-m", "transformer", "quickstart", "--smoke", "--out", str(out)],
+        capture_output=True, text=True, timeout=900,
+        env={"TRANSFORMER_DATA": str(shared_data), "PATH": "/usr/bin:/bin"},
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "sacreBLEU" in proc.stdout and "nrefs:1|case:mixed" in proc.stdout  # the signature
+    assert "wall time" in proc.stdout
+    report = json.loads((out / "quickstart.json").read_text())
+    assert report["sentences"] == 50 and set(report["stage_seconds"]) == {
+        "prepare", "train", "average", "translate",
+    }  # fmt: skip
+    assert report["train_steps"] == 40
+    hyps = (out / "test_2016_flickr.de.hyp").read_text(encoding="utf-8").splitlines()
+    assert len(hyps) == 50
+    assert Path(report["model"]).is_file()
+    losses = [
+        json.loads(line)["loss"]
+        for line in (out / "run" / "metrics.jsonl").read_text().splitlines()
+        if json.loads(line).get("kind") == "train"
+    ]
+    assert len(losses) >= 2 and losses[-1] < losses[0]
+
+
+def test_quickstart_rejects_unknown_languages(capsys) -> None:
+    from transformer.cli import main
+
+    assert main(["quickstart", "--src", "en", "--tgt", "xx", "--out", "/nonexistent"]) == 2
+    assert "Multi30k has en, de, fr, cs, not 'xx'" in capsys.readouterr().err
+    assert main(["quickstart", "--src", "de", "--tgt", "de", "--out", "/nonexistent"]) == 2
