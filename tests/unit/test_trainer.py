@@ -85,6 +85,19 @@ def test_run_writes_run_directory(data_dir, tmp_path):
         train(data_dir, run, _config("train.max_steps=4"), progress=False)
 
 
+def test_tensorboard_scalars_are_written(data_dir, tmp_path):
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    run = tmp_path / "run"
+    train(data_dir, run, _config("train.max_steps=4", "train.keep_last=1"), progress=False)
+    events = EventAccumulator(str(run / "tensorboard"))
+    events.Reload()
+    loss = events.Scalars("train/loss")
+    assert [e.step for e in loss] == [2, 4] and all(math.isfinite(e.value) for e in loss)
+    assert "train/lr" in events.Tags()["scalars"]
+
+
 def test_loss_goes_down(data_dir, tmp_path):
     run = tmp_path / "run"
     cfg = _config("train.max_steps=30", "train.lr_scale=4.0", "model.p_drop=0.0")
