@@ -19,6 +19,9 @@ from transformer.tokenizer import PAD_ID
 
 # Rows of the (N, V) logits built at once by the chunked loss: 1024 x 37k fp32 is ~150 MB.
 CHUNK_ROWS = 1024
+# Below this target probability the chunked loss takes log-sum-exp from the logits themselves
+# instead of from the (bf16) softmax, whose values lose precision near the float range's end.
+UNDERFLOW = 1e-30
 
 
 def smoothed_target_loss(lprobs: torch.Tensor, target: torch.Tensor, eps: float) -> torch.Tensor:
@@ -80,24 +83,41 @@ class _ChunkedProjectionLoss(torch.autograd.Function):
         loss = hidden.new_zeros((), dtype=torch.float32)
         nll = hidden.new_zeros((), dtype=torch.float32)
         eps_other = eps / (n_classes - 1)
+        on_target = 1.0 - eps - eps_other  # q at the target minus the eps_other every class has
+        w_sum = weight.float().sum(0) if need_grad else None  # (D,)
+        h_sum = torch.zeros(hidden.size(1), dtype=torch.float32, device=hidden.device)
         for start in range(0, n_rows, chunk_rows):
             h = hidden[start : start + chunk_rows]  # (n, D)
             t = target[start : start + chunk_rows]  # (n,)
             logits = F.linear(h, weight)  # (n, V), in the parameters' dtype (bf16 matmul)
-            lprobs = F.log_softmax(logits.float(), dim=-1)  # (n, V) fp32
-            row_nll = -lprobs.gather(-1, t[:, None]).squeeze(-1)  # (n,)
-            loss += smoothed_target_loss(lprobs, t, eps).sum()
+            # The softmax is the one (n, V) result kept, in the parameters' dtype (fp32 inside
+            # the kernel): it gives the gradient, and with two per-row numbers the loss.
+            probs = logits.softmax(dim=-1)  # (n, V)
+            logit_sum = logits.sum(-1, dtype=torch.float32)  # (n,)
+            logit_t = logits.gather(-1, t[:, None]).squeeze(-1).float()  # (n,)
+            p_t = probs.gather(-1, t[:, None]).squeeze(-1).float()  # (n,)
+            lse = logit_t - p_t.log()  # (n,) log sum_c exp(logit_c)
+            tiny = p_t < UNDERFLOW  # target probability too small to carry the precision
+            if bool(tiny.any()):
+                lse[tiny] = torch.logsumexp(logits[tiny].float(), dim=-1)
+            del logits
+            row_nll = lse - logit_t  # (n,)
+            total = n_classes * lse - logit_sum  # (n,) sum over all V classes of -log p_c
+            # As smoothed_target_loss: (1 - eps) * nll + eps_other * (total - nll).
+            loss += ((1.0 - eps) * row_nll + eps_other * (total - row_nll)).sum()
             nll += row_nll.sum()
             if not need_grad:
                 continue
-            # d loss / d logits = softmax - q, where q is the smoothed target distribution.
-            g = lprobs.exp_()  # (n, V), reuses the lprobs buffer
-            g.sub_(eps_other)
-            g.scatter_add_(-1, t[:, None], g.new_full((t.numel(), 1), eps_other - (1.0 - eps)))
-            g = g.to(weight.dtype)
-            grad_hidden[start : start + chunk_rows] = g @ weight  # (n, D)
-            grad_weight += (g.t() @ h).float()  # (V, D)
+            # d loss / d logits = softmax - q. q (eps_other everywhere, 1 - eps at the target)
+            # is applied to the (n, D) and (V, D) products below instead of to the logits.
+            g_h = (probs @ weight).float()  # (n, D)
+            g_h -= eps_other * w_sum + on_target * weight.index_select(0, t).float()
+            grad_hidden[start : start + chunk_rows] = g_h
+            grad_weight.add_(probs.t() @ h)  # (V, D) fp32 += bf16 in one pass
+            grad_weight.index_add_(0, t, h.float(), alpha=-on_target)
+            h_sum += h.float().sum(0)
         if need_grad:
+            grad_weight -= eps_other * h_sum  # q's eps_other part, for every class at once
             ctx.save_for_backward(grad_hidden, grad_weight.to(weight.dtype))
         ctx.mark_non_differentiable(nll)
         return loss, nll
@@ -119,9 +139,11 @@ def chunked_label_smoothed_loss(
     """The §5.4 loss of the pre-softmax projection of the non-pad hidden states, in row chunks.
 
     Equal to `label_smoothed_cross_entropy(hidden @ weight.T, target, eps)` but builds at most
-    `chunk_rows` x V logits at a time (fp32 log-softmax over matmul outputs in the parameters'
-    dtype) and keeps none of them for backward: the gradient with respect to the logits,
-    softmax - q, is folded into (N, D) and (V, D) gradients during the forward pass.
+    `chunk_rows` x V logits at a time and keeps none of them for backward: the gradient with
+    respect to the logits, softmax - q, is folded into (N, D) and (V, D) gradients during the
+    forward pass. The softmax (fp32 arithmetic, stored in the parameters' dtype) is the only
+    vocabulary-sized tensor besides the logits; the loss comes from it and two per-row numbers
+    (docs/performance.md), and q is applied to the small products, not to the (n, V) block.
 
     Args:
         hidden: (N, D) decoder states of the non-pad target positions only.

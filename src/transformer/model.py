@@ -321,6 +321,9 @@ class DecoderLayer(nn.Module):
             else:
                 k, v = self.cross_attn.project_kv(memory)  # (B, H, S, K), (B, H, S, Vd)
                 if cache is not None:
+                    # Stored contiguous once, so that no decoding step has to copy them into
+                    # the batched matrix-product layout again (B * H, S, K).
+                    k, v = k.contiguous(), v.contiguous()
                     cache.cross_k, cache.cross_v = k, v
             w = None if weights is None else weights["cross"]
             return self.cross_attn(y, k, v, memory_mask, weights=w)

@@ -115,3 +115,33 @@ def test_chunked_without_grad_and_nll_not_differentiable():
     with torch.no_grad():
         loss2, _ = chunked_label_smoothed_loss(hidden, weight, torch.tensor([1, 2, 3, 4]), 0.1)
     torch.testing.assert_close(loss2, loss.detach())
+
+
+def test_chunked_target_probability_below_float_range():
+    # The target's logit is 300 below the best one: its probability (e^-300) underflows fp32,
+    # so the loss must come from log-sum-exp of the logits, not from the softmax.
+    hidden = torch.tensor([[1.0, 0.0], [0.0, 1.0]])
+    weight = torch.tensor([[300.0, 0.0], [0.0, 0.0], [0.0, 2.0]])
+    target = torch.tensor([1, 2])
+    loss, nll = chunked_label_smoothed_loss(hidden, weight, target, 0.1)
+    ref_loss, ref_nll = _reference(hidden.double(), weight.double(), target, 0.1)
+    assert 299.0 < float(nll) < 301.0  # row 0 alone: -log p = 300 + log(1 + 2e^-300) ≈ 300
+    torch.testing.assert_close(loss, ref_loss.float())
+    torch.testing.assert_close(nll, ref_nll.float())
+
+
+def test_chunked_bf16_gradients_close_to_fp64_reference():
+    # bf16 inputs: the softmax is kept in bf16 and the smoothed target q is applied to the
+    # (N, D) and (V, D) products in fp32; gradients agree with fp64 to bf16 precision.
+    torch.manual_seed(0)
+    hidden = torch.randn(40, 16, dtype=torch.float64, requires_grad=True)
+    weight = (torch.randn(30, 16, dtype=torch.float64) * 0.3).requires_grad_(True)
+    target = torch.randint(1, 30, (40,))
+    ref_loss, _ = _reference(hidden, weight, target, 0.1)
+    ref_loss.backward()
+    h16 = hidden.detach().bfloat16().requires_grad_(True)
+    w16 = weight.detach().bfloat16().requires_grad_(True)
+    loss, _ = chunked_label_smoothed_loss(h16, w16, target, 0.1, 16)
+    loss.backward()
+    for got, ref in ((h16.grad, hidden.grad), (w16.grad, weight.grad)):
+        assert float((got.double() - ref).norm() / ref.norm()) < 2e-2

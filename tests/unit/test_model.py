@@ -152,6 +152,18 @@ def test_cached_decoding_equals_full_decoding(window: int | None) -> None:
     assert cache.length == tgt.size(1)
 
 
+def test_cache_stores_cross_attention_keys_contiguous() -> None:
+    # Each decoding step multiplies by the cached encoder-decoder keys/values; stored in the
+    # (B, H, S, K) layout they need no per-step copy (a 15% cost in greedy decoding, measured
+    # with benchmarks/peers_adapter.py; docs/performance.md).
+    model = Transformer(tiny()).eval()
+    src, src_mask, tgt = batch()
+    cache = model.new_cache()
+    model.decode(tgt[:, :1], model.encode(src, src_mask), src_mask, cache)
+    for layer in cache.layers:
+        assert layer.cross_k.is_contiguous() and layer.cross_v.is_contiguous()
+
+
 def test_cache_reorder_selects_rows() -> None:
     model = Transformer(tiny()).eval()
     src, src_mask, tgt = batch()
