@@ -1,0 +1,112 @@
+"""Before/after: the training step and decoding of an earlier revision against the working tree.
+
+model.py and loss.py of `--rev` are loaded from git into side modules, so both versions run in
+ONE process, interleaved (round-robin, median), on the peers' shapes (benchmarks/peers_adapter.py):
+a base-preset bf16 training step on 128 pairs x ~30 tokens (V = 32,000), and greedy / beam-4
+decoding of 64 sentences forced to 50 tokens with the shared Marian weights.
+
+    .venv/bin/python benchmarks/bench_before_after.py --rev 9c19587
+    .venv/bin/python benchmarks/bench_before_after.py --rev 9c19587 --what decode --reps 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import time
+import types
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from peers_adapter import Infer, OurTrain  # noqa: E402
+from transformer.loss import chunked_label_smoothed_loss  # noqa: E402
+from transformer.model import Transformer  # noqa: E402
+
+PEERS = os.environ.get("PEERS_DIR", os.path.join(os.path.dirname(__file__), "../../shared/peers"))
+
+
+def module_at(rev: str, path: str, name: str) -> types.ModuleType:
+    """A module made from `path` as it was at git revision `rev`."""
+    root = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+    source = subprocess.run(["git", "-C", root, "show", f"{rev}:{path}"], check=True,
+                            capture_output=True, text=True).stdout  # fmt: skip
+    module = types.ModuleType(name)
+    sys.modules[name] = module  # dataclasses look their module up while the source runs
+    exec(compile(source, f"{rev}:{path}", "exec"), module.__dict__)  # noqa: S102
+    return module
+
+
+def interleave(runs: dict, reps: int) -> dict[str, float]:
+    """Median seconds per call of each zero-argument function, calls round-robin."""
+    for f in runs.values():
+        f()  # warm-up
+    times: dict[str, list[float]] = {k: [] for k in runs}
+    for _ in range(reps):
+        for k, f in runs.items():
+            start = time.perf_counter()
+            f()
+            times[k].append(time.perf_counter() - start)
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--rev", required=True, help="the 'before' git revision")
+    p.add_argument("--what", default="train,decode")
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--threads", type=int, default=2)
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+    old_model = module_at(args.rev, "src/transformer/model.py", "before_model")
+    old_loss = module_at(args.rev, "src/transformer/loss.py", "before_loss")
+    print(f"torch {torch.__version__}, {args.threads} threads, before = {args.rev}, "
+          f"after = working tree; load average {os.getloadavg()[0]:.1f}")  # fmt: skip
+    if "train" in args.what:
+        sys.path.insert(0, PEERS)
+        from common import make_mt_batch
+        from train_adapters import PAPER_BASE
+
+        cfg = dict(PAPER_BASE)
+        batch = make_mt_batch(128, 30, 30, 4, cfg["vocab"], seed=0)
+        before = OurTrain(cfg, old_model.Transformer, old_loss.chunked_label_smoothed_loss)
+        after = OurTrain(cfg, Transformer, chunked_label_smoothed_loss)
+        pb, pa = before.prepare(batch), after.prepare(batch)
+        med = interleave(
+            {
+                "before": lambda: before.step(pb, torch.bfloat16),
+                "after": lambda: after.step(pa, torch.bfloat16),
+            },
+            args.reps,
+        )
+        n = batch["ntokens"]
+        for k, s in med.items():
+            print(f"train base bf16 {k:>6}: {s:6.2f} s/step  {n / s:6.0f} tgt tok/s")
+        print(f"train speed-up after/before: {med['before'] / med['after']:.2f}x")
+    if "decode" in args.what:
+        sys.path.insert(0, PEERS)
+        from bench_infer import build_marian_dir, make_src
+
+        ctx = {"hf_dir": build_marian_dir("/tmp/peers-w2")}
+        src, lens = make_src(64, 30, 4, 32000)
+        for variant in ("bf16", "fp32"):
+            before = Infer(variant, ctx, old_model.Transformer)
+            after = Infer(variant, ctx, Transformer)
+            pb, pa = before.prepare(src, lens), after.prepare(src, lens)
+            for beam in (1, 4):
+                runs = {
+                    "before": lambda b=beam, m=before, x=pb: m.run(x, b, 50),
+                    "after": lambda b=beam, m=after, x=pa: m.run(x, b, 50),
+                }
+                med = interleave(runs, args.reps)
+                assert before.last == after.last, "outputs differ"
+                for k, s in med.items():
+                    print(f"decode {variant} beam {beam} {k:>6}: {3200 / s:6.0f} tgt tok/s")
+                print(f"decode {variant} beam {beam} speed-up: {med['before'] / med['after']:.2f}x")
+
+
+if __name__ == "__main__":
+    main()
