@@ -145,3 +145,20 @@ def test_chunked_bf16_gradients_close_to_fp64_reference():
     loss.backward()
     for got, ref in ((h16.grad, hidden.grad), (w16.grad, weight.grad)):
         assert float((got.double() - ref).norm() / ref.norm()) < 2e-2
+
+
+@pytest.mark.gpu
+def test_chunked_on_cuda_equals_cpu():
+    # The GPU path (benchmarks/bench_gpu.py) runs the same chunked loss with CUDA kernels.
+    torch.manual_seed(0)
+    hidden = torch.randn(50, 16, requires_grad=True)
+    weight = (torch.randn(30, 16) * 0.3).requires_grad_(True)
+    target = torch.randint(1, 30, (50,))
+    loss, _ = chunked_label_smoothed_loss(hidden, weight, target, 0.1, 16)
+    loss.backward()
+    h, w = (t.detach().cuda().requires_grad_(True) for t in (hidden, weight))
+    got, _ = chunked_label_smoothed_loss(h, w, target.cuda(), 0.1, 16)
+    got.backward()
+    torch.testing.assert_close(got.cpu(), loss)
+    torch.testing.assert_close(h.grad.cpu(), hidden.grad, rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(w.grad.cpu(), weight.grad, rtol=1e-4, atol=1e-6)
