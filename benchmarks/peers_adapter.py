@@ -207,7 +207,7 @@ def forced_length_search(
     """Exactly `n_out` tokens per sentence, `banned` ids never chosen: greedy (beam 1) or beam
     search (all hypotheses have equal length, so ranking is by log-probability); (B, n_out)."""
     B = src.size(0)
-    stepper = ModelStepper(model, src, src_mask)
+    stepper = ModelStepper(model, src, src_mask, log_probs=beam > 1)  # greedy: argmax of logits
     last = torch.full((B,), start_id, dtype=torch.long)
     scores = torch.zeros(B, 1)  # (B, k) cumulative log-probs
     tokens = torch.empty(B, 0, dtype=torch.long)  # (B * k, t)

@@ -79,8 +79,16 @@ class ModelStepper:
     `reorder` expands each sentence's cache, cross-attention keys/values included, to K rows.
     """
 
-    def __init__(self, model: Transformer, src: torch.Tensor, src_mask: torch.Tensor):
-        self.model = model
+    def __init__(
+        self,
+        model: Transformer,
+        src: torch.Tensor,
+        src_mask: torch.Tensor,
+        log_probs: bool = True,
+    ):
+        """log_probs=False: `step` returns the raw logits (R, V) instead, which have the same
+        argmax: greedy search needs no log-softmax over V per row and step."""
+        self.model, self.log_probs = model, log_probs
         self.src_mask = src_mask  # (R, S)
         self.memory = model.encode(src, src_mask)  # (B, S, D); read only by the first step
         self.cache: DecoderCache = model.new_cache()
@@ -90,6 +98,8 @@ class ModelStepper:
         # `memory` (still B rows) is not touched and needs no reordering.
         hidden = self.model.decode_hidden(tokens[:, None], self.memory, self.src_mask, self.cache)
         logits = self.model.project(hidden[:, -1])  # (R, V): only the new position
+        if not self.log_probs:
+            return logits
         return torch.log_softmax(logits.float(), dim=-1)
 
     def reorder(self, index: torch.Tensor, same_sentences: bool = False) -> None:
@@ -127,7 +137,7 @@ def greedy_search(
     Returns:
         B token lists, without BOS and EOS.
     """
-    stepper = ModelStepper(model, src, src_mask)
+    stepper = ModelStepper(model, src, src_mask, log_probs=False)  # argmax needs no softmax
     max_lens = max_output_lengths(src_mask.sum(1), max_len_a, max_len_b, model.cfg.max_len)
     return greedy_steps(stepper, max_lens)
 

@@ -111,6 +111,19 @@ def test_beam_size_1_equals_greedy():
     assert any(len(g) > 0 for g in greedy)
 
 
+def test_greedy_on_logits_equals_greedy_on_log_probs():
+    # greedy_search skips the log-softmax (same argmax); the previous path normalized first.
+    model = tiny_model(scale=4.0)
+    src, src_mask = random_batch(5, 20, [6, 9, 4, 7, 2])
+    max_lens = max_output_lengths(src_mask.sum(1), 1.0, 8, model.cfg.max_len)
+    with torch.inference_mode():
+        on_logits = greedy_steps(ModelStepper(model, src, src_mask, log_probs=False), max_lens)
+        on_lprobs = greedy_steps(ModelStepper(model, src, src_mask), max_lens)
+        logits = ModelStepper(model, src, src_mask, log_probs=False).step(torch.full((5,), BOS_ID))
+    assert on_logits == on_lprobs and any(len(g) > 0 for g in on_logits)
+    assert not torch.allclose(logits.logsumexp(-1), torch.zeros(5))  # really unnormalized
+
+
 def test_outputs_respect_max_length_and_never_emit_specials():
     model = tiny_model(scale=4.0)
     src, src_mask = random_batch(4, 20, [3, 5, 2, 6])
