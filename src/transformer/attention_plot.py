@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import logging
 import string
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -45,19 +44,6 @@ def _import_pyplot():
     import matplotlib.pyplot as plt
 
     return plt
-
-
-def _tokenizer(loaded):
-    """The model file's tokenizer (written to a temporary file if `Tokenizer.from_proto` is
-    not available)."""
-    from transformer.tokenizer import Tokenizer
-
-    if hasattr(Tokenizer, "from_proto"):
-        return loaded.tokenizer()
-    with tempfile.NamedTemporaryFile(suffix=".model") as f:
-        f.write(loaded.spm_proto)
-        f.flush()
-        return Tokenizer(f.name)
 
 
 def sentence_attention(model, tokenizer, text: str, target: str | None = None) -> SentenceAttention:
@@ -240,7 +226,7 @@ def plot_attention(
     layer = layer % n
     if head is not None and not 0 <= head < model.cfg.n_heads:
         raise UserError(f"--head {head}: the model has {model.cfg.n_heads} heads")
-    att = sentence_attention(model, _tokenizer(loaded), text, target)
+    att = sentence_attention(model, loaded.tokenizer(), text, target)
     labels = {"encoder": (att.src_pieces, att.src_pieces), "decoder": (att.tgt_pieces,) * 2,
               "cross": (att.tgt_pieces, att.src_pieces)}  # fmt: skip
     out_dir = Path(out_dir)

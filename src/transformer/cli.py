@@ -57,8 +57,10 @@ def _cmd_quickstart(args: argparse.Namespace) -> int:
     r = quickstart(args.out, args.src, args.tgt, smoke=args.smoke, train_minutes=args.minutes)
     rep = r.report
     print()
-    print(f"Multi30k {args.src}→{args.tgt}, test_2016_flickr ({rep['sentences']} sentences), "
-          f"beam 4, α 0.6, {rep['train_steps']} training steps")
+    print(
+        f"Multi30k {args.src}→{args.tgt}, test_2016_flickr ({rep['sentences']} sentences), "
+        f"beam 4, α 0.6, {rep['train_steps']} training steps"
+    )
     print(f"  sacreBLEU {rep['bleu']:.2f}   {rep['bleu_signature']}")
     print(f"  chrF      {rep['chrf']:.2f}   {rep['chrf_signature']}")
     if "paper_bleu" in rep:
@@ -82,7 +84,7 @@ def _add_quickstart(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--src", default="en", help="source language: en, de, fr or cs")
     p.add_argument("--tgt", default="de", help="target language: en, de, fr or cs")
     p.add_argument("--smoke", action="store_true", help="tiny model, a few steps (tests)")
-    p.add_argument("--minutes", type=float, help="training budget in minutes (default 15.5)")
+    p.add_argument("--minutes", type=float, help="training budget in minutes (default 17)")
     p.set_defaults(func=_cmd_quickstart)
 
 

@@ -10,7 +10,6 @@ stay fp32, see docs/decoding.md).
 from __future__ import annotations
 
 import logging
-import tempfile
 import warnings
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
@@ -74,17 +73,6 @@ def _load_latest_checkpoint(run_dir: Path, device: str | torch.device) -> Loaded
     return LoadedModel(model, config, spm, meta["src"], meta["tgt"], ckpt)
 
 
-def _tokenizer(loaded: LoadedModel):
-    """The model file's tokenizer (Tokenizer.from_proto, or the bytes written to a temp file)."""
-    from transformer.tokenizer import Tokenizer
-
-    if hasattr(Tokenizer, "from_proto"):
-        return loaded.tokenizer()
-    with tempfile.NamedTemporaryFile(suffix=".model", delete=False) as f:
-        f.write(loaded.spm_proto)
-    return Tokenizer(f.name)
-
-
 def quantize_int8(model: nn.Module) -> nn.Module:
     """Dynamic int8 quantization of every nn.Linear (attention W^Q, W^KV, W^O and the FFN).
 
@@ -116,7 +104,7 @@ class Translator:
         self.loaded = loaded
         self.decode = decode if decode is not None else loaded.config.decode
         self.device = torch.device(device)
-        self.tokenizer = _tokenizer(loaded)
+        self.tokenizer = loaded.tokenizer()
         if isinstance(dtype, str):
             if dtype not in DTYPES:
                 raise UserError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")

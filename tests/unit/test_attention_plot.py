@@ -10,7 +10,6 @@ pytest.importorskip("matplotlib")
 from fixtures import make_model_file  # noqa: E402
 from transformer.attention_plot import (  # noqa: E402
     _pick_word,
-    _tokenizer,
     plot_attention,
     sentence_attention,
 )
@@ -27,7 +26,7 @@ def model_file(tmp_path_factory):
 
 def test_sentence_attention_shapes_and_rows_sum_to_one(model_file) -> None:
     loaded = load_model(model_file)
-    tok = _tokenizer(loaded)
+    tok = loaded.tokenizer()
     att = sentence_attention(loaded.model, tok, "A little girl.", target="Ein kleines Mädchen.")
     S, T = len(att.src_pieces), len(att.tgt_pieces)
     assert S == len(tok.encode("A little girl.")) + 1 and att.src_pieces[-1] == "</s>"
