@@ -59,6 +59,8 @@ def main() -> None:
     p.add_argument("--what", default="train,decode")
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--variants", default="bf16,fp32", help="decoding dtypes")
+    p.add_argument("--beams", default="1,4")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     old_model = module_at(args.rev, "src/transformer/model.py", "before_model")
@@ -92,11 +94,11 @@ def main() -> None:
 
         ctx = {"hf_dir": build_marian_dir("/tmp/peers-w2")}
         src, lens = make_src(64, 30, 4, 32000)
-        for variant in ("bf16", "fp32"):
+        for variant in args.variants.split(","):
             before = Infer(variant, ctx, old_model.Transformer)
             after = Infer(variant, ctx, Transformer)
             pb, pa = before.prepare(src, lens), after.prepare(src, lens)
-            for beam in (1, 4):
+            for beam in map(int, args.beams.split(",")):
                 runs = {
                     "before": lambda b=beam, m=before, x=pb: m.run(x, b, 50),
                     "after": lambda b=beam, m=after, x=pa: m.run(x, b, 50),
