@@ -84,3 +84,22 @@ def test_evaluate_prints_sacrebleu_chrf_and_the_paper_metric(prepared, tmp_path)
     assert len(hyps.read_text(encoding="utf-8").split("\n")) == 21
     res = _cli("evaluate", str(model), "--data", str(data), "--split", "nope")
     assert res.returncode == 2 and "no split 'nope'" in res.stderr.decode()
+
+
+def test_evaluate_without_sacremoses_still_scores_and_says_how_to_get_the_paper_metric(
+    prepared, monkeypatch
+):
+    import importlib.util
+
+    from transformer import evaluate as evaluate_module
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        evaluate_module.importlib.util,
+        "find_spec",
+        lambda name, *a: None if name == "sacremoses" else real(name, *a),
+    )
+    data, model = prepared
+    report = evaluate_module.evaluate(model, data, "test", beam_size=1, limit=5)
+    assert "paper_bleu" not in report and "bleu" in report and "chrf" in report
+    assert "transformer[paper-bleu]" in report["paper_bleu_missing"]
