@@ -181,7 +181,7 @@ class Trainer:
 
     def run(self) -> TrainState:
         """Train until a budget is spent; the last state is always checkpointed."""
-        start = self._last_save = time.monotonic()
+        start = self._run_start = self._last_save = time.monotonic()
         window = _Window()
         bar = self._progress_bar()
         try:
@@ -266,12 +266,15 @@ class Trainer:
             return
         elapsed = max(time.monotonic() - window.start, 1e-9)
         bar.update(1)
-        bar.set_postfix(
-            tok_s=f"{window.tokens / elapsed:.0f}",
-            loss=f"{out['loss'] / max(out['tokens'], 1):.3f}",
-            lr=f"{out['lr']:.2e}",
-            refresh=False,
-        )
+        postfix = {
+            "tok_s": f"{window.tokens / elapsed:.0f}",
+            "loss": f"{out['loss'] / max(out['tokens'], 1):.3f}",
+            "lr": f"{out['lr']:.2e}",
+        }
+        if self.cfg.max_minutes is not None:  # a time budget ends the run before max_steps
+            spent = (time.monotonic() - self._run_start) / 60
+            postfix["min_left"] = f"{max(self.cfg.max_minutes - spent, 0.0):.1f}"
+        bar.set_postfix(postfix, refresh=False)
 
     def _log_train(self, window: _Window) -> None:
         if not self.dist.is_main or not window.steps:
