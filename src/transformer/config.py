@@ -210,8 +210,8 @@ PRESETS: dict[str, dict[str, Any]] = {
         "d_k": 64,
         "d_v": 64,
         "p_drop": 0.1,
-        # ~450 steps fit in the budget on 2 cores: a short warm-up, and eq. (3) scaled to a peak
-        # of ~1.5e-3 (256^-0.5 x 150^-0.5 x 0.3).
+        # ~1,100 steps fit in the budget on 2 cores: a short warm-up, and eq. (3) scaled to a
+        # peak of ~1.5e-3 (256^-0.5 x 150^-0.5 x 0.3).
         "train.max_tokens": 4000,
         "train.warmup_steps": 150,
         "train.lr_scale": 0.3,

@@ -35,12 +35,7 @@ GOLD = parse_trees(
 WORDS = "the a dog cat John has red ball runs sat on mat Hello .".split()
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

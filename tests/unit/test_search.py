@@ -19,14 +19,7 @@ from transformer.search import (
 )
 from transformer.tokenizer import BOS_ID, EOS_ID, PAD_ID
 
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny models run fastest on one thread, and the test machine's cores are shared."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def tiny_model(vocab: int = 20, max_len: int = 64, scale: float = 1.0) -> Transformer:
