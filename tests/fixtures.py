@@ -20,7 +20,7 @@ import torch
 from transformer.config import DecodeConfig, ModelConfig, RunConfig
 from transformer.model import Transformer
 from transformer.modelfile import save_model
-from transformer.tokenizer import BOS_ID, EOS_ID, PAD_ID, UNK_ID
+from transformer.tokenizer import Tokenizer
 
 MULTI30K = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "multi30k"
 
@@ -48,21 +48,7 @@ def train_spm(tmp_dir: Path, vocab_size: int = 400, n_lines: int = 300) -> bytes
     lines = multi30k_lines("train", "en", n_lines) + multi30k_lines("train", "de", n_lines)
     text.write_text("\n".join(lines) + "\n", encoding="utf-8")
     prefix = tmp_dir / "spm"
-    spm.SentencePieceTrainer.train(
-        input=str(text),
-        model_prefix=str(prefix),
-        vocab_size=vocab_size,
-        model_type="bpe",
-        pad_id=PAD_ID,
-        bos_id=BOS_ID,
-        eos_id=EOS_ID,
-        unk_id=UNK_ID,
-        character_coverage=1.0,
-        byte_fallback=True,
-        normalization_rule_name="identity",
-        num_threads=1,
-        minloglevel=2,
-    )
+    Tokenizer.train([text], prefix, vocab_size, model_type="bpe", num_threads=1)
     return prefix.with_suffix(".model").read_bytes()
 
 
