@@ -125,3 +125,25 @@ def running_server(model: Path, *flags: str, timeout_s: float = 90.0):
             proc.kill()
             proc.wait()
         log.close()
+
+
+def prepare_slice(
+    out: Path, multi30k: Path, n_train: int = 200, n_valid: int = 20, vocab_size: int = 400
+) -> Path:
+    """A prepared-data directory from the first lines of Multi30k en-de; its path."""
+    from transformer.prepare import prepare_corpus
+
+    raw = out / "raw"
+    raw.mkdir(parents=True, exist_ok=True)
+    files: dict[str, list[Path]] = {}
+    for split, name, n in (("train", "train", n_train), ("valid", "val", n_valid)):
+        for lang in ("en", "de"):
+            lines = (multi30k / f"{name}.{lang}").read_text(encoding="utf-8").splitlines()[:n]
+            path = raw / f"{split}.{lang}"
+            path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+            files.setdefault(split, []).append(path)
+    prepare_corpus(
+        "custom", "en", "de", out / "prepared", vocab_size=vocab_size,
+        train_files=files["train"], valid_files=files["valid"], num_threads=1,
+    )  # fmt: skip
+    return out / "prepared"

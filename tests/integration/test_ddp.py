@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_train_resume import prepare_slice
 
+from fixtures import prepare_slice
 from transformer import checkpoint
 
 pytestmark = pytest.mark.integration
@@ -36,7 +36,7 @@ def _losses(run: Path) -> list[float]:
 
 
 def test_two_gloo_ranks_equal_one_process_with_both_halves(shared_data, tmp_path):
-    data = prepare_slice(tmp_path, shared_data / "multi30k", n_train=600)
+    data = prepare_slice(tmp_path, shared_data / "multi30k", n_train=600, vocab_size=500)
     one, two = tmp_path / "one", tmp_path / "two"
     base = ["-m", "transformer", "train", str(data)]
     subprocess.run(

@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from fixtures import prepare_slice
 from transformer import checkpoint
-from transformer.prepare import prepare_corpus
 
 pytestmark = pytest.mark.integration
 
@@ -27,22 +27,6 @@ COMMON = [
     "train.save_every_minutes=1000", "train.valid_every_steps=100000", "train.keep_last=3",
     "train.warmup_steps=20",
 ]  # fmt: skip
-
-
-def prepare_slice(out: Path, multi30k: Path, n_train: int, n_valid: int = 20) -> Path:
-    """A prepared-data directory from the first lines of Multi30k en-de (vocabulary 500)."""
-    files: dict[str, list[Path]] = {}
-    for split, name, n in (("train", "train", n_train), ("valid", "val", n_valid)):
-        for lang in ("en", "de"):
-            lines = (multi30k / f"{name}.{lang}").read_text(encoding="utf-8").splitlines()[:n]
-            path = out / f"raw.{split}.{lang}"
-            path.write_text("\n".join(lines) + "\n", encoding="utf-8")
-            files.setdefault(split, []).append(path)
-    prepare_corpus(
-        "custom", "en", "de", out / "prepared", vocab_size=500,
-        train_files=files["train"], valid_files=files["valid"], num_threads=1,
-    )  # fmt: skip
-    return out / "prepared"
 
 
 def _cli(*args: str) -> list[str]:
@@ -57,7 +41,7 @@ def _final_params(run: Path) -> dict[str, torch.Tensor]:
 
 @pytest.mark.parametrize("dtype", ["bf16", "fp32"])
 def test_sigkill_then_resume_is_bit_identical(shared_data, tmp_path, dtype):
-    data = prepare_slice(tmp_path, shared_data / "multi30k", n_train=1500)
+    data = prepare_slice(tmp_path, shared_data / "multi30k", n_train=1500, vocab_size=500)
     straight, killed = tmp_path / "straight", tmp_path / "killed"
     args = [*COMMON, f"train.dtype={dtype}"]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from fixtures import prepare_slice
 from transformer import checkpoint
 from transformer.batching import TokenBatchSampler
 from transformer.cli import main
@@ -18,7 +19,6 @@ from transformer.data import collate, load_prepared
 from transformer.errors import UserError
 from transformer.loss import chunked_label_smoothed_loss
 from transformer.optim import MixedPrecisionAdam
-from transformer.prepare import prepare_corpus
 from transformer.trainer import MAX_NONFINITE_IN_ROW, Trainer, TrainingError
 from transformer.training import build_model, train
 
@@ -30,24 +30,6 @@ TINY = [
     "train.save_every_minutes=1000",
     "train.warmup_steps=10",
 ]
-
-
-def prepare_slice(out: Path, multi30k: Path, n_train: int = 200, n_valid: int = 20) -> Path:
-    """A prepared-data directory from the first lines of Multi30k en-de (vocabulary 400)."""
-    raw = out / "raw"
-    raw.mkdir(parents=True)
-    files = {}
-    for split, name, n in (("train", "train", n_train), ("valid", "val", n_valid)):
-        for lang in ("en", "de"):
-            lines = (multi30k / f"{name}.{lang}").read_text(encoding="utf-8").splitlines()[:n]
-            path = raw / f"{split}.{lang}"
-            path.write_text("\n".join(lines) + "\n", encoding="utf-8")
-            files.setdefault(split, []).append(path)
-    prepare_corpus(
-        "custom", "en", "de", out / "prepared", vocab_size=400,
-        train_files=files["train"], valid_files=files["valid"], num_threads=1,
-    )  # fmt: skip
-    return out / "prepared"
 
 
 @pytest.fixture(scope="module")
