@@ -298,3 +298,27 @@ def test_dropout_options_act_in_training_only(option: str) -> None:
 def test_positional_encoding_rejects_long_sequences() -> None:
     with pytest.raises(ValueError, match="exceeds max_len"):
         PositionalEncoding(8, 4, learned=False)(3, offset=2)
+
+
+def test_dropout_drops_at_rate_p_and_rescales_the_rest():
+    from transformer.model import dropout
+
+    torch.manual_seed(0)
+    x = torch.ones(400, 1000)
+    y = dropout(x, 0.1, training=True)
+    kept = y != 0
+    assert abs(kept.float().mean().item() - 0.9) < 0.003
+    assert torch.allclose(y[kept], torch.full_like(y[kept], 1 / 0.9))
+    assert dropout(x, 0.1, training=False) is x
+    assert dropout(x, 0.0, training=True) is x
+    # the same seed gives the same mask (resumption to the bit relies on it); odd sizes work
+    torch.manual_seed(3)
+    a = dropout(torch.ones(7, 3, dtype=torch.bfloat16), 0.5, True)
+    torch.manual_seed(3)
+    b = dropout(torch.ones(7, 3, dtype=torch.bfloat16), 0.5, True)
+    assert torch.equal(a, b) and a.dtype == torch.bfloat16
+    # gradients flow through the kept elements only, scaled like the values
+    w = torch.ones(50, 50, requires_grad=True)
+    out = dropout(w, 0.3, True)
+    out.sum().backward()
+    assert torch.equal(w.grad, out.detach())
