@@ -178,7 +178,13 @@ PRESETS: dict[str, dict[str, Any]] = {
     },
     **_TABLE3_ROWS,
     # §6.3: 4 layers, d_model 1024, everything else as base; d_k = d_v = 1024 / 8 as in row C5.
-    "parsing": {"n_layers": 4, "d_model": 1024, "d_k": 128, "d_v": 128},
+    # §6.3 does not say whether the embeddings are shared. Sentences and linearized trees use
+    # disjoint pieces of the joint vocabulary, and with one shared matrix every word row also
+    # sits in the tree softmax, where it only ever gets pushed down: on the NLTK sample all word
+    # embeddings converged to one vector and the encoder's output became the same for every
+    # sentence (docs/parsing.md). So the source embedding is separate; the target embedding
+    # stays tied to the output projection (§3.4).
+    "parsing": {"n_layers": 4, "d_model": 1024, "d_k": 128, "d_v": 128, "share_embeddings": False},
     # CPU-sized presets for the small corpora here (not in the paper).
     "tiny": {"n_layers": 2, "d_model": 32, "d_ff": 64, "n_heads": 4, "d_k": 8, "d_v": 8},
     "cpu-small": {
@@ -229,6 +235,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         "d_k": 64,
         "d_v": 64,
         "p_drop": 0.3,
+        "share_embeddings": False,  # as `parsing`
         "train.max_tokens": 4000,
         "train.warmup_steps": 1000,
     },

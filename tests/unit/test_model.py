@@ -45,6 +45,9 @@ def analytic_parameters(cfg: ModelConfig) -> int:
     encoder_layer = attn + ffn + 2 * norm
     decoder_layer = 2 * attn + ffn + 3 * norm
     embeddings = cfg.vocab_size * d  # one matrix: source, target, pre-softmax (§3.4)
+    v_tgt = cfg.tgt_vocab_size or cfg.vocab_size
+    embeddings += 0 if cfg.share_embeddings else v_tgt * d  # a separate target embedding
+    embeddings += 0 if cfg.tie_output else v_tgt * d  # a separate pre-softmax matrix
     positions = 2 * cfg.max_len * d if cfg.learned_pos else 0  # row (E): one table per stack
     return embeddings + positions + cfg.n_layers * (encoder_layer + decoder_layer)
 
