@@ -216,11 +216,12 @@ PRESETS: dict[str, dict[str, Any]] = {
         "d_k": 64,
         "d_v": 64,
         "p_drop": 0.1,
-        # ~2,700 steps of ~1,400 target tokens fit in the budget on 2 cores (~8.6 epochs): small
+        # ~4,000 steps of ~920 target tokens fit in the budget on 2 cores (~8.6 epochs): small
         # batches, because at this epoch count the number of updates is what the model lacks
-        # (val BLEU 33.0 with 4,000-token batches, 34.3 with 2,000, 35.7 with 1,500;
-        # docs/quickstart.md). Eq. (3) scaled to a peak of ~9.4e-4 (256^-0.5 x 400^-0.5 x 0.3).
-        "train.max_tokens": 1500,
+        # (val BLEU 33.0 with 4,000-token batches, 34.3 with 2,000, 35.7 with 1,500, 36.5 with
+        # 1,000; docs/quickstart.md). Eq. (3) scaled to a peak of ~9.4e-4 (256^-0.5 x 400^-0.5
+        # x 0.3).
+        "train.max_tokens": 1000,
         "train.warmup_steps": 400,
         "train.lr_scale": 0.3,
         "train.save_every_minutes": 1.0,
