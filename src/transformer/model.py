@@ -20,11 +20,11 @@ from transformer.config import ModelConfig
 def dropout(x: torch.Tensor, p: float, training: bool) -> torch.Tensor:
     """§5.4 dropout: zero each element with probability p, scale the rest by 1 / (1 - p).
 
-    On CPU, `F.dropout` draws one Mersenne-Twister number per element (`bernoulli_`), which
-    took 13% of a quickstart training step. Here one 64-bit draw gives four 16-bit uniforms,
-    so p is exact to 2^-16 and the mask costs a quarter of the draws (4x faster measured;
-    docs/performance.md). Same generator, so seeding and resumption are unchanged. CUDA keeps
-    the fused kernel.
+    On CPU, `F.dropout` draws one Mersenne-Twister number per element (`bernoulli_`), 13% of
+    a profiled quickstart training step (2-3% of a timed one). Here one 64-bit draw gives four
+    16-bit uniforms, so p is exact to 2^-16 and the mask costs a quarter of the draws (4x
+    faster measured; docs/performance.md). Same generator, so seeding and resumption are
+    unchanged. CUDA keeps the fused kernel.
     """
     if not training or p == 0.0:
         return x
