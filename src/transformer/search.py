@@ -109,10 +109,18 @@ class ModelStepper:
         self.cache = self.cache.reorder(index, cross=not same_sentences)
 
 
-def _mask_specials(lprobs: torch.Tensor, force_eos: torch.Tensor) -> torch.Tensor:
-    """Never emit PAD or BOS; rows with `force_eos` (R,) may emit only EOS (max length)."""
+def _mask_specials(lprobs: torch.Tensor, force_eos: torch.Tensor, t: int) -> torch.Tensor:
+    """Never emit PAD or BOS; rows with `force_eos` (R,) may emit only EOS (max length).
+
+    EOS is also barred at the first step t = 1 (unless forced): an empty translation of a
+    non-empty sentence is never right, yet an under-trained model can rank it first (~0.5% of
+    Multi30k sentences, each then scoring zero). fairseq's `min_len=1` does the same; empty
+    sources never reach the search (`translate` passes them through).
+    """
     lprobs[:, PAD_ID] = NEG_INF
     lprobs[:, BOS_ID] = NEG_INF
+    if t == 1:
+        lprobs[:, EOS_ID] = torch.where(force_eos, lprobs[:, EOS_ID], NEG_INF)
     if bool(force_eos.any()):
         eos = lprobs[:, EOS_ID].clone()
         lprobs[force_eos] = NEG_INF
@@ -155,7 +163,7 @@ def greedy_steps(stepper: Stepper, max_lens: torch.Tensor) -> list[list[int]]:
     t = 0
     while alive.numel() > 0:
         t += 1
-        lprobs = _mask_specials(stepper.step(last), max_lens[alive] <= t)
+        lprobs = _mask_specials(stepper.step(last), max_lens[alive] <= t, t)
         last = lprobs.argmax(dim=-1)  # (R,)
         for row, token in zip(alive.tolist(), last.tolist(), strict=True):
             if token != EOS_ID:
@@ -235,7 +243,7 @@ def beam_steps(
         t += 1
         k = state.scores.size(1)
         force_eos = (max_lens[state.sentences] <= t).repeat_interleave(k)
-        lprobs = _mask_specials(stepper.step(last), force_eos)  # (Ba * k, V)
+        lprobs = _mask_specials(stepper.step(last), force_eos, t)  # (Ba * k, V)
         cand_scores, cand_beams, cand_tokens = _top_candidates(state.scores, lprobs, beam_size)
         _finalize(state, cand_scores, cand_beams, cand_tokens, beam_size, t, alpha)
         scores, beams, tokens = _select_live(cand_scores, cand_beams, cand_tokens, beam_size)

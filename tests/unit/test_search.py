@@ -148,7 +148,8 @@ def test_batched_beam_search_equals_one_sentence_at_a_time():
 
 def test_exhaustive_beam_finds_the_exact_best_under_the_length_penalty():
     # V = 6: PAD, BOS, EOS, UNK and two words; outputs may use UNK and the two words.
-    # With max length 4 (EOS included) there are 1 + 3 + 9 + 27 = 40 outputs, and a beam of
+    # With max length 4 (EOS included) and at least one token (EOS is barred at the first
+    # step) there are 3 + 9 + 27 = 39 outputs, and a beam of
     # 64 holds every live prefix, so search must return the exact top of the enumeration.
     model = tiny_model(vocab=6, scale=3.0)
     src, src_mask = random_batch(1, 6, [4])
@@ -156,7 +157,7 @@ def test_exhaustive_beam_finds_the_exact_best_under_the_length_penalty():
     with torch.no_grad():
         memory = model.encode(src, src_mask)
     scored = []
-    for n in range(max_len):
+    for n in range(1, max_len):
         for body in itertools.product([3, 4, 5], repeat=n):
             tgt_in = torch.tensor([[BOS_ID, *body]])
             with torch.no_grad():
@@ -169,7 +170,7 @@ def test_exhaustive_beam_finds_the_exact_best_under_the_length_penalty():
     assert [h.tokens for h in hyps] == [body for _, body in scored[:5]]
     for h, (score, _) in zip(hyps, scored, strict=False):
         assert h.score == pytest.approx(score, abs=1e-5)
-    assert len(scored[0][1]) > 0  # the test is not trivially "stop at once"
+    assert {len(body) for _, body in scored[:5]} != {1}  # not trivially "one token, then stop"
 
 
 # -------------------------------------------------------------------------- scripted decoder
@@ -251,14 +252,27 @@ def test_scripted_early_termination_when_no_live_beam_can_win():
 
 
 def test_scripted_max_length_forces_eos():
-    script = {(): {A: 0.9, EOS_ID: 0.1}, (A,): {A: 0.9, EOS_ID: 0.1}}
-    hyps = beam_steps(ScriptedStepper(script), torch.tensor([2]), beam_size=2, alpha=0.0)[0]
-    # At length 2 only EOS is allowed: "a EOS" gets log(.9) + log(.1) (the forced EOS keeps
-    # its own probability); "EOS" alone scores log(.1) and wins.
-    assert [h.tokens for h in hyps] == [[]]
-    full = beam_steps(ScriptedStepper(script), torch.tensor([2]), 2, 0.0, n_best=2)[0]
-    assert [h.tokens for h in full] == [[], [A]]
-    assert full[1].log_prob == pytest.approx(math.log(0.9 * 0.1), abs=1e-6)
+    script = {(): {A: 0.9, EOS_ID: 0.1}, (A,): {A: 0.9, EOS_ID: 0.1}, (A, A): {A: 0.9, EOS_ID: 0.1}}
+    hyps = beam_steps(ScriptedStepper(script), torch.tensor([3]), beam_size=2, alpha=0.0)[0]
+    # At length 3 only EOS is allowed: "a a EOS" gets .9 * .9 * .1 (the forced EOS keeps its
+    # own probability); "a EOS" scores .9 * .1 and wins.
+    assert [h.tokens for h in hyps] == [[A]]
+    full = beam_steps(ScriptedStepper(script), torch.tensor([3]), 2, 0.0, n_best=2)[0]
+    assert [h.tokens for h in full] == [[A], [A, A]]
+    assert full[1].log_prob == pytest.approx(math.log(0.9 * 0.9 * 0.1), abs=1e-6)
+
+
+def test_eos_is_barred_at_the_first_step_unless_forced():
+    # The empty output is the most probable one (.8), but never a translation of a sentence.
+    script = {(): {EOS_ID: 0.8, A: 0.15, B_: 0.05}, (A,): {EOS_ID: 1.0}, (B_,): {EOS_ID: 1.0}}
+    hyps = beam_steps(ScriptedStepper(script), torch.tensor([5]), 2, 0.6, n_best=2)[0]
+    assert [h.tokens for h in hyps] == [[A], [B_]]
+    assert greedy_steps(ScriptedStepper(script), torch.tensor([5])) == [[A]]
+    # A maximum length of 1 (EOS included) leaves only the empty output.
+    assert [
+        h.tokens for h in beam_steps(ScriptedStepper(script), torch.tensor([1]), 2, 0.6)[0]
+    ] == [[]]
+    assert greedy_steps(ScriptedStepper(script), torch.tensor([1])) == [[]]
 
 
 def test_scripted_greedy_follows_the_argmax():
