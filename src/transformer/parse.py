@@ -1,6 +1,8 @@
 """§6.3 English constituency parsing with a trained Transformer: sentences in, trees out.
 
-The model translates words into linearized trees (`trees.linearize`, POS tags written `XX`).
+The model translates words into linearized trees (`trees.linearize`, POS tags written `XX`, or
+the words themselves for a model trained on `prepare ptb --leaves words`: the model file's
+target language, "tree" or "tree_words", says which).
 Decoding follows §6.3: beam size 21, α = 0.3, maximum output length = input length + 300
 (input length in source subwords, EOS included, as in every other decoding here). Each output is
 then turned back into a tree with exactly the sentence's words (`trees.delinearize`, which
@@ -115,9 +117,10 @@ def _parse(translator, sentences: Sequence[Sequence[str]], pos) -> list[Tree]:
     predictions = [nbest[0].text for nbest in outputs]
     if pos is None:  # not the output's leaf tokens: ill-formed output may put any piece there
         pos = [[NORMALIZED_POS] * len(words) for words in sentences]
-    trees = trees_from_predictions(predictions, sentences, pos)
+    leaves = leaf_mode(translator.loaded.tgt_lang)
+    trees = trees_from_predictions(predictions, sentences, pos, leaves=leaves)
     n_repaired = sum(
-        _needs_repair(p.split(), len(w)) for p, w in zip(predictions, sentences, strict=True)
+        _needs_repair(p.split(), w, leaves) for p, w in zip(predictions, sentences, strict=True)
     )
     logger.info(
         "parsed %d sentences in %.1f s (beam %d, α %.2f); %d outputs needed repair",
@@ -127,10 +130,24 @@ def _parse(translator, sentences: Sequence[Sequence[str]], pos) -> list[Tree]:
     return trees
 
 
-def _needs_repair(tokens: Sequence[str], n_words: int) -> bool:
-    """Whether output tokens are not a well-formed linearized tree over `n_words` words."""
+def leaf_mode(tgt_lang: str) -> str:
+    """What a parsing model writes for each word ("xx", "pos", "words"), from its target
+    language (`parsing_data.TGT_LANGS`); a model of another target language is a UserError."""
+    from transformer.parsing_data import TGT_LANGS
+
+    for leaves, lang in TGT_LANGS.items():
+        if lang == tgt_lang:
+            return leaves
+    raise UserError(
+        f"not a parsing model: its target language is {tgt_lang!r}, not one of "
+        f"{', '.join(TGT_LANGS.values())} (train it on `transformer prepare ptb` data)"
+    )
+
+
+def _needs_repair(tokens: Sequence[str], words: Sequence[str], leaves: str) -> bool:
+    """Whether output tokens are not a well-formed linearized tree over exactly `words`."""
     stack: list[str] = []
-    leaves = 0
+    output_words = []
     for token in tokens:
         if token.startswith("("):
             stack.append(token[1:])
@@ -138,8 +155,10 @@ def _needs_repair(tokens: Sequence[str], n_words: int) -> bool:
             if not stack or stack.pop() != token[1:]:
                 return True
         else:
-            leaves += 1
-    return bool(stack) or leaves != n_words or not tokens
+            output_words.append(token)
+    if leaves == "words" and output_words != list(words):
+        return True
+    return bool(stack) or len(output_words) != len(words) or not tokens
 
 
 def read_gold(data: str | Path, split: str = "test") -> list[Tree]:

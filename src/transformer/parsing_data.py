@@ -10,7 +10,8 @@ For each split, `write_parsing_corpus` writes
   `{split}.src`   the words, space-separated, as tokenized in the treebank (`-LRB-` etc. kept);
   `{split}.tgt`   the linearized tree (`trees.linearize`), space-separated;
   `{split}.trees` the cleaned gold trees, one per line, for EVALB and for their POS tags;
-and `tgt_symbols.txt`, the target-side symbols (one per line, most frequent first). Every
+and `tgt_symbols.txt`, the target-side symbols (one per line, most frequent first: the brackets,
+and `XX` or the POS tags unless the leaves are the words themselves). Every
 bracket token must stay one symbol: the target side needs a word-level vocabulary, or these
 symbols as sentencepiece `user_defined_symbols`.
 
@@ -27,7 +28,7 @@ import shutil
 from collections import Counter
 from pathlib import Path
 
-from transformer.trees import Tree, linearize, read_trees, write_trees
+from transformer.trees import LEAF_MODES, Tree, is_bracket, linearize, read_trees, write_trees
 
 logger = logging.getLogger(__name__)
 
@@ -37,6 +38,9 @@ DEV_FIRST_FILE = 170  # wsj_0170 .. wsj_0199 are the dev split
 SPLITS = ("train", "dev", "test")
 PREPARED_SPLITS = {"train": "train", "dev": "valid", "test": "test"}  # ours -> prepare.py's
 SRC_LANG, TGT_LANG = "en", "tree"
+# The target "language" names what the trees write for each word, so that a model file (which
+# stores its language pair) tells `transformer parse` how to read its output.
+TGT_LANGS = {"xx": TGT_LANG, "pos": "tree_pos", "words": "tree_words"}
 # Not the paper's 16K (WSJ only, ~40K sentences): ~3.5K training sentences here (11.2K word
 # types) share a smaller joint vocabulary, so rare words in section 22 still split into known
 # pieces.
@@ -72,15 +76,14 @@ def load_parsing_splits(data_root: str | Path) -> dict[str, list[Tree]]:
     }
 
 
-def write_parsing_corpus(
-    out_dir: str | Path, data_root: str | Path, *, keep_pos: bool = False
-) -> dict:
+def write_parsing_corpus(out_dir: str | Path, data_root: str | Path, *, leaves: str = "xx") -> dict:
     """Write the parallel parsing corpus (words -> linearized trees) for all splits.
 
     Args:
         out_dir: output directory, created if missing.
         data_root: the shared data directory holding `ptb_sample/` and `ptb_wsj/`.
-        keep_pos: write POS tags instead of `XX` in the targets.
+        leaves: what the targets write for each word: "xx" (the paper's [37]), "pos" (the
+            POS tag) or "words" (the word itself; `trees.linearize`).
 
     Returns:
         {split: {"src", "tgt", "trees": paths, "sentences": count, "max_src_len",
@@ -98,12 +101,12 @@ def write_parsing_corpus(
             open(paths["tgt"], "w", encoding="utf-8") as tgt,
         ):
             for tree in trees:
-                words, tokens = tree.leaves(), linearize(tree, keep_pos=keep_pos)
+                words, tokens = tree.leaves(), linearize(tree, leaves=leaves)
                 src.write(" ".join(words) + "\n")
                 tgt.write(" ".join(tokens) + "\n")
                 max_src, max_tgt = max(max_src, len(words)), max(max_tgt, len(tokens))
                 if split == "train":
-                    symbols.update(tokens)
+                    symbols.update(t for t in tokens if leaves != "words" or is_bracket(t))
         write_trees(trees, paths["trees"])
         result[split] = {
             **{kind: str(path) for kind, path in paths.items()},
@@ -123,6 +126,7 @@ def prepare_parsing(
     data_root: str | Path | None,
     *,
     vocab_size: int | None = None,
+    leaves: str = "xx",
     force: bool = False,
 ):
     """§6.3 `transformer prepare ptb`: the parsing corpus as a prepared-data directory.
@@ -131,6 +135,8 @@ def prepare_parsing(
         out_dir: the prepared-data directory; the parallel text goes to `{out_dir}.text/`.
         data_root: the shared data directory holding `ptb_sample/` and `ptb_wsj/`.
         vocab_size: joint sentencepiece vocabulary (default PARSING_VOCAB_SIZE).
+        leaves: "xx" (the paper's [37]), "pos" or "words": what the trees write for each word;
+            the target language is then "tree", "tree_pos" or "tree_words" (TGT_LANGS).
         force: rebuild `out_dir` even if it was prepared from other inputs.
 
     Returns:
@@ -141,10 +147,12 @@ def prepare_parsing(
 
     if data_root is None:
         raise DataError("prepare ptb", "needs --from DATA_ROOT (holding ptb_sample/, ptb_wsj/)")
+    if leaves not in LEAF_MODES:
+        raise DataError("prepare ptb", f"--leaves must be one of {', '.join(LEAF_MODES)}")
     out_dir = Path(out_dir)
     text_dir = out_dir.with_name(out_dir.name + ".text")
     try:
-        written = write_parsing_corpus(text_dir, data_root)
+        written = write_parsing_corpus(text_dir, data_root, leaves=leaves)
     except FileNotFoundError as e:
         raise DataError(data_root, f"not a PTB data root: {e}") from e
     files = {
@@ -155,7 +163,7 @@ def prepare_parsing(
     manifest = prepare_corpus(
         CUSTOM,
         SRC_LANG,
-        TGT_LANG,
+        TGT_LANGS[leaves],
         out_dir,
         vocab_size=vocab_size or PARSING_VOCAB_SIZE,
         max_len=PARSING_MAX_LEN,

@@ -470,6 +470,13 @@ def add_prepare_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--user-symbols", type=Path, help="file of tokens (one a line) kept whole in the vocabulary"
     )
+    parser.add_argument(
+        "--leaves",
+        choices=["xx", "pos", "words"],
+        default="xx",
+        help="ptb: what the linearized trees write for each word: XX (the paper's [37]), the "
+        "POS tag, or the word itself (docs/parsing.md)",
+    )
     parser.add_argument("--download-dir", type=Path, help="default: OUT.downloads")
     parser.add_argument("--force", action="store_true", help="rebuild OUT even if it exists")
 
@@ -481,7 +488,10 @@ def run_prepare(args: argparse.Namespace) -> int:
     if args.name == PTB:
         from transformer.parsing_data import prepare_parsing
 
-        prepare_parsing(args.out, args.from_dir, vocab_size=args.vocab_size, force=args.force)
+        prepare_parsing(
+            args.out, args.from_dir, vocab_size=args.vocab_size, leaves=args.leaves,
+            force=args.force,
+        )  # fmt: skip
         return 0
     if args.src is None or args.tgt is None:
         raise DataError("prepare", f"{args.name}: --src and --tgt are required")

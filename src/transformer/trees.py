@@ -11,11 +11,15 @@ start with `-`); an uncertain label `ADVP|PRT` keeps its first alternative. Unar
 Linearization follows "Grammar as a foreign language" (Vinyals & Kaiser et al., 2015, the
 paper's reference [37]): a depth-first traversal that writes an opening token `(S` and a
 closing token `)S` for every constituent, and one token per word. The POS tags are normalized to
-`XX` as in that paper's final models (`keep_pos=True` writes the tag instead). The `TOP` root is
+`XX` as in that paper's final models (`leaves="pos"` writes the tag instead). The `TOP` root is
 not written::
 
     (TOP (S (NP (NNP John)) (VP (VBZ has) (NP (DT a) (NN dog))) (. .)))
     -> (S (NP XX )NP (VP XX (NP XX XX )NP )VP XX )S
+
+`leaves="words"` (not the paper's) writes the words themselves, `(S (NP John )NP (VP has (NP a
+dog )NP )VP . )S`: the decoder then sees in its own prefix which word it has reached, and
+`delinearize` aligns the output's words to the sentence's instead of counting `XX`.
 
 `delinearize` turns any token sequence back into a tree whose leaves are exactly the sentence's
 words; how it repairs ill-formed output is documented there.
@@ -36,6 +40,7 @@ NONE_LABEL = "-NONE-"
 NORMALIZED_POS = "XX"  # Vinyals & Kaiser et al. (2015): every POS tag is written as XX
 UNKNOWN_LABEL = "X"  # PTB's label for an unknown constituent; used for a bare "(" in output
 OPEN, CLOSE = "(", ")"
+LEAF_MODES = ("xx", "pos", "words")  # what a linearized tree writes for each word
 
 _TOKEN = re.compile(r"\(|\)|[^\s()]+")
 
@@ -239,21 +244,26 @@ def write_trees(trees: Iterable[Tree], path: str | Path) -> int:
 # Linearization (Vinyals & Kaiser et al., 2015)
 
 
-def linearize(tree: Tree, *, keep_pos: bool = False) -> list[str]:
+def linearize(tree: Tree, *, leaves: str = "xx") -> list[str]:
     """Depth-first bracket tokens of a tree: `(S (NP XX )NP ... )S`.
 
     Args:
         tree: a tree; a `TOP` root is not written, its children are.
-        keep_pos: write each word's POS tag instead of `XX`.
+        leaves: what each word is written as: "xx" (`XX`, Vinyals & Kaiser et al.), "pos"
+            (its POS tag) or "words" (the word itself).
 
     Returns:
         The target tokens, one per word plus two per constituent.
     """
+    _check_leaves(leaves)
     tokens: list[str] = []
 
     def visit(node: Tree) -> None:
         if node.is_preterminal:
-            tokens.append(node.label if keep_pos else NORMALIZED_POS)
+            if leaves == "words":
+                tokens.append(node.word)
+            else:
+                tokens.append(node.label if leaves == "pos" else NORMALIZED_POS)
             return
         tokens.append(OPEN + node.label)
         for child in node.children:
@@ -265,41 +275,73 @@ def linearize(tree: Tree, *, keep_pos: bool = False) -> list[str]:
     return tokens
 
 
+def _check_leaves(leaves: str) -> None:
+    if leaves not in LEAF_MODES:
+        raise ValueError(f"leaves must be one of {', '.join(LEAF_MODES)}, not {leaves!r}")
+
+
+def is_bracket(token: str) -> bool:
+    """Whether a linearized-tree token opens or closes a constituent (`(NP`, `)NP`, `(`)."""
+    return token.startswith((OPEN, CLOSE))
+
+
 def delinearize(
-    tokens: Sequence[str], words: Sequence[str], pos: Sequence[str] | None = None
+    tokens: Sequence[str],
+    words: Sequence[str],
+    pos: Sequence[str] | None = None,
+    *,
+    leaves: str = "xx",
 ) -> Tree:
     """Build a tree from bracket tokens, repairing them so its leaves are exactly `words`.
 
     Every token that starts with "(" opens a constituent, every token that starts with ")"
-    closes one, and any other token is a leaf (`XX` or a POS tag). Repairs:
+    closes one, and any other token is a leaf. Which word a leaf is:
+      - leaves "xx" or "pos" (the leaf is `XX` or a tag): the next word, by count; leaves
+        beyond the number of words are dropped;
+      - leaves "words" (the leaf is a word): the output's words are aligned to the sentence's
+        (`difflib`, longest matching blocks first); a leaf paired with no word (an extra or
+        repeated word) is dropped, and a sentence word the output skipped is attached where
+        the output goes on, i.e. to the constituent open when the next aligned leaf comes;
+        a misspelled word (one output word against one sentence word between two matches)
+        stands for the sentence's word.
+    Other repairs:
       - a closing token closes the innermost open constituent whatever its label (the opening
         label wins); a closing token with nothing open is dropped;
       - a bare "(" opens a constituent labelled `X` (PTB's unknown constituent);
-      - leaves beyond the number of words are dropped; words left over at the end are attached
-        to the innermost constituent still open or, when all are closed, to the last top-level
-        constituent, so the sentence keeps one spanning bracket;
+      - words left over at the end are attached to the innermost constituent still open or,
+        when all are closed, to the last top-level constituent, so the sentence keeps one
+        spanning bracket;
       - constituents still open at the end are closed; constituents without words are removed.
 
     Args:
         tokens: model output, e.g. `["(S", "(NP", "XX", ")NP", ...]`.
         words: the sentence.
         pos: POS tags for the words; without them a leaf token is used as the tag (`XX` or the
-            tag that a `keep_pos` model predicted), and `XX` for words attached by repair.
+            tag that a "pos" model predicted; `XX` for "words"), and `XX` for words attached
+            by repair.
+        leaves: what the model writes for a word: "xx", "pos" or "words" (`linearize`).
 
     Returns:
         A tree with root `TOP` and leaves `words`.
     """
+    _check_leaves(leaves)
     if pos is not None and len(pos) != len(words):
         raise ValueError(f"{len(pos)} POS tags for {len(words)} words")
     root = Tree(ROOT_LABEL)
     stack = [root]
     n_leaves = 0
+    leaf_tokens = [token for token in tokens if not is_bracket(token)]
+    if leaves == "words":
+        targets = _align_words(leaf_tokens, words)
+    else:
+        targets = [i if i < len(words) else None for i in range(len(leaf_tokens))]
 
     def add_leaf(node: Tree, tag: str) -> None:
         nonlocal n_leaves
         node.children.append(Tree(pos[n_leaves] if pos is not None else tag, word=words[n_leaves]))
         n_leaves += 1
 
+    i_leaf = 0
     for token in tokens:
         if token.startswith(OPEN):
             node = Tree(token[1:] or UNKNOWN_LABEL)
@@ -308,8 +350,14 @@ def delinearize(
         elif token.startswith(CLOSE):
             if len(stack) > 1:
                 stack.pop()
-        elif n_leaves < len(words):
-            add_leaf(stack[-1], token)
+        else:
+            target = targets[i_leaf]
+            i_leaf += 1
+            if target is None:
+                continue
+            while n_leaves < target:  # words the output skipped
+                add_leaf(stack[-1], NORMALIZED_POS)
+            add_leaf(stack[-1], NORMALIZED_POS if leaves == "words" else token)
     if n_leaves < len(words):
         last = stack[-1]
         if last is root and root.children and not root.children[-1].is_preterminal:
@@ -319,6 +367,23 @@ def delinearize(
     _remove_empty(root)
     assert root.leaves() == list(words), "delinearize must keep exactly the sentence's words"
     return root
+
+
+def _align_words(output: Sequence[str], words: Sequence[str]) -> list[int | None]:
+    """For each output word, the index of the sentence word it stands for, or None.
+
+    The indices increase strictly: matching blocks of `difflib.SequenceMatcher` (no junk
+    heuristic), plus one-for-one substitutions between them.
+    """
+    from difflib import SequenceMatcher
+
+    targets: list[int | None] = [None] * len(output)
+    matcher = SequenceMatcher(None, list(output), list(words), autojunk=False)
+    for tag, i1, i2, j1, j2 in matcher.get_opcodes():
+        if tag == "equal" or (tag == "replace" and i2 - i1 == j2 - j1):
+            for k in range(i2 - i1):
+                targets[i1 + k] = j1 + k
+    return targets
 
 
 def _remove_empty(node: Tree) -> bool:
@@ -333,6 +398,8 @@ def trees_from_predictions(
     pred_lines: Sequence[str],
     sentences: Sequence[Sequence[str]],
     pos: Sequence[Sequence[str]] | None = None,
+    *,
+    leaves: str = "xx",
 ) -> list[Tree]:
     """Turn decoded lines of bracket tokens into repaired trees, one per sentence.
 
@@ -341,6 +408,7 @@ def trees_from_predictions(
         sentences: the words of each sentence.
         pos: optional POS tags per sentence. Pass the test file's tags so EVALB removes the
             same punctuation from both trees (it deletes words by each tree's own tags).
+        leaves: what the model writes for a word: "xx", "pos" or "words" (`linearize`).
 
     Returns:
         One `TOP` tree per sentence (`delinearize`).
@@ -350,6 +418,6 @@ def trees_from_predictions(
     if pos is not None and len(pos) != len(sentences):
         raise ValueError(f"{len(pos)} POS sequences for {len(sentences)} sentences")
     return [
-        delinearize(line.split(), words, None if pos is None else pos[i])
+        delinearize(line.split(), words, None if pos is None else pos[i], leaves=leaves)
         for i, (line, words) in enumerate(zip(pred_lines, sentences, strict=True))
     ]

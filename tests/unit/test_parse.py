@@ -17,6 +17,7 @@ from transformer.modelfile import save_model
 from transformer.parse import (
     _needs_repair,
     evaluate_parser,
+    leaf_mode,
     parse_decode_config,
     parse_file,
     parse_sentences,
@@ -124,7 +125,29 @@ def test_perfect_output_scores_100(model_file, tmp_path, monkeypatch):
     ],
 )
 def test_needs_repair(tokens, n_words, repair):
-    assert _needs_repair(tokens.split(), n_words) is repair
+    assert _needs_repair(tokens.split(), ["w"] * n_words, "xx") is repair
+
+
+@pytest.mark.parametrize(
+    ("tokens", "repair"),
+    [
+        ("(S (NP John )NP (VP runs )VP )S", False),
+        ("(S (NP John )NP (VP walks )VP )S", True),  # a different word, same count
+        ("(S (NP John )NP (VP runs runs )VP )S", True),  # a repeated word
+    ],
+)
+def test_needs_repair_with_words_as_leaves(tokens, repair):
+    assert _needs_repair(tokens.split(), ["John", "runs"], "words") is repair
+
+
+def test_leaf_mode_comes_from_the_target_language():
+    assert [leaf_mode(lang) for lang in ("tree", "tree_pos", "tree_words")] == [
+        "xx",
+        "pos",
+        "words",
+    ]
+    with pytest.raises(UserError, match="not a parsing model: its target language is 'de'"):
+        leaf_mode("de")
 
 
 def test_bad_input_is_a_user_error_naming_the_line(model_file):

@@ -50,8 +50,24 @@ def test_write_parsing_corpus_writes_parallel_files(tmp_path):
     assert (out / "tgt_symbols.txt").read_text().split() == [
         "XX", "(S", "(NP", ")NP", "(VP", ")VP", ")S"
     ]  # fmt: skip
-    tagged = write_parsing_corpus(tmp_path / "tagged", root, keep_pos=True)
+    tagged = write_parsing_corpus(tmp_path / "tagged", root, leaves="pos")
     assert open(tagged["test"]["tgt"]).read() == "(S (NP NNP )NP (VP VBZ )VP . )S\n"
+
+
+def test_words_as_leaves_keep_only_brackets_as_symbols(tmp_path):
+    root = _fake_data_root(tmp_path / "data")
+    result = write_parsing_corpus(tmp_path / "words", root, leaves="words")
+    assert open(result["test"]["tgt"]).read() == "(S (NP Ann )NP (VP sings )VP . )S\n"
+    # the words are ordinary text for the subword model; only the brackets are kept whole
+    assert open(result["tgt_symbols"]).read().split() == ["(S", "(NP", ")NP", "(VP", ")VP", ")S"]
+
+
+def test_prepare_ptb_rejects_an_unknown_leaf_mode(tmp_path):
+    from transformer.data import DataError
+    from transformer.parsing_data import prepare_parsing
+
+    with pytest.raises(DataError, match="--leaves must be one of xx, pos, words"):
+        prepare_parsing(tmp_path / "out", _fake_data_root(tmp_path / "data"), leaves="tags")
 
 
 @pytest.mark.integration

@@ -136,7 +136,7 @@ def test_linearize_as_grammar_as_a_foreign_language():
     tree = parse_tree(JOHN)
     assert linearize(tree) == JOHN_XX
     # With POS tags kept this is exactly Figure 2 of the GAF paper.
-    assert linearize(tree, keep_pos=True) == (
+    assert linearize(tree, leaves="pos") == (
         "(S (NP NNP )NP (VP VBZ (NP DT NN )NP )VP . )S".split()
     )
 
@@ -149,7 +149,7 @@ def test_linearize_keeps_unary_chains():
 def test_delinearize_inverts_linearize():
     tree = parse_tree(JOHN)
     assert str(delinearize(JOHN_XX, JOHN_WORDS, tree.pos())) == JOHN
-    assert str(delinearize(linearize(tree, keep_pos=True), JOHN_WORDS)) == JOHN
+    assert str(delinearize(linearize(tree, leaves="pos"), JOHN_WORDS)) == JOHN
     assert str(delinearize(JOHN_XX, JOHN_WORDS)) == (
         "(TOP (S (NP (XX John)) (VP (XX has) (NP (XX a) (XX dog))) (XX .)))"
     )
@@ -205,6 +205,58 @@ def _repair(line: str, words: list[str] = JOHN_WORDS) -> str:
 )
 def test_delinearize_repairs_ill_formed_output(line, expected):
     assert _repair(line) == expected
+
+
+def test_linearize_with_words_as_leaves_inverts():
+    tree = parse_tree(JOHN)
+    tokens = linearize(tree, leaves="words")
+    assert " ".join(tokens) == "(S (NP John )NP (VP has (NP a dog )NP )VP . )S"
+    assert str(delinearize(tokens, JOHN_WORDS, tree.pos(), leaves="words")) == JOHN
+
+
+def _repair_words(line: str, words: list[str] = JOHN_WORDS) -> str:
+    tree = delinearize(line.split(), words, leaves="words")
+    assert tree.leaves() == words
+    return _bare(tree)
+
+
+@pytest.mark.parametrize(
+    ("line", "expected"),
+    [
+        # a skipped word goes where the output goes on: into the constituent open at the next
+        # aligned word (here the NP), not to the end as a count of XX would put it
+        (
+            "(S (NP John )NP (VP has (NP dog )NP )VP . )S",
+            "(TOP (S (NP John) (VP has (NP a dog)) .))",
+        ),
+        # a repeated word is dropped, the rest stays in place
+        (
+            "(S (NP John )NP (VP has has (NP a dog )NP )VP . )S",
+            "(TOP (S (NP John) (VP has (NP a dog)) .))",
+        ),
+        # a misspelled word between two aligned ones stands for the sentence's word
+        (
+            "(S (NP Jon )NP (VP has (NP a dog )NP )VP . )S",
+            "(TOP (S (NP John) (VP has (NP a dog)) .))",
+        ),
+        # an extra word that is not in the sentence is dropped
+        (
+            "(S (NP John )NP (VP has (NP a big dog )NP )VP . )S",
+            "(TOP (S (NP John) (VP has (NP a dog)) .))",
+        ),
+        # the words missing at the end go to the innermost open constituent, as with XX
+        ("(S (NP John )NP (VP has (NP a", "(TOP (S (NP John) (VP has (NP a dog .))))"),
+        # out of order: the longest matching run is kept, the rest attached at the end
+        ("(S (NP dog )NP (VP John has a )VP )S", "(TOP (S (VP John has a) dog .))"),
+    ],
+)
+def test_delinearize_aligns_output_words_to_the_sentence(line, expected):
+    assert _repair_words(line) == expected
+
+
+def test_delinearize_rejects_an_unknown_leaf_mode():
+    with pytest.raises(ValueError, match="leaves must be one of xx, pos, words"):
+        delinearize(["XX"], ["Go"], leaves="tags")
 
 
 def test_delinearize_uses_given_pos_even_for_repaired_words():
@@ -273,4 +325,4 @@ def test_round_trip_every_real_tree(shared_data):
         words, tags = tree.leaves(), tree.pos()
         assert "-NONE-" not in tags
         assert str(delinearize(linearize(tree), words, tags)) == str(tree)
-        assert str(delinearize(linearize(tree, keep_pos=True), words)) == str(tree)
+        assert str(delinearize(linearize(tree, leaves="pos"), words)) == str(tree)
