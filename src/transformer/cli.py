@@ -355,7 +355,7 @@ def _cmd_parse(args: argparse.Namespace) -> int:
     if args.eval is not None:
         r = evaluate_parser(
             args.model, args.eval, args.split, beam=args.beam, alpha=args.alpha,
-            limit=args.limit, dtype=args.dtype, output=args.output,
+            limit=args.limit, dtype=args.dtype, output=args.output, constrain=args.constrain,
         )  # fmt: skip
         short = r["len<=40"]
         print(f"{r['split']}: {r['sentences']} sentences in {r['seconds']:.1f} s "
@@ -376,7 +376,9 @@ def _cmd_parse(args: argparse.Namespace) -> int:
 
     name = "<stdin>" if args.input == "-" else args.input
     pos = lines(args.pos) if args.pos else None
-    trees = parse_file(args.model, lines(args.input), name, pos, args.beam, args.alpha, args.dtype)
+    trees = parse_file(
+        args.model, lines(args.input), name, pos, args.beam, args.alpha, args.dtype, args.constrain
+    )
     text = "".join(t + "\n" for t in trees)
     if args.output:
         Path(args.output).write_text(text, encoding="utf-8")
@@ -400,6 +402,11 @@ def _add_parse(sub: argparse._SubParsersAction) -> None:
     )  # fmt: skip
     p.add_argument("--split", default="test", help="with --eval DIR: train, valid or test")
     p.add_argument("--limit", type=int, help="with --eval: only the first N trees")
+    p.add_argument(
+        "--constrain", action=argparse.BooleanOptionalAction, default=None,
+        help="search only well-formed trees over the sentence's words (models trained with "
+        "`prepare ptb --leaves words`; off by default)",
+    )  # fmt: skip
     p.set_defaults(func=_cmd_parse)
 
 

@@ -25,6 +25,8 @@ import torch
 from transformer.config import DecodeConfig
 from transformer.errors import UserError
 from transformer.evalb import evaluate_parses
+from transformer.search import NEG_INF
+from transformer.tokenizer import BOS_ID, EOS_ID, PAD_ID
 from transformer.trees import (
     NORMALIZED_POS,
     Tree,
@@ -69,6 +71,7 @@ def parse_sentences(
     max_tokens: int = PARSE_MAX_TOKENS,
     dtype: str = "fp32",
     device: str = "cpu",
+    constrain: bool | None = None,
 ) -> list[Tree]:
     """Parse tokenized sentences into trees (§6.3).
 
@@ -81,12 +84,15 @@ def parse_sentences(
         max_tokens: source tokens per decoding batch (padding counted).
         dtype: "fp32", "bf16" or "int8" (`translate.Translator`).
         device: where to decode.
+        constrain: search only well-formed trees over the sentence's words (`TreeConstraint`;
+            models whose trees write the words only). None: off (docs/parsing.md measures it).
 
     Returns:
         One tree per sentence, root `TOP`, whose leaves are exactly the sentence's words.
 
     Raises:
-        UserError: an empty sentence, or `pos` that does not match the sentences.
+        UserError: an empty sentence, `pos` that does not match the sentences, a model that is
+            not a parsing model, or `constrain` for an XX model.
     """
     from transformer.translate import Translator
 
@@ -94,6 +100,14 @@ def parse_sentences(
     translator = Translator.from_path(
         model_path, parse_decode_config(beam, alpha, max_tokens), device, dtype
     )
+    leaves = leaf_mode(translator.loaded.tgt_lang)
+    if constrain:
+        if leaves != "words":
+            raise UserError(
+                "the constrained search needs a model whose trees write the words "
+                f"(`prepare ptb --leaves words`); this one writes {leaves.upper()}"
+            )
+        translator.constrain = TreeConstraint.for_tokenizer(translator.tokenizer)
     return _parse(translator, sentences, pos)
 
 
@@ -123,9 +137,10 @@ def _parse(translator, sentences: Sequence[Sequence[str]], pos) -> list[Tree]:
         _needs_repair(p.split(), w, leaves) for p, w in zip(predictions, sentences, strict=True)
     )
     logger.info(
-        "parsed %d sentences in %.1f s (beam %d, α %.2f); %d outputs needed repair",
+        "parsed %d sentences in %.1f s (beam %d, α %.2f%s); %d outputs needed repair",
         len(sentences), time.perf_counter() - start, translator.decode.beam_size,
-        translator.decode.length_penalty, n_repaired,
+        translator.decode.length_penalty, ", constrained" if translator.constrain else "",
+        n_repaired,
     )  # fmt: skip
     return trees
 
@@ -185,6 +200,7 @@ def evaluate_parser(
     max_tokens: int = PARSE_MAX_TOKENS,
     dtype: str = "fp32",
     output: str | Path | None = None,
+    constrain: bool | None = None,
 ) -> dict:
     """Parse the sentences of gold trees and score the result like EVALB (COLLINS.prm).
 
@@ -199,6 +215,7 @@ def evaluate_parser(
         max_tokens: source tokens per decoding batch.
         dtype: "fp32", "bf16" or "int8".
         output: write the predicted trees here, one per line.
+        constrain: the constrained search (`parse_sentences`); None: the model's default.
 
     Returns:
         `evalb.evaluate_parses` scores (recall, precision, f1 in percent, and "len<=40"),
@@ -210,14 +227,14 @@ def evaluate_parser(
     start = time.perf_counter()
     trees = parse_sentences(
         model_path, [t.leaves() for t in gold], [t.pos() for t in gold], beam, alpha,
-        max_tokens=max_tokens, dtype=dtype,
+        max_tokens=max_tokens, dtype=dtype, constrain=constrain,
     )  # fmt: skip
     seconds = time.perf_counter() - start
     if output is not None:
         Path(output).write_text("".join(f"{t}\n" for t in trees), encoding="utf-8")
     scores = evaluate_parses(gold, trees)
     scores.pop("sentence_scores")
-    scores.update(split=split, beam=beam, alpha=alpha, seconds=seconds)
+    scores.update(split=split, beam=beam, alpha=alpha, seconds=seconds, constrain=constrain)
     return scores
 
 
@@ -240,6 +257,7 @@ def parse_file(
     beam: int = PARSE_BEAM,
     alpha: float = PARSE_ALPHA,
     dtype: str = "fp32",
+    constrain: bool | None = None,
 ) -> list[str]:
     """`transformer parse`: sentence lines (and optional POS-tag lines) in, tree lines out."""
     sentences = read_sentences(lines, name)
@@ -251,5 +269,142 @@ def parse_file(
         for number, (words, tags) in enumerate(zip(sentences, pos, strict=True), start=1):
             if len(tags) != len(words):
                 raise UserError(f"--pos line {number}: {len(tags)} tags for {len(words)} words")
-    trees = parse_sentences(model_path, sentences, pos, beam, alpha, dtype=dtype)
+    trees = parse_sentences(
+        model_path, sentences, pos, beam, alpha, dtype=dtype, constrain=constrain
+    )
     return [str(tree) for tree in trees]
+
+
+class TreeConstraint:
+    """A search constraint for models whose trees write the words (`leaves="words"`): every
+    output is a well-formed tree over exactly the sentence's subword pieces.
+
+    At each step a row may emit only
+      - the next piece of its sentence, inside a constituent (the words are copied in order);
+      - at a word boundary, an opening bracket while words remain (at most MAX_OPEN_RUN in a
+        row), or the closing bracket of its innermost open constituent once that holds a word
+        (the outermost one only once every word is placed);
+      - EOS once every word is placed and every constituent closed.
+    The model still chooses where the brackets go and with which labels; the search scores
+    its log-probabilities of the allowed tokens as they are (no renormalization). The words of
+    a source piece sequence are the target's too: both sides share one sentencepiece model, and
+    it segments a word the same way wherever it stands.
+
+    Usage: `translator.constrain = TreeConstraint.for_tokenizer(tokenizer)`; the search calls
+    it with (stepper, src, src_mask) and steps the returned wrapper.
+    """
+
+    def __init__(self, pieces: Sequence[str]):
+        """pieces: the vocabulary, `pieces[i]` the sentencepiece string of id i."""
+        V = len(pieces)
+        self.open_label = torch.full((V,), -1, dtype=torch.long)
+        self.close_label = torch.full((V,), -1, dtype=torch.long)
+        closes = {p.lstrip(WORD_MARK)[1:]: i for i, p in enumerate(pieces) if _is_close(p)}
+        labels: list[str] = []
+        for i, piece in enumerate(pieces):
+            label = piece.lstrip(WORD_MARK)[1:]
+            if _is_open(piece) and label in closes:  # a label that can be closed
+                self.open_label[i] = len(labels)
+                self.close_label[closes[label]] = len(labels)
+                labels.append(label)
+        self.close_id = torch.full((len(labels),), -1, dtype=torch.long)
+        for i in (self.close_label >= 0).nonzero().squeeze(1).tolist():
+            self.close_id[self.close_label[i]] = i
+        self.open_ids = (self.open_label >= 0).nonzero().squeeze(1)
+        self.word_start = torch.tensor([p.startswith(WORD_MARK) for p in pieces])
+        self.is_piece = torch.ones(V, dtype=torch.bool)  # a word piece, not a bracket or special
+        self.is_piece[self.open_ids] = False
+        self.is_piece[self.close_label >= 0] = False
+        self.is_piece[[PAD_ID, BOS_ID, EOS_ID]] = False
+        if not labels:
+            raise ValueError("the vocabulary holds no bracket pieces (`(NP` with its `)NP`)")
+
+    @classmethod
+    def for_tokenizer(cls, tokenizer) -> TreeConstraint:
+        return cls([tokenizer.id_to_piece(i) for i in range(tokenizer.vocab_size)])
+
+    def __call__(self, stepper, src: torch.Tensor, src_mask: torch.Tensor) -> _TreeStepper:
+        return _TreeStepper(self, stepper, src, src_mask)
+
+
+WORD_MARK = "\u2581"  # sentencepiece's word-boundary mark
+# Opening brackets in a row before a word: at most 6 in the training, dev and section 22 trees
+# (`(S (NP (NP (QP ...`); twice that bounds the search without cutting any real tree.
+MAX_OPEN_RUN = 12
+
+
+def _is_open(piece: str) -> bool:
+    p = piece.lstrip(WORD_MARK)
+    return len(p) > 1 and p[0] == "("
+
+
+def _is_close(piece: str) -> bool:
+    p = piece.lstrip(WORD_MARK)
+    return len(p) > 1 and p[0] == ")"
+
+
+class _TreeStepper:
+    """A stepper that masks another's scores to the tokens `TreeConstraint` allows.
+
+    State per row: `pos`, the next source piece to copy; `depth`, the open constituents;
+    `labels` and `starts`, each open constituent's label index and `pos` when it opened
+    (innermost at depth - 1); `opens`, opening brackets since the last word piece.
+    """
+
+    def __init__(self, rule: TreeConstraint, inner, src: torch.Tensor, src_mask: torch.Tensor):
+        self.rule, self.inner = rule, inner
+        device = src.device
+        for name in ("open_label", "close_label", "close_id", "open_ids", "word_start"):
+            setattr(self, name, getattr(rule, name).to(device))
+        self.is_piece = rule.is_piece.to(device)
+        self.src = src  # (R, S): the row's source pieces, EOS and padding after them
+        self.n = src_mask.sum(1) - 1  # (R,) pieces before EOS
+        R = src.size(0)
+        zeros = torch.zeros(R, dtype=torch.long, device=device)
+        self.pos, self.depth, self.opens = zeros, zeros.clone(), zeros.clone()
+        self.labels = torch.zeros(R, 16, dtype=torch.long, device=device)
+        self.starts = torch.zeros_like(self.labels)
+
+    def _advance(self, tokens: torch.Tensor) -> None:
+        """Update the state with the token each row just emitted (BOS: nothing)."""
+        opening = self.open_label[tokens]
+        rows = (opening >= 0).nonzero().squeeze(1)
+        if rows.numel():
+            if int(self.depth.max()) >= self.labels.size(1):
+                self.labels = torch.cat([self.labels, torch.zeros_like(self.labels)], 1)
+                self.starts = torch.cat([self.starts, torch.zeros_like(self.starts)], 1)
+            self.labels[rows, self.depth[rows]] = opening[rows]
+            self.starts[rows, self.depth[rows]] = self.pos[rows]
+            self.depth[rows] += 1
+        self.depth -= (self.close_label[tokens] >= 0).long()
+        piece = self.is_piece[tokens]
+        self.pos += piece.long()
+        self.opens = torch.where(piece, 0, self.opens + (opening >= 0).long())
+
+    def step(self, tokens: torch.Tensor) -> torch.Tensor:
+        self._advance(tokens)
+        scores = self.inner.step(tokens)
+        R, V = scores.shape
+        rows = torch.arange(R, device=scores.device)
+        remaining = self.pos < self.n
+        inside = self.depth > 0
+        next_piece = self.src[rows, self.pos.clamp(max=self.src.size(1) - 1)]
+        boundary = ~remaining | self.word_start[next_piece]
+        allowed = torch.zeros(R, V, dtype=torch.bool, device=scores.device)
+        copy = (remaining & inside).nonzero().squeeze(1)
+        allowed[copy, next_piece[copy]] = True
+        opens = (remaining & boundary & (self.opens < MAX_OPEN_RUN)).nonzero().squeeze(1)
+        allowed[opens[:, None], self.open_ids[None, :]] = True
+        innermost = (self.depth - 1).clamp(min=0)[:, None]
+        has_word = self.pos > self.starts.gather(1, innermost).squeeze(1)
+        closable = boundary & inside & has_word & ((self.depth > 1) | ~remaining)
+        close = closable.nonzero().squeeze(1)
+        top = self.labels[close, self.depth[close] - 1]
+        allowed[close, self.close_id[top]] = True
+        allowed[:, EOS_ID] = ~remaining & ~inside
+        return scores.masked_fill(~allowed, NEG_INF)
+
+    def reorder(self, index: torch.Tensor, same_sentences: bool = False) -> None:
+        self.inner.reorder(index, same_sentences)
+        for name in ("src", "n", "pos", "depth", "opens", "labels", "starts"):
+            setattr(self, name, getattr(self, name).index_select(0, index))

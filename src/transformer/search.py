@@ -12,6 +12,7 @@ Shapes: B sentences, K beam size, R live rows (B * K, fewer once sentences finis
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -72,6 +73,11 @@ class Stepper(Protocol):
         ...
 
 
+# Wraps a decoder's stepper given the batch's (src, src_mask): a constraint on what may be
+# emitted next (e.g. `parse.TreeConstraint`), applied by masking the stepper's scores.
+Constrain = Callable[["Stepper", torch.Tensor, torch.Tensor], "Stepper"]
+
+
 class ModelStepper:
     """`Stepper` over a Transformer: encodes once, then decodes one cached position per step.
 
@@ -122,7 +128,9 @@ def _mask_specials(lprobs: torch.Tensor, force_eos: torch.Tensor, t: int) -> tor
     if t == 1:
         lprobs[:, EOS_ID] = torch.where(force_eos, lprobs[:, EOS_ID], NEG_INF)
     if bool(force_eos.any()):
-        eos = lprobs[:, EOS_ID].clone()
+        # A search constraint may have barred EOS (`Constrain`); at the maximum length the
+        # output ends all the same, at no cost.
+        eos = lprobs[:, EOS_ID].clone().nan_to_num(neginf=0.0)
         lprobs[force_eos] = NEG_INF
         lprobs[:, EOS_ID] = torch.where(force_eos, eos, lprobs[:, EOS_ID])
     return lprobs
@@ -135,17 +143,21 @@ def greedy_search(
     src_mask: torch.Tensor,
     max_len_a: float = 1.0,
     max_len_b: int = 50,
+    constrain: Constrain | None = None,
 ) -> list[list[int]]:
     """Greedy decoding: the most probable token at each step, until EOS or the maximum length.
 
     Args:
         src: (B, S) source ids ending in EOS, right-padded; src_mask: (B, S) True at real tokens.
         max_len_a, max_len_b: maximum output length = a * source length + b (EOS included).
+        constrain: wraps the stepper to bar tokens (`Constrain`); None: every token allowed.
 
     Returns:
         B token lists, without BOS and EOS.
     """
-    stepper = ModelStepper(model, src, src_mask, log_probs=False)  # argmax needs no softmax
+    stepper: Stepper = ModelStepper(model, src, src_mask, log_probs=False)  # argmax: no softmax
+    if constrain is not None:
+        stepper = constrain(stepper, src, src_mask)
     max_lens = max_output_lengths(src_mask.sum(1), max_len_a, max_len_b, model.cfg.max_len)
     return greedy_steps(stepper, max_lens)
 
@@ -186,6 +198,7 @@ def beam_search(
     max_len_a: float = 1.0,
     max_len_b: int = 50,
     n_best: int = 1,
+    constrain: Constrain | None = None,
 ) -> list[list[Hypothesis]]:
     """§6.1 batched beam search (beam 4, α 0.6, max length = source length + 50).
 
@@ -195,13 +208,16 @@ def beam_search(
         length_penalty: α of lp(Y) = ((5 + |Y|) / 6)^α (§6.3 uses 0.3).
         max_len_a, max_len_b: maximum output length = a * source length + b (EOS included).
         n_best: hypotheses returned per sentence, best first.
+        constrain: wraps the stepper to bar tokens (`Constrain`); None: every token allowed.
 
     Returns:
         For each sentence, its `n_best` finished hypotheses sorted by score.
     """
     if not 1 <= n_best <= beam_size:
         raise ValueError(f"n_best must be in [1, beam_size={beam_size}], got {n_best}")
-    stepper = ModelStepper(model, src, src_mask)
+    stepper: Stepper = ModelStepper(model, src, src_mask)
+    if constrain is not None:
+        stepper = constrain(stepper, src, src_mask)
     max_lens = max_output_lengths(src_mask.sum(1), max_len_a, max_len_b, model.cfg.max_len)
     return beam_steps(stepper, max_lens, beam_size, length_penalty, n_best)
 

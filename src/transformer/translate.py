@@ -22,7 +22,7 @@ from torch import nn
 from transformer.config import DecodeConfig
 from transformer.errors import UserError
 from transformer.modelfile import LoadedModel, load_model
-from transformer.search import beam_search, greedy_search
+from transformer.search import Constrain, beam_search, greedy_search
 from transformer.tokenizer import BOS_ID, EOS_ID, PAD_ID
 
 logger = logging.getLogger(__name__)
@@ -116,6 +116,7 @@ class Translator:
             model = model.to(dtype)
         self.model, self.dtype = model, dtype
         self.max_src_len = model.cfg.max_len
+        self.constrain: Constrain | None = None  # a search constraint, e.g. parse's trees
 
     @classmethod
     def from_path(
@@ -187,12 +188,14 @@ class Translator:
         for batch in self.batches(sources):
             src, src_mask = self._collate([sources[i] for i in batch])
             if cfg.beam_size == 1:
-                outs = greedy_search(self.model, src, src_mask, cfg.max_len_a, cfg.max_len_b)
+                outs = greedy_search(
+                    self.model, src, src_mask, cfg.max_len_a, cfg.max_len_b, self.constrain
+                )
                 hyps = [[(tokens, 0.0)] for tokens in outs]
             else:
                 found = beam_search(
                     self.model, src, src_mask, cfg.beam_size, cfg.length_penalty,
-                    cfg.max_len_a, cfg.max_len_b, cfg.n_best,
+                    cfg.max_len_a, cfg.max_len_b, cfg.n_best, self.constrain,
                 )  # fmt: skip
                 hyps = [[(h.tokens, h.score) for h in nbest] for nbest in found]
             for i, nbest in zip(batch, hyps, strict=True):

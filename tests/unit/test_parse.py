@@ -15,6 +15,8 @@ from transformer.errors import UserError
 from transformer.model import Transformer
 from transformer.modelfile import save_model
 from transformer.parse import (
+    MAX_OPEN_RUN,
+    TreeConstraint,
     _needs_repair,
     evaluate_parser,
     leaf_mode,
@@ -22,7 +24,8 @@ from transformer.parse import (
     parse_file,
     parse_sentences,
 )
-from transformer.tokenizer import Tokenizer
+from transformer.search import beam_steps, greedy_steps
+from transformer.tokenizer import BOS_ID, EOS_ID, PAD_ID, Tokenizer
 from transformer.trees import linearize, parse_trees, write_trees
 
 GOLD = parse_trees(
@@ -191,3 +194,98 @@ def test_cli_errors_exit_2(model_file, tmp_path, capsys):
     (tmp_path / "bad.trees").write_text("(TOP (S (NP x)\n", encoding="utf-8")
     assert main(["parse", str(model_file), "--eval", str(tmp_path / "bad.trees")]) == 2
     assert "bad.trees" in capsys.readouterr().err
+
+
+# A vocabulary as `prepare ptb --leaves words` makes it: specials, bracket symbols with their
+# word mark, word pieces (word-initial with the mark, continuations without).
+PIECES = ["<pad>", "<s>", "</s>", "<unk>", "▁(S", "▁)S", "▁(NP", "▁)NP", "▁(VP", "▁)VP",
+          "▁(ADJP", "▁The", "▁dog", "▁bar", "ks", "▁lo", "ud", "▁.", "▁(X"]  # fmt: skip
+ID = {p: i for i, p in enumerate(PIECES)}
+
+
+class RandomStepper:
+    """Stateless random log-probs: the constraint alone must make every output a tree."""
+
+    def __init__(self, seed: int):
+        self.generator = torch.Generator().manual_seed(seed)
+
+    def step(self, tokens: torch.Tensor) -> torch.Tensor:
+        logits = torch.randn(tokens.size(0), len(PIECES), generator=self.generator) * 3
+        return logits.log_softmax(-1)
+
+    def reorder(self, index: torch.Tensor, same_sentences: bool = False) -> None:
+        pass
+
+
+def _source(words: str) -> list[int]:
+    return [ID[p] for p in words.split()] + [EOS_ID]
+
+
+def _constrained(sources: list[list[int]], seed: int):
+    width = max(len(s) for s in sources)
+    src = torch.tensor([s + [PAD_ID] * (width - len(s)) for s in sources])
+    return TreeConstraint(PIECES)(RandomStepper(seed), src, src != PAD_ID)
+
+
+def _check_tree(output: list[int], source: list[int]) -> None:
+    """Balanced brackets with matching labels, one outer constituent, the source's pieces
+    copied in order, no constituent without a word."""
+    pieces = [PIECES[i] for i in output]
+    stack, words, outer = [], [], 0
+    for p in pieces:
+        bare = p.lstrip("▁")
+        if bare.startswith("(") and len(bare) > 1:
+            outer += not stack
+            stack.append((bare[1:], len(words)))
+        elif bare.startswith(")") and len(bare) > 1:
+            label, start = stack.pop()
+            assert label == bare[1:] and len(words) > start, pieces
+        else:
+            assert stack, pieces  # every word inside a constituent
+            words.append(ID[p])
+    assert not stack and outer == 1 and words == source[:-1], pieces
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_tree_constraint_makes_every_beam_and_greedy_output_a_tree_over_the_words(seed):
+    sources = [
+        _source("▁The ▁dog ▁bar ks ▁lo ud ▁."),
+        _source("▁dog"),
+        _source("▁bar ks ▁The"),
+    ]
+    max_lens = torch.tensor([len(s) + 300 for s in sources])
+    found = beam_steps(_constrained(sources, seed), max_lens, beam_size=4, alpha=0.3, n_best=4)
+    for source, hyps in zip(sources, found, strict=True):
+        assert len(hyps) == 4
+        for hyp in hyps:
+            _check_tree(hyp.tokens, source)
+    greedy = greedy_steps(_constrained(sources, seed), max_lens)
+    for source, tokens in zip(sources, greedy, strict=True):
+        _check_tree(tokens, source)
+
+
+def test_tree_constraint_bars_long_runs_of_opening_brackets():
+    stepper = _constrained([_source("▁dog")], 0)
+    opens = torch.tensor([ID["▁(S"], ID["▁(NP"], ID["▁(VP"]])
+    unclosable = torch.tensor([ID["▁(ADJP"], ID["▁(X"]])  # no closing piece in the vocabulary
+    last = torch.tensor([BOS_ID])
+    for run in range(MAX_OPEN_RUN):
+        allowed = stepper.step(last).isfinite()[0]
+        assert bool(allowed[opens].all()) and not bool(allowed[unclosable].any())
+        assert bool(allowed[ID["▁dog"]]) == (run > 0)  # a word only inside a constituent
+        assert not bool(allowed[ID["▁)NP"]])  # nothing to close: no word yet
+        last = torch.tensor([ID["▁(NP"]])
+    allowed = stepper.step(last).isfinite()[0]
+    assert allowed.nonzero().squeeze(1).tolist() == [ID["▁dog"]]  # only the word now
+
+
+def test_tree_constraint_ends_at_the_maximum_length_even_mid_tree():
+    sources = [_source("▁The ▁dog ▁bar ks ▁lo ud ▁.")]
+    hyps = beam_steps(_constrained(sources, 1), torch.tensor([4]), 3, 0.3)[0]
+    assert len(hyps[0].tokens) <= 3  # cut by the maximum length (EOS included), not stuck
+    assert len(greedy_steps(_constrained(sources, 1), torch.tensor([4]))[0]) <= 3
+
+
+def test_constrained_search_needs_a_model_that_writes_words(model_file):
+    with pytest.raises(UserError, match="needs a model whose trees write the words"):
+        parse_sentences(model_file, [["The", "dog"]], beam=1, constrain=True)
