@@ -89,3 +89,20 @@ def test_real_parsing_corpus(shared_data, tmp_path):
         # §6.3 decodes at most input length + 300 tokens: only one train tree (249 words,
         # 573 tokens: wsj_0096.mrg tree 47, a long list of names) would not fit.
         assert too_long == (1 if split == "train" else 0)
+
+
+@pytest.mark.integration
+def test_real_parsing_corpus_with_words_as_leaves(shared_data, tmp_path):
+    from transformer.trees import delinearize, is_bracket, parse_tree
+
+    result = write_parsing_corpus(tmp_path, shared_data, leaves="words")
+    for split in ("train", "dev", "test"):
+        src = open(result[split]["src"], encoding="utf-8").read().splitlines()
+        tgt = open(result[split]["tgt"], encoding="utf-8").read().splitlines()
+        trees = open(result[split]["trees"], encoding="utf-8").read().splitlines()
+        for words, tokens, tree in zip(src, tgt, trees, strict=True):
+            tokens = tokens.split()
+            # no treebank word looks like a bracket, so the leaves are exactly the words
+            assert [t for t in tokens if not is_bracket(t)] == words.split()
+            gold = parse_tree(tree)
+            assert str(delinearize(tokens, gold.leaves(), gold.pos(), leaves="words")) == tree
