@@ -163,13 +163,18 @@ def average_checkpoints(states: Sequence[dict[str, torch.Tensor]]) -> dict[str, 
     return out
 
 
-def average_run(run_dir: Path, last: int, out: Path | None = None) -> Path:
+def average_run(
+    run_dir: Path, last: int, out: Path | None = None, upper_bound: int | None = None
+) -> Path:
     """`transformer average`: average the run's last N checkpoints into one model file (§6.1).
 
     Args:
         run_dir: a training run directory.
         last: how many of the newest checkpoints to average (5 for base, 20 for big).
-        out: the model file to write (default `RUN_DIR/average_last<N>.safetensors`).
+        out: the model file to write (default `RUN_DIR/average_last<N>.safetensors`, or
+            `average_last<N>_upto<STEP>.safetensors` with `upper_bound`).
+        upper_bound: only checkpoints of at most this step (fairseq's
+            `--checkpoint-upper-bound`): the last N up to, e.g., the best dev perplexity.
 
     Returns:
         The model file's path.
@@ -182,9 +187,13 @@ def average_run(run_dir: Path, last: int, out: Path | None = None) -> Path:
     paths = list_checkpoints(run_dir)
     if not paths:
         raise CheckpointError(f"{run_dir / CHECKPOINT_DIR}: no checkpoints")
+    if upper_bound is not None:
+        paths = [p for p in paths if int(_NAME.match(p.name).group(1)) <= upper_bound]
     if last < 1 or last > len(paths):
+        bound = "" if upper_bound is None else f" up to step {upper_bound}"
         raise CheckpointError(
-            f"{run_dir / CHECKPOINT_DIR}: --last {last} asked, {len(paths)} checkpoints present"
+            f"{run_dir / CHECKPOINT_DIR}: --last {last} asked, {len(paths)} checkpoints "
+            f"present{bound}"
         )
     chosen = paths[-last:]
     states = [load_checkpoint(p) for p in chosen]
@@ -192,7 +201,10 @@ def average_run(run_dir: Path, last: int, out: Path | None = None) -> Path:
     model = Transformer(config.model)
     model.load_state_dict(average_checkpoints([s["model"] for s in states]))
     meta = states[-1]["data"]
-    out = Path(out) if out is not None else run_dir / f"average_last{last}.safetensors"
+    if out is None:
+        bound = "" if upper_bound is None else f"_upto{upper_bound}"
+        out = run_dir / f"average_last{last}{bound}.safetensors"
+    out = Path(out)
     save_model(out, model, config, bytes(meta["spm_proto"].numpy()), meta["src"], meta["tgt"])
     logger.info("averaged %s into %s", ", ".join(p.name for p in chosen), out)
     return out

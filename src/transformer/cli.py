@@ -225,7 +225,7 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
 def _cmd_average(args: argparse.Namespace) -> int:
     from transformer.checkpoint import average_run
 
-    print(average_run(args.run_dir, args.last, args.out))
+    print(average_run(args.run_dir, args.last, args.out, args.upper_bound))
     return 0
 
 
@@ -234,6 +234,10 @@ def _add_average(sub: argparse._SubParsersAction) -> None:
     p.add_argument("run_dir", type=Path, help="training run directory")
     p.add_argument("--last", type=int, default=5, help="checkpoints to average (§6.1: 5 / 20)")
     p.add_argument("--out", type=Path, help="model file (default RUN_DIR/average_last<N>...)")
+    p.add_argument(
+        "--upper-bound", type=int, metavar="STEP",
+        help="average the last N checkpoints of at most this step (e.g. the best on dev)",
+    )  # fmt: skip
     p.set_defaults(func=_cmd_average)
 
 

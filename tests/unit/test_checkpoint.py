@@ -121,3 +121,12 @@ def test_average_run_writes_model_file(tmp_path):
     assert loaded.spm_proto == bytes([1, 2, 3]) and loaded.src_lang == "en"
     with pytest.raises(CheckpointError, match="--last 4"):
         average_run(tmp_path, last=4)
+    # --upper-bound: the last N of the checkpoints up to a step
+    bounded = load_model(average_run(tmp_path, last=2, upper_bound=2))
+    expected = (
+        states[0]["encoder_layers.0.ffn.w_1.weight"] + states[1]["encoder_layers.0.ffn.w_1.weight"]
+    ) / 2
+    torch.testing.assert_close(bounded.model.encoder_layers[0].ffn.w_1.weight, expected)
+    assert (tmp_path / "average_last2_upto2.safetensors").is_file()
+    with pytest.raises(CheckpointError, match="--last 2 asked, 1 checkpoints present up to step 1"):
+        average_run(tmp_path, last=2, upper_bound=1)
