@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
 
+import numpy as np
 import torch
 import yaml
 
@@ -145,6 +146,29 @@ def train(
         torch.set_num_threads(saved_torch[1])
 
 
+def _check_lengths(data, config: RunConfig) -> None:
+    """Every train and valid pair fits the model (`model.max_len` positions) and one batch
+    (`train.max_tokens`): a UserError naming the split and line now, not a failure mid-run."""
+    limits = (
+        ("model.max_len", config.model.max_len),
+        ("train.max_tokens", config.train.max_tokens),
+    )
+    for name in ("train", "valid"):
+        if name not in data.split_names:
+            continue
+        split = data.split(name)
+        longest = np.maximum(split.src_lens, split.tgt_lens)
+        for key, limit in limits:
+            over = np.flatnonzero(longest > limit)
+            if over.size:
+                i = int(over[0])
+                raise UserError(
+                    f"{data.path}: {name} line {i + 1}: {int(split.src_lens[i])} source and "
+                    f"{int(split.tgt_lens[i])} target tokens (EOS included) exceed {key}={limit} "
+                    f"({over.size} such pairs); raise {key} or prepare with a smaller --max-len"
+                )
+
+
 def _run(data, out_dir, config, resume, info, dev, progress) -> TrainState:
     model = build_model(config, dev)
     distributed.broadcast_parameters(list(model.parameters()), info)
@@ -152,6 +176,7 @@ def _run(data, out_dir, config, resume, info, dev, progress) -> TrainState:
         model.parameters(), (config.train.beta1, config.train.beta2), config.train.adam_eps
     )
     train_split = data.split("train")
+    _check_lengths(data, config)
     sampler = TokenBatchSampler(
         train_split.src_lens,
         train_split.tgt_lens,

@@ -205,3 +205,16 @@ def test_validation_bleu_aligns_hypotheses_with_references(data_dir, tmp_path, m
 
     monkeypatch.setattr("transformer.trainer._greedy_search", lambda: oracle)
     assert trainer.validate()["bleu"] == pytest.approx(100.0)
+
+
+def test_pairs_longer_than_the_model_or_a_batch_are_a_user_error_before_training(
+    data_dir, tmp_path
+):
+    from transformer.data import load_prepared
+
+    longest = max(int(load_prepared(data_dir).split("train").tgt_lens.max()), 3)
+    with pytest.raises(UserError, match=rf"train line \d+: .* exceed model.max_len={longest - 1}"):
+        train(data_dir, tmp_path / "a", _config(f"model.max_len={longest - 1}"), progress=False)
+    with pytest.raises(UserError, match=rf"exceed train.max_tokens={longest - 1} .*max-len"):
+        train(data_dir, tmp_path / "b", _config(f"train.max_tokens={longest - 1}"), progress=False)
+    assert not (tmp_path / "a" / "checkpoints").exists()
