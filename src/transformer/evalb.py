@@ -101,21 +101,22 @@ def _read(tree: Tree) -> tuple[list[tuple[str, str]], list[tuple[int, int, str]]
     brackets: list[tuple[int, int, str]] = []
     length = 0
 
-    def visit(node: Tree) -> None:
-        nonlocal length
+    # Depth first with an explicit stack (a repaired model output may nest deeper than the
+    # recursion limit); a constituent's bracket is added after its children, as evalb.c does.
+    stack: list[tuple[Tree, int | None]] = [(tree, None)]
+    while stack:
+        node, start = stack.pop()
         if node.is_preterminal:
             length += node.label not in DELETE_LABELS_FOR_LENGTH
             if node.label not in DELETE_LABELS:
                 terminals.append((node.word, node.label))
-            return
-        start = len(terminals)
-        for child in node.children:
-            visit(child)
-        label = _label(node.label)
-        if len(terminals) > start and label not in DELETE_LABELS:
-            brackets.append((start, len(terminals), label))
-
-    visit(tree)
+        elif start is None:  # entering: come back after the children
+            stack.append((node, len(terminals)))
+            stack.extend((child, None) for child in reversed(node.children))
+        else:  # leaving
+            label = _label(node.label)
+            if len(terminals) > start and label not in DELETE_LABELS:
+                brackets.append((start, len(terminals), label))
     return terminals, brackets, length
 
 

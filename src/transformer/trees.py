@@ -84,10 +84,25 @@ class Tree:
         return [node.label for node in self.preterminals()]
 
     def __str__(self) -> str:
-        """One-line PTB bracketing, e.g. `(TOP (S (NP (NNP John)) (VP (VBZ runs))))`."""
-        if self.is_preterminal:
-            return f"({self.label} {self.word})"
-        return f"({self.label} {' '.join(str(child) for child in self.children)})"
+        """One-line PTB bracketing, e.g. `(TOP (S (NP (NNP John)) (VP (VBZ runs))))`.
+
+        Iterative: a repaired model output may nest deeper than Python's recursion limit."""
+        parts: list[str] = []
+        stack: list[Tree | str] = [self]
+        while stack:
+            node = stack.pop()
+            if isinstance(node, str):
+                parts.append(node)
+            elif node.is_preterminal:
+                parts.append(f"({node.label} {node.word})")
+            else:
+                parts.append(f"({node.label} ")
+                stack.append(")")
+                for i, child in enumerate(reversed(node.children)):
+                    stack.append(child)
+                    if i < len(node.children) - 1:
+                        stack.append(" ")
+        return "".join(parts)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -387,11 +402,20 @@ def _align_words(output: Sequence[str], words: Sequence[str]) -> list[int | None
 
 
 def _remove_empty(node: Tree) -> bool:
-    """Drop descendants without words; returns whether `node` has a word below it."""
-    if node.is_preterminal:
-        return True
-    node.children = [child for child in node.children if _remove_empty(child)]
-    return bool(node.children)
+    """Drop descendants without words; returns whether `node` has a word below it.
+
+    Iterative (post-order): a repaired model output may nest deeper than the recursion limit."""
+    order: list[Tree] = []
+    stack = [node]
+    while stack:
+        current = stack.pop()
+        order.append(current)
+        stack.extend(c for c in current.children if not c.is_preterminal)
+    has_word: dict[int, bool] = {}
+    for current in reversed(order):  # children before their parents
+        current.children = [c for c in current.children if c.is_preterminal or has_word[id(c)]]
+        has_word[id(current)] = bool(current.children)
+    return has_word[id(node)]
 
 
 def trees_from_predictions(

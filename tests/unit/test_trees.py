@@ -326,3 +326,16 @@ def test_round_trip_every_real_tree(shared_data):
         assert "-NONE-" not in tags
         assert str(delinearize(linearize(tree), words, tags)) == str(tree)
         assert str(delinearize(linearize(tree, leaves="pos"), words)) == str(tree)
+
+
+def test_deeply_nested_output_is_repaired_and_printed_without_recursion_errors():
+    # A garbage output that opens 5,000 constituents: far deeper than Python's recursion limit.
+    tokens = ["(NP"] * 5000 + ["XX", "(VP", ")VP"]
+    tree = delinearize(tokens, ["a", "b"])
+    text = str(tree)
+    assert text.startswith("(TOP (NP (NP") and text.endswith("(XX a) (XX b)" + ")" * 5001)
+    assert text.count("(NP") == 5000 and "(VP" not in text  # the empty VP removed
+    from transformer.evalb import evaluate_parses
+
+    scores = evaluate_parses([parse_tree("(TOP (NP (DT a) (NN b)))")], [tree])
+    assert scores["recall"] == 100.0 and scores["precision"] == pytest.approx(100 / 5000)
