@@ -23,11 +23,14 @@ def _cli(*args: str, stdin: bytes = b"") -> subprocess.CompletedProcess:
     )  # fmt: skip
 
 
-def test_prepare_train_average_parse(shared_data, tmp_path):
+@pytest.mark.parametrize("leaves", ["xx", "words"])
+def test_prepare_train_average_parse(shared_data, tmp_path, leaves):
     if not (shared_data / "ptb_sample").is_dir() or not (shared_data / "ptb_wsj").is_dir():
         pytest.skip("treebank data not found")
     data = tmp_path / "ptb"
-    res = _cli("prepare", "ptb", "--from", str(shared_data), "--out", str(data))
+    res = _cli(
+        "prepare", "ptb", "--from", str(shared_data), "--out", str(data), "--leaves", leaves
+    )  # fmt: skip
     assert res.returncode == 0, res.stderr.decode()
     manifest = json.loads((data / "manifest.json").read_text())
     # Sentence counts of the split in parsing_data (NLTK sample files 0001-0169 / 0170-0199,
@@ -37,13 +40,14 @@ def test_prepare_train_average_parse(shared_data, tmp_path):
         "valid": 413,
         "test": 1700,
     }
+    assert manifest["tgt_lang"] == {"xx": "tree", "words": "tree_words"}[leaves]
     assert len(manifest["settings"]["user_symbols"]) > 40  # the tree symbols, kept whole
     assert len(read_trees(data / "valid.trees")) == 413
 
     run = tmp_path / "run"
     res = _cli("train", str(data), "--preset", "tiny", "--out", str(run), "--max-steps", "4",
-               "--device", "cpu", "train.max_tokens=600", "train.save_every_steps=2",
-               "model.max_len=512")  # fmt: skip
+               "--device", "cpu", "train.max_tokens=800", "train.save_every_steps=2",
+               "model.max_len=1024")  # fmt: skip
     assert res.returncode == 0, res.stderr.decode()
     res = _cli("average", str(run), "--last", "2", "--out", str(tmp_path / "model.safetensors"))
     assert res.returncode == 0, res.stderr.decode()
@@ -62,6 +66,16 @@ def test_prepare_train_average_parse(shared_data, tmp_path):
     lines = res.stdout.decode().splitlines()
     assert lines[0].startswith("valid: 3 sentences")
     assert "EVALB all: P" in lines[1] and "errors 0" in lines[1]
+
+    # The constrained search: words-as-leaves models only, a clear error for XX ones.
+    res = _cli("parse", model, "--beam", "2", "--constrain", stdin=text.encode())
+    if leaves == "xx":
+        assert res.returncode != 0
+        assert "needs a model whose trees write the words" in res.stderr.decode()
+    else:
+        assert res.returncode == 0, res.stderr.decode()
+        out = res.stdout.decode().splitlines()
+        assert [t.leaves() for t in map(_one_tree, out)] == [t.leaves() for t in gold]
 
 
 def _one_tree(line: str):
