@@ -407,7 +407,7 @@ def _add_parse(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--split", default="test", help="with --eval DIR: train, valid or test")
     p.add_argument("--limit", type=int, help="with --eval: only the first N trees")
     p.add_argument(
-        "--constrain", action=argparse.BooleanOptionalAction, default=None,
+        "--constrain", action=argparse.BooleanOptionalAction, default=False,
         help="search only well-formed trees over the sentence's words (models trained with "
         "`prepare ptb --leaves words`; off by default)",
     )  # fmt: skip

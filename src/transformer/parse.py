@@ -71,7 +71,7 @@ def parse_sentences(
     max_tokens: int = PARSE_MAX_TOKENS,
     dtype: str = "fp32",
     device: str = "cpu",
-    constrain: bool | None = None,
+    constrain: bool = False,
 ) -> list[Tree]:
     """Parse tokenized sentences into trees (§6.3).
 
@@ -85,7 +85,7 @@ def parse_sentences(
         dtype: "fp32", "bf16" or "int8" (`translate.Translator`).
         device: where to decode.
         constrain: search only well-formed trees over the sentence's words (`TreeConstraint`;
-            models whose trees write the words only). None: off (docs/parsing.md measures it).
+            models whose trees write the words only; off by default, docs/parsing.md measures it).
 
     Returns:
         One tree per sentence, root `TOP`, whose leaves are exactly the sentence's words.
@@ -200,7 +200,7 @@ def evaluate_parser(
     max_tokens: int = PARSE_MAX_TOKENS,
     dtype: str = "fp32",
     output: str | Path | None = None,
-    constrain: bool | None = None,
+    constrain: bool = False,
 ) -> dict:
     """Parse the sentences of gold trees and score the result like EVALB (COLLINS.prm).
 
@@ -215,7 +215,7 @@ def evaluate_parser(
         max_tokens: source tokens per decoding batch.
         dtype: "fp32", "bf16" or "int8".
         output: write the predicted trees here, one per line.
-        constrain: the constrained search (`parse_sentences`); None: the model's default.
+        constrain: the constrained search (`parse_sentences`).
 
     Returns:
         `evalb.evaluate_parses` scores (recall, precision, f1 in percent, and "len<=40"),
@@ -257,7 +257,7 @@ def parse_file(
     beam: int = PARSE_BEAM,
     alpha: float = PARSE_ALPHA,
     dtype: str = "fp32",
-    constrain: bool | None = None,
+    constrain: bool = False,
 ) -> list[str]:
     """`transformer parse`: sentence lines (and optional POS-tag lines) in, tree lines out."""
     sentences = read_sentences(lines, name)
