@@ -26,9 +26,11 @@ from transformer.config import DecodeConfig
 from transformer.errors import UserError
 from transformer.evalb import evaluate_parses
 from transformer.search import NEG_INF
-from transformer.tokenizer import BOS_ID, EOS_ID, PAD_ID
+from transformer.tokenizer import BOS_ID, EOS_ID, PAD_ID, WORD_MARK
 from transformer.trees import (
+    CLOSE,
     NORMALIZED_POS,
+    OPEN,
     Tree,
     TreeFormatError,
     read_trees,
@@ -108,7 +110,7 @@ def parse_sentences(
                 f"(`prepare ptb --leaves words`); this one writes {leaves.upper()}"
             )
         translator.constrain = TreeConstraint.for_tokenizer(translator.tokenizer)
-    return _parse(translator, sentences, pos)
+    return _parse(translator, sentences, pos, leaves)
 
 
 def _check_input(sentences: Sequence[Sequence[str]], pos: Sequence[Sequence[str]] | None) -> None:
@@ -125,13 +127,12 @@ def _check_input(sentences: Sequence[Sequence[str]], pos: Sequence[Sequence[str]
 
 
 @torch.inference_mode()
-def _parse(translator, sentences: Sequence[Sequence[str]], pos) -> list[Tree]:
+def _parse(translator, sentences: Sequence[Sequence[str]], pos, leaves: str) -> list[Tree]:
     start = time.perf_counter()
     outputs = translator.translate([" ".join(words) for words in sentences])
     predictions = [nbest[0].text for nbest in outputs]
     if pos is None:  # not the output's leaf tokens: ill-formed output may put any piece there
         pos = [[NORMALIZED_POS] * len(words) for words in sentences]
-    leaves = leaf_mode(translator.loaded.tgt_lang)
     trees = trees_from_predictions(predictions, sentences, pos, leaves=leaves)
     n_repaired = sum(
         _needs_repair(p.split(), w, leaves) for p, w in zip(predictions, sentences, strict=True)
@@ -327,7 +328,6 @@ class TreeConstraint:
         return _TreeStepper(self, stepper, src, src_mask)
 
 
-WORD_MARK = "\u2581"  # sentencepiece's word-boundary mark
 # Opening brackets in a row before a word: at most 6 in the training, dev and section 22 trees
 # (`(S (NP (NP (QP ...`); twice that bounds the search without cutting any real tree.
 MAX_OPEN_RUN = 12
@@ -335,12 +335,12 @@ MAX_OPEN_RUN = 12
 
 def _is_open(piece: str) -> bool:
     p = piece.lstrip(WORD_MARK)
-    return len(p) > 1 and p[0] == "("
+    return len(p) > 1 and p[0] == OPEN
 
 
 def _is_close(piece: str) -> bool:
     p = piece.lstrip(WORD_MARK)
-    return len(p) > 1 and p[0] == ")"
+    return len(p) > 1 and p[0] == CLOSE
 
 
 class _TreeStepper:
@@ -352,11 +352,10 @@ class _TreeStepper:
     """
 
     def __init__(self, rule: TreeConstraint, inner, src: torch.Tensor, src_mask: torch.Tensor):
-        self.rule, self.inner = rule, inner
+        self.inner = inner
         device = src.device
-        for name in ("open_label", "close_label", "close_id", "open_ids", "word_start"):
+        for name in ("open_label", "close_label", "close_id", "open_ids", "word_start", "is_piece"):
             setattr(self, name, getattr(rule, name).to(device))
-        self.is_piece = rule.is_piece.to(device)
         self.src = src  # (R, S): the row's source pieces, EOS and padding after them
         self.n = src_mask.sum(1) - 1  # (R,) pieces before EOS
         R = src.size(0)

@@ -39,6 +39,7 @@ from transformer.data import (
 )
 from transformer.download import download, sha256_file
 from transformer.tokenizer import Tokenizer
+from transformer.trees import LEAF_MODES
 
 logger = logging.getLogger(__name__)
 
@@ -472,7 +473,7 @@ def add_prepare_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--leaves",
-        choices=["xx", "pos", "words"],
+        choices=LEAF_MODES,
         default="xx",
         help="ptb: what the linearized trees write for each word: XX (the paper's [37]), the "
         "POS tag, or the word itself (docs/parsing.md)",

@@ -26,7 +26,7 @@ UNK_ID = 3
 SPECIAL_IDS = frozenset({PAD_ID, BOS_ID, EOS_ID, UNK_ID})
 
 MODEL_TYPES = ("bpe", "unigram")
-_SPACE = "\u2581"  # sentencepiece's word-boundary mark
+WORD_MARK = "\u2581"  # sentencepiece's word-boundary mark
 
 
 class Tokenizer:
@@ -100,7 +100,9 @@ class Tokenizer:
             raise ValueError(f"user_symbols must be non-empty and without spaces, got {bad[:3]}")
         # A symbol is stored with its word-boundary mark ("▁(NP"): a space-separated token then
         # costs one piece, where a bare "(NP" would cost two ("▁", "(NP").
-        extra = {"user_defined_symbols": [_SPACE + s for s in user_symbols]} if user_symbols else {}
+        extra = (
+            {"user_defined_symbols": [WORD_MARK + s for s in user_symbols]} if user_symbols else {}
+        )
         spm.SentencePieceTrainer.train(
             input=[str(p) for p in inputs],
             model_prefix=str(model_prefix),
