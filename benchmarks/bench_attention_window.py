@@ -5,7 +5,7 @@ Measures forward + backward time and peak memory of one multi-head self-attentio
   full    the paper's self-attention, PyTorch's fused kernel, no mask: O(n²·d);
   masked  restricted attention as the model implements `attn_window`: a |i-j|<=r mask on full
           attention, so still O(n²·d) work and an n² score matrix;
-  banded  `transformer.banded.attention_banded`: O(r·n·d).
+  banded  `transformer.experiments.banded.attention_banded`: O(r·n·d).
 Each point runs in a fresh subprocess so that its peak RSS (CPU) or peak allocated memory (CUDA)
 belongs to it alone.
 
@@ -25,7 +25,7 @@ import time
 
 import torch
 
-from transformer.banded import attention_banded
+from transformer.experiments.banded import attention_banded
 from transformer.model import MultiHeadAttention, attention_fused, window_mask
 
 

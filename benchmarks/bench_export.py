@@ -72,7 +72,7 @@ def main() -> None:
 
     sys.path.insert(0, str(Path(__file__).parent))
     from bench_serve_load import random_model
-    from transformer.export import export_ctranslate2
+    from transformer.serving.export import export_ctranslate2
     from transformer.translate import Translator
 
     torch.set_num_threads(args.threads)

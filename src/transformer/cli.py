@@ -16,7 +16,7 @@ from transformer.errors import UserError
 
 
 def _cmd_presets(args: argparse.Namespace) -> int:
-    from transformer.presets import describe_presets
+    from transformer.experiments.presets import describe_presets
 
     rows = describe_presets(args.vocab_size)
     if args.json:
@@ -37,7 +37,7 @@ def _add_presets(sub: argparse._SubParsersAction) -> None:
 
 
 def _cmd_flops(args: argparse.Namespace) -> int:
-    from transformer.flops import paper_report, run_report
+    from transformer.experiments.flops import paper_report, run_report
 
     if args.paper:
         report = paper_report(args.preset)
@@ -52,7 +52,7 @@ def _cmd_flops(args: argparse.Namespace) -> int:
 
 
 def _cmd_quickstart(args: argparse.Namespace) -> int:
-    from transformer.quickstart import quickstart
+    from transformer.experiments.quickstart import quickstart
 
     r = quickstart(args.out, args.src, args.tgt, smoke=args.smoke, train_minutes=args.minutes)
     rep = r.report
@@ -114,7 +114,7 @@ def _add_flops(sub: argparse._SubParsersAction) -> None:
 
 
 def _cmd_attention(args: argparse.Namespace) -> int:
-    from transformer.attention_plot import KINDS, plot_attention
+    from transformer.experiments.attention import KINDS, plot_attention
 
     kinds = KINDS if args.kind == "all" else (args.kind,)
     paths = plot_attention(
@@ -138,7 +138,7 @@ def _add_attention(sub: argparse._SubParsersAction) -> None:
 
 
 def _cmd_sweep(args: argparse.Namespace) -> int:
-    from transformer.sweep import ROWS, run_table3
+    from transformer.experiments.table3 import ROWS, run_table3
 
     rows = [r.strip() for r in args.rows.split(",")] if args.rows else list(ROWS)
     results = run_table3(
@@ -305,7 +305,7 @@ def _add_evaluate(sub: argparse._SubParsersAction) -> None:
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
-    from transformer.serve import ServeLimits, serve
+    from transformer.serving.server import ServeLimits, serve
 
     given = {
         "max_request_bytes": args.max_request_bytes,
@@ -336,7 +336,7 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
 
 
 def _cmd_export(args: argparse.Namespace) -> int:
-    from transformer.export import export_ctranslate2
+    from transformer.serving.export import export_ctranslate2
 
     print(export_ctranslate2(args.model, args.out, args.quantization, args.force))
     return 0
@@ -353,7 +353,7 @@ def _add_export(sub: argparse._SubParsersAction) -> None:
 
 
 def _cmd_parse(args: argparse.Namespace) -> int:
-    from transformer.parse import evaluate_parser, parse_file
+    from transformer.parsing.parse import evaluate_parser, parse_file
     from transformer.translate import read_lines
 
     if args.eval is not None:

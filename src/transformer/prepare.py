@@ -39,7 +39,7 @@ from transformer.data import (
 )
 from transformer.download import download, sha256_file
 from transformer.tokenizer import Tokenizer
-from transformer.trees import LEAF_MODES
+from transformer.parsing.trees import LEAF_MODES
 
 logger = logging.getLogger(__name__)
 
@@ -487,7 +487,7 @@ def run_prepare(args: argparse.Namespace) -> int:
     if not logging.getLogger().handlers:
         logging.basicConfig(level=logging.INFO, format="%(message)s")
     if args.name == PTB:
-        from transformer.parsing_data import prepare_parsing
+        from transformer.parsing.corpus import prepare_parsing
 
         prepare_parsing(
             args.out, args.from_dir, vocab_size=args.vocab_size, leaves=args.leaves,

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from transformer.trees import read_trees
+from transformer.parsing.trees import read_trees
 
 pytestmark = pytest.mark.integration
 
@@ -79,6 +79,6 @@ def test_prepare_train_average_parse(shared_data, tmp_path, leaves):
 
 
 def _one_tree(line: str):
-    from transformer.trees import parse_tree
+    from transformer.parsing.trees import parse_tree
 
     return parse_tree(line)

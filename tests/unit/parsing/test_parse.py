@@ -14,7 +14,7 @@ from transformer.config import DecodeConfig, ModelConfig, RunConfig
 from transformer.errors import UserError
 from transformer.model import Transformer
 from transformer.modelfile import save_model
-from transformer.parse import (
+from transformer.parsing.parse import (
     MAX_OPEN_RUN,
     TreeConstraint,
     _needs_repair,
@@ -26,7 +26,7 @@ from transformer.parse import (
 )
 from transformer.search import beam_steps, greedy_steps
 from transformer.tokenizer import BOS_ID, EOS_ID, PAD_ID, Tokenizer
-from transformer.trees import linearize, parse_trees, write_trees
+from transformer.parsing.trees import linearize, parse_trees, write_trees
 
 GOLD = parse_trees(
     """

@@ -169,7 +169,7 @@ def _train_row(row: str, config: RunConfig, data_dir: Path, run_dir: Path, args:
     from transformer.checkpoint import latest_checkpoint
     from transformer.data import load_prepared
     from transformer.evaluate import evaluate
-    from transformer.flops import read_run
+    from transformer.experiments.flops import read_run
     from transformer.training import train
     from transformer.translate import resolve_model
 

@@ -10,7 +10,7 @@ import pytest
 
 from transformer.config import RunConfig, build_config
 from transformer.errors import UserError
-from transformer.sweep import (
+from transformer.experiments.table3 import (
     PAPER_TABLE3,
     ROWS,
     RowResult,

@@ -4,8 +4,8 @@ from fractions import Fraction
 
 import pytest
 
-from transformer.evalb import ERROR, OK, SKIP, evaluate_parses, score_sentence
-from transformer.trees import Tree, delinearize, linearize, parse_tree
+from transformer.parsing.evalb import ERROR, OK, SKIP, evaluate_parses, score_sentence
+from transformer.parsing.trees import Tree, delinearize, linearize, parse_tree
 
 # Gold, after deleting "." (EVALB deletes punctuation words before computing spans):
 #   The(0) cat(1) sat(2) on(3) the(4) mat(5)

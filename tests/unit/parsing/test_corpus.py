@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-from transformer.parsing_data import split_sample_files, write_parsing_corpus
+from transformer.parsing.corpus import split_sample_files, write_parsing_corpus
 
 TREE = "( (S (NP-SBJ (NNP {name})) (VP (VBD left)) (. .)))\n"
 
@@ -64,7 +64,7 @@ def test_words_as_leaves_keep_only_brackets_as_symbols(tmp_path):
 
 def test_prepare_ptb_rejects_an_unknown_leaf_mode(tmp_path):
     from transformer.data import DataError
-    from transformer.parsing_data import prepare_parsing
+    from transformer.parsing.corpus import prepare_parsing
 
     with pytest.raises(DataError, match="--leaves must be one of xx, pos, words"):
         prepare_parsing(tmp_path / "out", _fake_data_root(tmp_path / "data"), leaves="tags")
@@ -93,7 +93,7 @@ def test_real_parsing_corpus(shared_data, tmp_path):
 
 @pytest.mark.integration
 def test_real_parsing_corpus_with_words_as_leaves(shared_data, tmp_path):
-    from transformer.trees import delinearize, is_bracket, parse_tree
+    from transformer.parsing.trees import delinearize, is_bracket, parse_tree
 
     result = write_parsing_corpus(tmp_path, shared_data, leaves="words")
     for split in ("train", "dev", "test"):

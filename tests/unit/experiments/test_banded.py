@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from transformer.banded import attention_banded
+from transformer.experiments.banded import attention_banded
 from transformer.model import attention_reference, window_mask
 
 

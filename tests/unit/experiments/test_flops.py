@@ -11,7 +11,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from transformer.config import ModelConfig, RunConfig, to_dict
 from transformer.errors import UserError
-from transformer.flops import (
+from transformer.experiments.flops import (
     PAPER_TABLE2_FLOPS,
     forward_flops_per_src_token,
     forward_flops_per_tgt_token,

@@ -40,7 +40,7 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from transformer.trees import Tree
+from transformer.parsing.trees import Tree
 
 logger = logging.getLogger(__name__)
 

@@ -24,10 +24,10 @@ import torch
 
 from transformer.config import DecodeConfig
 from transformer.errors import UserError
-from transformer.evalb import evaluate_parses
+from transformer.parsing.evalb import evaluate_parses
 from transformer.search import NEG_INF
 from transformer.tokenizer import BOS_ID, EOS_ID, PAD_ID, WORD_MARK
-from transformer.trees import (
+from transformer.parsing.trees import (
     CLOSE,
     NORMALIZED_POS,
     OPEN,
@@ -149,7 +149,7 @@ def _parse(translator, sentences: Sequence[Sequence[str]], pos, leaves: str) -> 
 def leaf_mode(tgt_lang: str) -> str:
     """What a parsing model writes for each word ("xx", "pos", "words"), from its target
     language (`parsing_data.TGT_LANGS`); a model of another target language is a UserError."""
-    from transformer.parsing_data import TGT_LANGS
+    from transformer.parsing.corpus import TGT_LANGS
 
     for leaves, lang in TGT_LANGS.items():
         if lang == tgt_lang:

@@ -1,4 +1,4 @@
-"""serve.py: the JSON API, its limits and errors, the batching queue, and the page's files."""
+"""serving/server.py: the JSON API, its limits and errors, the batching queue, and the page's files."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import json
 import pytest
 
 from fixtures import make_model_file, multi30k_lines
-from transformer.serve import ApiError, BatchingQueue, Options, ServeLimits, parse_translate
+from transformer.serving.server import ApiError, BatchingQueue, Options, ServeLimits, parse_translate
 
 pytest.importorskip("starlette")
 pytest.importorskip("httpx")
@@ -27,7 +27,7 @@ def translator(tmp_path_factory):
 def client(translator):
     from starlette.testclient import TestClient
 
-    from transformer.serve import create_app
+    from transformer.serving.server import create_app
 
     with TestClient(create_app(translator, LIMITS)) as c:
         yield c
@@ -122,7 +122,7 @@ def test_bad_requests_get_clear_4xx_and_the_server_keeps_serving(
 def test_too_many_subword_tokens_is_413(translator):
     from starlette.testclient import TestClient
 
-    from transformer.serve import create_app
+    from transformer.serving.server import create_app
 
     limits = ServeLimits(max_sentence_tokens=5)
     with TestClient(create_app(translator, limits)) as c:

@@ -1,4 +1,4 @@
-"""export.py: a CTranslate2 export of a tiny random model scores and decodes exactly like ours."""
+"""serving/export.py: a CTranslate2 export of a tiny random model scores and decodes exactly like ours."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from fixtures import make_model_file, multi30k_lines
-from transformer.export import ExportError, export_ctranslate2
+from transformer.serving.export import ExportError, export_ctranslate2
 from transformer.modelfile import load_model
 from transformer.search import greedy_search
 from transformer.tokenizer import BOS_ID, EOS_ID, PAD_ID
@@ -91,7 +91,7 @@ def test_greedy_equals_ours_token_for_token(exported):
 def test_ct2_default_positions_would_change_the_scores(exported, tmp_path):
     """CT2 and fairseq concatenate [sin | cos] halves; §3.5 interleaves them. With that table
     instead of ours the scores differ, so the equality tests above can fail."""
-    from transformer.export import build_spec, spm_pieces
+    from transformer.serving.export import build_spec, spm_pieces
 
     loaded, _ = exported
     spec = build_spec(loaded.model, spm_pieces(loaded.spm_proto))

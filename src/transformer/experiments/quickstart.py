@@ -49,7 +49,7 @@ def find_multi30k() -> Path | None:
     if os.environ.get("TRANSFORMER_DATA"):
         candidates.append(Path(os.environ["TRANSFORMER_DATA"]) / "multi30k")
     candidates.append(Path.cwd().parent / "shared" / "data" / "multi30k")
-    repo = Path(__file__).resolve().parents[2]  # src/transformer/quickstart.py -> repo root
+    repo = Path(__file__).resolve().parents[3]  # src/transformer/experiments/quickstart.py -> repo
     candidates.append(repo.parent / "shared" / "data" / "multi30k")
     for c in candidates:
         if (c / "train.en").is_file():

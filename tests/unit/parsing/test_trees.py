@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-from transformer.trees import (
+from transformer.parsing.trees import (
     Tree,
     TreeFormatError,
     clean_tree,
@@ -335,7 +335,7 @@ def test_deeply_nested_output_is_repaired_and_printed_without_recursion_errors()
     text = str(tree)
     assert text.startswith("(TOP (NP (NP") and text.endswith("(XX a) (XX b)" + ")" * 5001)
     assert text.count("(NP") == 5000 and "(VP" not in text  # the empty VP removed
-    from transformer.evalb import evaluate_parses
+    from transformer.parsing.evalb import evaluate_parses
 
     scores = evaluate_parses([parse_tree("(TOP (NP (DT a) (NN b)))")], [tree])
     assert scores["recall"] == 100.0 and scores["precision"] == pytest.approx(100 / 5000)

@@ -8,7 +8,7 @@ import torch
 pytest.importorskip("matplotlib")
 
 from fixtures import make_model_file  # noqa: E402
-from transformer.attention_plot import (  # noqa: E402
+from transformer.experiments.attention import (  # noqa: E402
     _pick_word,
     plot_attention,
     sentence_attention,
