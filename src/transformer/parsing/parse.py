@@ -25,8 +25,6 @@ import torch
 from transformer.config import DecodeConfig
 from transformer.errors import UserError
 from transformer.parsing.evalb import evaluate_parses
-from transformer.search import NEG_INF
-from transformer.tokenizer import BOS_ID, EOS_ID, PAD_ID, WORD_MARK
 from transformer.parsing.trees import (
     CLOSE,
     NORMALIZED_POS,
@@ -36,6 +34,8 @@ from transformer.parsing.trees import (
     read_trees,
     trees_from_predictions,
 )
+from transformer.search import NEG_INF
+from transformer.tokenizer import BOS_ID, EOS_ID, PAD_ID, WORD_MARK
 
 logger = logging.getLogger(__name__)
 
