@@ -285,7 +285,7 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
 
 
 def _cmd_average(args: argparse.Namespace) -> int:
-    from transformer.checkpoint import average_run
+    from transformer.rundir import average_run
 
     print(average_run(args.run_dir, args.last, args.out, args.upper_bound))
     return 0

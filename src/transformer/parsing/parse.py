@@ -78,7 +78,7 @@ def parse_sentences(
     """Parse tokenized sentences into trees (§6.3).
 
     Args:
-        model_path: a model file, or a run directory (`translate.resolve_model`).
+        model_path: a model file, or a run directory (`rundir.resolve_model`).
         sentences: the words of each sentence, tokenized as in the treebank (`-LRB-`, `n't`).
         pos: POS tags per sentence for the output trees (e.g. from a tagger or gold trees);
             None writes `XX` (then EVALB cannot remove punctuation from the predicted trees).
