@@ -23,7 +23,7 @@ from transformer.experiments.flops import measure_matmul_tflops, training_flops
 from transformer.loss import chunked_label_smoothed_loss
 from transformer.optim import MixedPrecisionAdam
 from transformer.tokenizer import BOS_ID, EOS_ID, PAD_ID
-from transformer.training import build_model
+from transformer.train import build_model
 
 
 def run(preset: str, tokens: int, length: int, steps: int, vocab: int) -> dict:

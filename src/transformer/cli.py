@@ -234,7 +234,7 @@ def _add_sweep(sub: argparse._SubParsersAction) -> None:
 
 def _cmd_train(args: argparse.Namespace) -> int:
     from transformer.config import build_config
-    from transformer.training import train
+    from transformer.train import train
 
     positional = [a for a in args.args if "=" not in a]
     overrides = [a for a in args.args if "=" in a]

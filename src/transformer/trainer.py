@@ -1,7 +1,7 @@
 """The §5 training loop: accumulation, validation, checkpoint cadence, budgets, fault handling.
 
 The trainer owns the loop and nothing else: the model, the optimizer (optim.MixedPrecisionAdam),
-the loss function, the batch sampler and the data are passed in (training.train builds them).
+the loss function, the batch sampler and the data are passed in (train.train builds them).
 
 One optimizer step = `accum_steps` batches per rank. The loss is summed over real target tokens
 and the summed gradient is divided by the number of target tokens in the whole step (all

@@ -21,6 +21,7 @@ from torch import nn
 
 from transformer.config import DecodeConfig
 from transformer.errors import UserError
+from transformer.model import DTYPES as model_dtypes
 from transformer.modelfile import LoadedModel
 from transformer.rundir import resolve_model
 from transformer.search import Constrain, beam_search, greedy_search
@@ -28,7 +29,7 @@ from transformer.tokenizer import BOS_ID, EOS_ID, PAD_ID
 
 logger = logging.getLogger(__name__)
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "int8": "int8"}
+DTYPES = {**model_dtypes, "int8": "int8"}  # int8: dynamic quantization of the nn.Linear layers
 
 
 @dataclass

@@ -88,7 +88,7 @@ def quickstart(
     from transformer.config import build_config
     from transformer.evaluate import evaluate
     from transformer.prepare import prepare_corpus
-    from transformer.training import train
+    from transformer.train import train
 
     for lang in (src_lang, tgt_lang):
         if lang not in LANGUAGES:

@@ -170,7 +170,7 @@ def _train_row(row: str, config: RunConfig, data_dir: Path, run_dir: Path, args:
     from transformer.checkpoint import latest_checkpoint
     from transformer.data import load_prepared
     from transformer.evaluate import evaluate
-    from transformer.training import train
+    from transformer.train import train
 
     start = time.perf_counter()
     if latest_checkpoint(run_dir) is not None:  # trained, then stopped before being measured
