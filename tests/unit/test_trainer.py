@@ -203,7 +203,7 @@ def test_validation_bleu_aligns_hypotheses_with_references(data_dir, tmp_path, m
         rows = [tuple(s[m][:-1].tolist()) for s, m in zip(src, src_mask, strict=True)]
         return [split.tgt_tokens(by_src[r]).tolist() for r in rows]
 
-    monkeypatch.setattr("transformer.trainer._greedy_search", lambda: oracle)
+    monkeypatch.setattr("transformer.search.greedy_search", oracle)
     assert trainer.validate()["bleu"] == pytest.approx(100.0)
 
 
