@@ -168,10 +168,10 @@ def greedy_steps(stepper: Stepper, max_lens: torch.Tensor) -> list[list[int]]:
     Args:
         max_lens: (B,) maximum output length per sentence, EOS included.
     """
-    B = max_lens.size(0)
+    B, device = max_lens.size(0), max_lens.device  # the search runs where the model does
     out: list[list[int]] = [[] for _ in range(B)]
-    alive = torch.arange(B)  # sentence of each live row
-    last = torch.full((B,), BOS_ID, dtype=torch.long)
+    alive = torch.arange(B, device=device)  # sentence of each live row
+    last = torch.full((B,), BOS_ID, dtype=torch.long, device=device)
     t = 0
     while alive.numel() > 0:
         t += 1
@@ -246,14 +246,14 @@ def beam_steps(
     (`_finalize`), keep the best K others as the new beams, then drop sentences that are done
     (`_is_done`) and reorder the stepper's state in one `reorder` call.
     """
-    B = max_lens.size(0)
+    B, device = max_lens.size(0), max_lens.device  # the search runs where the model does
     state = _BeamState(
-        sentences=torch.arange(B),
-        scores=torch.zeros(B, 1),
-        tokens=torch.empty(B, 0, dtype=torch.long),
+        sentences=torch.arange(B, device=device),
+        scores=torch.zeros(B, 1, device=device),
+        tokens=torch.empty(B, 0, dtype=torch.long, device=device),
         finished=[[] for _ in range(B)],
     )
-    last = torch.full((B,), BOS_ID, dtype=torch.long)
+    last = torch.full((B,), BOS_ID, dtype=torch.long, device=device)
     t = 0
     while state.sentences.numel() > 0:
         t += 1
@@ -263,7 +263,7 @@ def beam_steps(
         cand_scores, cand_beams, cand_tokens = _top_candidates(state.scores, lprobs, beam_size)
         _finalize(state, cand_scores, cand_beams, cand_tokens, beam_size, t, alpha)
         scores, beams, tokens = _select_live(cand_scores, cand_beams, cand_tokens, beam_size)
-        parents = beams + torch.arange(beams.size(0))[:, None] * k  # (Ba, K) stepper rows
+        parents = beams + torch.arange(beams.size(0), device=device)[:, None] * k  # (Ba, K) rows
         done = _is_done(state, scores, max_lens, t, beam_size, alpha, n_best)
         keep = (~done).nonzero().squeeze(1)
         rows = parents[keep].reshape(-1)  # one reorder: beam parents of the kept sentences
@@ -328,7 +328,7 @@ def _select_live(
     """
     C = cand_scores.size(1)
     usable = (cand_tokens != EOS_ID) & (cand_scores > NEG_INF)
-    rank = torch.arange(C).expand_as(cand_scores) + C * (~usable).long()  # usable ones first
+    rank = torch.arange(C, device=cand_scores.device).expand_as(cand_scores) + C * (~usable).long()
     order = rank.argsort(dim=1)
     if C < beam_size:  # pad with repeats of the last (unusable or worst) candidate
         order = torch.cat([order, order[:, -1:].expand(-1, beam_size - C)], dim=1)
@@ -356,7 +356,7 @@ def _is_done(
     The bound: log-probs only fall as a hypothesis grows, so a live beam with log-prob s can
     score at most s / lp(L) at best over the lengths L still open to it.
     """
-    done = torch.zeros(scores.size(0), dtype=torch.bool)
+    done = torch.zeros(scores.size(0), dtype=torch.bool, device=scores.device)
     best_live = scores.max(dim=1).values.tolist()
     for b, sentence in enumerate(state.sentences.tolist()):
         hyps = state.finished[sentence]

@@ -160,3 +160,13 @@ def test_cli_translate_file_and_errors(model_file, tmp_path, capsys):
     assert main(["translate", str(model_file), str(bad)]) == 2
     assert "bad.txt:2: invalid UTF-8" in capsys.readouterr().err
     assert main(["translate", str(tmp_path / "missing.safetensors"), str(src)]) == 2
+
+
+@pytest.mark.gpu
+def test_cuda_search_gives_the_cpu_translations(model_file):
+    # The search's own tensors (beams, scores, finished flags) live where the model does.
+    lines = ["A man runs.", "Two young dogs sit on the red street with a ball.", "A cat."]
+    for beam in (1, 3):
+        cpu = Translator.from_path(model_file).translate(lines, beam_size=beam)
+        cuda = Translator.from_path(model_file, device="cuda").translate(lines, beam_size=beam)
+        assert [[h.tokens for h in n] for n in cuda] == [[h.tokens for h in n] for n in cpu]
