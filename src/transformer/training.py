@@ -48,10 +48,26 @@ def resolve_run(
     config_path = out_dir / "config.yaml"
     if not config_path.is_file():
         raise UserError(f"{config_path}: not found; is {out_dir} a run directory?")
-    raw = yaml.safe_load(config_path.read_text(encoding="utf-8"))
+    raw = _read_yaml(config_path)
+    if not isinstance(raw, dict) or not all(isinstance(v, dict) for v in raw.values()):
+        raise UserError(f"{config_path}: not a run config (a mapping of sections)")
     saved = from_dict(raw, source=str(config_path))
-    saved_data = Path(json.loads((out_dir / "run.json").read_text(encoding="utf-8"))["data_dir"])
+    run_json = out_dir / "run.json"
+    try:
+        saved_data = Path(json.loads(run_json.read_text(encoding="utf-8"))["data_dir"])
+    except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError) as e:
+        if data_dir is None:
+            raise UserError(f"{run_json}: unreadable ({e}); give DATA_DIR to resume") from e
+        saved_data = None
     return Path(data_dir or saved_data), apply_overrides(saved, _parse(overrides), "override")
+
+
+def _read_yaml(path: Path):
+    try:
+        return yaml.safe_load(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as e:
+        problem = str(e).replace("\n", " ")
+        raise UserError(f"{path}: cannot read the run's config: {problem}") from e
 
 
 def _parse(overrides: Sequence[str]) -> dict:
@@ -60,7 +76,11 @@ def _parse(overrides: Sequence[str]) -> dict:
         key, sep, value = item.partition("=")
         if not sep:
             raise UserError(f"override {item!r}: expected section.key=value")
-        parsed[key.strip()] = yaml.safe_load(value)
+        try:
+            parsed[key.strip()] = yaml.safe_load(value)
+        except yaml.YAMLError as e:
+            problem = str(e).replace("\n", " ")
+            raise UserError(f"override {item!r}: the value is not valid YAML: {problem}") from e
     return parsed
 
 
@@ -131,8 +151,11 @@ def train(
     if info.is_main:
         out_dir.mkdir(parents=True, exist_ok=True)
         handler = _log_to_file(out_dir)
-        (out_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(config)), encoding="utf-8")
-        (out_dir / "run.json").write_text(json.dumps({"data_dir": str(data_dir)}), "utf-8")
+        for directory in (out_dir, out_dir / checkpoint.CHECKPOINT_DIR):
+            checkpoint.remove_stale(directory)  # temporary files of killed runs
+        # Atomic, as checkpoints are: a kill here must not leave a run that cannot resume.
+        _write_text(out_dir / "config.yaml", yaml.safe_dump(to_dict(config)))
+        _write_text(out_dir / "run.json", json.dumps({"data_dir": str(data_dir)}))
     try:
         return _run(data, out_dir, config, resume, info, dev, progress)
     finally:
@@ -144,6 +167,13 @@ def train(
         # program, or a test session).
         torch.use_deterministic_algorithms(saved_torch[0])
         torch.set_num_threads(saved_torch[1])
+
+
+def _write_text(path: Path, text: str) -> None:
+    try:
+        checkpoint.write_atomic(path, lambda f: f.write(text.encode("utf-8")))
+    except OSError as e:
+        raise UserError(f"{path}: cannot write: {e.strerror or e}") from e
 
 
 def _check_lengths(data, config: RunConfig) -> None:
@@ -216,10 +246,10 @@ def _run(data, out_dir, config, resume, info, dev, progress) -> TrainState:
 
 
 def _restore(out_dir, model, optimizer, sampler, info) -> TrainState:
-    path = checkpoint.latest_checkpoint(out_dir)
-    if path is None:
+    found = checkpoint.load_latest(out_dir)
+    if found is None:
         raise UserError(f"{out_dir}: no checkpoint to resume from")
-    ckpt = checkpoint.load_checkpoint(path)
+    path, ckpt = found
     optimizer.load_master_state(model, ckpt["model"])
     optimizer.load_state_dict(ckpt["optimizer"])
     sampler.load_state_dict(ckpt["sampler"])
