@@ -283,7 +283,11 @@ def build_config(
         key, sep, value = item.partition("=")
         if not sep:
             raise ConfigError(f"override {item!r}: expected section.key=value")
-        parsed[key.strip()] = yaml.safe_load(value)
+        try:
+            parsed[key.strip()] = yaml.safe_load(value)
+        except yaml.YAMLError as e:
+            problem = str(e).replace("\n", " ")
+            raise ConfigError(f"override {item!r}: the value is not valid YAML: {problem}") from e
     cfg = apply_overrides(cfg, parsed, source="override")
     if vocab_size is not None:
         cfg = replace(cfg, model=replace(cfg.model, vocab_size=vocab_size))
@@ -293,8 +297,10 @@ def build_config(
 def _read_yaml(path: Path) -> dict[str, Any]:
     try:
         raw = yaml.safe_load(Path(path).read_text(encoding="utf-8")) or {}
-    except (OSError, yaml.YAMLError) as e:
-        raise ConfigError(f"{path}: cannot read config: {e}") from e
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as e:
+        problem = e.strerror if isinstance(e, OSError) and e.strerror else e
+        problem = str(problem).replace("\n", " ")
+        raise ConfigError(f"{path}: cannot read config: {problem}") from e
     if not isinstance(raw, dict):
         raise ConfigError(f"{path}: top level must be a mapping")
     return raw

@@ -28,6 +28,7 @@ def evaluate(
     dtype: torch.dtype | str = "fp32",
     output: str | Path | None = None,
     limit: int | None = None,
+    verify: bool = True,
 ) -> dict:
     """Translate `split` of a prepared data directory and score it against its references.
 
@@ -39,6 +40,7 @@ def evaluate(
         dtype: "fp32", "bf16" or "int8".
         output: if given, the translations are written there, one per line.
         limit: translate only the first `limit` sentences (quick checks).
+        verify: check the model file's checksum (`modelfile.load_model`).
 
     Returns:
         {"split", "sentences", "bleu", "bleu_signature", "chrf", "chrf_signature",
@@ -50,7 +52,7 @@ def evaluate(
     data = load_prepared(data_dir)
     if split not in data.split_names:
         raise UserError(f"{data_dir}: no split {split!r}; have {', '.join(data.split_names)}")
-    translator = Translator.from_path(model_path, dtype=dtype)
+    translator = Translator.from_path(model_path, dtype=dtype, verify=verify)
     pair = (translator.loaded.src_lang, translator.loaded.tgt_lang)
     if pair != (data.src_lang, data.tgt_lang):
         raise UserError(

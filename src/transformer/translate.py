@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from transformer.config import DecodeConfig
+from transformer.data import iter_lines
 from transformer.errors import UserError
 from transformer.modelfile import LoadedModel, load_model
 from transformer.search import Constrain, beam_search, greedy_search
@@ -40,29 +41,32 @@ class Translation:
     score: float
 
 
-def resolve_model(path: str | Path, device: str | torch.device = "cpu") -> LoadedModel:
+def resolve_model(
+    path: str | Path, device: str | torch.device = "cpu", verify: bool = True
+) -> LoadedModel:
     """Load a model file, or a run directory's model: `model_avg.safetensors`, else the newest
-    `average_last*.safetensors` (`transformer average`), else its latest checkpoint."""
+    `average_last*.safetensors` (`transformer average`), else its latest checkpoint. `verify`:
+    check a model file's checksum (`modelfile.load_model`)."""
     path = Path(path)
     if not path.is_dir():
-        return load_model(path, device)
+        return load_model(path, device, verify)
     if (path / AVERAGED_MODEL).is_file():
-        return load_model(path / AVERAGED_MODEL, device)
+        return load_model(path / AVERAGED_MODEL, device, verify)
     averages = sorted(path.glob("average_last*.safetensors"), key=lambda p: p.stat().st_mtime)
     if averages:
-        return load_model(averages[-1], device)
+        return load_model(averages[-1], device, verify)
     return _load_latest_checkpoint(path, device)
 
 
 def _load_latest_checkpoint(run_dir: Path, device: str | torch.device) -> LoadedModel:
-    from transformer.checkpoint import latest_checkpoint, load_checkpoint
+    from transformer.checkpoint import load_latest
     from transformer.config import from_dict
     from transformer.model import Transformer
 
-    ckpt = latest_checkpoint(run_dir)
-    if ckpt is None:
+    found = load_latest(run_dir)
+    if found is None:
         raise UserError(f"{run_dir}: no model file ({AVERAGED_MODEL}) and no checkpoints")
-    state = load_checkpoint(ckpt)
+    ckpt, state = found
     config = from_dict(state["config"], source=str(ckpt))
     model = Transformer(config.model)
     model.load_state_dict(state["model"])
@@ -125,9 +129,10 @@ class Translator:
         decode: DecodeConfig | None = None,
         device: str | torch.device = "cpu",
         dtype: torch.dtype | str = torch.float32,
+        verify: bool = True,
     ) -> Translator:
         """A Translator for a model file or a run directory (see `resolve_model`)."""
-        return cls(resolve_model(path, device), decode, device, dtype)
+        return cls(resolve_model(path, device, verify), decode, device, dtype)
 
     def encode(self, lines: Sequence[str]) -> list[list[int]]:
         """Subword ids + EOS per line; a line longer than the model's maximum is truncated to
@@ -255,16 +260,10 @@ class Translator:
 
 
 def read_lines(stream: BinaryIO, name: str) -> list[str]:
-    """Lines of a UTF-8 byte stream without their line ends; invalid UTF-8 is a UserError
+    """Lines of a UTF-8 byte stream by the corpus line model (`data.decode_line`: "\n" ends a
+    line, a lone "\r" is a space, a leading BOM is dropped); invalid UTF-8 is a UserError
     naming the stream and the line."""
-    lines = []
-    for number, raw in enumerate(stream, start=1):
-        raw = raw.rstrip(b"\n").rstrip(b"\r")
-        try:
-            lines.append(raw.decode("utf-8"))
-        except UnicodeDecodeError as e:
-            raise UserError(f"{name}:{number}: invalid UTF-8 at byte {e.start}") from None
-    return lines
+    return list(iter_lines(stream, name))
 
 
 def translate_stream(translator: Translator, stream: BinaryIO, name: str) -> list[str]:

@@ -198,6 +198,7 @@ def plot_attention(
     kinds: tuple[str, ...] = KINDS,
     word: str | None = None,
     target: str | None = None,
+    verify: bool = True,
 ) -> list[Path]:
     """`transformer attention`: write PNGs of one sentence's attention weights.
 
@@ -210,13 +211,14 @@ def plot_attention(
         kinds: any of "encoder", "decoder", "cross" (heatmaps); encoder adds Figures 3 and 4.
         word: the Figure 3 query word (a subword or a 0-based position); None picks the longest.
         target: the target sentence; None uses the model's greedy translation.
+        verify: check the model file's checksum (`modelfile.load_model`).
 
     Returns:
         The paths written.
     """
     from transformer.modelfile import load_model
 
-    loaded = load_model(model_path)
+    loaded = load_model(model_path, verify=verify)
     model = loaded.model
     n = model.cfg.n_layers
     if layer is None:

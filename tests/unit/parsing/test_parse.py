@@ -188,7 +188,7 @@ def test_cli_errors_exit_2(model_file, tmp_path, capsys):
     assert main(["parse", str(model_file), str(tmp_path / "in.txt")]) == 2
     assert "in.txt:2: empty line" in capsys.readouterr().err
     assert main(["parse", str(model_file), str(tmp_path / "missing.txt")]) == 2
-    assert "no such input file" in capsys.readouterr().err
+    assert "missing.txt: file not found" in capsys.readouterr().err
     assert main(["parse", str(model_file), "--eval", str(tmp_path)]) == 2  # no test.trees
     assert "test.trees: no such tree file" in capsys.readouterr().err
     (tmp_path / "bad.trees").write_text("(TOP (S (NP x)\n", encoding="utf-8")
