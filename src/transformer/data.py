@@ -265,7 +265,12 @@ class PreparedData:
         manifest_path = self.path / MANIFEST
         if not manifest_path.is_file():
             raise DataError(manifest_path, "not found: run `transformer prepare` first")
-        self.manifest: dict = json.loads(manifest_path.read_text(encoding="utf-8"))
+        try:
+            self.manifest: dict = json.loads(manifest_path.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, ValueError) as e:
+            raise DataError(manifest_path, f"unreadable ({e}); prepare the data again") from e
+        if not isinstance(self.manifest, dict):
+            raise DataError(manifest_path, "not a prepared-data manifest")
         if self.manifest.get("format_version") != FORMAT_VERSION:
             raise DataError(manifest_path, f"format_version is not {FORMAT_VERSION}; re-prepare")
         self.src_lang: str = self.manifest["src_lang"]

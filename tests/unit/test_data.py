@@ -19,6 +19,7 @@ from transformer.data import (
     filter_reason,
     iter_lines,
     length_filter_reason,
+    load_prepared,
     read_lines,
     read_parallel,
     read_text_file,
@@ -210,3 +211,12 @@ def test_directory_and_unreadable_inputs_are_data_errors(tmp_path, monkeypatch):
     monkeypatch.setattr(data, "open", denied, raising=False)  # root ignores chmod 000
     with pytest.raises(DataError, match=r"locked\.en: cannot open: Permission denied"):
         list(read_lines(tmp_path / "locked.en"))
+
+
+def test_a_corrupt_manifest_is_a_data_error(tmp_path):
+    (tmp_path / "manifest.json").write_text('{"format_version": 1, "spl')
+    with pytest.raises(DataError, match=r"manifest\.json: unreadable"):
+        load_prepared(tmp_path)
+    (tmp_path / "manifest.json").write_text("[1]")
+    with pytest.raises(DataError, match=r"manifest\.json: not a prepared-data manifest"):
+        load_prepared(tmp_path)
