@@ -268,6 +268,7 @@ def average_run(
     from transformer.modelfile import save_model
 
     run_dir = Path(run_dir)
+    remove_stale(run_dir)  # e.g. the .average_last5.safetensors.tmp-PID of a killed average
     paths = list_checkpoints(run_dir)
     if not paths:
         raise CheckpointError(f"{run_dir / CHECKPOINT_DIR}: no checkpoints")

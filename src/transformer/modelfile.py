@@ -12,6 +12,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -181,6 +182,15 @@ def _check_header(
         spm = base64.b64decode(meta["spm_model"], validate=True)
     except (binascii.Error, ValueError) as e:
         raise UserError(f"{path}: the header's spm_model is not valid base64: {e}") from e
+    # The layer count is checked first: it is the one number that makes the skeleton itself
+    # large (a forged n_layers of 10^9 would build 10^9 modules, even on the meta device).
+    for stack in ("encoder_layers", "decoder_layers"):
+        found = {int(m.group(1)) for k in shapes if (m := re.match(rf"{stack}\.(\d+)\.", k))}
+        if len(found) != config.model.n_layers or found != set(range(len(found))):
+            raise UserError(
+                f"{path}: the header's config has model.n_layers={config.model.n_layers}, the "
+                f"tensors hold {len(found)} {stack}"
+            )
     with torch.device("meta"):
         skeleton = Transformer(config.model)
     expected = {name: tuple(t.shape) for name, t in _unique_state(skeleton, keep_vars=True).items()}

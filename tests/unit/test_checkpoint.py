@@ -119,7 +119,10 @@ def test_average_run_writes_model_file(tmp_path):
             },
         }
         save_checkpoint(tmp_path, step, ckpt, keep_last=5)
+    killed = tmp_path / f".average_last2.safetensors.tmp-{_dead_pid()}"
+    killed.write_bytes(b"half a model file")
     out = average_run(tmp_path, last=2)
+    assert not killed.exists()
     loaded = load_model(out)
     expected = (
         states[1]["encoder_layers.0.ffn.w_1.weight"] + states[2]["encoder_layers.0.ffn.w_1.weight"]

@@ -65,7 +65,7 @@ def test_bad_files_give_clear_errors(tmp_path: Path) -> None:
 
     meta["config"] = json.dumps(to_dict(bigger))
     save_file(tensors, str(path), metadata=meta)
-    with pytest.raises(UserError, match="weights do not match the config"):
+    with pytest.raises(UserError, match="model.n_layers=3, the tensors hold 2 encoder_layers"):
         load_model(path)
 
 
@@ -137,6 +137,7 @@ def test_a_bad_header_is_one_clean_error(tmp_path, monkeypatch, change, match) -
         ),
         ({"vocab_size": 10**9}, r"src_embed.weight has shape \[50, 32\].*needs \[1000000000, 32\]"),
         ({"max_len": 10**9}, r"model.max_len=1000000000 needs 119.2 GiB of positional"),
+        ({"n_layers": 10**9}, r"n_layers=1000000000, the tensors hold 2 encoder_layers"),
     ],
 )
 def test_a_header_that_disagrees_with_its_tensors_is_refused_without_allocating(
