@@ -89,7 +89,7 @@ def decode_line(raw: bytes, name: str | Path, number: int) -> str:
     return text.replace("\r", " ")
 
 
-def iter_lines(stream: BinaryIO, name: str | Path) -> Iterator[str]:
+def _iter_lines(stream: BinaryIO, name: str | Path) -> Iterator[str]:
     """The lines of an open byte stream, by the line model (see `decode_line`).
 
     Raises:
@@ -105,15 +105,19 @@ def iter_lines(stream: BinaryIO, name: str | Path) -> Iterator[str]:
         raise DataError(name, f"cannot read after line {number}: {e.strerror or e}") from None
 
 
-def read_lines(path: str | Path) -> Iterator[str]:
-    """Yield the lines of a UTF-8 text file (plain or `.gz`) by the line model (`decode_line`).
+def read_lines(source: str | Path | BinaryIO, name: str | None = None) -> Iterator[str]:
+    """Yield the lines of UTF-8 text by the line model (`decode_line`): a file (plain or `.gz`)
+    or an open byte stream (stdin), named `name` in errors. The one line reader of the product.
 
     Raises:
         DataError: naming the file and line of the first invalid UTF-8 byte sequence, or a
             truncated gzip file.
     """
-    with open_binary(path) as f:
-        yield from iter_lines(f, path)
+    if isinstance(source, str | Path):
+        with open_binary(source) as f:
+            yield from _iter_lines(f, str(source))
+        return
+    yield from _iter_lines(source, name or "<stream>")
 
 
 def read_parallel(src_path: str | Path, tgt_path: str | Path) -> Iterator[tuple[str, str]]:

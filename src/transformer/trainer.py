@@ -1,7 +1,7 @@
 """The §5 training loop: accumulation, validation, checkpoint cadence, budgets, fault handling.
 
 The trainer owns the loop and nothing else: the model, the optimizer (optim.MixedPrecisionAdam),
-the loss function, the batch sampler and the data are passed in (training.train builds them).
+the loss function, the batch sampler and the data are passed in (train.train builds them).
 
 One optimizer step = `accum_steps` batches per rank. The loss is summed over real target tokens
 and the summed gradient is divided by the number of target tokens in the whole step (all
@@ -10,7 +10,6 @@ accumulated batches on all ranks), so the update equals that of one big batch.
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import time
@@ -22,11 +21,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from transformer import checkpoint, distributed
+from transformer import checkpoint, distributed, rundir
 from transformer.batching import TokenBatchSampler
 from transformer.config import RunConfig, to_dict
 from transformer.data import Batch, ParallelSplit, collate
 from transformer.errors import UserError
+from transformer.loss import chunked_label_smoothed_loss
 from transformer.optim import MixedPrecisionAdam, learning_rate
 from transformer.tokenizer import PAD_ID
 
@@ -318,8 +318,7 @@ class Trainer:
     def _record(self, kind: str, values: dict[str, Any]) -> None:
         """Append to metrics.jsonl (always) and TensorBoard (if installed)."""
         line = {"kind": kind, "step": self.state.step, "time": time.time(), **values}
-        with open(self.run_dir / "metrics.jsonl", "a", encoding="utf-8") as f:
-            f.write(json.dumps(line) + "\n")
+        rundir.append_metrics(self.run_dir, line)
         writer = self._tensorboard()
         if writer is not None:
             for key, value in values.items():
@@ -333,47 +332,29 @@ class Trainer:
             except ImportError:  # the optional `tensorboard` extra is not installed
                 self._writer = False
                 return None
-            self._writer = SummaryWriter(str(self.run_dir / "tensorboard"))
+            self._writer = SummaryWriter(str(self.run_dir / rundir.TENSORBOARD))
         return self._writer or None
 
     @torch.no_grad()
     def validate(self) -> dict[str, Any]:
         """Validation loss, per-token perplexity and greedy BLEU on the valid split."""
-        split = self.valid_split
-        self.model.eval()
-        sampler = TokenBatchSampler(
-            split.src_lens, split.tgt_lens, self.cfg.max_tokens, seed=0, shuffle=False
-        )
-        loss = nll = 0.0
-        tokens = 0
-        hyps: dict[int, str] = {}
-        greedy = _greedy_search()
-        for indices in sampler:
-            batch = collate(split, indices)
-            out = self._batch_loss(batch)
-            loss, nll, tokens = (
-                loss + float(out[0]),
-                nll + float(out[1]),
-                tokens + batch.n_tgt_tokens,
-            )
-            if greedy is not None:
-                b = batch.to(self.device)
-                for i, ids in zip(
-                    batch.indices, greedy(self.model, b.src, b.src_mask), strict=True
-                ):
-                    hyps[i] = self.tokenizer.decode(ids)
-        self.model.train()
-        record: dict[str, Any] = {
-            "loss": loss / max(tokens, 1),
-            "nll": nll / max(tokens, 1),
-            "ppl": math.exp(min(nll / max(tokens, 1), 50.0)),
-        }
-        if greedy is not None:
-            from transformer.bleu import corpus_bleu
+        from transformer.bleu import corpus_bleu
+        from transformer.search import greedy_search
 
-            refs = [split.tgt_text(i) for i in range(len(split))]
-            result = corpus_bleu([hyps[i] for i in range(len(split))], refs)
-            record["bleu"] = float(result.score)
+        split = self.valid_split
+        record: dict[str, Any] = evaluate_loss(
+            self.model, split, self.cfg.max_tokens, self.cfg.eps_ls, self.loss_fn, self.forward
+        )
+        self.model.eval()
+        hyps: dict[int, str] = {}
+        for indices in _in_order(split, self.cfg.max_tokens):
+            b = collate(split, indices).to(self.device)
+            for i, ids in zip(b.indices, greedy_search(self.model, b.src, b.src_mask), strict=True):
+                hyps[i] = self.tokenizer.decode(ids)
+        self.model.train()
+        refs = [split.tgt_text(i) for i in range(len(split))]
+        result = corpus_bleu([hyps[i] for i in range(len(split))], refs)
+        record["bleu"] = float(result.score)
         return record
 
     # ---------------------------------------------------------------- checkpoints
@@ -403,12 +384,32 @@ class Trainer:
         return checkpoint.save_checkpoint(self.run_dir, self.state.step, state, self.cfg.keep_last)
 
 
-def _greedy_search():
-    """search.greedy_search if it and bleu.py are available (they land with the decoding issue)."""
-    try:
-        from transformer.bleu import corpus_bleu  # noqa: F401
-        from transformer.search import greedy_search
-    except ImportError:
-        logger.warning("transformer.search / transformer.bleu not available: no valid BLEU")
-        return None
-    return greedy_search
+def _in_order(split: ParallelSplit, max_tokens: int) -> TokenBatchSampler:
+    return TokenBatchSampler(split.src_lens, split.tgt_lens, max_tokens, seed=0, shuffle=False)
+
+
+@torch.no_grad()
+def evaluate_loss(
+    model: nn.Module,
+    split: ParallelSplit,
+    max_tokens: int,
+    eps_ls: float = 0.0,
+    loss_fn: LossFn = chunked_label_smoothed_loss,
+    forward: nn.Module | None = None,
+) -> dict[str, float]:
+    """Teacher-forced loss on a split, dropout off: {"loss" (label-smoothed with eps_ls), "nll",
+    per target token, "ppl" = exp(nll) (per subword, §6.2 Table 3's PPL), "tokens"}."""
+    was_training = model.training
+    model.eval()
+    device = next(model.parameters()).device
+    loss = nll = 0.0
+    tokens = 0
+    for indices in _in_order(split, max_tokens):
+        b = collate(split, indices).to(device)
+        hidden = (forward or model)(b.src, b.src_mask, b.tgt_in)  # (B, T, D)
+        keep = b.tgt_out != PAD_ID  # (B, T): only real target positions are projected
+        out = loss_fn(hidden[keep], model.output_weight(), b.tgt_out[keep], eps_ls)
+        loss, nll, tokens = loss + float(out[0]), nll + float(out[1]), tokens + b.n_tgt_tokens
+    model.train(was_training)
+    n = max(tokens, 1)
+    return {"loss": loss / n, "nll": nll / n, "ppl": math.exp(min(nll / n, 50.0)), "tokens": tokens}

@@ -17,7 +17,6 @@ from transformer.data import (
     collate,
     decode_line,
     filter_reason,
-    iter_lines,
     length_filter_reason,
     load_prepared,
     read_lines,
@@ -164,6 +163,14 @@ def test_token_writer_empty(tmp_path):
     assert np.load(tmp_path / "x.idx.npy").tolist() == [0]
 
 
+def test_read_lines_of_a_stream_names_it():
+    import io
+
+    assert list(read_lines(io.BytesIO(b"a\r\n\nb"), "x")) == ["a", "", "b"]
+    with pytest.raises(DataError, match=r"in\.txt:2: invalid UTF-8"):
+        list(read_lines(io.BytesIO(b"ok\nbad \xff\n"), "in.txt"))
+
+
 # --- The line model (issue 18, item 1): one rule for every reader ---------------------------
 
 
@@ -176,7 +183,7 @@ def test_line_model_lone_cr_is_a_space_crlf_is_one_ending_and_a_leading_bom_goes
     expected = ["one", "two halves", "\ufeffthree ", "four "]
     assert list(read_lines(tmp_path / "a.txt")) == expected
     assert list(read_lines(tmp_path / "a.txt.gz")) == expected
-    assert list(iter_lines(io.BytesIO(raw), "<stdin>")) == expected
+    assert list(read_lines(io.BytesIO(raw), "<stdin>")) == expected
     assert decode_line(b"\xef\xbb\xbfa\rb\r\n", "x", 1) == "a b"
     assert decode_line(b"\xef\xbb\xbfa\rb\r\n", "x", 2) == "\ufeffa b"
 

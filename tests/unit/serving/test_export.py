@@ -1,4 +1,4 @@
-"""serving/export.py: a CTranslate2 export of a tiny random model scores and decodes exactly like ours."""
+"""serving/export.py: a CTranslate2 export of a tiny random model scores and decodes like ours."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ import torch
 import torch.nn.functional as F
 
 from fixtures import make_model_file, multi30k_lines
-from transformer.serving.export import ExportError, export_ctranslate2
 from transformer.modelfile import load_model
 from transformer.search import greedy_search
+from transformer.serving.export import ExportError, export_ctranslate2
 from transformer.tokenizer import BOS_ID, EOS_ID, PAD_ID
 
 ctranslate2 = pytest.importorskip("ctranslate2")
@@ -36,10 +36,9 @@ def _ct2_log_probs(translator, sp, src: str, tgt: str) -> np.ndarray:
 
 
 @pytest.fixture(scope="module")
-def exported(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("export")
-    path = make_model_file(tmp / "model")
-    return load_model(path), export_ctranslate2(path, tmp / "ct2")
+def exported(tmp_path_factory, tiny_model_file):
+    out = tmp_path_factory.mktemp("export") / "ct2"
+    return load_model(tiny_model_file), export_ctranslate2(tiny_model_file, out)
 
 
 # Post-norm base architecture, then pre-norm, learned positions (Table 3 row E) and

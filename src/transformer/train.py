@@ -1,14 +1,12 @@
-"""`transformer train`: build the model, optimizer, sampler and run directory, then run the loop.
+"""`transformer train` (train.train): build the model, optimizer, sampler and run directory, then
+run the loop (trainer.Trainer).
 
-A run directory holds `config.yaml` (the resolved config), `run.json` (the data directory),
-`train.log`, `metrics.jsonl`, `checkpoints/ckpt_<step>.pt` + `checkpoints/latest` and
-`tensorboard/`. Every checkpoint also carries the sentencepiece model, so `transformer average`
-writes a self-contained model file from the run directory alone.
+The run directory's layout is rundir.py's. Every checkpoint also carries the sentencepiece model,
+so `transformer average` writes a self-contained model file from the run directory alone.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 from collections.abc import Sequence
@@ -17,21 +15,18 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import yaml
 
-from transformer import checkpoint, distributed
+from transformer import checkpoint, distributed, rundir
 from transformer.batching import TokenBatchSampler
-from transformer.config import RunConfig, apply_overrides, from_dict, to_dict
+from transformer.config import RunConfig, apply_overrides, parse_overrides
 from transformer.data import load_prepared
 from transformer.errors import UserError
 from transformer.loss import chunked_label_smoothed_loss
-from transformer.model import Transformer
+from transformer.model import DTYPES, Transformer
 from transformer.optim import MixedPrecisionAdam
 from transformer.trainer import Trainer, TrainState
 
 logger = logging.getLogger(__name__)
-
-DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 
 def resolve_run(
@@ -44,44 +39,12 @@ def resolve_run(
             raise UserError("train: a new run needs DATA_DIR and a config (--preset/--config)")
         if checkpoint.latest_checkpoint(out_dir) is not None:
             raise UserError(f"{out_dir}: already holds a run; use --resume {out_dir} to continue")
-        return Path(data_dir), apply_overrides(config, _parse(overrides), source="override")
-    config_path = out_dir / "config.yaml"
-    if not config_path.is_file():
-        raise UserError(f"{config_path}: not found; is {out_dir} a run directory?")
-    raw = _read_yaml(config_path)
-    if not isinstance(raw, dict) or not all(isinstance(v, dict) for v in raw.values()):
-        raise UserError(f"{config_path}: not a run config (a mapping of sections)")
-    saved = from_dict(raw, source=str(config_path))
-    run_json = out_dir / "run.json"
-    try:
-        saved_data = Path(json.loads(run_json.read_text(encoding="utf-8"))["data_dir"])
-    except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError) as e:
-        if data_dir is None:
-            raise UserError(f"{run_json}: unreadable ({e}); give DATA_DIR to resume") from e
-        saved_data = None
-    return Path(data_dir or saved_data), apply_overrides(saved, _parse(overrides), "override")
-
-
-def _read_yaml(path: Path):
-    try:
-        return yaml.safe_load(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, yaml.YAMLError) as e:
-        problem = str(e).replace("\n", " ")
-        raise UserError(f"{path}: cannot read the run's config: {problem}") from e
-
-
-def _parse(overrides: Sequence[str]) -> dict:
-    parsed = {}
-    for item in overrides:
-        key, sep, value = item.partition("=")
-        if not sep:
-            raise UserError(f"override {item!r}: expected section.key=value")
-        try:
-            parsed[key.strip()] = yaml.safe_load(value)
-        except yaml.YAMLError as e:
-            problem = str(e).replace("\n", " ")
-            raise UserError(f"override {item!r}: the value is not valid YAML: {problem}") from e
-    return parsed
+        return Path(data_dir), apply_overrides(
+            config, parse_overrides(overrides), source="override"
+        )
+    saved = rundir.read_config(out_dir)
+    data_dir = Path(data_dir) if data_dir else rundir.read_data_dir(out_dir)
+    return data_dir, apply_overrides(saved, parse_overrides(overrides), "override")
 
 
 def _setup_torch(config: RunConfig, info: distributed.DistInfo, device: torch.device) -> None:
@@ -98,7 +61,7 @@ def _setup_torch(config: RunConfig, info: distributed.DistInfo, device: torch.de
 
 
 def _log_to_file(run_dir: Path) -> logging.Handler:
-    handler = logging.FileHandler(run_dir / "train.log", encoding="utf-8")
+    handler = logging.FileHandler(run_dir / rundir.LOG, encoding="utf-8")
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     logging.getLogger("transformer").addHandler(handler)
     if logging.getLogger("transformer").getEffectiveLevel() > logging.INFO:
@@ -153,9 +116,7 @@ def train(
         handler = _log_to_file(out_dir)
         for directory in (out_dir, out_dir / checkpoint.CHECKPOINT_DIR):
             checkpoint.remove_stale(directory)  # temporary files of killed runs
-        # Atomic, as checkpoints are: a kill here must not leave a run that cannot resume.
-        _write_text(out_dir / "config.yaml", yaml.safe_dump(to_dict(config)))
-        _write_text(out_dir / "run.json", json.dumps({"data_dir": str(data_dir)}))
+        rundir.write_run_files(out_dir, config, data_dir)
     try:
         return _run(data, out_dir, config, resume, info, dev, progress)
     finally:
@@ -167,13 +128,6 @@ def train(
         # program, or a test session).
         torch.use_deterministic_algorithms(saved_torch[0])
         torch.set_num_threads(saved_torch[1])
-
-
-def _write_text(path: Path, text: str) -> None:
-    try:
-        checkpoint.write_atomic(path, lambda f: f.write(text.encode("utf-8")))
-    except OSError as e:
-        raise UserError(f"{path}: cannot write: {e.strerror or e}") from e
 
 
 def _check_lengths(data, config: RunConfig) -> None:
