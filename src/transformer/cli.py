@@ -411,7 +411,7 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
 def _cmd_export(args: argparse.Namespace) -> int:
     from transformer.serving.export import export_ctranslate2
 
-    print(export_ctranslate2(args.model, args.out, args.quantization, args.force))
+    print(export_ctranslate2(args.model, args.out, args.quantization, args.force, args.verify))
     return 0
 
 
@@ -422,17 +422,19 @@ def _add_export(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--to", choices=["ctranslate2"], required=True, help="target engine")
     p.add_argument("--quantization", help="int8, int8_float32, int16, float16, bfloat16, float32")
     p.add_argument("--force", action="store_true", help="replace an existing output directory")
+    _add_no_verify(p)
     p.set_defaults(func=_cmd_export)
 
 
 def _cmd_parse(args: argparse.Namespace) -> int:
-    from transformer.data import read_lines
+    from transformer.data import read_lines, write_output
     from transformer.parsing.parse import evaluate_parser, parse_file
 
     if args.eval is not None:
         r = evaluate_parser(
             args.model, args.eval, args.split, beam=args.beam, alpha=args.alpha,
             limit=args.limit, dtype=args.dtype, output=args.output, constrain=args.constrain,
+            verify=args.verify,
         )  # fmt: skip
         short = r["len<=40"]
         print(f"{r['split']}: {r['sentences']} sentences in {r['seconds']:.1f} s "
@@ -451,11 +453,12 @@ def _cmd_parse(args: argparse.Namespace) -> int:
     name = "<stdin>" if args.input == "-" else args.input
     pos = lines(args.pos) if args.pos else None
     trees = parse_file(
-        args.model, lines(args.input), name, pos, args.beam, args.alpha, args.dtype, args.constrain
-    )
+        args.model, lines(args.input), name, pos, args.beam, args.alpha, args.dtype,
+        args.constrain, verify=args.verify,
+    )  # fmt: skip
     text = "".join(t + "\n" for t in trees)
     if args.output:
-        Path(args.output).write_text(text, encoding="utf-8")
+        write_output(args.output, text)
     else:
         sys.stdout.write(text)
     return 0
@@ -481,6 +484,7 @@ def _add_parse(sub: argparse._SubParsersAction) -> None:
         help="search only well-formed trees over the sentence's words (models trained with "
         "`prepare ptb --leaves words`; off by default)",
     )  # fmt: skip
+    _add_no_verify(p)
     p.set_defaults(func=_cmd_parse)
 
 

@@ -120,6 +120,15 @@ def read_lines(source: str | Path | BinaryIO, name: str | None = None) -> Iterat
     yield from _iter_lines(source, name or "<stream>")
 
 
+def write_output(path: str | Path, text: str) -> None:
+    """Write a text output (translations, trees); a full disk or a path that cannot be written
+    is a DataError naming the file."""
+    try:
+        Path(path).write_text(text, encoding="utf-8")
+    except OSError as e:
+        raise DataError(path, f"cannot write: {e.strerror or e}") from e
+
+
 def read_parallel(src_path: str | Path, tgt_path: str | Path) -> Iterator[tuple[str, str]]:
     """Yield aligned (source, target) lines of two files, validating UTF-8 and alignment.
 

@@ -47,7 +47,7 @@ def evaluate(
         ["paper_bleu", "paper_bleu_signature"] (en→de only), "seconds", "sentences_per_s",
         "target_tokens_per_s"}.
     """
-    from transformer.data import load_prepared
+    from transformer.data import load_prepared, write_output
 
     data = load_prepared(data_dir)
     if split not in data.split_names:
@@ -69,7 +69,7 @@ def evaluate(
     hyps = [nbest[0].text for nbest in results]
     n_tokens = sum(len(nbest[0].tokens) + 1 for nbest in results)  # + EOS
     if output is not None:
-        Path(output).write_text("".join(h + "\n" for h in hyps), encoding="utf-8")
+        write_output(output, "".join(h + "\n" for h in hyps))
     bleu, chrf = corpus_bleu(hyps, refs), corpus_chrf(hyps, refs)
     report = {
         "split": split,

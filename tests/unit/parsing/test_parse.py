@@ -196,6 +196,21 @@ def test_cli_errors_exit_2(model_file, tmp_path, capsys):
     assert "bad.trees" in capsys.readouterr().err
 
 
+def test_cli_damaged_model_no_verify_and_an_unwritable_output(model_file, tmp_path, capsys):
+    (tmp_path / "in.txt").write_text("The dog barks .\n", encoding="utf-8")
+    damaged = tmp_path / "damaged.safetensors"
+    data = bytearray(model_file.read_bytes())
+    data[-2] ^= 0x01  # one bit of the last tensor
+    damaged.write_bytes(bytes(data))
+    argv = ["parse", str(damaged), str(tmp_path / "in.txt"), "--beam", "1"]
+    assert main(argv) == 2
+    assert "damaged.safetensors: the tensor data does not match" in capsys.readouterr().err
+    assert main([*argv, "--no-verify"]) == 0
+    assert capsys.readouterr().out.startswith("(TOP")
+    assert main([*argv, "--no-verify", "--output", "/dev/full"]) == 2
+    assert capsys.readouterr().err.endswith("/dev/full: cannot write: No space left on device\n")
+
+
 # A vocabulary as `prepare ptb --leaves words` makes it: specials, bracket symbols with their
 # word mark, word pieces (word-initial with the mark, continuations without).
 PIECES = ["<pad>", "<s>", "</s>", "<unk>", "▁(S", "▁)S", "▁(NP", "▁)NP", "▁(VP", "▁)VP",
