@@ -83,7 +83,7 @@ def test_a_config_that_is_not_utf8_or_not_yaml_is_one_line(tmp_path, capsys) -> 
 def test_an_os_error_without_a_user_error_is_still_one_line(monkeypatch, capsys) -> None:
     import errno
 
-    import transformer.experiments.presets as presets
+    import transformer.experiments.table3 as presets
 
     def denied(vocab_size):
         raise PermissionError(errno.EACCES, "Permission denied", "/root/secret")
