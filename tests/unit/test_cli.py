@@ -83,12 +83,12 @@ def test_a_config_that_is_not_utf8_or_not_yaml_is_one_line(tmp_path, capsys) -> 
 def test_an_os_error_without_a_user_error_is_still_one_line(monkeypatch, capsys) -> None:
     import errno
 
-    import transformer.experiments.table3 as presets
+    import transformer.experiments.table3 as table3
 
     def denied(vocab_size):
         raise PermissionError(errno.EACCES, "Permission denied", "/root/secret")
 
-    monkeypatch.setattr(presets, "describe_presets", denied)
+    monkeypatch.setattr(table3, "describe_presets", denied)
     assert main(["presets"]) == 2
     assert (
         capsys.readouterr().err == "transformer presets: error: /root/secret: Permission denied\n"
