@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from dataclasses import replace
 from pathlib import Path
 
@@ -283,3 +284,26 @@ def test_yaml_errors_in_overrides_and_the_runs_config_are_one_line(data_dir, tmp
     (run / "config.yaml").write_bytes(b"model:\n  d_model: \xff\n")
     assert main(["train", "--resume", str(run)]) == 2
     assert "config.yaml: cannot parse YAML" in capsys.readouterr().err
+
+
+def test_thread_count_follows_threads_then_omp_num_threads(monkeypatch):
+    from transformer.config import RunConfig
+    from transformer.train import _setup_torch
+
+    before = torch.get_num_threads()
+    cpu = torch.device("cpu")
+    try:
+        monkeypatch.setenv("OMP_NUM_THREADS", "1")
+        torch.set_num_threads(2)
+        _setup_torch(RunConfig(), cpu)  # a user's OMP_NUM_THREADS is left as torch read it
+        assert torch.get_num_threads() == 2
+        _setup_torch(RunConfig(), cpu, threads=1)  # --threads wins
+        assert torch.get_num_threads() == 1
+        monkeypatch.delenv("OMP_NUM_THREADS")
+        _setup_torch(RunConfig(), cpu)  # neither: every core
+        assert torch.get_num_threads() == max(1, os.cpu_count() or 1)
+        with pytest.raises(UserError, match="--threads: must be at least 1"):
+            _setup_torch(RunConfig(), cpu, threads=0)
+    finally:
+        torch.set_num_threads(before)
+        torch.use_deterministic_algorithms(False)
