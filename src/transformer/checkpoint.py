@@ -14,6 +14,7 @@ import logging
 import os
 import random
 import re
+import shutil
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -45,14 +46,63 @@ def _fsync_dir(directory: Path) -> None:
         os.close(fd)
 
 
-def _write_atomic(path: Path, write) -> None:
+def write_atomic(path: Path, write) -> None:
+    """Write `path` by `write(binary file)` into `.NAME.tmp-PID`, fsync, rename: a reader (or a
+    kill at any moment) sees the old file or the new one, never a part. The temporary file is
+    removed if writing fails (disk full); a killed writer's is removed by `remove_stale`."""
+    path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "wb") as f:
-        write(f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
     _fsync_dir(path.parent)
+
+
+# What `write_atomic` (".NAME.tmp-PID") and `prepare` (".OUT.partial-PID") leave when killed.
+TEMPORARY = re.compile(r"^\..+\.(?:tmp|partial)-(\d+)$")
+
+
+def remove_stale(directory: Path, pattern: re.Pattern = TEMPORARY) -> list[Path]:
+    """Remove the entries of `directory` whose name matches `pattern` (group 1: a process id)
+    and whose process is no longer running on this machine: the temporary files and directories
+    of killed runs. Those of live processes (another run writing there now) are kept.
+
+    Returns:
+        The removed paths.
+    """
+    directory = Path(directory)
+    removed: list[Path] = []
+    if not directory.is_dir():
+        return removed
+    for path in sorted(directory.iterdir()):
+        m = pattern.match(path.name)
+        if m is None or _running(int(m.group(1))):
+            continue
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            path.unlink(missing_ok=True)
+        logger.warning("removed %s, left by a killed run (process %s)", path, m.group(1))
+        removed.append(path)
+    return removed
+
+
+def _running(pid: int) -> bool:
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process: alive
+        return True
+    return True
 
 
 def step_of(path: Path) -> int:
@@ -95,8 +145,11 @@ def save_checkpoint(run_dir: Path, step: int, state: dict[str, Any], keep_last: 
     directory = Path(run_dir) / CHECKPOINT_DIR
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / f"ckpt_{step}.pt"
-    _write_atomic(path, lambda f: torch.save(state, f))
-    _write_atomic(directory / LATEST, lambda f: f.write(path.name.encode("utf-8")))
+    try:
+        write_atomic(path, lambda f: torch.save(state, f))
+        write_atomic(directory / LATEST, lambda f: f.write(path.name.encode("utf-8")))
+    except OSError as e:  # disk full, permission denied; `latest` still names the previous one
+        raise CheckpointError(f"{path}: cannot save the checkpoint: {e.strerror or e}") from e
     for old in list_checkpoints(run_dir)[:-keep_last]:
         old.unlink()
     logger.info("saved checkpoint %s", path)
@@ -109,6 +162,37 @@ def load_checkpoint(path: Path) -> dict[str, Any]:
         return torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # torch raises several types for truncated or foreign files
         raise CheckpointError(f"{path}: not a readable checkpoint: {e}") from e
+
+
+def load_latest(run_dir: Path) -> tuple[Path, dict[str, Any]] | None:
+    """The newest readable checkpoint of a run and its contents, or None if it has none.
+
+    `latest` names a complete file when written; if that file was damaged since (truncated by a
+    copy, a full disk, a bad sector), the newest older checkpoint that loads is used instead,
+    with a warning naming both.
+    """
+    try:
+        named = latest_checkpoint(run_dir)
+    except CheckpointError as e:
+        logger.warning("%s", e)
+        named = None
+    candidates = list_checkpoints(run_dir)
+    if named is not None:
+        candidates = [p for p in candidates if p != named] + [named]
+    if not candidates:
+        return None
+    first_error = None
+    for path in reversed(candidates):
+        try:
+            state = load_checkpoint(path)
+        except CheckpointError as e:
+            first_error = first_error or e
+            logger.warning("%s; trying the previous checkpoint", e)
+            continue
+        if path != candidates[-1]:
+            logger.warning("using %s instead of the unreadable %s", path, candidates[-1])
+        return path, state
+    raise CheckpointError(f"{run_dir}: no readable checkpoint ({first_error})")
 
 
 def rng_state() -> dict[str, Any]:

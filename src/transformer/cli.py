@@ -9,10 +9,18 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 from pathlib import Path
 
 from transformer.errors import UserError
+
+
+def _add_no_verify(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--no-verify", dest="verify", action="store_false",
+        help="skip the model file's checksum of its tensors (faster load, no damage check)",
+    )  # fmt: skip
 
 
 def _add_threads(p: argparse.ArgumentParser) -> None:
@@ -196,8 +204,9 @@ def _cmd_attention(args: argparse.Namespace) -> int:
 
     kinds = KINDS if args.kind == "all" else (args.kind,)
     paths = plot_attention(
-        args.model, args.text, args.out, args.layer, args.head, kinds, args.word, args.target
-    )
+        args.model, args.text, args.out, args.layer, args.head, kinds, args.word, args.target,
+        verify=args.verify,
+    )  # fmt: skip
     print("\n".join(str(p) for p in paths))
     return 0
 
@@ -212,6 +221,7 @@ def _add_attention(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--word", help="Figure 3 query word: a subword or 0-based position")
     p.add_argument("--kind", choices=["encoder", "decoder", "cross", "all"], default="all")
     p.add_argument("--out", type=Path, default=Path("attention"), help="output directory")
+    _add_no_verify(p)
     p.set_defaults(func=_cmd_attention)
 
 
@@ -322,17 +332,16 @@ def _add_average(sub: argparse._SubParsersAction) -> None:
 
 
 def _cmd_translate(args: argparse.Namespace) -> int:
+    from transformer.data import open_binary
     from transformer.translate import Translator, translate_stream
 
     _set_threads(args.threads)
-    translator = Translator.from_path(args.model, dtype=args.dtype)
+    translator = Translator.from_path(args.model, dtype=args.dtype, verify=args.verify)
     translator.decode = translator.options(args.beam, args.alpha, max_tokens=args.max_tokens)
     if args.input == "-":
         outputs = translate_stream(translator, sys.stdin.buffer, "<stdin>")
     else:
-        if not Path(args.input).is_file():
-            raise UserError(f"{args.input}: no such input file")
-        with open(args.input, "rb") as f:
+        with open_binary(args.input) as f:  # a missing file or a directory: one DataError
             outputs = translate_stream(translator, f, args.input)
     sys.stdout.write("".join(line + "\n" for line in outputs))
     return 0
@@ -347,6 +356,7 @@ def _add_translate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--dtype", choices=["fp32", "bf16", "int8"], default="fp32")
     p.add_argument("--max-tokens", type=int, help="source tokens per batch (padding counted)")
     _add_threads(p)
+    _add_no_verify(p)
     p.set_defaults(func=_cmd_translate)
 
 
@@ -356,7 +366,7 @@ def _cmd_evaluate(args: argparse.Namespace) -> int:
     _set_threads(args.threads)
     report = evaluate(
         args.model, args.data, args.split, args.beam, args.alpha, args.dtype, args.output,
-        args.limit,
+        args.limit, verify=args.verify,
     )  # fmt: skip
     if args.json:
         print(json.dumps(report, indent=2))
@@ -385,6 +395,7 @@ def _add_evaluate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--limit", type=int, help="only the first N sentences")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     _add_threads(p)
+    _add_no_verify(p)
     p.set_defaults(func=_cmd_evaluate)
 
 
@@ -422,7 +433,7 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
 def _cmd_export(args: argparse.Namespace) -> int:
     from transformer.serving.export import export_ctranslate2
 
-    print(export_ctranslate2(args.model, args.out, args.quantization, args.force))
+    print(export_ctranslate2(args.model, args.out, args.quantization, args.force, args.verify))
     return 0
 
 
@@ -433,17 +444,19 @@ def _add_export(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--to", choices=["ctranslate2"], required=True, help="target engine")
     p.add_argument("--quantization", help="int8, int8_float32, int16, float16, bfloat16, float32")
     p.add_argument("--force", action="store_true", help="replace an existing output directory")
+    _add_no_verify(p)
     p.set_defaults(func=_cmd_export)
 
 
 def _cmd_parse(args: argparse.Namespace) -> int:
-    from transformer.data import read_lines
+    from transformer.data import read_lines, write_output
     from transformer.parsing.parse import evaluate_parser, parse_file
 
     if args.eval is not None:
         r = evaluate_parser(
             args.model, args.eval, args.split, beam=args.beam, alpha=args.alpha,
             limit=args.limit, dtype=args.dtype, output=args.output, constrain=args.constrain,
+            verify=args.verify,
         )  # fmt: skip
         short = r["len<=40"]
         print(f"{r['split']}: {r['sentences']} sentences in {r['seconds']:.1f} s "
@@ -457,19 +470,17 @@ def _cmd_parse(args: argparse.Namespace) -> int:
     def lines(path: str) -> list[str]:
         if path == "-":
             return list(read_lines(sys.stdin.buffer, "<stdin>"))
-        if not Path(path).is_file():
-            raise UserError(f"{path}: no such input file")
-        with open(path, "rb") as f:
-            return list(read_lines(f, path))
+        return list(read_lines(path))  # a missing file or a directory: one DataError
 
     name = "<stdin>" if args.input == "-" else args.input
     pos = lines(args.pos) if args.pos else None
     trees = parse_file(
-        args.model, lines(args.input), name, pos, args.beam, args.alpha, args.dtype, args.constrain
-    )
+        args.model, lines(args.input), name, pos, args.beam, args.alpha, args.dtype,
+        args.constrain, verify=args.verify,
+    )  # fmt: skip
     text = "".join(t + "\n" for t in trees)
     if args.output:
-        Path(args.output).write_text(text, encoding="utf-8")
+        write_output(args.output, text)
     else:
         sys.stdout.write(text)
     return 0
@@ -495,6 +506,7 @@ def _add_parse(sub: argparse._SubParsersAction) -> None:
         help="search only well-formed trees over the sentence's words (models trained with "
         "`prepare ptb --leaves words`; off by default)",
     )  # fmt: skip
+    _add_no_verify(p)
     p.set_defaults(func=_cmd_parse)
 
 
@@ -535,11 +547,54 @@ def main(argv: list[str] | None = None) -> int:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         datefmt="%H:%M:%S",
     )
+    stdout, sys.stdout = sys.stdout, _Stdout(sys.stdout)
     try:
-        return args.func(args)
+        status = args.func(args)
+        sys.stdout.flush()  # a full or closed stdout fails here, inside the handlers below
+        return status
     except UserError as e:
-        print(f"transformer {args.command}: error: {e}", file=sys.stderr)
-        return 2
+        return _fail(args.command, str(e))
+    except OSError as e:  # disk full, permission denied, stdout closed (`| head -c0`) or full
+        if e.filename == STDOUT:  # nothing more can be written there, not even at exit
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, stdout.fileno())
+            os.close(devnull)
+        where = "" if e.filename is None else f"{e.filename}: "
+        return _fail(args.command, f"{where}{e.strerror or e}")
     except KeyboardInterrupt:
         print(f"transformer {args.command}: interrupted", file=sys.stderr)
         return 130
+    finally:
+        sys.stdout = stdout
+
+
+STDOUT = "<stdout>"
+
+
+class _Stdout:
+    """sys.stdout whose write errors (EPIPE, ENOSPC) name it, as the file of the error."""
+
+    def __init__(self, stream) -> None:
+        self._stream = stream
+
+    def write(self, text: str) -> int:
+        try:
+            return self._stream.write(text)
+        except OSError as e:
+            e.filename = STDOUT
+            raise
+
+    def flush(self) -> None:
+        try:
+            self._stream.flush()
+        except OSError as e:
+            e.filename = STDOUT
+            raise
+
+    def __getattr__(self, name: str):
+        return getattr(self._stream, name)
+
+
+def _fail(command: str, message: str) -> int:
+    print(f"transformer {command}: error: {message}", file=sys.stderr)
+    return 2

@@ -323,15 +323,20 @@ def parse_overrides(items: Sequence[str]) -> dict[str, Any]:
         try:
             parsed[key.strip()] = yaml.safe_load(value)
         except yaml.YAMLError as e:
-            raise ConfigError(f"override {item!r}: the value is not valid YAML: {e}") from None
+            problem = str(e).replace("\n", " ")  # one line
+            raise ConfigError(
+                f"override {item!r}: the value is not valid YAML: {problem}"
+            ) from None
     return parsed
 
 
 def _read_yaml(path: Path) -> dict[str, Any]:
     try:
         raw = yaml.safe_load(Path(path).read_text(encoding="utf-8")) or {}
-    except (OSError, yaml.YAMLError) as e:
-        raise ConfigError(f"{path}: cannot read config: {e}") from e
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as e:
+        problem = e.strerror if isinstance(e, OSError) and e.strerror else e
+        problem = str(problem).replace("\n", " ")
+        raise ConfigError(f"{path}: cannot read config: {problem}") from e
     if not isinstance(raw, dict):
         raise ConfigError(f"{path}: top level must be a mapping")
     return raw

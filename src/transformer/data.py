@@ -12,7 +12,9 @@ A prepared-data directory (written by `prepare.prepare_corpus`) holds:
 from __future__ import annotations
 
 import gzip
+import itertools
 import json
+import zlib
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -48,35 +50,83 @@ class DataError(UserError):
 def open_binary(path: str | Path) -> BinaryIO:
     """Open a plain or gzip-compressed (`.gz`) file for reading bytes."""
     path = Path(path)
+    if path.is_dir():
+        raise DataError(path, "is a directory, not a file")
     if not path.is_file():
         raise DataError(path, "file not found")
-    if path.suffix == ".gz":
-        return gzip.open(path, "rb")  # type: ignore[return-value]
-    return open(path, "rb")
+    try:
+        f = open(path, "rb")
+    except OSError as e:
+        raise DataError(path, f"cannot open: {e.strerror}") from None
+    return gzip.GzipFile(fileobj=f, mode="rb") if path.suffix == ".gz" else f  # type: ignore
 
 
-def read_lines(source: str | Path | BinaryIO, name: str | None = None) -> Iterator[str]:
-    """Yield the lines of UTF-8 text without their line ending: a file (plain or `.gz`) or an
-    open byte stream (stdin), named `name` in errors. The one line reader of the product.
+# The line model, the same in every pass and every reader (docs/data.md, "Lines"): a line ends
+# at "\n" only; a "\r" before that "\n" is part of the line ending ("\r\n" is one ending); a lone
+# "\r" anywhere else becomes a space; a UTF-8 byte-order mark opening the file is dropped.
+BOM = "\ufeff"
+
+
+def decode_line(raw: bytes, name: str | Path, number: int) -> str:
+    """One raw line (with or without its ending) as text, by the line model above.
+
+    Args:
+        raw: the bytes of line `number`, as split on b"\n".
+        name: the file (or stream) it came from, for errors.
+        number: its 1-based line number; line 1 loses a leading byte-order mark.
 
     Raises:
-        DataError: naming the file and line of the first invalid UTF-8 byte sequence.
+        DataError: naming the file and line of an invalid UTF-8 byte sequence.
     """
-    if isinstance(source, str | Path):
-        with open_binary(source) as f:
-            yield from read_lines(f, str(source))
-        return
-    for number, raw in enumerate(source, start=1):
-        yield _decode_line(raw, name or "<stream>", number)
-
-
-def _decode_line(raw: bytes, path: str | Path, number: int) -> str:
     if raw.endswith(b"\n"):
         raw = raw[:-2] if raw.endswith(b"\r\n") else raw[:-1]
     try:
-        return raw.decode("utf-8")
+        text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
-        raise DataError(path, f"invalid UTF-8 at byte {e.start}: {raw[:60]!r}", number) from None
+        raise DataError(name, f"invalid UTF-8 at byte {e.start}: {raw[:60]!r}", number) from None
+    if number == 1 and text.startswith(BOM):
+        text = text[1:]
+    return text.replace("\r", " ")
+
+
+def _iter_lines(stream: BinaryIO, name: str | Path) -> Iterator[str]:
+    """The lines of an open byte stream, by the line model (see `decode_line`).
+
+    Raises:
+        DataError: invalid UTF-8 (file and line), or a truncated / corrupt gzip stream.
+    """
+    number = 0
+    try:
+        for number, raw in enumerate(stream, start=1):  # binary files split on b"\n" only
+            yield decode_line(raw, name, number)
+    except (EOFError, zlib.error, gzip.BadGzipFile) as e:
+        raise DataError(name, f"truncated or corrupt gzip data after line {number}: {e}") from None
+    except OSError as e:
+        raise DataError(name, f"cannot read after line {number}: {e.strerror or e}") from None
+
+
+def read_lines(source: str | Path | BinaryIO, name: str | None = None) -> Iterator[str]:
+    """Yield the lines of UTF-8 text by the line model (`decode_line`): a file (plain or `.gz`)
+    or an open byte stream (stdin), named `name` in errors. The one line reader of the product.
+
+    Raises:
+        DataError: naming the file and line of the first invalid UTF-8 byte sequence, or a
+            truncated gzip file.
+    """
+    if isinstance(source, str | Path):
+        with open_binary(source) as f:
+            yield from _iter_lines(f, str(source))
+        return
+    yield from _iter_lines(source, name or "<stream>")
+
+
+def write_output(path: str | Path, text: str) -> None:
+    """Write a text output (translations, trees); a full disk or a path that cannot be written
+    is a DataError naming the file."""
+    try:
+        Path(path).write_text(text, encoding="utf-8")
+    except OSError as e:
+        raise DataError(path, f"cannot write: {e.strerror or e}") from e
 
 
 def read_parallel(src_path: str | Path, tgt_path: str | Path) -> Iterator[tuple[str, str]]:
@@ -86,22 +136,18 @@ def read_parallel(src_path: str | Path, tgt_path: str | Path) -> Iterator[tuple[
         DataError: invalid UTF-8 (file and line), or different line counts (both files and
             both counts; raised when the shorter file ends, before anything misaligned is used).
     """
-    with open_binary(src_path) as fs, open_binary(tgt_path) as ft:
-        number = 0
-        while True:
-            raw_s, raw_t = fs.readline(), ft.readline()
-            if not raw_s or not raw_t:
-                if raw_s or raw_t:
-                    n_src = number + (sum(1 for _ in fs) + 1 if raw_s else 0)
-                    n_tgt = number + (sum(1 for _ in ft) + 1 if raw_t else 0)
-                    raise DataError(
-                        src_path,
-                        f"line counts differ: {src_path} has {n_src} lines, "
-                        f"{tgt_path} has {n_tgt} lines (the corpus is misaligned)",
-                    )
-                return
-            number += 1
-            yield _decode_line(raw_s, src_path, number), _decode_line(raw_t, tgt_path, number)
+    src_lines, tgt_lines = read_lines(src_path), read_lines(tgt_path)
+    number = 0
+    for number, (s, t) in enumerate(itertools.zip_longest(src_lines, tgt_lines), start=1):
+        if s is None or t is None:
+            n_src = number - 1 + (sum(1 for _ in src_lines) + 1 if s is not None else 0)
+            n_tgt = number - 1 + (sum(1 for _ in tgt_lines) + 1 if t is not None else 0)
+            raise DataError(
+                src_path,
+                f"line counts differ: {src_path} has {n_src} lines, "
+                f"{tgt_path} has {n_tgt} lines (the corpus is misaligned)",
+            )
+        yield s, t
 
 
 def filter_reason(src_text: str, tgt_text: str) -> str | None:
@@ -232,7 +278,12 @@ class PreparedData:
         manifest_path = self.path / MANIFEST
         if not manifest_path.is_file():
             raise DataError(manifest_path, "not found: run `transformer prepare` first")
-        self.manifest: dict = json.loads(manifest_path.read_text(encoding="utf-8"))
+        try:
+            self.manifest: dict = json.loads(manifest_path.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, ValueError) as e:
+            raise DataError(manifest_path, f"unreadable ({e}); prepare the data again") from e
+        if not isinstance(self.manifest, dict):
+            raise DataError(manifest_path, "not a prepared-data manifest")
         if self.manifest.get("format_version") != FORMAT_VERSION:
             raise DataError(manifest_path, f"format_version is not {FORMAT_VERSION}; re-prepare")
         self.src_lang: str = self.manifest["src_lang"]

@@ -28,6 +28,7 @@ def evaluate(
     dtype: torch.dtype | str = "fp32",
     output: str | Path | None = None,
     limit: int | None = None,
+    verify: bool = True,
 ) -> dict:
     """Translate `split` of a prepared data directory and score it against its references.
 
@@ -39,18 +40,19 @@ def evaluate(
         dtype: "fp32", "bf16" or "int8".
         output: if given, the translations are written there, one per line.
         limit: translate only the first `limit` sentences (quick checks).
+        verify: check the model file's checksum (`modelfile.load_model`).
 
     Returns:
         {"split", "sentences", "bleu", "bleu_signature", "chrf", "chrf_signature",
         ["paper_bleu", "paper_bleu_signature"] (en→de only), "seconds", "sentences_per_s",
         "target_tokens_per_s"}.
     """
-    from transformer.data import load_prepared
+    from transformer.data import load_prepared, write_output
 
     data = load_prepared(data_dir)
     if split not in data.split_names:
         raise UserError(f"{data_dir}: no split {split!r}; have {', '.join(data.split_names)}")
-    translator = Translator.from_path(model_path, dtype=dtype)
+    translator = Translator.from_path(model_path, dtype=dtype, verify=verify)
     pair = (translator.loaded.src_lang, translator.loaded.tgt_lang)
     if pair != (data.src_lang, data.tgt_lang):
         raise UserError(
@@ -67,7 +69,7 @@ def evaluate(
     hyps = [nbest[0].text for nbest in results]
     n_tokens = sum(len(nbest[0].tokens) + 1 for nbest in results)  # + EOS
     if output is not None:
-        Path(output).write_text("".join(h + "\n" for h in hyps), encoding="utf-8")
+        write_output(output, "".join(h + "\n" for h in hyps))
     bleu, chrf = corpus_bleu(hyps, refs), corpus_chrf(hyps, refs)
     report = {
         "split": split,

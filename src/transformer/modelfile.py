@@ -7,8 +7,12 @@ Loading never runs code from the file: safetensors holds only tensors and string
 from __future__ import annotations
 
 import base64
+import binascii
+import hashlib
 import json
+import logging
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -18,7 +22,12 @@ from transformer.config import RunConfig, from_dict, to_dict
 from transformer.errors import UserError
 from transformer.model import Transformer
 
+logger = logging.getLogger(__name__)
+
 FORMAT = "transformer-model/1"
+CHECKSUM = "tensors_sha256"  # hex sha256 of the tensors (`tensors_sha256`); absent in old files
+METADATA_KEYS = ("format", "config", "spm_model", "src_lang", "tgt_lang")
+_MIN_COMPUTED_LIMIT = 1 << 28  # bytes of load-time buffers always allowed (256 MiB)
 
 
 @dataclass
@@ -39,16 +48,17 @@ class LoadedModel:
         return Tokenizer.from_proto(self.spm_proto)
 
 
-def _unique_state(model: Transformer) -> dict[str, torch.Tensor]:
-    """The state dict with each shared tensor stored once (safetensors refuses aliases)."""
-    seen: dict[int, str] = {}
+def _unique_state(model: Transformer, keep_vars: bool = False) -> dict[str, torch.Tensor]:
+    """The state dict with each shared tensor stored once (safetensors refuses aliases).
+    With keep_vars, aliases are found by identity (meta tensors have no storage to compare)."""
+    seen: set[int] = set()
     out = {}
-    for name, t in model.state_dict().items():
-        key = t.data_ptr()
+    for name, t in model.state_dict(keep_vars=keep_vars).items():
+        key = id(t) if keep_vars else t.data_ptr()
         if key in seen:
             continue
-        seen[key] = name
-        out[name] = t.detach().contiguous().cpu()
+        seen.add(key)
+        out[name] = t if keep_vars else t.detach().contiguous().cpu()
     return out
 
 
@@ -61,44 +71,82 @@ def save_model(
     tgt_lang: str,
     dtype: torch.dtype = torch.float32,
 ) -> Path:
-    """Write `path` atomically (temporary file, then rename)."""
+    """Write `path` atomically (temporary file, then rename), with a checksum of the tensors."""
     from safetensors.torch import save_file
 
+    from transformer.tokenizer import strip_build_paths
+
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
     tensors = {
         k: v.to(dtype) if v.is_floating_point() else v for k, v in _unique_state(model).items()
     }
     metadata = {
         "format": FORMAT,
         "config": json.dumps(to_dict(config)),
-        "spm_model": base64.b64encode(spm_proto).decode("ascii"),
+        "spm_model": base64.b64encode(strip_build_paths(spm_proto)).decode("ascii"),
         "src_lang": src_lang,
         "tgt_lang": tgt_lang,
+        CHECKSUM: tensors_sha256(tensors),
     }
-    tmp = path.with_name(path.name + ".tmp")
-    save_file(tensors, str(tmp), metadata=metadata)
-    os.replace(tmp, path)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        save_file(tensors, str(tmp), metadata=metadata)
+        os.replace(tmp, path)
+    except OSError as e:  # disk full, permission denied
+        tmp.unlink(missing_ok=True)
+        raise UserError(f"{path}: cannot write the model file: {e.strerror or e}") from e
     return path
 
 
-def load_model(path: Path, device: str | torch.device = "cpu") -> LoadedModel:
-    """Read a model file written by `save_model`; errors name the file and the problem."""
+def tensors_sha256(tensors: dict[str, torch.Tensor]) -> str:
+    """sha256 over the tensors in name order: each name, dtype, shape and raw bytes."""
+    digest = hashlib.sha256()
+    for name in sorted(tensors):
+        t = tensors[name].detach().cpu().contiguous()
+        digest.update(f"{name}\0{t.dtype}\0{tuple(t.shape)}\0".encode())
+        digest.update(t.reshape(-1).view(torch.uint8).numpy())
+    return digest.hexdigest()
+
+
+def load_model(path: Path, device: str | torch.device = "cpu", verify: bool = True) -> LoadedModel:
+    """Read a model file written by `save_model`; errors name the file and the problem.
+
+    The header (metadata and tensor shapes) is checked against the config before any tensor or
+    model is allocated, so a forged header cannot ask for a huge allocation.
+
+    Args:
+        path: the model file.
+        device: where to put the model.
+        verify: check the tensors against the checksum stored at save (`--no-verify` skips it);
+            a file written before checksums existed loads with a warning.
+    """
     from safetensors import SafetensorError
     from safetensors.torch import load_file, safe_open
 
     path = Path(path)
+    if path.is_dir():
+        raise UserError(f"{path}: is a directory, not a model file")
     if not path.is_file():
         raise UserError(f"{path}: no such model file")
     try:
         with safe_open(str(path), framework="pt") as f:
             meta = f.metadata() or {}
+            shapes = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+    except (SafetensorError, OSError, ValueError) as e:
+        raise UserError(f"{path}: not a readable safetensors model file: {e}") from e
+    config, spm = _check_header(path, meta, shapes)
+    try:
         tensors = load_file(str(path), device="cpu")
     except (SafetensorError, OSError, ValueError) as e:
         raise UserError(f"{path}: not a readable safetensors model file: {e}") from e
-    if meta.get("format") != FORMAT:
-        raise UserError(f"{path}: not a transformer model file (format {meta.get('format')!r})")
-    config = from_dict(json.loads(meta["config"]), source=str(path))
+    if CHECKSUM not in meta:
+        logger.warning("%s: no checksum (an older model file); its tensors are not verified", path)
+    elif verify and tensors_sha256(tensors) != meta[CHECKSUM]:
+        raise UserError(
+            f"{path}: the tensor data does not match the file's checksum (the file is damaged); "
+            "--no-verify loads it anyway"
+        )
     model = Transformer(config.model)
     missing, unexpected = model.load_state_dict(tensors, strict=False)
     # Tied weights are stored once; every missing key must be an alias of a stored tensor.
@@ -110,8 +158,67 @@ def load_model(path: Path, device: str | torch.device = "cpu") -> LoadedModel:
             f"unexpected {sorted(unexpected)})"
         )
     model.to(device).eval()
-    spm = base64.b64decode(meta["spm_model"])
     return LoadedModel(model, config, spm, meta["src_lang"], meta["tgt_lang"], path)
+
+
+def _check_header(
+    path: Path, meta: dict[str, str], shapes: dict[str, tuple[int, ...]]
+) -> tuple[RunConfig, bytes]:
+    """The config and tokenizer of a model file's header, checked against its tensor shapes
+    without allocating anything: the model is built on the meta device."""
+    if meta.get("format") != FORMAT:
+        raise UserError(f"{path}: not a transformer model file (format {meta.get('format')!r})")
+    missing = [k for k in METADATA_KEYS if k not in meta]
+    if missing:
+        raise UserError(f"{path}: the header lacks metadata {', '.join(missing)}")
+    try:
+        raw = json.loads(meta["config"])
+    except ValueError as e:
+        raise UserError(f"{path}: the header's config is not valid JSON: {e}") from e
+    if not isinstance(raw, dict) or not all(isinstance(v, dict) for v in raw.values()):
+        raise UserError(f"{path}: the header's config is not a mapping of sections")
+    config = from_dict(raw, source=f"{path} (header config)")
+    try:
+        spm = base64.b64decode(meta["spm_model"], validate=True)
+    except (binascii.Error, ValueError) as e:
+        raise UserError(f"{path}: the header's spm_model is not valid base64: {e}") from e
+    # The layer count is checked first: it is the one number that makes the skeleton itself
+    # large (a forged n_layers of 10^9 would build 10^9 modules, even on the meta device).
+    for stack in ("encoder_layers", "decoder_layers"):
+        found = {int(m.group(1)) for k in shapes if (m := re.match(rf"{stack}\.(\d+)\.", k))}
+        if len(found) != config.model.n_layers or found != set(range(len(found))):
+            raise UserError(
+                f"{path}: the header's config has model.n_layers={config.model.n_layers}, the "
+                f"tensors hold {len(found)} {stack}"
+            )
+    with torch.device("meta"):
+        skeleton = Transformer(config.model)
+    expected = {name: tuple(t.shape) for name, t in _unique_state(skeleton, keep_vars=True).items()}
+    unexpected = sorted(set(shapes) - set(skeleton.state_dict(keep_vars=True)))
+    if unexpected:
+        raise UserError(f"{path}: tensors the config does not have: {', '.join(unexpected[:5])}")
+    for name in sorted(set(expected) & set(shapes)):
+        if expected[name] != shapes[name]:
+            raise UserError(
+                f"{path}: tensor {name} has shape {list(shapes[name])}, the header's config "
+                f"(d_model={config.model.d_model}, vocab_size={config.model.vocab_size}, "
+                f"max_len={config.model.max_len}, ...) needs {list(expected[name])}"
+            )
+    # Buffers computed at load (the §3.5 sinusoid table) are not in the file: bound them by
+    # the size of what is, so a forged max_len cannot ask for terabytes.
+    state = skeleton.state_dict(keep_vars=True)
+    stored_bytes = sum(
+        t.numel() * t.element_size() for t in _unique_state(skeleton, keep_vars=True).values()
+    )
+    computed = sum(
+        b.numel() * b.element_size() for n, b in skeleton.named_buffers() if n not in state
+    )
+    if computed > max(stored_bytes, _MIN_COMPUTED_LIMIT):
+        raise UserError(
+            f"{path}: model.max_len={config.model.max_len} needs {computed / 2**30:.1f} GiB of "
+            "positional encodings, more than the whole model; refusing the header"
+        )
+    return config, spm
 
 
 def _alias_of(model: Transformer, name: str) -> set[str]:

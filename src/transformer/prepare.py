@@ -21,11 +21,14 @@ import itertools
 import json
 import logging
 import os
+import re
 import shutil
+import zlib
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 from transformer import corpora
+from transformer.checkpoint import remove_stale
 from transformer.data import (
     FILTER_REASONS,
     FORMAT_VERSION,
@@ -34,6 +37,8 @@ from transformer.data import (
     TokenWriter,
     filter_reason,
     length_filter_reason,
+    open_binary,
+    read_lines,
     read_parallel,
 )
 from transformer.download import download, sha256_file
@@ -118,6 +123,7 @@ def prepare_corpus(
         DataError: missing or misaligned files, invalid UTF-8, unknown corpus or pair.
     """
     out_dir = Path(out_dir)
+    _check_settings(max_len, max_ratio, vocab_size, spm_sample)
     threads = num_threads or min(4, os.cpu_count() or 1)
     if name == CUSTOM:
         inputs = _custom_inputs(train_files, valid_files, test_files)
@@ -149,17 +155,31 @@ def prepare_corpus(
         return reused
 
     tmp = out_dir.with_name(f".{out_dir.name}.partial-{os.getpid()}")
+    remove_stale(out_dir.parent, re.compile(rf"^\.{re.escape(out_dir.name)}\.partial-(\d+)$"))
     shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
     try:
+        tmp.mkdir(parents=True)
         manifest = _build(tmp, name, src_lang, tgt_lang, inputs, settings, input_info, threads)
         if out_dir.exists():
             shutil.rmtree(out_dir)
         os.replace(tmp, out_dir)
+    except OSError as e:  # disk full, permission denied: no partial output is left behind
+        raise DataError(e.filename or tmp, f"cannot write the prepared data: {e.strerror}") from e
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     logger.info("%s", summarize(manifest))
     return manifest
+
+
+def _check_settings(max_len: int, max_ratio: float, vocab_size: int | None, sample: int) -> None:
+    if max_len < 2:
+        raise DataError("--max-len", f"must be at least 2 (one subword and EOS), got {max_len}")
+    if not max_ratio >= 1:  # also refuses NaN
+        raise DataError("--max-ratio", f"must be at least 1, got {max_ratio}")
+    if vocab_size is not None and vocab_size < 1:
+        raise DataError("--vocab-size", f"must be positive, got {vocab_size}")
+    if sample < 0:
+        raise DataError("--spm-sample", f"must be 0 (all) or positive, got {sample}")
 
 
 # --------------------------------------------------------------------------------------------
@@ -220,9 +240,12 @@ def _text_sha256(path: Path) -> str:
     if path.suffix != ".gz":
         return sha256_file(path)
     digest = hashlib.sha256()
-    with gzip.open(path, "rb") as f:
-        while chunk := f.read(1 << 20):
-            digest.update(chunk)
+    try:
+        with gzip.open(path, "rb") as f:
+            while chunk := f.read(1 << 20):
+                digest.update(chunk)
+    except (EOFError, OSError, zlib.error) as e:
+        raise DataError(path, f"truncated or corrupt gzip file: {e}") from e
     return digest.hexdigest()
 
 
@@ -230,6 +253,7 @@ def _hash_inputs(inputs: Inputs, src_lang: str, tgt_lang: str, official: dict) -
     info = {}
     for split, (src, tgt, stem) in inputs.items():
         for lang, path in ((src_lang, src), (tgt_lang, tgt)):
+            open_binary(path).close()  # a missing, unreadable file or a directory: a DataError
             entry = {"path": str(path), "sha256": sha256_file(path)}
             expected = official.get(f"{stem}.{lang}")
             if expected is not None:
@@ -246,13 +270,18 @@ def _hash_inputs(inputs: Inputs, src_lang: str, tgt_lang: str, official: dict) -
 
 def _reusable(out_dir, name, src_lang, tgt_lang, settings, input_info, force) -> Manifest | None:
     manifest_path = out_dir / MANIFEST
-    if not out_dir.exists() or force and manifest_path.is_file():
+    if not out_dir.exists():
         return None
+    if not out_dir.is_dir():
+        raise DataError(out_dir, "exists and is not a directory")
     if not manifest_path.is_file():
         if any(out_dir.iterdir()):
             raise DataError(out_dir, "exists, is not empty and is not a prepared-data directory")
         return None
-    old = json.loads(manifest_path.read_text(encoding="utf-8"))
+    old = _read_manifest(manifest_path)
+    if force:
+        _check_owned(out_dir, old)
+        return None
     same = (
         old.get("format_version") == FORMAT_VERSION
         and (old.get("corpus"), old.get("src_lang"), old.get("tgt_lang"))
@@ -275,6 +304,33 @@ def _reusable(out_dir, name, src_lang, tgt_lang, settings, input_info, force) ->
 # --------------------------------------------------------------------------------------------
 
 
+def _read_manifest(path: Path) -> dict:
+    try:
+        old = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise DataError(path, f"unreadable ({e}); remove the directory to prepare it again") from e
+    if not isinstance(old, dict) or not isinstance(old.get("splits"), dict):
+        raise DataError(path, "not a prepared-data manifest; choose another --out")
+    return old
+
+
+def _check_owned(out_dir: Path, manifest: dict) -> None:
+    """--force replaces only what prepare wrote: refuse a directory holding anything else."""
+    langs = (manifest.get("src_lang"), manifest.get("tgt_lang"))
+    ours = {MANIFEST, f"{SPM_PREFIX}.model", f"{SPM_PREFIX}.vocab"}
+    for split in manifest["splits"]:
+        ours.add(f"{split}.trees")  # prepare ptb
+        ours.update(f"{split}.{lang}.{ext}" for lang in langs for ext in ("txt", "bin", "idx.npy"))
+    foreign = sorted(p.name for p in out_dir.iterdir() if p.name not in ours)
+    if foreign:
+        shown = ", ".join(foreign[:3]) + (", ..." if len(foreign) > 3 else "")
+        raise DataError(
+            out_dir,
+            f"holds {len(foreign)} files that prepare did not write ({shown}); --force only "
+            "replaces a prepared-data directory: choose another --out",
+        )
+
+
 def _build(tmp, name, src_lang, tgt_lang, inputs, settings, input_info, threads) -> Manifest:
     splits: dict[str, dict] = {}
     filters: dict[str, dict] = {}
@@ -285,6 +341,8 @@ def _build(tmp, name, src_lang, tgt_lang, inputs, settings, input_info, threads)
         )
         splits[split] = {"source": stem, "input_pairs": counts.pop("input_pairs")}
         splits[split].update(counts)
+        if split == "train" and counts["empty"] == splits[split]["input_pairs"]:
+            raise DataError(src, f"all {counts['empty']} training pairs have an empty side")
     train_txt = [tmp / f"train.{lang}.stage1" for lang in (src_lang, tgt_lang)]
     tokenizer = _train_tokenizer(train_txt, tmp / SPM_PREFIX, settings, threads)
     for split in inputs:
@@ -299,6 +357,14 @@ def _build(tmp, name, src_lang, tgt_lang, inputs, settings, input_info, threads)
             filters[split] = {"empty": splits[split].pop("empty"), **dropped}
             for path in paths:
                 path.unlink()
+            if splits[split]["pairs"] == 0:
+                counts = ", ".join(f"{k}={v}" for k, v in filters[split].items())
+                raise DataError(
+                    inputs[split][0],
+                    f"no training pair is left after filtering {splits[split]['input_pairs']} "
+                    f"(dropped: {counts}); raise --max-len ({settings['max_len']}) or "
+                    f"--max-ratio ({settings['max_ratio']})",
+                )
     manifest = Manifest(
         format_version=FORMAT_VERSION,
         corpus=name,
@@ -362,7 +428,9 @@ def _train_tokenizer(
 
 
 def _chunks(paths: Sequence[Path]) -> Iterable[tuple[list[str], list[str]]]:
-    files = [open(p, encoding="utf-8", newline="") for p in paths]
+    # Pass 1 wrote these files by the line model (data.decode_line: no "\r" is left), so
+    # splitting on "\n" only reads back exactly the lines it wrote.
+    files = [open(p, encoding="utf-8", newline="\n") for p in paths]
     try:
         lines = zip(*(_lines(f) for f in files), strict=True)
         while chunk := list(itertools.islice(lines, _CHUNK)):
@@ -435,10 +503,7 @@ def summarize(manifest: Manifest) -> str:
 
 def read_symbols(path: Path) -> list[str]:
     """One token a line; blank lines are skipped, a line with inner spaces is an error."""
-    try:
-        lines = Path(path).read_text(encoding="utf-8").splitlines()
-    except (OSError, UnicodeDecodeError) as e:
-        raise DataError(path, f"cannot read user symbols: {e}") from e
+    lines = list(read_lines(path))
     for i, line in enumerate(lines, 1):
         if len(line.split()) > 1:
             raise DataError(path, f"a user symbol holds no spaces, got {line!r}", line=i)

@@ -41,10 +41,17 @@ QUICKSTART_RUN = "run"  # a quickstart directory's run directory
 
 
 def write_run_files(run_dir: Path, config: RunConfig, data_dir: Path) -> None:
-    """config.yaml and run.json of a run that (re)starts."""
+    """config.yaml and run.json of a run that (re)starts, each written atomically (as
+    checkpoints are): a kill at that moment must not leave a run that cannot resume."""
     run_dir = Path(run_dir)
-    (run_dir / CONFIG).write_text(yaml.safe_dump(to_dict(config)), encoding="utf-8")
-    (run_dir / RUN_INFO).write_text(json.dumps({"data_dir": str(data_dir)}), "utf-8")
+    for name, text in (
+        (CONFIG, yaml.safe_dump(to_dict(config))),
+        (RUN_INFO, json.dumps({"data_dir": str(data_dir)})),
+    ):
+        try:
+            checkpoint.write_atomic(run_dir / name, lambda f, t=text: f.write(t.encode("utf-8")))
+        except OSError as e:
+            raise UserError(f"{run_dir / name}: cannot write: {e.strerror or e}") from e
 
 
 def read_config(run_dir: Path) -> RunConfig:
@@ -54,8 +61,11 @@ def read_config(run_dir: Path) -> RunConfig:
         raise UserError(f"{path}: not found; is {run_dir} a run directory?")
     try:
         raw = yaml.safe_load(path.read_text(encoding="utf-8"))
-    except yaml.YAMLError as e:
-        raise UserError(f"{path}: cannot parse YAML: {e}") from e
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as e:
+        problem = str(e).replace("\n", " ")
+        raise UserError(f"{path}: cannot parse YAML: {problem}") from e
+    if not isinstance(raw, dict) or not all(isinstance(v, dict) for v in raw.values()):
+        raise UserError(f"{path}: not a run config (a mapping of sections)")
     return from_dict(raw, source=str(path))
 
 
@@ -149,6 +159,7 @@ def average_run(
         The model file's path.
     """
     run_dir = Path(run_dir)
+    checkpoint.remove_stale(run_dir)  # e.g. the .model.safetensors.tmp-PID of a killed average
     ckpt_dir = run_dir / checkpoint.CHECKPOINT_DIR
     paths = checkpoint.list_checkpoints(run_dir)
     if not paths:
@@ -170,29 +181,33 @@ def average_run(
     return out
 
 
-def resolve_model(path: str | Path, device: str | torch.device = "cpu") -> LoadedModel:
+def resolve_model(
+    path: str | Path, device: str | torch.device = "cpu", verify: bool = True
+) -> LoadedModel:
     """Any path the product wrote -> its model (eval mode).
 
     A model file; a directory's `model.safetensors` (the averaged model that `transformer
-    average` and the quickstart write), else its latest checkpoint; a quickstart directory's
-    `run/` is looked into the same way. Directories written before the one name still resolve
-    (`model_avg.safetensors`, the newest `average_last*.safetensors`).
+    average` and the quickstart write), else its latest checkpoint (the newest readable one,
+    `checkpoint.load_latest`); a quickstart directory's `run/` is looked into the same way.
+    Directories written before the one name still resolve (`model_avg.safetensors`, the newest
+    `average_last*.safetensors`). `verify`: check a model file's checksum
+    (`modelfile.load_model`).
     """
     path = Path(path)
     if not path.is_dir():
-        return load_model(path, device)
+        return load_model(path, device, verify)
     for name in (MODEL, "model_avg.safetensors"):
         if (path / name).is_file():
-            return load_model(path / name, device)
+            return load_model(path / name, device, verify)
     averages = sorted(path.glob("average_last*.safetensors"), key=lambda p: p.stat().st_mtime)
     if averages:
-        return load_model(averages[-1], device)
+        return load_model(averages[-1], device, verify)
     if (path / QUICKSTART_RUN / CONFIG).is_file():
-        return resolve_model(path / QUICKSTART_RUN, device)
-    ckpt = checkpoint.latest_checkpoint(path)
-    if ckpt is None:
+        return resolve_model(path / QUICKSTART_RUN, device, verify)
+    found = checkpoint.load_latest(path)
+    if found is None:
         raise UserError(f"{path}: no model file ({MODEL}) and no checkpoints")
-    state = checkpoint.load_checkpoint(ckpt)
+    ckpt, state = found
     model, config = model_from_checkpoint(state, ckpt)
     logger.info("using the latest checkpoint %s (no averaged model in %s)", ckpt, path)
     return LoadedModel(model.to(device).eval(), config, *_spm_of(state), ckpt)

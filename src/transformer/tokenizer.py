@@ -122,10 +122,10 @@ class Tokenizer:
             minloglevel=2,
             **extra,
         )
-        logger.info(
-            "trained %s sentencepiece model %s.model (V=%d)", model_type, model_prefix, vocab_size
-        )
-        return cls(f"{model_prefix}.model")
+        model_file = Path(f"{model_prefix}.model")
+        model_file.write_bytes(strip_build_paths(model_file.read_bytes()))
+        logger.info("trained %s sentencepiece model %s (V=%d)", model_type, model_file, vocab_size)
+        return cls(model_file)
 
     @property
     def vocab_size(self) -> int:
@@ -151,3 +151,85 @@ class Tokenizer:
     def id_to_piece(self, i: int) -> str:
         """The subword string of an id (for debugging and attention plots)."""
         return self._sp.id_to_piece(int(i))
+
+
+# sentencepiece's ModelProto keeps its TrainerSpec (field 2), whose `input` (1) and
+# `model_prefix` (2) are the paths it was trained with: a temporary directory of this machine.
+_TRAINER_SPEC, _SPEC_PATHS = 2, (1, 2)
+
+
+def strip_build_paths(proto: bytes) -> bytes:
+    """A serialized sentencepiece model with its training paths reduced to file names, so that
+    a model file does not carry the local (temporary) path it was built in. Bytes that do not
+    parse as a protobuf message are returned unchanged."""
+    try:
+        fields = _fields(proto)
+        out = bytearray()
+        for number, wire, raw, value in fields:
+            if number == _TRAINER_SPEC and wire == 2:
+                spec = bytearray()
+                for n, w, r, v in _fields(value):
+                    if n in _SPEC_PATHS and w == 2:
+                        name = os.path.basename(v.decode("utf-8")).encode("utf-8")
+                        r = r[: len(r) - len(v) - _varint_size(len(v))]  # the tag alone
+                        r += _varint(len(name)) + name
+                    spec += r
+                raw = raw[: len(raw) - len(value) - _varint_size(len(value))]
+                raw += _varint(len(spec)) + bytes(spec)
+            out += raw
+        return bytes(out)
+    except (IndexError, ValueError, UnicodeDecodeError):
+        return proto
+
+
+def _fields(buf: bytes) -> list[tuple[int, int, bytes, bytes]]:
+    """(field number, wire type, the field's raw bytes, its length-delimited payload)."""
+    out, i = [], 0
+    while i < len(buf):
+        start = i
+        key, i = _read_varint(buf, i)
+        number, wire = key >> 3, key & 7
+        value = b""
+        if wire == 0:
+            _, i = _read_varint(buf, i)
+        elif wire == 1:
+            i += 8
+        elif wire == 2:
+            size, i = _read_varint(buf, i)
+            value = buf[i : i + size]
+            i += size
+        elif wire == 5:
+            i += 4
+        else:
+            raise ValueError(f"protobuf wire type {wire}")
+        if i > len(buf) or number == 0:
+            raise ValueError("truncated protobuf")
+        out.append((number, wire, buf[start:i], value))
+    return out
+
+
+def _read_varint(buf: bytes, i: int) -> tuple[int, int]:
+    value, shift = 0, 0
+    while True:
+        byte = buf[i]
+        value |= (byte & 0x7F) << shift
+        i += 1
+        if byte < 0x80:
+            return value, i
+        shift += 7
+        if shift > 63:
+            raise ValueError("bad varint")
+
+
+def _varint(value: int) -> bytes:
+    out = bytearray()
+    while True:
+        byte = value & 0x7F
+        value >>= 7
+        out.append(byte | (0x80 if value else 0))
+        if not value:
+            return bytes(out)
+
+
+def _varint_size(value: int) -> int:
+    return len(_varint(value))

@@ -122,6 +122,8 @@ def train(
     if info.is_main:
         out_dir.mkdir(parents=True, exist_ok=True)
         handler = _log_to_file(out_dir)
+        for directory in (out_dir, out_dir / checkpoint.CHECKPOINT_DIR):
+            checkpoint.remove_stale(directory)  # temporary files of killed runs
         rundir.write_run_files(out_dir, config, data_dir)
     try:
         return _run(data, out_dir, config, resume, info, dev, progress)
@@ -206,10 +208,10 @@ def _run(data, out_dir, config, resume, info, dev, progress) -> TrainState:
 
 
 def _restore(out_dir, model, optimizer, sampler, info) -> TrainState:
-    path = checkpoint.latest_checkpoint(out_dir)
-    if path is None:
+    found = checkpoint.load_latest(out_dir)
+    if found is None:
         raise UserError(f"{out_dir}: no checkpoint to resume from")
-    ckpt = checkpoint.load_checkpoint(path)
+    path, ckpt = found
     optimizer.load_master_state(model, ckpt["model"])
     optimizer.load_state_dict(ckpt["optimizer"])
     sampler.load_state_dict(ckpt["sampler"])

@@ -107,9 +107,10 @@ class Translator:
         decode: DecodeConfig | None = None,
         device: str | torch.device = "cpu",
         dtype: torch.dtype | str = torch.float32,
+        verify: bool = True,
     ) -> Translator:
         """A Translator for a model file or a run directory (see `resolve_model`)."""
-        return cls(resolve_model(path, device), decode, device, dtype)
+        return cls(resolve_model(path, device, verify), decode, device, dtype)
 
     def encode(self, lines: Sequence[str]) -> list[list[int]]:
         """Subword ids + EOS per line; a line longer than the model's maximum is truncated to

@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import errno
+import os
 import random
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -15,8 +20,12 @@ from transformer.checkpoint import (
     latest_checkpoint,
     list_checkpoints,
     load_checkpoint,
+    load_latest,
     save_checkpoint,
 )
+from transformer.cli import main
+from transformer.config import ModelConfig, RunConfig, to_dict
+from transformer.model import Transformer
 
 
 def test_save_keeps_last_k_and_points_latest(tmp_path):
@@ -86,3 +95,92 @@ def test_average_rejects_mismatched_or_empty():
         average_checkpoints([])
     with pytest.raises(ValueError, match="different keys"):
         average_checkpoints([{"a": torch.ones(1)}, {"b": torch.ones(1)}])
+
+
+def test_average_removes_what_a_killed_average_left(tmp_path):
+    cfg = RunConfig(
+        model=ModelConfig(vocab_size=20, n_layers=1, d_model=8, d_ff=16, n_heads=2, d_k=4, d_v=4)
+    )
+    data = {"spm_proto": torch.tensor([1], dtype=torch.uint8), "src": "en", "tgt": "de"}
+    state = {"model": Transformer(cfg.model).state_dict(), "config": to_dict(cfg), "data": data}
+    save_checkpoint(tmp_path, 1, state, keep_last=5)
+    killed = tmp_path / f".model.safetensors.tmp-{_dead_pid()}"
+    killed.write_bytes(b"half a model file")
+    assert main(["average", str(tmp_path), "--last", "1"]) == 0
+    assert not killed.exists() and (tmp_path / "model.safetensors").is_file()
+
+
+# --- issue 18: full disks, damaged checkpoints, leftovers of killed runs ---------------------
+
+
+def test_disk_full_during_a_save_is_one_error_and_leaves_no_temporary(tmp_path, monkeypatch):
+    save_checkpoint(tmp_path, 1, {"w": torch.ones(3)}, keep_last=5)
+
+    def full(obj, f):
+        f.write(b"half a checkpoint")
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(checkpoint.torch, "save", full)
+    with pytest.raises(CheckpointError, match=r"ckpt_2\.pt: cannot save the checkpoint: No space"):
+        save_checkpoint(tmp_path, 2, {"w": torch.zeros(3)}, keep_last=5)
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["ckpt_1.pt", "latest"]
+
+
+def test_a_damaged_latest_checkpoint_falls_back_to_the_previous_one(tmp_path, caplog):
+    for step in (1, 2, 3):
+        save_checkpoint(tmp_path, step, {"step": step}, keep_last=5)
+    path = latest_checkpoint(tmp_path)
+    path.write_bytes(path.read_bytes()[:100])  # truncated after it was written
+    found, state = load_latest(tmp_path)
+    assert found.name == "ckpt_2.pt" and state["step"] == 2
+    assert "using" in caplog.text and "ckpt_3.pt" in caplog.text
+    for p in list_checkpoints(tmp_path):
+        p.write_bytes(b"")
+    with pytest.raises(CheckpointError, match="no readable checkpoint"):
+        load_latest(tmp_path)
+    assert load_latest(tmp_path / "elsewhere") is None
+
+
+def _dead_pid() -> int:
+    done = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True)  # fmt: skip
+    return int(done.stdout)
+
+
+def test_remove_stale_removes_only_what_dead_processes_left(tmp_path):
+    dead, alive = _dead_pid(), os.getpid()
+    for name in (f".ckpt_4.pt.tmp-{dead}", f".latest.tmp-{dead}", f".config.yaml.tmp-{dead}",
+                 f".ckpt_6.pt.tmp-{alive}", "ckpt_4.pt", "notes.tmp-12"):  # fmt: skip
+        (tmp_path / name).write_bytes(b"x")
+    (tmp_path / f".out.partial-{dead}").mkdir()
+    removed = checkpoint.remove_stale(tmp_path)
+    assert sorted(p.name for p in removed) == sorted(
+        [f".ckpt_4.pt.tmp-{dead}", f".latest.tmp-{dead}", f".config.yaml.tmp-{dead}",
+         f".out.partial-{dead}"]
+    )  # fmt: skip
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        [f".ckpt_6.pt.tmp-{alive}", "ckpt_4.pt", "notes.tmp-12"]
+    )
+
+
+def test_average_on_a_full_disk_is_one_clean_cli_error(tmp_path, monkeypatch, capsys):
+    import safetensors.torch
+
+    cfg = RunConfig(
+        model=ModelConfig(vocab_size=20, n_layers=1, d_model=8, d_ff=16, n_heads=2, d_k=4, d_v=4)
+    )
+    spm = torch.tensor([1], dtype=torch.uint8)
+    data = {"spm_proto": spm, "src": "en", "tgt": "de"}
+    state = {"model": Transformer(cfg.model).state_dict(), "config": to_dict(cfg), "data": data}
+    save_checkpoint(tmp_path, 1, state, keep_last=5)
+
+    def full(tensors, filename, metadata=None):
+        Path(filename).write_bytes(b"part")
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(safetensors.torch, "save_file", full)
+    assert main(["average", str(tmp_path), "--last", "1"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err
+    assert "model.safetensors: cannot write the model file: No space left" in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoints"]

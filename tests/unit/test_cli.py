@@ -46,3 +46,50 @@ def test_unknown_subcommand_is_an_argparse_error() -> None:
     with pytest.raises(SystemExit) as e:
         main(["frobnicate"])
     assert e.value.code == 2
+
+
+# --- issue 18, item 6: ordinary mistakes are one line and exit 2, never a traceback ----------
+
+
+def _run(shell: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        ["bash", "-c", f"set -o pipefail; {shell}"], capture_output=True, text=True, timeout=120
+    )
+
+
+def test_stdout_full_or_closed_is_one_line_and_exit_2() -> None:
+    cli = f"{sys.executable} -m transformer presets --json"
+    for shell, problem in (
+        (f"{cli} > /dev/full", "<stdout>: No space left on device"),
+        (f"{cli} | head -c0", "<stdout>: Broken pipe"),
+    ):
+        done = _run(shell)
+        assert done.returncode == 2, (shell, done.stderr)
+        assert done.stderr == f"transformer presets: error: {problem}\n", shell
+
+
+def test_a_config_that_is_not_utf8_or_not_yaml_is_one_line(tmp_path, capsys) -> None:
+    bad = tmp_path / "latin1.yaml"
+    bad.write_bytes(b"# Gr\xfc\xdfe\nmodel:\n  d_model: 16\n")
+    argv = ["train", str(tmp_path), "--out", str(tmp_path / "run"), "--config"]
+    assert main([*argv, str(bad)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"transformer train: error: {bad}: cannot read config: 'utf-8' codec")
+    assert err.count("\n") == 1
+    assert main([*argv, str(tmp_path / "missing.yaml")]) == 2
+    assert "missing.yaml: cannot read config: No such file" in capsys.readouterr().err
+
+
+def test_an_os_error_without_a_user_error_is_still_one_line(monkeypatch, capsys) -> None:
+    import errno
+
+    import transformer.experiments.table3 as table3
+
+    def denied(vocab_size):
+        raise PermissionError(errno.EACCES, "Permission denied", "/root/secret")
+
+    monkeypatch.setattr(table3, "describe_presets", denied)
+    assert main(["presets"]) == 2
+    assert (
+        capsys.readouterr().err == "transformer presets: error: /root/secret: Permission denied\n"
+    )

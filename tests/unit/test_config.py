@@ -67,6 +67,7 @@ def test_order_preset_then_yaml_then_overrides(tmp_path: Path) -> None:
         ("model.p_drop=1.5", "model.p_drop"),
         ("decode.n_best=9", "decode.n_best"),
         ("model.d_model", "expected section.key=value"),
+        ("train.seed=[", "the value is not valid YAML"),  # issue 18: was a YAML traceback
     ],
 )
 def test_bad_overrides_name_the_key(override: str, message: str) -> None:
@@ -88,6 +89,9 @@ def test_bad_yaml_names_the_file(tmp_path: Path) -> None:
         build_config(yaml_path=path)
     with pytest.raises(ConfigError, match="unknown preset 'huge'"):
         build_config("huge")
+    path.write_bytes(b"# Gr\xfc\xdfe\nmodel: {d_model: 8}\n")  # Latin-1, not UTF-8
+    with pytest.raises(ConfigError, match=rf"{path}: cannot read config: 'utf-8' codec"):
+        build_config(yaml_path=path)
 
 
 def test_shared_embeddings_need_one_vocabulary() -> None:

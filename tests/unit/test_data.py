@@ -3,18 +3,22 @@
 from __future__ import annotations
 
 import gzip
+import io
 
 import numpy as np
 import pytest
 import torch
 
+from transformer import data
 from transformer.data import (
     DataError,
     ParallelSplit,
     TokenWriter,
     collate,
+    decode_line,
     filter_reason,
     length_filter_reason,
+    load_prepared,
     read_lines,
     read_parallel,
     read_text_file,
@@ -165,3 +169,61 @@ def test_read_lines_of_a_stream_names_it():
     assert list(read_lines(io.BytesIO(b"a\r\n\nb"), "x")) == ["a", "", "b"]
     with pytest.raises(DataError, match=r"in\.txt:2: invalid UTF-8"):
         list(read_lines(io.BytesIO(b"ok\nbad \xff\n"), "in.txt"))
+
+
+# --- The line model (issue 18, item 1): one rule for every reader ---------------------------
+
+
+def test_line_model_lone_cr_is_a_space_crlf_is_one_ending_and_a_leading_bom_goes(tmp_path):
+    raw = "\ufeffone\r\ntwo\rhalves\n\ufeffthree\r\r\nfour\r".encode()
+    (tmp_path / "a.txt").write_bytes(raw)
+    with gzip.open(tmp_path / "a.txt.gz", "wb") as f:
+        f.write(raw)
+    # "\r\n" ends a line, a lone "\r" (even before "\r\n") is a space, only the file's BOM goes
+    expected = ["one", "two halves", "\ufeffthree ", "four "]
+    assert list(read_lines(tmp_path / "a.txt")) == expected
+    assert list(read_lines(tmp_path / "a.txt.gz")) == expected
+    assert list(read_lines(io.BytesIO(raw), "<stdin>")) == expected
+    assert decode_line(b"\xef\xbb\xbfa\rb\r\n", "x", 1) == "a b"
+    assert decode_line(b"\xef\xbb\xbfa\rb\r\n", "x", 2) == "\ufeffa b"
+
+
+def test_lone_cr_on_both_sides_keeps_pairs_aligned(tmp_path):
+    src = [f"source {i}" for i in range(10)]
+    tgt = [f"target {i}" for i in range(10)]
+    src[2], tgt[7] = "so\rurce 2", "tar\rget 7"  # one lone "\r" in each side, different lines
+    (tmp_path / "s.en").write_bytes("".join(s + "\n" for s in src).encode())
+    (tmp_path / "s.de").write_bytes("".join(t + "\r\n" for t in tgt).encode())
+    pairs = list(read_parallel(tmp_path / "s.en", tmp_path / "s.de"))
+    assert len(pairs) == 10
+    assert pairs[2] == ("so urce 2", "target 2") and pairs[7] == ("source 7", "tar get 7")
+    assert all(s.split()[-1] == t.split()[-1] for s, t in pairs)
+
+
+def test_truncated_gzip_names_the_file(tmp_path):
+    path = tmp_path / "train.de.gz"
+    path.write_bytes(gzip.compress(b"".join(b"line %d\n" % i for i in range(5000)))[:-40])
+    with pytest.raises(DataError, match=r"train\.de\.gz: truncated or corrupt gzip"):
+        list(read_lines(path))
+
+
+def test_directory_and_unreadable_inputs_are_data_errors(tmp_path, monkeypatch):
+    with pytest.raises(DataError, match="is a directory"):
+        list(read_lines(tmp_path))
+    (tmp_path / "locked.en").write_text("a\n")
+
+    def denied(*args, **kwargs):
+        raise PermissionError(13, "Permission denied", str(tmp_path / "locked.en"))
+
+    monkeypatch.setattr(data, "open", denied, raising=False)  # root ignores chmod 000
+    with pytest.raises(DataError, match=r"locked\.en: cannot open: Permission denied"):
+        list(read_lines(tmp_path / "locked.en"))
+
+
+def test_a_corrupt_manifest_is_a_data_error(tmp_path):
+    (tmp_path / "manifest.json").write_text('{"format_version": 1, "spl')
+    with pytest.raises(DataError, match=r"manifest\.json: unreadable"):
+        load_prepared(tmp_path)
+    (tmp_path / "manifest.json").write_text("[1]")
+    with pytest.raises(DataError, match=r"manifest\.json: not a prepared-data manifest"):
+        load_prepared(tmp_path)

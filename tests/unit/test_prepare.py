@@ -262,3 +262,147 @@ def test_user_symbols_file_with_spaces_names_the_line(corpus, tmp_path):
 def test_named_corpora_need_src_and_tgt(tmp_path):
     with pytest.raises(DataError, match="--src and --tgt are required"):
         _prepare_cli(["multi30k", "--out", str(tmp_path / "o")])
+
+
+# --- issue 18: the line model in every pass, bad settings, --force, leftovers, full disks ----
+
+
+def _write_raw(path, lines, ending=b"\n"):
+    data = b"".join(line.encode() + ending for line in lines)
+    path.write_bytes(gzip.compress(data) if path.suffix == ".gz" else data)
+
+
+def _check_aligned(out, split, pairs):
+    """The split's text and binarized ids are exactly `pairs`, in order (with "\r" → " ")."""
+    expected = [(s.replace("\r", " "), t.replace("\r", " ")) for s, t in pairs]
+    data = load_prepared(out)
+    part = data.split(split)
+    assert len(part) == len(expected)
+    assert list(zip(part.text("en"), part.text("de"), strict=True)) == expected
+    for i, (s, t) in enumerate(expected):
+        assert part.src_tokens(i).tolist() == data.tokenizer.encode(s), (split, i)
+        assert part.tgt_tokens(i).tolist() == data.tokenizer.encode(t), (split, i)
+    return data
+
+
+@pytest.mark.parametrize("sides", ["both", "source", "target"])
+def test_lone_carriage_returns_keep_every_pass_aligned(corpus, tmp_path, sides):
+    files, train, valid, test = corpus
+    train, valid = list(train), list(valid)
+    # before: pass 2 split "\r" too, so every pair between the two was shifted (both sides),
+    # or zip() raised (one side), or valid had more token pairs than text lines
+    if sides in ("both", "source"):
+        train[20] = (train[20][0].replace(" ", "\r", 1), train[20][1])
+        valid[3] = (valid[3][0].replace(" ", "\r", 1), valid[3][1])
+    if sides in ("both", "target"):
+        train[300] = (train[300][0], train[300][1].replace(" ", "\r", 1))
+        valid[9] = (valid[9][0], valid[9][1].replace(" ", "\r", 1))
+    for split, pairs in (("train", train), ("valid", valid)):
+        _write_raw(files[split][0], [p[0] for p in pairs], b"\r\n")  # CRLF endings
+        _write_raw(files[split][1], [p[1] for p in pairs])
+    m = _prepare(files, tmp_path / "out")
+    assert m.splits["train"]["input_pairs"] == 404 and m.splits["train"]["pairs"] == 400
+    assert m.splits["valid"]["input_pairs"] == m.splits["valid"]["pairs"] == 31
+    _check_aligned(tmp_path / "out", "train", [p for p in train if p not in BAD_TRAIN])
+    _check_aligned(tmp_path / "out", "valid", valid)
+    _check_aligned(tmp_path / "out", "test", test)
+
+
+def test_a_leading_bom_is_dropped(corpus, tmp_path):
+    files, train, *_ = corpus
+    _write_raw(files["train"][0], ["\ufeff" + train[0][0]] + [p[0] for p in train[1:]])
+    _prepare(files, tmp_path / "out")
+    assert load_prepared(tmp_path / "out").split("train").text("en")[0] == train[0][0]
+
+
+@pytest.mark.parametrize(
+    ("setting", "match"),
+    [
+        ({"max_len": 0}, "--max-len: must be at least 2"),
+        ({"max_len": 1}, "--max-len: must be at least 2"),
+        ({"max_ratio": 0.5}, "--max-ratio: must be at least 1"),
+        ({"max_ratio": float("nan")}, "--max-ratio: must be at least 1"),
+        ({"vocab_size": 0}, "--vocab-size: must be positive"),
+    ],
+)
+def test_impossible_settings_are_refused(corpus, tmp_path, setting, match):
+    files, *_ = corpus
+    with pytest.raises(DataError, match=match):
+        _prepare(files, tmp_path / "out", **setting)
+    assert not (tmp_path / "out").exists()
+
+
+def test_no_training_pair_left_is_an_error_naming_the_filters(corpus, tmp_path):
+    files, *_ = corpus
+    with pytest.raises(DataError, match=r"no training pair is left after filtering 404 "
+                       r"\(dropped: empty=2, too_long=402, length_ratio=0\)"):  # fmt: skip
+        _prepare(files, tmp_path / "out", max_len=3)
+    assert not (tmp_path / "out").exists()
+
+
+def test_force_refuses_a_directory_prepare_did_not_write(corpus, tmp_path):
+    files, *_ = corpus
+    out = tmp_path / "out"
+    _prepare(files, out)
+    (out / "thesis.tex").write_text("months of work")
+    with pytest.raises(DataError, match=r"holds 1 files that prepare did not write \(thesis\.tex"):
+        _prepare(files, out, max_len=50, force=True)
+    assert (out / "thesis.tex").read_text() == "months of work"
+    (out / "thesis.tex").unlink()
+    assert _prepare(files, out, max_len=50, force=True).settings["max_len"] == 50
+
+
+def test_a_corrupt_manifest_in_out_is_a_data_error(corpus, tmp_path):
+    files, *_ = corpus
+    out = tmp_path / "out"
+    _prepare(files, out)
+    (out / "manifest.json").write_text('{"splits": {"tr')
+    with pytest.raises(DataError, match=r"manifest\.json: unreadable"):
+        _prepare(files, out)
+
+
+def test_a_killed_preparation_is_cleaned_by_the_next(corpus, tmp_path):
+    import subprocess
+    import sys
+
+    files, *_ = corpus
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True).stdout.strip()  # fmt: skip
+    leftover = tmp_path / f".out.partial-{dead}"
+    leftover.mkdir()
+    (leftover / "train.en.stage1").write_text("x\n")
+    other = tmp_path / ".other.partial-1"  # another output's leftover: not ours to remove
+    other.mkdir()
+    _prepare(files, tmp_path / "out")
+    assert not leftover.exists() and other.exists()
+
+
+def test_disk_full_while_preparing_is_one_error_and_leaves_nothing(corpus, tmp_path, monkeypatch):
+    import errno
+
+    from transformer import data
+
+    files, *_ = corpus
+
+    def full(self, sequences):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(data.TokenWriter, "add", full)
+    with pytest.raises(DataError, match="cannot write the prepared data: No space left"):
+        _prepare(files, tmp_path / "out")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["raw"]
+
+
+def test_missing_directory_and_truncated_inputs_are_data_errors(corpus, tmp_path):
+    files, *_ = corpus
+    bad = dict(files, valid=(files["valid"][0], tmp_path / "nowhere.de"))
+    with pytest.raises(DataError, match=r"nowhere\.de: file not found"):
+        _prepare(bad, tmp_path / "out")
+    bad = dict(files, valid=(files["valid"][0], tmp_path))
+    with pytest.raises(DataError, match="is a directory"):
+        _prepare(bad, tmp_path / "out")
+    gz = files["train"][1]
+    gz.write_bytes(gz.read_bytes()[:-30])
+    with pytest.raises(DataError, match=r"train\.de\.gz: truncated or corrupt gzip"):
+        _prepare(files, tmp_path / "out")
+    assert not (tmp_path / "out").exists()

@@ -7,7 +7,7 @@ import random
 import pytest
 import sentencepiece as spm
 
-from transformer.tokenizer import BOS_ID, EOS_ID, PAD_ID, UNK_ID, Tokenizer
+from transformer.tokenizer import BOS_ID, EOS_ID, PAD_ID, UNK_ID, Tokenizer, strip_build_paths
 
 WORDS = (
     "the a man woman dog cat runs sits on in with red blue small big street park water ball "
@@ -127,3 +127,26 @@ def test_user_symbols_with_spaces_are_rejected(tmp_path):
     write_corpus(tmp_path / "a.txt")
     with pytest.raises(ValueError, match="without spaces"):
         Tokenizer.train([tmp_path / "a.txt"], tmp_path / "spm", 320, user_symbols=["(N P"])
+
+
+def test_the_model_keeps_no_path_of_the_machine_it_was_trained_on(tokenizer, tmp_path):
+    # issue 18: model files carried prepare's temporary directory (`.OUT.partial-PID/...`)
+    proto = tokenizer.model_path.read_bytes()
+    directory = str(tokenizer.model_path.parent).encode()
+    assert directory not in proto and b"a.txt" in proto and b"b.txt" in proto
+    sp = spm.SentencePieceProcessor(model_proto=proto)
+    assert sp.encode("the dog runs.") == tokenizer.encode("the dog runs.")
+    # an older model that still has them loses them on the way into a model file
+    write_corpus(tmp_path / "c.txt")
+    spm.SentencePieceTrainer.train(
+        input=str(tmp_path / "c.txt"), model_prefix=str(tmp_path / "old"), vocab_size=60,
+        minloglevel=2,
+    )  # fmt: skip
+    old = (tmp_path / "old.model").read_bytes()
+    assert str(tmp_path).encode() in old
+    stripped = strip_build_paths(old)
+    assert str(tmp_path).encode() not in stripped and b"c.txt" in stripped
+    assert spm.SentencePieceProcessor(model_proto=stripped).encode("a dog.") == (
+        spm.SentencePieceProcessor(model_proto=old).encode("a dog.")
+    )
+    assert strip_build_paths(b"\x00not a model") == b"\x00not a model"

@@ -221,6 +221,71 @@ def test_pairs_longer_than_the_model_or_a_batch_are_a_user_error_before_training
     assert not (tmp_path / "a" / "checkpoints").exists()
 
 
+# --- issue 18: run metadata written atomically, damaged checkpoints, leftovers, YAML errors --
+
+
+def test_a_failed_metadata_write_keeps_the_run_resumable_and_leftovers_are_removed(
+    data_dir, tmp_path, monkeypatch
+):
+    import errno
+    import subprocess
+    import sys
+
+    run = tmp_path / "run"
+    train(data_dir, run, _config("train.max_steps=2"), progress=False)
+    before = {name: (run / name).read_bytes() for name in ("config.yaml", "run.json")}
+    real_fsync = checkpoint.os.fsync
+
+    def full(fd):  # the disk fills while config.yaml is rewritten at the next start
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(checkpoint.os, "fsync", full)
+    with pytest.raises(UserError, match=r"config\.yaml: cannot write: No space left"):
+        train(None, run, resume=True, overrides=["train.max_steps=4"], progress=False)
+    monkeypatch.setattr(checkpoint.os, "fsync", real_fsync)
+    assert {name: (run / name).read_bytes() for name in before} == before  # old or new, whole
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True).stdout.strip()  # fmt: skip
+    leftovers = [run / f".config.yaml.tmp-{dead}", run / "checkpoints" / f".ckpt_9.pt.tmp-{dead}"]
+    for path in leftovers:
+        path.write_bytes(b"killed while writing")
+    state = train(None, run, resume=True, overrides=["train.max_steps=4"], progress=False)
+    assert state.step == 4
+    assert not any(p.exists() for p in leftovers)
+    assert not list(run.glob(".*.tmp-*")) and not list(run.glob("checkpoints/.*.tmp-*"))
+
+
+def test_resume_falls_back_from_a_truncated_latest_checkpoint(data_dir, tmp_path, caplog):
+    run = tmp_path / "run"
+    train(data_dir, run, _config("train.max_steps=4", "train.keep_last=5"), progress=False)
+    latest = checkpoint.latest_checkpoint(run)
+    assert latest.name == "ckpt_4.pt"
+    latest.write_bytes(latest.read_bytes()[:1000])
+    state = train(None, run, resume=True, overrides=["train.max_steps=6"], progress=False)
+    assert state.step == 6
+    assert "using" in caplog.text and "ckpt_2.pt instead of the unreadable" in caplog.text
+
+
+def test_yaml_errors_in_overrides_and_the_runs_config_are_one_line(data_dir, tmp_path, capsys):
+    run = tmp_path / "run"
+    args = ["train", str(data_dir), "--preset", "tiny", "--out", str(run), *TINY]
+    assert main([*args, "train.seed=["]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("transformer train: error: override 'train.seed=[': the value is not")
+    assert err.count("\n") == 1
+    assert main([*args, "--max-steps", "2"]) == 0
+    capsys.readouterr()
+    assert main(["train", "--resume", str(run), "train.seed=["]) == 2
+    assert "override 'train.seed=['" in capsys.readouterr().err
+    (run / "config.yaml").write_text("model: {d_model: [\n")
+    assert main(["train", "--resume", str(run)]) == 2
+    err = capsys.readouterr().err
+    assert "config.yaml: cannot parse YAML" in err and err.count("\n") == 1
+    (run / "config.yaml").write_bytes(b"model:\n  d_model: \xff\n")
+    assert main(["train", "--resume", str(run)]) == 2
+    assert "config.yaml: cannot parse YAML" in capsys.readouterr().err
+
+
 def test_thread_count_follows_threads_then_omp_num_threads(monkeypatch):
     from transformer.config import RunConfig
     from transformer.train import _setup_torch

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import io
 import logging
 from pathlib import Path
 
@@ -9,6 +10,7 @@ import torch
 
 from transformer.cli import main
 from transformer.config import DecodeConfig, ModelConfig, RunConfig
+from transformer.data import read_lines
 from transformer.errors import UserError
 from transformer.model import Transformer
 from transformer.modelfile import load_model, save_model
@@ -170,3 +172,33 @@ def test_cuda_search_gives_the_cpu_translations(model_file):
         cpu = Translator.from_path(model_file).translate(lines, beam_size=beam)
         cuda = Translator.from_path(model_file, device="cuda").translate(lines, beam_size=beam)
         assert [[h.tokens for h in n] for n in cuda] == [[h.tokens for h in n] for n in cpu]
+
+
+def test_input_lines_follow_the_corpus_line_model(model_file, tmp_path, capsys):
+    # issue 18: a leading BOM was translated ("Ein Möbeler rennt."), a lone "\r" split a line
+    stream = io.BytesIO(b"\xef\xbb\xbfA man.\r\nA\rcat.\n\xef\xbb\xbfA dog.")
+    assert list(read_lines(stream, "x")) == ["A man.", "A cat.", "\ufeffA dog."]
+    src = tmp_path / "bom.txt"
+    src.write_bytes("\ufeff".encode() + b"A man runs.\r\nA\rcat.\n")
+    assert main(["translate", str(model_file), str(src), "--beam", "1"]) == 0
+    out = capsys.readouterr().out.split("\n")
+    expected = Translator.from_path(model_file).translate(["A man runs.", "A cat."], beam_size=1)
+    assert out == [expected[0][0].text, expected[1][0].text, ""]
+
+
+def test_cli_damaged_model_and_bad_inputs_are_one_line(model_file, tmp_path, capsys):
+    src = tmp_path / "in.txt"
+    src.write_text("A man.\n", encoding="utf-8")
+    damaged = tmp_path / "damaged.safetensors"
+    data = bytearray(model_file.read_bytes())
+    data[-3] ^= 0x01
+    damaged.write_bytes(bytes(data))
+    assert main(["translate", str(damaged), str(src)]) == 2
+    err = capsys.readouterr().err
+    assert "damaged.safetensors: the tensor data does not match" in err and err.count("\n") == 1
+    assert main(["translate", str(damaged), str(src), "--no-verify"]) == 0
+    capsys.readouterr()
+    assert main(["translate", str(model_file), str(tmp_path)]) == 2
+    assert "is a directory" in capsys.readouterr().err
+    assert main(["translate", str(tmp_path), str(src)]) == 2  # a directory with no model
+    assert capsys.readouterr().err.count("\n") == 1

@@ -154,6 +154,7 @@ def plot_attention(
     kinds: tuple[str, ...] = KINDS,
     word: str | None = None,
     target: str | None = None,
+    verify: bool = True,
 ) -> list[Path]:
     """`transformer attention`: write PNGs of one sentence's attention weights.
 
@@ -166,13 +167,14 @@ def plot_attention(
         kinds: any of "encoder", "decoder", "cross" (heatmaps); encoder adds Figures 3 and 4.
         word: the Figure 3 query word (a subword or a 0-based position); None picks the longest.
         target: the target sentence; None uses the model's greedy translation.
+        verify: check the model file's checksum (`modelfile.load_model`).
 
     Returns:
         The paths written.
     """
     from transformer.translate import Translator
 
-    translator = Translator.from_path(model_path)
+    translator = Translator.from_path(model_path, verify=verify)
     translator.decode = translator.options(beam_size=1)  # the greedy translation as the target
     cfg = translator.model.cfg
     n = cfg.n_layers

@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 from transformer.config import DecodeConfig
+from transformer.data import write_output
 from transformer.errors import UserError
 from transformer.parsing.evalb import evaluate_parses
 from transformer.parsing.trees import (
@@ -74,6 +75,7 @@ def parse_sentences(
     dtype: str = "fp32",
     device: str = "cpu",
     constrain: bool = False,
+    verify: bool = True,
 ) -> list[Tree]:
     """Parse tokenized sentences into trees (§6.3).
 
@@ -88,6 +90,7 @@ def parse_sentences(
         device: where to decode.
         constrain: search only well-formed trees over the sentence's words (`TreeConstraint`;
             models whose trees write the words only; off by default, docs/parsing.md measures it).
+        verify: check the model file's checksum (`modelfile.load_model`).
 
     Returns:
         One tree per sentence, root `TOP`, whose leaves are exactly the sentence's words.
@@ -100,7 +103,7 @@ def parse_sentences(
 
     _check_input(sentences, pos)
     translator = Translator.from_path(
-        model_path, parse_decode_config(beam, alpha, max_tokens), device, dtype
+        model_path, parse_decode_config(beam, alpha, max_tokens), device, dtype, verify
     )
     leaves = leaf_mode(translator.loaded.tgt_lang)
     if constrain:
@@ -202,6 +205,7 @@ def evaluate_parser(
     dtype: str = "fp32",
     output: str | Path | None = None,
     constrain: bool = False,
+    verify: bool = True,
 ) -> dict:
     """Parse the sentences of gold trees and score the result like EVALB (COLLINS.prm).
 
@@ -228,11 +232,11 @@ def evaluate_parser(
     start = time.perf_counter()
     trees = parse_sentences(
         model_path, [t.leaves() for t in gold], [t.pos() for t in gold], beam, alpha,
-        max_tokens=max_tokens, dtype=dtype, constrain=constrain,
+        max_tokens=max_tokens, dtype=dtype, constrain=constrain, verify=verify,
     )  # fmt: skip
     seconds = time.perf_counter() - start
     if output is not None:
-        Path(output).write_text("".join(f"{t}\n" for t in trees), encoding="utf-8")
+        write_output(output, "".join(f"{t}\n" for t in trees))
     scores = evaluate_parses(gold, trees)
     scores.pop("sentence_scores")
     scores.update(split=split, beam=beam, alpha=alpha, seconds=seconds, constrain=constrain)
@@ -259,6 +263,7 @@ def parse_file(
     alpha: float = PARSE_ALPHA,
     dtype: str = "fp32",
     constrain: bool = False,
+    verify: bool = True,
 ) -> list[str]:
     """`transformer parse`: sentence lines (and optional POS-tag lines) in, tree lines out."""
     sentences = read_sentences(lines, name)
@@ -271,7 +276,7 @@ def parse_file(
             if len(tags) != len(words):
                 raise UserError(f"--pos line {number}: {len(tags)} tags for {len(words)} words")
     trees = parse_sentences(
-        model_path, sentences, pos, beam, alpha, dtype=dtype, constrain=constrain
+        model_path, sentences, pos, beam, alpha, dtype=dtype, constrain=constrain, verify=verify
     )
     return [str(tree) for tree in trees]
 

@@ -33,6 +33,8 @@ from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from transformer.data import read_lines
+
 logger = logging.getLogger(__name__)
 
 ROOT_LABEL = "TOP"
@@ -124,7 +126,8 @@ def read_trees(path: str | Path, *, clean: bool = True) -> list[Tree]:
             no tree; the message names the file, the tree number and its line.
     """
     path = Path(path)
-    return parse_trees(path.read_text(encoding="utf-8"), source=str(path), clean=clean)
+    # The corpus line model (data.decode_line): "\n" ends a line, a lone "\r" is a space.
+    return parse_trees("\n".join(read_lines(path)), source=str(path), clean=clean)
 
 
 def parse_trees(text: str, source: str = "<string>", *, clean: bool = True) -> list[Tree]:
@@ -168,7 +171,7 @@ def _parse_sexprs(text: str, source: str) -> Iterator[tuple[int, int, Tree]]:
         where = f"tree {number} (line {start})" if stack else f"after tree {number}"
         return TreeFormatError(f"{source}: {where}: {problem} at line {line}")
 
-    for lineno, line in enumerate(text.splitlines(), 1):
+    for lineno, line in enumerate(text.split("\n"), 1):  # not splitlines(): "\n" only
         for match in _TOKEN.finditer(line):
             token = match.group()
             if token == OPEN:

@@ -147,7 +147,11 @@ def spm_pieces(spm_proto: bytes) -> list[str]:
 
 
 def export_ctranslate2(
-    model_path: Path, out_dir: Path, quantization: str | None = None, force: bool = False
+    model_path: Path,
+    out_dir: Path,
+    quantization: str | None = None,
+    force: bool = False,
+    verify: bool = True,
 ) -> Path:
     """Write a CTranslate2 model directory (model.bin, config.json, shared_vocabulary.json).
 
@@ -157,6 +161,7 @@ def export_ctranslate2(
         quantization: weight type stored on disk (`QUANTIZATIONS`), None = float32. CTranslate2
             can also quantize at load time (`compute_type`).
         force: replace `out_dir` if it exists.
+        verify: check the model file's checksum (`modelfile.load_model`).
 
     Returns:
         out_dir.
@@ -171,7 +176,7 @@ def export_ctranslate2(
     out_dir = Path(out_dir)
     if quantization is not None and quantization not in QUANTIZATIONS:
         raise ExportError(f"quantization {quantization!r}: choose one of {QUANTIZATIONS}")
-    loaded = load_model(Path(model_path))
+    loaded = load_model(Path(model_path), verify=verify)
     _check_exportable(loaded.model.cfg, loaded.path)
     if out_dir.exists() and not force:
         raise ExportError(f"{out_dir}: already exists (pass force=True / --force to replace)")

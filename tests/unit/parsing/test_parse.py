@@ -188,12 +188,27 @@ def test_cli_errors_exit_2(model_file, tmp_path, capsys):
     assert main(["parse", str(model_file), str(tmp_path / "in.txt")]) == 2
     assert "in.txt:2: empty line" in capsys.readouterr().err
     assert main(["parse", str(model_file), str(tmp_path / "missing.txt")]) == 2
-    assert "no such input file" in capsys.readouterr().err
+    assert "missing.txt: file not found" in capsys.readouterr().err
     assert main(["parse", str(model_file), "--eval", str(tmp_path)]) == 2  # no test.trees
     assert "test.trees: no such tree file" in capsys.readouterr().err
     (tmp_path / "bad.trees").write_text("(TOP (S (NP x)\n", encoding="utf-8")
     assert main(["parse", str(model_file), "--eval", str(tmp_path / "bad.trees")]) == 2
     assert "bad.trees" in capsys.readouterr().err
+
+
+def test_cli_damaged_model_no_verify_and_an_unwritable_output(model_file, tmp_path, capsys):
+    (tmp_path / "in.txt").write_text("The dog barks .\n", encoding="utf-8")
+    damaged = tmp_path / "damaged.safetensors"
+    data = bytearray(model_file.read_bytes())
+    data[-2] ^= 0x01  # one bit of the last tensor
+    damaged.write_bytes(bytes(data))
+    argv = ["parse", str(damaged), str(tmp_path / "in.txt"), "--beam", "1"]
+    assert main(argv) == 2
+    assert "damaged.safetensors: the tensor data does not match" in capsys.readouterr().err
+    assert main([*argv, "--no-verify"]) == 0
+    assert capsys.readouterr().out.startswith("(TOP")
+    assert main([*argv, "--no-verify", "--output", "/dev/full"]) == 2
+    assert capsys.readouterr().err.endswith("/dev/full: cannot write: No space left on device\n")
 
 
 # A vocabulary as `prepare ptb --leaves words` makes it: specials, bracket symbols with their
