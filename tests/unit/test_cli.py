@@ -46,3 +46,31 @@ def test_unknown_subcommand_is_an_argparse_error() -> None:
     with pytest.raises(SystemExit) as e:
         main(["frobnicate"])
     assert e.value.code == 2
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory):
+    from fixtures import make_model_file
+
+    return make_model_file(tmp_path_factory.mktemp("cli_model"))
+
+
+@pytest.mark.parametrize(
+    ("flags", "needle"),
+    [
+        (["--alpha", "nan"], "decode.length_penalty: must be in [0, 10.0], got nan"),
+        (["--alpha", "inf"], "decode.length_penalty"),
+        (["--alpha", "-1"], "decode.length_penalty"),
+        (["--beam", "10000"], "decode.beam_size: must be in [1, 64], got 10000"),
+    ],
+)
+@pytest.mark.parametrize("command", ["translate", "evaluate"])
+def test_translate_and_evaluate_bound_the_search_like_the_server(
+    command, flags, needle, tiny_model, tmp_path, capsys
+) -> None:
+    args = [command, str(tiny_model), *flags]
+    if command == "evaluate":  # the options are checked before the data is read
+        args += ["--data", str(tmp_path / "no-data")]
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"transformer {command}: error: {needle}"), err
