@@ -18,7 +18,7 @@ from fixtures import make_model_file, running_server
 pytestmark = pytest.mark.integration
 
 sync_api = pytest.importorskip("playwright.sync_api")
-httpx = pytest.importorskip("httpx")
+httpx = pytest.importorskip("httpx2")  # starlette's recommended client
 pytest.importorskip("uvicorn")
 
 SENTENCE = "A man in an orange hat starring at something."
