@@ -128,10 +128,13 @@ def guarded_protocol(max_connections: int, idle_timeout_s: float, header_timeout
             self._timer, self._waiting = None, None
 
         def _expire(self) -> None:
-            what = "an idle connection" if self._waiting == "idle" else "an incomplete request"
+            idle = self._waiting == "idle"
             self._timer, self._waiting = None, None
             if not self.transport.is_closing():
-                logger.info("closing %s (timeout)", what)
+                if idle:  # the ordinary end of a kept-alive connection
+                    logger.debug("closing an idle connection")
+                else:
+                    logger.info("closing a connection whose request head did not arrive in time")
                 self.transport.close()
 
     return GuardedH11Protocol
