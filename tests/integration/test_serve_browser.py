@@ -1,7 +1,8 @@
 """The web page of `transformer serve` in headless Chromium: type, click, read, look.
 
 Needs Playwright (PyPI `playwright`, in the dev extra) and a system Chromium (Debian:
-`apt-get install chromium`); skips cleanly without either. The screenshot goes to the test's
+`apt-get install chromium`, which scripts/test.sh does); skips without either, and fails under
+CI=true (tests/conftest.py). The screenshot goes to the test's
 tmp dir, or to $SERVE_SCREENSHOT_DIR when set (to look at it).
 """
 
