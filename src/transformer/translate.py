@@ -16,19 +16,23 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import BinaryIO
 
+import numpy as np
 import torch
 from torch import nn
 
+from transformer.batching import batch_by_tokens
 from transformer.config import DecodeConfig
+from transformer.data import read_lines
 from transformer.errors import UserError
-from transformer.modelfile import LoadedModel, load_model
+from transformer.model import DTYPES as model_dtypes
+from transformer.modelfile import LoadedModel
+from transformer.rundir import resolve_model
 from transformer.search import Constrain, beam_search, greedy_search
 from transformer.tokenizer import BOS_ID, EOS_ID, PAD_ID
 
 logger = logging.getLogger(__name__)
 
-AVERAGED_MODEL = "model_avg.safetensors"
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "int8": "int8"}
+DTYPES = {**model_dtypes, "int8": "int8"}  # int8: dynamic quantization of the nn.Linear layers
 
 
 @dataclass
@@ -40,37 +44,15 @@ class Translation:
     score: float
 
 
-def resolve_model(path: str | Path, device: str | torch.device = "cpu") -> LoadedModel:
-    """Load a model file, or a run directory's model: `model_avg.safetensors`, else the newest
-    `average_last*.safetensors` (`transformer average`), else its latest checkpoint."""
-    path = Path(path)
-    if not path.is_dir():
-        return load_model(path, device)
-    if (path / AVERAGED_MODEL).is_file():
-        return load_model(path / AVERAGED_MODEL, device)
-    averages = sorted(path.glob("average_last*.safetensors"), key=lambda p: p.stat().st_mtime)
-    if averages:
-        return load_model(averages[-1], device)
-    return _load_latest_checkpoint(path, device)
+@dataclass
+class SentenceAttention:
+    """One sentence pair's attention weights (Figures 3-5) with the token labels."""
 
-
-def _load_latest_checkpoint(run_dir: Path, device: str | torch.device) -> LoadedModel:
-    from transformer.checkpoint import latest_checkpoint, load_checkpoint
-    from transformer.config import from_dict
-    from transformer.model import Transformer
-
-    ckpt = latest_checkpoint(run_dir)
-    if ckpt is None:
-        raise UserError(f"{run_dir}: no model file ({AVERAGED_MODEL}) and no checkpoints")
-    state = load_checkpoint(ckpt)
-    config = from_dict(state["config"], source=str(ckpt))
-    model = Transformer(config.model)
-    model.load_state_dict(state["model"])
-    model.to(device).eval()
-    meta = state["data"]
-    spm = bytes(meta["spm_proto"].numpy())
-    logger.info("using the latest checkpoint %s (no averaged model in %s)", ckpt, run_dir)
-    return LoadedModel(model, config, spm, meta["src"], meta["tgt"], ckpt)
+    source_pieces: list[str]  # S: the subwords and </s>
+    target_pieces: list[str]  # T: the output subwords and </s> (row i predicts piece i)
+    target_input_pieces: list[str]  # T: <s> and the output subwords (the decoder's inputs)
+    translation: str
+    weights: dict[str, list[torch.Tensor]]  # encoder/decoder/cross -> N layers of (H, Tq, Tk)
 
 
 def quantize_int8(model: nn.Module) -> nn.Module:
@@ -88,7 +70,7 @@ class Translator:
     """Translate text with a loaded model.
 
     Args:
-        loaded: a model file's contents (`modelfile.load_model` or `resolve_model`).
+        loaded: a model file's contents (`rundir.resolve_model`).
         decode: beam size, α, max-length rule, n-best and the token budget per batch.
         device: where to run.
         dtype: torch.float32, torch.bfloat16, or "fp32" / "bf16" / "int8".
@@ -151,16 +133,12 @@ class Translator:
     def batches(self, sources: Sequence[list[int]]) -> Iterator[list[int]]:
         """Indices of non-empty sources in batches of at most `decode.max_tokens` padded source
         tokens, longest first (stable), so that padding and search steps are few."""
-        order = sorted((i for i, s in enumerate(sources) if s), key=lambda i: -len(sources[i]))
-        batch: list[int] = []
-        for i in order:
-            width = len(sources[batch[0]]) if batch else len(sources[i])
-            if batch and (len(batch) + 1) * width > self.decode.max_tokens:
-                yield batch
-                batch = []
-            batch.append(i)
-        if batch:
-            yield batch
+        kept = np.array([i for i, s in enumerate(sources) if s], dtype=np.int64)
+        lens = np.array([len(sources[i]) for i in kept], dtype=np.int64)
+        for batch in batch_by_tokens(
+            lens, lens, self.decode.max_tokens, longest_first=True, oversize_alone=True
+        ):
+            yield kept[batch].tolist()
 
     def _collate(self, sources: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
         S = max(len(s) for s in sources)
@@ -227,8 +205,32 @@ class Translator:
         return [nbest[0].text for nbest in self.translate(lines)]
 
     @torch.inference_mode()
+    def attention_weights(self, src_text: str, tgt_text: str | None = None) -> SentenceAttention:
+        """Attention weights of one sentence pair (Figures 3-5); decodes tgt when not given
+        (with this translator's search)."""
+        if tgt_text is None:
+            tgt_text = self.translate_lines([src_text])[0]
+        src_ids = self.encode([src_text])[0] or [EOS_ID]
+        tgt_ids = self.tokenizer.encode(tgt_text)
+        if len(tgt_ids) + 1 > self.model.cfg.max_len:
+            raise UserError(
+                f"target: {len(tgt_ids) + 1} tokens exceed the model's max_len "
+                f"{self.model.cfg.max_len}"
+            )
+        src, src_mask = self._collate([src_ids])
+        tgt = torch.tensor([[BOS_ID, *tgt_ids]], device=self.device)  # (1, T)
+        weights = self.model.attention_weights(src, src_mask, tgt)
+        piece = self.tokenizer.id_to_piece
+        return SentenceAttention(
+            source_pieces=[piece(i) for i in src_ids],
+            target_pieces=[piece(i) for i in [*tgt_ids, EOS_ID]],
+            target_input_pieces=[piece(i) for i in [BOS_ID, *tgt_ids]],
+            translation=tgt_text,
+            weights={k: [w[0].float().cpu() for w in v] for k, v in weights.items()},
+        )
+
     def attention(self, src_text: str, tgt_text: str | None = None) -> dict:
-        """Attention weights of one sentence pair (Figures 3-5); decodes tgt when not given.
+        """`attention_weights` as plain JSON values.
 
         Returns:
             {"source_pieces": S pieces (ending "</s>"), "target_pieces": T output pieces
@@ -237,38 +239,18 @@ class Translator:
             "encoder": N x H x S x S, "decoder": N x H x T x T, "cross": N x H x T x S},
             weights as nested lists of floats.
         """
-        if tgt_text is None:
-            tgt_text = self.translate_lines([src_text])[0]
-        src_ids = self.encode([src_text])[0] or [EOS_ID]
-        tgt_ids = self.tokenizer.encode(tgt_text)
-        src, src_mask = self._collate([src_ids])
-        tgt = torch.tensor([[BOS_ID, *tgt_ids]], device=self.device)  # (1, T)
-        weights = self.model.attention_weights(src, src_mask, tgt)
-        piece = self.tokenizer.id_to_piece
+        a = self.attention_weights(src_text, tgt_text)
         return {
-            "source_pieces": [piece(i) for i in src_ids],
-            "target_pieces": [piece(i) for i in [*tgt_ids, EOS_ID]],
-            "target_input_pieces": [piece(i) for i in [BOS_ID, *tgt_ids]],
-            "translation": tgt_text,
-            **{k: [w[0].float().tolist() for w in v] for k, v in weights.items()},
+            "source_pieces": a.source_pieces,
+            "target_pieces": a.target_pieces,
+            "target_input_pieces": a.target_input_pieces,
+            "translation": a.translation,
+            **{k: [w.tolist() for w in v] for k, v in a.weights.items()},
         }
-
-
-def read_lines(stream: BinaryIO, name: str) -> list[str]:
-    """Lines of a UTF-8 byte stream without their line ends; invalid UTF-8 is a UserError
-    naming the stream and the line."""
-    lines = []
-    for number, raw in enumerate(stream, start=1):
-        raw = raw.rstrip(b"\n").rstrip(b"\r")
-        try:
-            lines.append(raw.decode("utf-8"))
-        except UnicodeDecodeError as e:
-            raise UserError(f"{name}:{number}: invalid UTF-8 at byte {e.start}") from None
-    return lines
 
 
 def translate_stream(translator: Translator, stream: BinaryIO, name: str) -> list[str]:
     """`transformer translate`: read all lines of `stream`, return their translations."""
-    lines = read_lines(stream, name)
+    lines = list(read_lines(stream, name))
     logger.info("translating %d lines from %s", len(lines), name)
     return translator.translate_lines(lines)

@@ -19,8 +19,8 @@ from transformer.data import collate, load_prepared
 from transformer.errors import UserError
 from transformer.loss import chunked_label_smoothed_loss
 from transformer.optim import MixedPrecisionAdam
+from transformer.train import build_model, train
 from transformer.trainer import MAX_NONFINITE_IN_ROW, Trainer, TrainingError
-from transformer.training import build_model, train
 
 TINY = [
     "train.max_tokens=400",

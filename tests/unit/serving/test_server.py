@@ -1,4 +1,4 @@
-"""serving/server.py: the JSON API, its limits and errors, the batching queue, the page's files."""
+"""serving/server.py: the JSON API, its limits and errors, the batching queue, the page files."""
 
 from __future__ import annotations
 
