@@ -9,8 +9,11 @@ request or trickles it (slowloris), and its `limit_concurrency` answers /health 
 - header_timeout_s: from its first byte, a request head must be complete within this time;
 - max_connections: beyond it, a new connection may still ask GET /health (monitoring must see
   an overloaded server); any other request gets a JSON 503 with Retry-After and the connection
-  is closed. Beyond max_connections + HEALTH_RESERVE a new connection gets that 503 at once, so
-  that the process never runs out of file descriptors.
+  is closed. At max_connections + HEALTH_RESERVE the process holds no more: a new connection
+  closes the one that has waited longest without a request in progress (idle, or trickling its
+  head), or, when every connection is busy with a request, gets that 503 at once. So the
+  process never runs out of file descriptors, and a flood of idle connections cannot keep
+  /health from answering.
 
 The request body's timeout lives in the application (server.py answers 408). See
 docs/serving.md.
@@ -81,9 +84,9 @@ def guarded_protocol(max_connections: int, idle_timeout_s: float, header_timeout
             self._timer, self._waiting = None, None
             super().connection_made(transport)
             open_now = len(self.connections)
-            if open_now > max_connections + HEALTH_RESERVE:
+            if open_now > max_connections + HEALTH_RESERVE and not self._evict_one():
                 logger.warning(
-                    "%d connections open (limit %d + %d for /health): refusing new ones",
+                    "%d connections open (limit %d + %d for /health), all busy: refusing new ones",
                     open_now, max_connections, HEALTH_RESERVE,
                 )  # fmt: skip
                 transport.write(_BUSY_RAW)
@@ -117,9 +120,20 @@ def guarded_protocol(max_connections: int, idle_timeout_s: float, header_timeout
             if not self.transport.is_closing():
                 self._arm(idle_timeout_s, waiting="idle")
 
+        def _evict_one(self) -> bool:
+            """Close the connection that has waited longest without a request in progress."""
+            waiting = [c for c in self.connections if getattr(c, "_waiting", None) is not None]
+            if not waiting:
+                return False
+            oldest = min(waiting, key=lambda c: c._since)
+            logger.warning("connection limit reached: closing the longest-waiting idle connection")
+            oldest._disarm()
+            oldest.transport.close()
+            return True
+
         def _arm(self, seconds: float, waiting: str) -> None:
             self._disarm()
-            self._waiting = waiting
+            self._waiting, self._since = waiting, self.loop.time()
             self._timer = self.loop.call_later(seconds, self._expire)
 
         def _disarm(self) -> None:

@@ -73,3 +73,68 @@ def test_over_the_limit_only_health_is_served_and_the_connection_closes():
     assert busy[0]["status"] == 503 and (b"retry-after", b"1") in busy[0]["headers"]
     assert (b"connection", b"close") in busy[0]["headers"]
     assert json.loads(busy[1]["body"])["error"]["code"] == "overloaded"
+
+
+class _Transport:
+    """Enough of an asyncio transport for uvicorn's h11 protocol."""
+
+    def __init__(self, port: int):
+        self.port, self.written, self.closed = port, b"", False
+
+    def get_extra_info(self, name, default=None):
+        return {"peername": ("127.0.0.1", self.port), "sockname": ("127.0.0.1", 8000)}.get(
+            name, default
+        )
+
+    def write(self, data: bytes) -> None:
+        self.written += data
+
+    def close(self) -> None:
+        self.closed = True
+
+    def is_closing(self) -> bool:
+        return self.closed
+
+    def pause_reading(self) -> None: ...
+
+    def resume_reading(self) -> None: ...
+
+
+def test_at_the_hard_limit_the_longest_idle_connection_goes_else_the_new_one_is_refused():
+    from uvicorn.config import Config
+    from uvicorn.server import ServerState
+
+    async def app(scope, receive, send): ...  # never runs: the loop is not started
+
+    loop = asyncio.new_event_loop()
+    config, state = Config(app, lifespan="off"), ServerState()
+    protocol = connections.guarded_protocol(
+        max_connections=1, idle_timeout_s=60, header_timeout_s=60
+    )
+    total = 1 + connections.HEALTH_RESERVE
+
+    def connect(port: int, request: bytes = b""):
+        p = protocol(config=config, server_state=state, app_state={}, _loop=loop)
+        p.connection_made(_Transport(port))
+        if request:
+            p.data_received(request)
+        return p
+
+    try:
+        busy = b"POST /v1/translate HTTP/1.1\r\nHost: x\r\nContent-Length: 10\r\n\r\n"
+        held = [connect(port, busy) for port in range(1, total)]  # heads in, bodies pending
+        idle = connect(total)  # the one connection without a request in progress
+        assert len(state.connections) == total and not idle.transport.closed
+        newcomer = connect(total + 1)
+        assert idle.transport.closed and not newcomer.transport.closed  # it took idle's place
+        idle.connection_lost(None)
+        newcomer.data_received(busy)
+        refused = connect(total + 2)  # every connection busy: 503 before reading anything
+        assert refused.transport.closed and refused.transport.written.startswith(b"HTTP/1.1 503")
+        assert b'"code": "overloaded"' in refused.transport.written
+        assert not any(p.transport.closed for p in held)
+    finally:
+        for task in state.tasks:
+            task.cancel()
+        loop.run_until_complete(asyncio.gather(*state.tasks, return_exceptions=True))
+        loop.close()
