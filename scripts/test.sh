@@ -2,7 +2,8 @@
 # The README's test command (and CI's, .ci/run): install what the suite needs, then run it all.
 # - Debian's chromium for the browser test of the web page, when no chromium is on PATH
 #   (apt-get; as root, else through sudo);
-# - a virtual environment .venv with the package and its dev extras.
+# - a virtual environment .venv with the package and its dev extras;
+# then ruff (lint and format) and the whole suite.
 # Extra arguments go to pytest (e.g. scripts/test.sh tests/unit -x).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -27,4 +28,6 @@ fi
 
 python3 -m venv .venv
 .venv/bin/pip install -e ".[dev]"
+.venv/bin/ruff check .
+.venv/bin/ruff format --check .
 .venv/bin/python -m pytest -q "$@"

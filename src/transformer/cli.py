@@ -16,7 +16,7 @@ from transformer.errors import UserError
 
 
 def _cmd_presets(args: argparse.Namespace) -> int:
-    from transformer.experiments.presets import describe_presets
+    from transformer.experiments.table3 import describe_presets
 
     rows = describe_presets(args.vocab_size)
     if args.json:

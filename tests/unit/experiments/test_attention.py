@@ -7,7 +7,6 @@ import torch
 
 pytest.importorskip("matplotlib")
 
-from fixtures import make_model_file  # noqa: E402
 from transformer.errors import UserError  # noqa: E402
 from transformer.experiments.attention import _pick_word, plot_attention  # noqa: E402
 from transformer.translate import Translator  # noqa: E402
@@ -16,8 +15,8 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
 @pytest.fixture(scope="module")
-def model_file(tmp_path_factory):
-    return make_model_file(tmp_path_factory.mktemp("model"))
+def model_file(tiny_model_file):
+    return tiny_model_file
 
 
 def test_sentence_attention_shapes_and_rows_sum_to_one(model_file) -> None:
