@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from dataclasses import replace
 from pathlib import Path
 
@@ -218,3 +219,26 @@ def test_pairs_longer_than_the_model_or_a_batch_are_a_user_error_before_training
     with pytest.raises(UserError, match=rf"exceed train.max_tokens={longest - 1} .*max-len"):
         train(data_dir, tmp_path / "b", _config(f"train.max_tokens={longest - 1}"), progress=False)
     assert not (tmp_path / "a" / "checkpoints").exists()
+
+
+def test_thread_count_follows_threads_then_omp_num_threads(monkeypatch):
+    from transformer.config import RunConfig
+    from transformer.train import _setup_torch
+
+    before = torch.get_num_threads()
+    cpu = torch.device("cpu")
+    try:
+        monkeypatch.setenv("OMP_NUM_THREADS", "1")
+        torch.set_num_threads(2)
+        _setup_torch(RunConfig(), cpu)  # a user's OMP_NUM_THREADS is left as torch read it
+        assert torch.get_num_threads() == 2
+        _setup_torch(RunConfig(), cpu, threads=1)  # --threads wins
+        assert torch.get_num_threads() == 1
+        monkeypatch.delenv("OMP_NUM_THREADS")
+        _setup_torch(RunConfig(), cpu)  # neither: every core
+        assert torch.get_num_threads() == max(1, os.cpu_count() or 1)
+        with pytest.raises(UserError, match="--threads: must be at least 1"):
+            _setup_torch(RunConfig(), cpu, threads=0)
+    finally:
+        torch.set_num_threads(before)
+        torch.use_deterministic_algorithms(False)
