@@ -28,7 +28,7 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-import httpx
+import httpx2 as httpx
 
 DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "multi30k"
 

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -48,3 +49,36 @@ def pytest_collection_modifyitems(config, items):  # noqa: ARG001
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+# Under CI=true a skip is a failure (only GPU tests may skip): a missing dependency such as the
+# system chromium of the browser test must fail the run, not hide a part of the suite.
+def _ci() -> bool:
+    return os.environ.get("CI", "").lower() == "true"
+
+
+def _fail_skip(report, what: str) -> None:
+    reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else report.longrepr
+    report.outcome = "failed"
+    report.longrepr = f"{what} skipped under CI=true (only GPU tests may skip): {reason}"
+
+
+def pytest_configure(config):
+    if _ci():  # a module that cannot be collected fails, and the rest of the suite still runs
+        config.option.continue_on_collection_errors = True
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item, call):  # noqa: ARG001
+    report = yield
+    if _ci() and report.skipped and "gpu" not in item.keywords and not hasattr(report, "wasxfail"):
+        _fail_skip(report, item.nodeid)
+    return report
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_make_collect_report(collector):
+    report = yield
+    if _ci() and report.skipped:
+        _fail_skip(report, collector.nodeid)
+    return report

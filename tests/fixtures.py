@@ -101,16 +101,17 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def running_server(model: Path, *flags: str, timeout_s: float = 90.0):
+def running_server(model: Path, *flags: str, timeout_s: float = 90.0, log_path: Path | None = None):
     """`transformer serve MODEL` as a subprocess on 127.0.0.1 and a free port; yields its URL.
 
-    Waits until GET /health answers; stops the server (SIGTERM, then SIGKILL) on exit.
+    Waits until GET /health answers; stops the server (SIGTERM, then SIGKILL) on exit. Its
+    output goes to `log_path` when given.
     """
-    import httpx
+    import httpx2 as httpx
 
     port = free_port()
     cmd = [sys.executable, "-m", "transformer", "serve", str(model), "--port", str(port)]
-    log = tempfile.TemporaryFile()
+    log = tempfile.TemporaryFile() if log_path is None else open(log_path, "w+b")
     proc = subprocess.Popen([*cmd, "--threads", "1", *flags], stdout=log, stderr=log)
     url = f"http://127.0.0.1:{port}"
     try:

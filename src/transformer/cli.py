@@ -408,6 +408,11 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         "max_sentence_tokens": args.max_sentence_tokens,
         "batch_wait_ms": args.batch_wait_ms,
         "max_batch_sentences": args.max_batch_sentences,
+        "max_attention_weights": args.max_attention_weights,
+        "max_connections": args.max_connections,
+        "idle_timeout_s": args.idle_timeout,
+        "header_timeout_s": args.header_timeout,
+        "body_timeout_s": args.body_timeout,
     }
     limits = ServeLimits(**{k: v for k, v in given.items() if v is not None})
     print(f"serving {args.model} on http://{args.host}:{args.port}/ (Ctrl-C stops)")
@@ -427,6 +432,26 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-sentence-tokens", type=int, help="subwords per sentence (default 250)")
     p.add_argument("--batch-wait-ms", type=float, help="batching window (default 5 ms)")
     p.add_argument("--max-batch-sentences", type=int, help="sentences per batch (default 64)")
+    p.add_argument(
+        "--max-attention-weights", type=int,
+        help='attention weights in one "attention": true answer (default 2000000)',
+    )  # fmt: skip
+    p.add_argument(
+        "--max-connections", type=int,
+        help="open connections; beyond them only /health is answered (default 256)",
+    )  # fmt: skip
+    p.add_argument(
+        "--idle-timeout", type=float, metavar="S",
+        help="close a connection that sends nothing between requests (default 5 s)",
+    )  # fmt: skip
+    p.add_argument(
+        "--header-timeout", type=float, metavar="S",
+        help="a request head must arrive within this from its first byte (default 10 s)",
+    )  # fmt: skip
+    p.add_argument(
+        "--body-timeout", type=float, metavar="S",
+        help="a request body must arrive within this from its head, else 408 (default 30 s)",
+    )  # fmt: skip
     p.set_defaults(func=_cmd_serve)
 
 

@@ -7,6 +7,7 @@ key or a value of the wrong type is an error that names the file (or "override")
 from __future__ import annotations
 
 import dataclasses
+import math
 import types
 import typing
 from collections.abc import Callable, Sequence
@@ -108,6 +109,15 @@ class TrainConfig:
             raise ConfigError(f"train.eps_ls: must be in [0, 1), got {self.eps_ls!r}")
 
 
+# Bounds of DecodeConfig, shared by the CLI and the server. The output length is capped at the
+# model's max_len anyway; these keep the search's memory and the scores meaningful.
+MAX_BEAM_SIZE = 64  # 3x the largest beam in the paper (21, §6.3)
+MAX_LENGTH_PENALTY = 10.0  # α; §6.1 uses 0.6, §6.3 0.3
+MAX_LEN_A = 10.0
+MAX_LEN_B = 10_000
+MAX_DECODE_TOKENS = 1_000_000
+
+
 @dataclass(frozen=True)
 class DecodeConfig:
     """§6.1 inference: beam 4, α 0.6, maximum output length = input length + 50."""
@@ -120,12 +130,22 @@ class DecodeConfig:
     max_tokens: int = 4000  # source tokens per translation batch
 
     def __post_init__(self) -> None:
-        if self.beam_size < 1:
-            raise ConfigError(f"decode.beam_size: must be >= 1, got {self.beam_size}")
-        if not 1 <= self.n_best <= self.beam_size:
-            raise ConfigError(
-                f"decode.n_best: must be in [1, beam_size={self.beam_size}], got {self.n_best}"
-            )
+        # One validation for every caller (translate, evaluate, the server, a model file's
+        # config): search memory grows with beam x batch (beam 10,000 took 2.9 GB for one
+        # sentence), and a NaN or negative α would silently rank hypotheses nonsensically.
+        def number(key: str, value: Any, low: float, high: float, integer: bool) -> None:
+            kinds, kind = (int, "an integer") if integer else ((int, float), "a number")
+            if isinstance(value, bool) or not isinstance(value, kinds):
+                raise ConfigError(f"decode.{key}: must be {kind}, got {value!r}")
+            if not (math.isfinite(value) and low <= value <= high):
+                raise ConfigError(f"decode.{key}: must be in [{low}, {high}], got {value}")
+
+        number("beam_size", self.beam_size, 1, MAX_BEAM_SIZE, integer=True)
+        number("n_best", self.n_best, 1, self.beam_size, integer=True)
+        number("length_penalty", self.length_penalty, 0, MAX_LENGTH_PENALTY, integer=False)
+        number("max_len_a", self.max_len_a, 0, MAX_LEN_A, integer=False)
+        number("max_len_b", self.max_len_b, 0, MAX_LEN_B, integer=True)
+        number("max_tokens", self.max_tokens, 1, MAX_DECODE_TOKENS, integer=True)
 
 
 @dataclass(frozen=True)

@@ -49,10 +49,11 @@ def evaluate(
     """
     from transformer.data import load_prepared, write_output
 
+    translator = Translator.from_path(model_path, dtype=dtype, verify=verify)
+    translator.decode = translator.options(beam_size, length_penalty)  # ConfigError: out of bounds
     data = load_prepared(data_dir)
     if split not in data.split_names:
         raise UserError(f"{data_dir}: no split {split!r}; have {', '.join(data.split_names)}")
-    translator = Translator.from_path(model_path, dtype=dtype, verify=verify)
     pair = (translator.loaded.src_lang, translator.loaded.tgt_lang)
     if pair != (data.src_lang, data.tgt_lang):
         raise UserError(
@@ -64,7 +65,7 @@ def evaluate(
     if limit is not None:
         sources, refs = sources[:limit], refs[:limit]
     start = time.perf_counter()
-    results = translator.translate(sources, beam_size=beam_size, length_penalty=length_penalty)
+    results = translator.translate(sources)
     seconds = time.perf_counter() - start
     hyps = [nbest[0].text for nbest in results]
     n_tokens = sum(len(nbest[0].tokens) + 1 for nbest in results)  # + EOS

@@ -1,7 +1,8 @@
 """The web page of `transformer serve` in headless Chromium: type, click, read, look.
 
 Needs Playwright (PyPI `playwright`, in the dev extra) and a system Chromium (Debian:
-`apt-get install chromium`); skips cleanly without either. The screenshot goes to the test's
+`apt-get install chromium`, which scripts/test.sh does); skips without either, and fails under
+CI=true (tests/conftest.py). The screenshot goes to the test's
 tmp dir, or to $SERVE_SCREENSHOT_DIR when set (to look at it).
 """
 
@@ -18,7 +19,7 @@ from fixtures import make_model_file, running_server
 pytestmark = pytest.mark.integration
 
 sync_api = pytest.importorskip("playwright.sync_api")
-httpx = pytest.importorskip("httpx")
+httpx = pytest.importorskip("httpx2")  # starlette's recommended client
 pytest.importorskip("uvicorn")
 
 SENTENCE = "A man in an orange hat starring at something."

@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import json
+import select
+import socket
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
 from fixtures import make_model_file, multi30k_lines, running_server
 
-httpx = pytest.importorskip("httpx")
+httpx = pytest.importorskip("httpx2")  # starlette's recommended client
 pytest.importorskip("starlette")
 pytest.importorskip("uvicorn")
 
@@ -92,3 +95,103 @@ def test_attention_endpoint_and_page(server):
     page = httpx.get(f"{server}/", timeout=10)
     assert page.status_code == 200 and "/static/app.js" in page.text
     assert httpx.get(f"{server}/static/app.js", timeout=10).status_code == 200
+
+
+# -- issue 18: connections time out, and a limit sheds what the server cannot hold ------------
+
+
+def _closed_within(sock: socket.socket, seconds: float) -> bool:
+    """Whether the server closes `sock` within `seconds` (reading and dropping what it sends)."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        ready, _, _ = select.select([sock], [], [], 0.2)
+        if ready:
+            try:
+                if not sock.recv(65536):
+                    return True
+            except ConnectionResetError:
+                return True
+    return False
+
+
+def _connect(url: str) -> socket.socket:
+    host, port = url.removeprefix("http://").split(":")
+    return socket.create_connection((host, int(port)), timeout=10)
+
+
+def _raw_response(sock: socket.socket) -> tuple[int, dict]:
+    """Status and JSON body of the one response the server sends before closing `sock`."""
+    data = b""
+    while chunk := sock.recv(65536):
+        data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    return int(head.split()[1]), json.loads(body)
+
+
+@pytest.fixture(scope="module")
+def tight_server(tmp_path_factory):
+    model = make_model_file(tmp_path_factory.mktemp("tight"))
+    flags = ("--idle-timeout", "1", "--header-timeout", "2", "--body-timeout", "2")
+    with running_server(model, *flags) as url:
+        yield url
+
+
+def test_an_idle_connection_is_closed_within_the_timeout(tight_server):
+    with _connect(tight_server) as sock:  # sends nothing at all
+        assert _closed_within(sock, 10)
+    with _connect(tight_server) as sock:  # idle after a kept-alive request
+        sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert _closed_within(sock, 10)
+    _still_serving(tight_server)
+
+
+def test_a_slowloris_client_is_cut_off(tight_server):
+    head = b"POST /v1/translate HTTP/1.1\r\nHost: x\r\n" + b"X-Slow: " + b"a" * 200
+    with _connect(tight_server) as sock:
+        start = time.monotonic()
+        for byte in head:  # a byte every 0.1 s: never idle, never a complete head
+            try:
+                sock.sendall(bytes([byte]))
+            except OSError:
+                break
+            if _closed_within(sock, 0.1):
+                break
+        assert time.monotonic() - start < 10, "the trickled head was never cut off"
+    _still_serving(tight_server)
+
+
+def test_a_body_that_does_not_arrive_is_a_json_408(tight_server):
+    with _connect(tight_server) as sock:
+        head = b"POST /v1/translate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        sock.sendall(head + b"Content-Length: 100\r\n\r\n" + b'{"text": "A')
+        status, body = _raw_response(sock)
+    assert status == 408 and body["error"]["code"] == "request_timeout"
+    _still_serving(tight_server)
+
+
+def test_beyond_the_connection_limit_503_at_once_while_health_answers(tmp_path_factory):
+    from transformer.serving.connections import HEALTH_RESERVE
+
+    model = make_model_file(tmp_path_factory.mktemp("busy"))
+    log = tmp_path_factory.mktemp("busy_log") / "serve.log"
+    flags = ("--max-connections", "3", "--idle-timeout", "60", "--header-timeout", "60")
+    with running_server(model, *flags, log_path=log) as url:
+        held = [_connect(url) for _ in range(3)]
+        time.sleep(0.5)  # the server has accepted them
+        busy = httpx.post(f"{url}/v1/translate", json={"text": "A dog."}, timeout=5)
+        assert busy.status_code == 503 and busy.headers["retry-after"] == "1"
+        assert busy.json()["error"]["code"] == "overloaded"
+        assert httpx.get(f"{url}/health", timeout=5).json()["status"] == "ok"
+        # A flood of idle connections: each new one closes the longest-waiting idle one, so
+        # the server holds at most 3 + HEALTH_RESERVE and /health still answers. (A refusal
+        # when every connection is busy: tests/unit/serving/test_connections.py.)
+        held += [_connect(url) for _ in range(3 * HEALTH_RESERVE)]
+        assert _closed_within(held[0], 10)
+        assert httpx.get(f"{url}/health", timeout=5).json()["status"] == "ok"
+        for sock in held:
+            sock.close()
+        time.sleep(0.5)
+        _still_serving(url)
+    lines = log.read_text().splitlines()
+    evicted = [line for line in lines if "closing the longest-waiting idle connection" in line]
+    assert len(evicted) == 1, lines  # one line, not one per evicted connection

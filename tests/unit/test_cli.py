@@ -48,7 +48,7 @@ def test_unknown_subcommand_is_an_argparse_error() -> None:
     assert e.value.code == 2
 
 
-# --- issue 18, item 6: ordinary mistakes are one line and exit 2, never a traceback ----------
+# --- ordinary mistakes are one line and exit 2, never a traceback --------------------------
 
 
 def _run(shell: str) -> subprocess.CompletedProcess:
@@ -93,3 +93,24 @@ def test_an_os_error_without_a_user_error_is_still_one_line(monkeypatch, capsys)
     assert (
         capsys.readouterr().err == "transformer presets: error: /root/secret: Permission denied\n"
     )
+
+
+@pytest.mark.parametrize(
+    ("flags", "needle"),
+    [
+        (["--alpha", "nan"], "decode.length_penalty: must be in [0, 10.0], got nan"),
+        (["--alpha", "inf"], "decode.length_penalty"),
+        (["--alpha", "-1"], "decode.length_penalty"),
+        (["--beam", "10000"], "decode.beam_size: must be in [1, 64], got 10000"),
+    ],
+)
+@pytest.mark.parametrize("command", ["translate", "evaluate"])
+def test_translate_and_evaluate_bound_the_search_like_the_server(
+    command, flags, needle, tiny_model_file, tmp_path, capsys
+) -> None:
+    args = [command, str(tiny_model_file), *flags]
+    if command == "evaluate":  # the options are checked before the data is read
+        args += ["--data", str(tmp_path / "no-data")]
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"transformer {command}: error: {needle}"), err

@@ -117,3 +117,33 @@ def test_round_trip_through_a_dict() -> None:
     cfg = build_config("C4", overrides=["train.accum_steps=3", "decode.beam_size=21"])
     assert from_dict(to_dict(cfg)) == cfg
     assert isinstance(from_dict(to_dict(RunConfig())), RunConfig)
+
+
+@pytest.mark.parametrize(
+    ("changes", "needle"),
+    [
+        ({"length_penalty": float("nan")}, "decode.length_penalty: must be in [0, 10.0], got nan"),
+        ({"length_penalty": float("inf")}, "decode.length_penalty"),
+        ({"length_penalty": -1.0}, "decode.length_penalty: must be in [0, 10.0], got -1.0"),
+        ({"beam_size": 10_000}, "decode.beam_size: must be in [1, 64], got 10000"),
+        ({"beam_size": 0}, "decode.beam_size"),
+        ({"beam_size": True}, "decode.beam_size: must be an integer, got True"),
+        ({"beam_size": 2, "n_best": 3}, "decode.n_best: must be in [1, 2], got 3"),
+        ({"max_len_a": -0.5}, "decode.max_len_a"),
+        ({"max_len_b": -1}, "decode.max_len_b"),
+        ({"max_len_b": 2.5}, "decode.max_len_b: must be an integer"),
+        ({"max_tokens": 0}, "decode.max_tokens"),
+    ],
+)
+def test_decode_config_bounds_every_search_option(changes, needle):
+    with pytest.raises(ConfigError) as e:
+        DecodeConfig(**changes)
+    assert needle in str(e.value)
+
+
+def test_decode_config_bounds_admit_the_papers_settings_and_the_extremes():
+    from transformer.config import MAX_BEAM_SIZE
+
+    assert DecodeConfig(beam_size=21, length_penalty=0.3).beam_size == 21  # §6.3
+    edge = DecodeConfig(MAX_BEAM_SIZE, 0, 0, 0, n_best=MAX_BEAM_SIZE, max_tokens=1)
+    assert (edge.beam_size, edge.n_best, edge.length_penalty) == (64, 64, 0)

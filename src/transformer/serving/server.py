@@ -4,8 +4,10 @@ Endpoints: POST /v1/translate, POST /v1/attention, GET /v1/model, GET /health, a
 at GET / (static/, served locally: no CDN). Concurrent requests are gathered for a few
 milliseconds into one decoding batch: an asyncio queue feeds a single worker thread that runs the
 model (torch releases the GIL, so the event loop keeps serving meanwhile). Every limit gives a
-JSON error {"error": {"code", "message"}}: malformed JSON 400, too large 413, invalid 422,
-overloaded 503. See docs/serving.md.
+JSON error {"error": {"code", "message"}}: malformed JSON 400, body too slow 408, too large
+413, invalid 422, overloaded 503, and an unexpected failure 500 (the other requests of its
+decoding batch are decoded again without it). Connection timeouts and limits: connections.py.
+See docs/serving.md.
 """
 
 from __future__ import annotations
@@ -15,47 +17,33 @@ import contextlib
 import json
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from transformer.serving.validation import (
+    ATTENTION_KEYS,
+    ApiError,
+    Options,
+    ServeLimits,
+    check_attention_size,
+    check_keys,
+    check_lengths,
+    check_text,
+    parse_json,
+    parse_translate,
+)
+
 logger = logging.getLogger(__name__)
 
 STATIC_DIR = Path(__file__).parent / "static"
 
-
-@dataclass(frozen=True)
-class ServeLimits:
-    """Request limits and batching knobs of the server."""
-
-    max_request_bytes: int = 256 * 1024  # whole JSON body -> 413
-    max_sentences: int = 64  # sentences per request -> 413
-    max_sentence_chars: int = 2000  # characters per sentence -> 413
-    max_sentence_tokens: int = 250  # subword tokens per sentence (also <= model max_len) -> 413
-    max_attention_tokens: int = 100  # per side for /v1/attention (weights are N*H*S*S) -> 413
-    max_beam_size: int = 16  # -> 422
-    max_pending: int = 1024  # sentences queued or decoding -> 503
-    batch_wait_ms: float = 5.0  # how long the first request waits for company
-    max_batch_sentences: int = 64  # sentences per decoding batch
-
-
-class ApiError(Exception):
-    """A request the server refuses; becomes a JSON error response with `status`."""
-
-    def __init__(self, status: int, code: str, message: str):
-        super().__init__(message)
-        self.status, self.code, self.message = status, code, message
-
-
-@dataclass(frozen=True)
-class Options:
-    """Per-request search options (None = the model file's decode config)."""
-
-    beam_size: int | None = None
-    length_penalty: float | None = None
-    n_best: int | None = None
+__all__ = [  # the requests' names are part of this module's API too
+    "ApiError", "BatchingQueue", "Options", "ServeLimits", "check_attention_size",
+    "check_lengths", "create_app", "parse_json", "parse_translate", "serve",
+]  # fmt: skip
 
 
 @dataclass
@@ -143,120 +131,46 @@ class BatchingQueue:
         return items
 
     async def _loop(self) -> None:
-        loop = asyncio.get_running_loop()
         while True:
             items = await self._gather()
             groups: dict[Options, list[_Pending]] = {}
             for item in items:
                 groups.setdefault(item.options, []).append(item)
             for options, group in groups.items():
-                lines = [line for item in group for line in item.lines]
+                n = sum(len(item.lines) for item in group)
                 self.stats.batches += 1
-                self.stats.sentences += len(lines)
-                self.stats.largest_batch = max(self.stats.largest_batch, len(lines))
-                try:
-                    results = await loop.run_in_executor(self._executor, self._run, lines, options)
-                except Exception as e:  # noqa: BLE001 - handed to every waiting request
-                    logger.exception("decoding batch of %d sentences failed", len(lines))
-                    self.stats.errors += 1
-                    for item in group:
-                        if not item.future.done():
-                            item.future.set_exception(e)
-                    continue
-                start = 0
+                self.stats.sentences += n
+                self.stats.largest_batch = max(self.stats.largest_batch, n)
+                await self._decode(group, options)
+
+    async def _decode(self, group: list[_Pending], options: Options) -> None:
+        """Decode a group of requests as one batch. If the batch fails, each request is decoded
+        again alone, so that one bad request fails alone and the others get their answers."""
+        lines = [line for item in group for line in item.lines]
+        loop = asyncio.get_running_loop()
+        try:
+            results = await loop.run_in_executor(self._executor, self._run, lines, options)
+        except Exception as e:  # noqa: BLE001 - handed to the waiting request, or retried
+            if len(group) > 1:
+                logger.warning(
+                    "a batch of %d requests failed (%s: %s); decoding them one by one",
+                    len(group), type(e).__name__, e,
+                )  # fmt: skip
                 for item in group:
-                    if not item.future.done():  # the client may have gone away
-                        item.future.set_result(results[start : start + len(item.lines)])
-                    start += len(item.lines)
+                    await self._decode([item], options)
+                return
+            logger.exception("a request of %d sentences failed", len(lines))
+            self.stats.errors += 1
+            if not group[0].future.done():
+                group[0].future.set_exception(e)
+            return
+        start = 0
+        for item in group:
+            if not item.future.done():  # the client may have gone away
+                item.future.set_result(results[start : start + len(item.lines)])
+            start += len(item.lines)
 
 
-# ---------------------------------------------------------------------------------------------
-# Request validation: pure functions, tested without a server.
-# ---------------------------------------------------------------------------------------------
-
-_TRANSLATE_KEYS = {"text", "texts", "beam_size", "length_penalty", "n_best", "attention"}
-_ATTENTION_KEYS = {"source", "target"}
-
-
-def parse_json(body: bytes) -> dict[str, Any]:
-    """The request body as a JSON object; 400 when it is not JSON, 422 when not an object."""
-    try:
-        data = json.loads(body)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ApiError(400, "malformed_json", f"request body is not valid JSON: {e}") from None
-    if not isinstance(data, dict):
-        raise ApiError(422, "invalid_request", "request body must be a JSON object")
-    return data
-
-
-def _check_keys(data: dict[str, Any], known: set[str]) -> None:
-    unknown = sorted(set(data) - known)
-    if unknown:
-        raise ApiError(
-            422, "unknown_option", f"unknown option(s) {unknown}; known: {sorted(known)}"
-        )
-
-
-def _int_option(data: dict, key: str, low: int, high: int) -> int | None:
-    value = data.get(key)
-    if value is None:
-        return None
-    if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
-        raise ApiError(422, "invalid_option", f"{key} must be an integer in [{low}, {high}]")
-    return value
-
-
-def parse_translate(data: dict[str, Any], limits: ServeLimits) -> tuple[list[str], Options, bool]:
-    """Validate a /v1/translate body: {"text": str} or {"texts": [str, ...]} plus options.
-
-    Returns:
-        The sentences, the search options, and whether attention weights are wanted.
-    """
-    _check_keys(data, _TRANSLATE_KEYS)
-    if ("text" in data) == ("texts" in data):
-        raise ApiError(422, "invalid_request", 'give exactly one of "text" or "texts"')
-    texts = [data["text"]] if "text" in data else data["texts"]
-    if not isinstance(texts, list) or not all(isinstance(t, str) for t in texts):
-        raise ApiError(422, "invalid_request", '"text" must be a string, "texts" a list of them')
-    if not any(t.strip() for t in texts):
-        raise ApiError(422, "empty_input", "nothing to translate: the input is empty")
-    if len(texts) > limits.max_sentences:
-        raise ApiError(
-            413, "too_many_sentences", f"{len(texts)} sentences > limit {limits.max_sentences}"
-        )
-    beam = _int_option(data, "beam_size", 1, limits.max_beam_size)
-    n_best = _int_option(data, "n_best", 1, limits.max_beam_size)
-    if n_best is not None and beam is not None and n_best > beam:
-        raise ApiError(422, "invalid_option", f"n_best={n_best} must be <= beam_size={beam}")
-    alpha = data.get("length_penalty")
-    if alpha is not None and (
-        not isinstance(alpha, int | float) or isinstance(alpha, bool) or not 0 <= alpha <= 10
-    ):
-        raise ApiError(422, "invalid_option", "length_penalty (α) must be a number in [0, 10]")
-    attention = data.get("attention", False)
-    if not isinstance(attention, bool):
-        raise ApiError(422, "invalid_option", "attention must be true or false")
-    alpha = None if alpha is None else float(alpha)
-    return texts, Options(beam, alpha, n_best), attention
-
-
-def check_lengths(
-    texts: Sequence[str], encode: Callable[[str], list[int]], max_chars: int, max_tokens: int
-) -> None:
-    """413 naming the first sentence (0-based) longer than the limits."""
-    for i, text in enumerate(texts):
-        if len(text) > max_chars:
-            raise ApiError(
-                413, "sentence_too_long", f"sentence {i}: {len(text)} characters > {max_chars}"
-            )
-        n = len(encode(text))
-        if n > max_tokens:
-            raise ApiError(
-                413, "sentence_too_long", f"sentence {i}: {n} subword tokens > {max_tokens}"
-            )
-
-
-# ---------------------------------------------------------------------------------------------
 # The application.
 # ---------------------------------------------------------------------------------------------
 
@@ -298,6 +212,52 @@ def _result_json(nbest) -> list[dict[str, Any]]:
     return [{"text": t.text, "score": round(t.score, 4), "tokens": t.tokens} for t in nbest]
 
 
+def _error_response(status: int, code: str, message: str, headers: dict | None = None):
+    from starlette.responses import Response
+
+    # ensure_ascii: a message that quotes the request stays valid UTF-8 whatever it holds.
+    body = json.dumps({"error": {"code": code, "message": message}}, ensure_ascii=True)
+    return Response(body, status, headers, media_type="application/json")
+
+
+def _json_errors(endpoint: Callable) -> Callable:
+    """An endpoint whose ApiErrors become their JSON errors, and any other exception a JSON 500
+    (logged with its traceback), so that no request gets a plain-text answer."""
+
+    async def guarded(request):
+        try:
+            return await endpoint(request)
+        except ApiError as e:
+            headers = {"Retry-After": "1"} if e.status == 503 else None
+            if e.status == 408:  # the rest of the body may still arrive: do not read it
+                headers = {"Connection": "close"}
+            return _error_response(e.status, e.code, e.message, headers)
+        except Exception as e:  # noqa: BLE001 - the client gets a JSON 500, the log the traceback
+            logger.exception("%s %s failed", request.method, request.url.path)
+            message = f"unexpected {type(e).__name__}; the server's log has the details"
+            return _error_response(500, "internal_error", message)
+
+    return guarded
+
+
+def _resolve(translator, options: Options) -> Options:
+    """The request's options completed with the model's and checked by DecodeConfig (the same
+    validation as the CLI's), so that a bad combination is a 422 here, not a failed batch."""
+    from transformer.config import ConfigError
+
+    default_beam = translator.decode.beam_size
+    if options.n_best is not None and options.beam_size is None and options.n_best > default_beam:
+        raise ApiError(
+            422, "invalid_option",
+            f"n_best={options.n_best} must be <= beam_size (the model's is {default_beam})",
+        )  # fmt: skip
+    try:
+        cfg = translator.options(options.beam_size, options.length_penalty, options.n_best)
+    except ConfigError as e:
+        raise ApiError(422, "invalid_option", str(e)) from None
+    return Options(cfg.beam_size, cfg.length_penalty, cfg.n_best)
+
+
 def create_app(translator, limits: ServeLimits | None = None):
     """The Starlette application serving `translator` (a `translate.Translator`)."""
     from starlette.applications import Starlette
@@ -306,9 +266,15 @@ def create_app(translator, limits: ServeLimits | None = None):
     from starlette.routing import Mount, Route
     from starlette.staticfiles import StaticFiles
 
+    from transformer.config import MAX_BEAM_SIZE
+
     limits = limits or ServeLimits()
-    max_tokens = min(limits.max_sentence_tokens, translator.loaded.model.cfg.max_len - 1)
-    limits = ServeLimits(**{**asdict(limits), "max_sentence_tokens": max_tokens})
+    cfg = translator.loaded.model.cfg
+    max_tokens = min(limits.max_sentence_tokens, cfg.max_len - 1)
+    max_beam = min(limits.max_beam_size, MAX_BEAM_SIZE)
+    limits = ServeLimits(
+        **{**asdict(limits), "max_sentence_tokens": max_tokens, "max_beam_size": max_beam}
+    )
 
     def run(lines: list[str], options: Options):
         return translator.translate(
@@ -319,26 +285,47 @@ def create_app(translator, limits: ServeLimits | None = None):
         run, limits.batch_wait_ms / 1000, limits.max_batch_sentences, limits.max_pending
     )
     state = _State(translator, limits, queue, _model_info(translator, limits))
+    too_large = ApiError(413, "request_too_large", f"body > {limits.max_request_bytes} bytes")
 
     async def read_json(request) -> dict[str, Any]:
         declared = request.headers.get("content-length")
         if declared is not None and declared.isdigit() and int(declared) > limits.max_request_bytes:
-            raise ApiError(413, "request_too_large", f"body > {limits.max_request_bytes} bytes")
-        body = bytearray()
-        async for chunk in request.stream():
-            body += chunk
-            if len(body) > limits.max_request_bytes:
-                raise ApiError(413, "request_too_large", f"body > {limits.max_request_bytes} bytes")
-        return parse_json(bytes(body))
+            raise too_large
+
+        async def read() -> bytes:
+            body = bytearray()
+            async for chunk in request.stream():
+                body += chunk
+                if len(body) > limits.max_request_bytes:
+                    raise too_large
+            return bytes(body)
+
+        try:
+            body = await asyncio.wait_for(read(), limits.body_timeout_s)
+        except asyncio.TimeoutError:
+            message = f"the request body did not arrive within {limits.body_timeout_s:g} s"
+            raise ApiError(408, "request_timeout", message) from None
+        return parse_json(body)
 
     async def translate(request):
         t0 = time.perf_counter()
         texts, options, want_attention = parse_translate(await read_json(request), limits)
+        options = _resolve(translator, options)
         encode = translator.tokenizer.encode
         check_lengths(texts, encode, limits.max_sentence_chars, limits.max_sentence_tokens)
         if want_attention:
             check_lengths(texts, encode, limits.max_sentence_chars, limits.max_attention_tokens)
+            sources = [len(encode(t)) + 1 for t in texts]  # + EOS; the targets are not known yet
+            check_attention_size(
+                [(S, 0) for S in sources], cfg.n_layers, cfg.n_heads, limits.max_attention_weights
+            )
         nbests = await queue.submit(texts, options)
+        if want_attention:
+            targets = [len(n[0].tokens) + 1 for n in nbests]
+            check_attention_size(
+                list(zip(sources, targets, strict=True)), cfg.n_layers, cfg.n_heads,
+                limits.max_attention_weights,
+            )  # fmt: skip
         results = [
             {"source": s, "translations": _result_json(n)}
             for s, n in zip(texts, nbests, strict=True)
@@ -353,10 +340,13 @@ def create_app(translator, limits: ServeLimits | None = None):
 
     async def attention(request):
         data = await read_json(request)
-        _check_keys(data, _ATTENTION_KEYS)
+        check_keys(data, ATTENTION_KEYS)
         source, target = data.get("source"), data.get("target")
         if not isinstance(source, str) or not (target is None or isinstance(target, str)):
             raise ApiError(422, "invalid_request", '"source" (and optional "target") are strings')
+        check_text(source, "source")
+        if target is not None:
+            check_text(target, "target")
         if not source.strip():
             raise ApiError(422, "empty_input", "nothing to show: the source is empty")
         sides = [source] if target is None else [source, target]
@@ -377,15 +367,13 @@ def create_app(translator, limits: ServeLimits | None = None):
     async def index(request):  # noqa: ARG001
         return FileResponse(STATIC_DIR / "index.html")
 
-    async def api_error(request, exc: ApiError):  # noqa: ARG001
-        body = {"error": {"code": exc.code, "message": exc.message}}
-        headers = {"Retry-After": "1"} if exc.status == 503 else None
-        return JSONResponse(body, status_code=exc.status, headers=headers)
-
     async def http_error(request, exc: HTTPException):  # noqa: ARG001
         code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
-        body = {"error": {"code": code, "message": str(exc.detail)}}
-        return JSONResponse(body, status_code=exc.status_code)
+        return _error_response(exc.status_code, code, str(exc.detail))
+
+    async def internal_error(request, exc: Exception):  # noqa: ARG001
+        # Outside the endpoints (static files, routing): Starlette logs and re-raises after it.
+        return _error_response(500, "internal_error", f"unexpected {type(exc).__name__}")
 
     @contextlib.asynccontextmanager
     async def lifespan(app):  # noqa: ARG001
@@ -395,13 +383,13 @@ def create_app(translator, limits: ServeLimits | None = None):
 
     routes = [
         Route("/", index),
-        Route("/health", health),
-        Route("/v1/model", model_info),
-        Route("/v1/translate", translate, methods=["POST"]),
-        Route("/v1/attention", attention, methods=["POST"]),
+        Route("/health", _json_errors(health)),
+        Route("/v1/model", _json_errors(model_info)),
+        Route("/v1/translate", _json_errors(translate), methods=["POST"]),
+        Route("/v1/attention", _json_errors(attention), methods=["POST"]),
         Mount("/static", StaticFiles(directory=STATIC_DIR), name="static"),
     ]
-    handlers = {ApiError: api_error, HTTPException: http_error}
+    handlers = {HTTPException: http_error, Exception: internal_error}
     app = Starlette(routes=routes, exception_handlers=handlers, lifespan=lifespan)
     app.state.serve = state
     return app
@@ -421,7 +409,7 @@ def serve(
         model_path: a model file or a run directory (`rundir.resolve_model`).
         host: interface to bind; loopback by default, use 0.0.0.0 deliberately.
         port: TCP port.
-        limits: request limits and batching (ServeLimits defaults when None).
+        limits: request limits, timeouts and batching (ServeLimits defaults when None).
         dtype: "fp32", "bf16" or "int8" (see translate.Translator).
         threads: torch intra-op threads for decoding (None = torch's default).
     """
@@ -435,11 +423,25 @@ def serve(
         ) from e
     import torch
 
+    from transformer.serving.connections import (
+        ensure_file_descriptors,
+        guarded_protocol,
+        quiet_repeats,
+    )
     from transformer.translate import Translator
 
+    limits = limits or ServeLimits()
+    ensure_file_descriptors(limits.max_connections)
     if threads is not None:
         torch.set_num_threads(threads)
     translator = Translator.from_path(model_path, dtype=dtype)
     app = create_app(translator, limits)
+    protocol = guarded_protocol(
+        limits.max_connections, limits.idle_timeout_s, limits.header_timeout_s
+    )
+    quiet_repeats()
     logger.info("serving %s on http://%s:%d", model_path, host, port)
-    uvicorn.run(app, host=host, port=port, log_level="info", access_log=False)
+    uvicorn.run(
+        app, host=host, port=port, http=protocol, timeout_keep_alive=limits.idle_timeout_s,
+        log_level="info", access_log=False,
+    )  # fmt: skip

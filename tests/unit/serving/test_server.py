@@ -13,11 +13,12 @@ from transformer.serving.server import (
     BatchingQueue,
     Options,
     ServeLimits,
+    check_attention_size,
     parse_translate,
 )
 
 pytest.importorskip("starlette")
-pytest.importorskip("httpx")
+pytest.importorskip("httpx2")  # starlette's TestClient (plain httpx is deprecated there)
 
 LIMITS = ServeLimits(max_sentences=4, max_sentence_chars=300, max_request_bytes=4000)
 
@@ -220,3 +221,155 @@ def test_cli_serve_with_a_missing_model_is_a_clean_error(tmp_path, capsys):
 
     assert main(["serve", str(tmp_path / "missing.safetensors"), "--port", "1"]) == 2
     assert "no such model file" in capsys.readouterr().err
+
+
+# -- issue 18: every request gets a JSON answer; a failure does not take its batch down --------
+
+
+@pytest.fixture(scope="module")
+def wide_client(translator):
+    """The default limits: a 256 KB body holds JSON nested 100,000 deep."""
+    from starlette.testclient import TestClient
+
+    from transformer.serving.server import create_app
+
+    with TestClient(create_app(translator)) as c:
+        yield c
+
+
+_DEEP = b"[" * 100_000 + b"]" * 100_000
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "code", "needle"),
+    [
+        (b'{"text": "A dog.", "n_best": 8}', 422, "invalid_option", "n_best=8 must be <= beam"),
+        (b'{"text": "A dog.", "n_best": 3}', 200, None, None),  # <= the model's beam of 4
+        (b'{"text": "\\ud800"}', 422, "invalid_text", "sentence 0: character 0 is a lone"),
+        (b'{"texts": ["A dog.", "a\\udc80b"]}', 422, "invalid_text", "sentence 1: character 1"),
+        (_DEEP, 400, "malformed_json", "nested too deeply"),
+        (b'{"text": ' + _DEEP + b"}", 400, "malformed_json", "nested too deeply"),
+        (b'{"text": "a", "beam_size": ' + b"7" * 5000 + b"}", 400, "malformed_json", "digits"),
+        (b'{"text": "a", "beam_size": ' + b"7" * 4000 + b"}", 422, "invalid_option", "beam_size"),
+        (b'{"text": "a", "length_penalty": NaN}', 422, "invalid_option", "length_penalty"),
+        (b'{"text": "a", "length_penalty": Infinity}', 422, "invalid_option", "length_penalty"),
+        (b'{"text": "a", "length_penalty": -1}', 422, "invalid_option", "length_penalty"),
+        (b'{"text": "a", "length_penalty": 1e999}', 422, "invalid_option", "length_penalty"),
+        (b'{"\\ud800": 1, "text": "a"}', 422, "unknown_option", "'\\ud800'"),
+    ],
+)
+def test_adversarial_requests_get_json_with_the_right_code(wide_client, body, status, code, needle):
+    response = wide_client.post(
+        "/v1/translate", content=body, headers={"content-type": "application/json"}
+    )
+    if code is None:
+        assert response.status_code == status, response.text
+    else:
+        assert needle in _error(response, status, code)
+    assert wide_client.post("/v1/translate", json={"text": "A dog."}).status_code == 200
+
+
+@pytest.mark.parametrize(
+    "body",
+    [b'{"source": "\\ud800"}', b'{"source": "A dog.", "target": "Ein \\udfff"}', _DEEP],
+)
+def test_attention_endpoint_refuses_what_text_cannot_hold(wide_client, body):
+    response = wide_client.post("/v1/attention", content=body)
+    assert response.status_code in (400, 422), response.text
+    assert response.json()["error"]["code"] in ("invalid_text", "malformed_json")
+
+
+class _Failing:
+    """The translator, except that decoding any batch that holds "boom" raises."""
+
+    def __init__(self, translator):
+        self._translator, self.calls = translator, []
+
+    def __getattr__(self, name):
+        return getattr(self._translator, name)
+
+    def translate(self, lines, *args):
+        self.calls.append(list(lines))
+        if "boom" in lines:
+            raise RuntimeError("a bug in the search")
+        return self._translator.translate(lines, *args)
+
+
+def test_an_unexpected_failure_is_a_json_500_and_its_batch_mates_are_answered(translator):
+    from concurrent.futures import ThreadPoolExecutor
+
+    from starlette.testclient import TestClient
+
+    from transformer.serving.server import create_app
+
+    failing = _Failing(translator)
+    good = multi30k_lines("test_2016_flickr", "en", 2)
+    with TestClient(create_app(failing, ServeLimits(batch_wait_ms=500))) as c:
+        with ThreadPoolExecutor(3) as pool:
+            bodies = [{"text": "boom"}, {"text": good[0]}, {"texts": good}]
+            responses = list(pool.map(lambda b: c.post("/v1/translate", json=b), bodies))
+        health = c.get("/health").json()
+    assert "a bug" not in _error(responses[0], 500, "internal_error")
+    assert sorted(failing.calls[0]) == sorted(["boom", good[0], *good])  # they shared a batch
+    expected = [n[0].text for n in translator.translate(good)]
+    assert responses[1].status_code == 200, responses[1].text
+    assert responses[1].json()["results"][0]["translations"][0]["text"] == expected[0]
+    assert [r["translations"][0]["text"] for r in responses[2].json()["results"]] == expected
+    assert health["errors"] == 1
+
+
+def test_queue_answers_the_other_requests_of_a_failed_batch():
+    def run(lines, options):  # noqa: ARG001
+        if "bad" in lines:
+            raise RuntimeError("boom")
+        return [line.upper() for line in lines]
+
+    async def main():
+        queue = BatchingQueue(run, wait_s=0.05, max_sentences=64)
+        queue.start()
+        results = await asyncio.gather(
+            queue.submit(["a", "b"], Options()),
+            queue.submit(["bad"], Options()),
+            queue.submit(["c"], Options()),
+            return_exceptions=True,
+        )
+        await queue.stop()
+        return results, queue.stats
+
+    results, stats = asyncio.run(main())
+    assert results[0] == ["A", "B"] and results[2] == ["C"]
+    assert isinstance(results[1], RuntimeError)
+    assert (stats.batches, stats.errors) == (1, 1)
+
+
+def test_attention_size_is_counted_per_layer_head_and_side():
+    # N=2, H=4, S=3, T=2: 8 * (3*3 + 2*2 + 2*3) = 152 weights.
+    check_attention_size([(3, 2)], n_layers=2, n_heads=4, limit=152)
+    with pytest.raises(ApiError, match="152 > limit 151") as e:
+        check_attention_size([(3, 2)], n_layers=2, n_heads=4, limit=151)
+    assert e.value.status == 413
+
+
+def test_attention_answers_are_bounded(translator):
+    from starlette.testclient import TestClient
+
+    from transformer.serving.server import create_app
+
+    lines = multi30k_lines("test_2016_flickr", "en", 4)
+    with TestClient(create_app(translator, ServeLimits(max_attention_weights=20_000))) as c:
+        one = c.post("/v1/translate", json={"text": "A dog.", "attention": True})
+        assert one.status_code == 200 and "attention" in one.json()["results"][0]
+        many = c.post("/v1/translate", json={"texts": lines, "attention": True})
+        message = _error(many, 413, "attention_too_large")
+        assert "for these 4 sentences" in message and "> limit 20,000" in message
+        assert c.post("/v1/translate", json={"texts": lines}).status_code == 200
+
+
+@pytest.mark.parametrize(
+    ("field", "value"), [("max_connections", 0), ("idle_timeout_s", -1.0), ("body_timeout_s", 0)]
+)
+def test_serve_limits_must_be_positive(field, value):
+    from transformer.errors import UserError
+
+    with pytest.raises(UserError, match=f"serve: {field} must be a positive number"):
+        ServeLimits(**{field: value})
