@@ -304,6 +304,39 @@ def _add_evaluate(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_cmd_evaluate)
 
 
+def _cmd_score(args: argparse.Namespace) -> int:
+    from transformer.bleu import score_files
+
+    report = score_files(args.hyp, args.ref, args.lang)
+    if args.json:
+        print(json.dumps(report.as_dict(), indent=2))
+        return 0
+    paper = "tokenized BLEU, compounds split" if args.lang == "de" else "tokenized BLEU"
+    print(f"{report.lines} lines")
+    print(f"sacreBLEU {report.sacrebleu.score:.2f}  {report.sacrebleu.signature}")
+    print(f"  {report.sacrebleu}")
+    print(f"chrF {report.chrf.score:.2f}  {report.chrf.signature}")
+    print(f"{paper} (paper) {report.paper.score:.2f}  {report.paper.signature}")
+    print(f"  {report.paper}")
+    return 0
+
+
+def _add_score(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "score", help="score a detokenized output file: sacreBLEU, chrF, the paper's BLEU"
+    )
+    p.add_argument("hyp", help="detokenized system output, one line per reference line")
+    p.add_argument("ref", help="the raw (untokenized) references")
+    p.add_argument(
+        "--lang",
+        required=True,
+        choices=["de", "fr"],
+        help="target language: de = En-De metric (compounds split), fr = En-Fr metric",
+    )
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(func=_cmd_score)
+
+
 def _cmd_serve(args: argparse.Namespace) -> int:
     from transformer.serving.server import ServeLimits, serve
 
@@ -426,6 +459,7 @@ _SUBCOMMANDS = [
     _add_average,
     _add_translate,
     _add_evaluate,
+    _add_score,
     _add_parse,
     _add_serve,
     _add_export,
