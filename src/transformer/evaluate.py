@@ -1,5 +1,5 @@
 """`transformer evaluate`: translate a prepared split and score it (sacreBLEU, chrF and, for
-English→German, the paper's tokenized compound-split BLEU)."""
+English→German and English→French, the paper's tokenized BLEU)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,13 @@ from pathlib import Path
 
 import torch
 
-from transformer.bleu import corpus_bleu, corpus_chrf, tokenized_bleu_compound_split
+from transformer.bleu import (
+    check_detokenized,
+    corpus_bleu,
+    corpus_chrf,
+    moses_detokenize,
+    paper_bleu,
+)
 from transformer.errors import UserError
 from transformer.translate import Translator
 
@@ -42,8 +48,12 @@ def evaluate(
 
     Returns:
         {"split", "sentences", "bleu", "bleu_signature", "chrf", "chrf_signature",
-        ["paper_bleu", "paper_bleu_signature"] (en→de only), "seconds", "sentences_per_s",
-        "target_tokens_per_s"}.
+        ["paper_bleu", "paper_bleu_signature"] (en→de, en→fr), ["detokenized"], "seconds",
+        "sentences_per_s", "target_tokens_per_s"}.
+
+    Raises:
+        UserError: the translations look Moses-tokenized and the references do not, or the
+            reverse (a model trained on tokenized text scored against raw references).
     """
     from transformer.data import load_prepared
 
@@ -68,6 +78,16 @@ def evaluate(
     n_tokens = sum(len(nbest[0].tokens) + 1 for nbest in results)  # + EOS
     if output is not None:
         Path(output).write_text("".join(h + "\n" for h in hyps), encoding="utf-8")
+    ref_name = f"{data_dir}: the {split} references"
+    detokenized = check_detokenized(hyps, refs, f"{model_path}: its {split} output", ref_name)
+    if detokenized:
+        # Both sides tokenized (the Stanford release): sacreBLEU and the paper's metric tokenize
+        # themselves, so both are scored after the Moses detokenizer, and the report says so.
+        if importlib.util.find_spec("sacremoses") is None:
+            raise UserError(f"{ref_name} are tokenized: detokenizing them {PAPER_BLEU_HINT}")
+        hyps = moses_detokenize(hyps, data.tgt_lang)
+        refs = moses_detokenize(refs, data.tgt_lang)
+        logger.warning("%s are tokenized: both sides scored after Moses detokenization", ref_name)
     bleu, chrf = corpus_bleu(hyps, refs), corpus_chrf(hyps, refs)
     report = {
         "split": split,
@@ -81,13 +101,15 @@ def evaluate(
         "sentences_per_s": len(hyps) / seconds if seconds > 0 else 0.0,
         "target_tokens_per_s": n_tokens / seconds if seconds > 0 else 0.0,
     }
-    if pair == ("en", "de"):  # SPEC §6.1: the paper's metric, reported next to sacreBLEU
+    if detokenized:
+        report["detokenized"] = "moses detokenizer (sacremoses) on hypotheses and references"
+    if pair in (("en", "de"), ("en", "fr")):  # SPEC §6.1: the paper's metric, next to sacreBLEU
         if importlib.util.find_spec("sacremoses") is None:
             # An optional extra: its absence costs the paper's metric, not the evaluation.
             report["paper_bleu_missing"] = PAPER_BLEU_HINT
             logger.warning("the paper's tokenized BLEU is skipped: %s", PAPER_BLEU_HINT)
         else:
-            paper = tokenized_bleu_compound_split(hyps, refs, lang="de")
+            paper = paper_bleu(hyps, refs, lang=data.tgt_lang)
             report["paper_bleu"] = paper.score
             report["paper_bleu_signature"] = paper.signature
     logger.info("%s: BLEU %.2f chrF %.2f", split, bleu.score, chrf.score)

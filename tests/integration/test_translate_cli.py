@@ -103,3 +103,47 @@ def test_evaluate_without_sacremoses_still_scores_and_says_how_to_get_the_paper_
     report = evaluate_module.evaluate(model, data, "test", beam_size=1, limit=5)
     assert "paper_bleu" not in report and "bleu" in report and "chrf" in report
     assert "transformer[paper-bleu]" in report["paper_bleu_missing"]
+
+
+def _with_test_refs(data: Path, tmp_path: Path, refs: list[str]) -> Path:
+    """A copy of the prepared directory whose test references are `refs`."""
+    import shutil
+
+    copy = tmp_path / "data"
+    shutil.copytree(data, copy)
+    (copy / "test.de.txt").write_text("\n".join(refs), encoding="utf-8")
+    return copy
+
+
+def _outputs(monkeypatch, texts: list[str]) -> None:
+    from transformer.translate import Translation, Translator
+
+    def translate(self, lines, **_):
+        return [[Translation(text=t, tokens=[5], score=0.0)] for t in texts[: len(lines)]]
+
+    monkeypatch.setattr(Translator, "translate", translate)
+
+
+def test_evaluate_refuses_tokenized_output_against_raw_references_and_the_reverse(
+    prepared, tmp_path, monkeypatch
+):
+    pytest.importorskip("sacremoses")
+    from transformer import evaluate as evaluate_module
+    from transformer.bleu import moses_tokenize
+    from transformer.errors import UserError
+
+    data, model = prepared
+    raw = (data / "test.de.txt").read_text(encoding="utf-8").split("\n")[:20]
+    tokenized = moses_tokenize(raw, "de")
+    _outputs(monkeypatch, tokenized)  # a model trained on tokenized text, raw references
+    with pytest.raises(UserError, match="its test output looks tokenized .* references does not"):
+        evaluate_module.evaluate(model, data, "test", limit=20)
+    _outputs(monkeypatch, raw)  # raw output, tokenized references
+    tok_data = _with_test_refs(data, tmp_path, tokenized + raw[20:])
+    with pytest.raises(UserError, match="test references looks tokenized .* output does not"):
+        evaluate_module.evaluate(model, tok_data, "test", limit=20)
+    # Both tokenized (the Stanford release): scored after Moses detokenization, and said so.
+    _outputs(monkeypatch, tokenized)
+    report = evaluate_module.evaluate(model, tok_data, "test", limit=20)
+    assert report["bleu"] == pytest.approx(100.0) and "detokenized" in report
+    assert report["paper_bleu"] == pytest.approx(100.0)
