@@ -245,7 +245,9 @@ def _cmd_translate(args: argparse.Namespace) -> int:
     from transformer.translate import Translator, translate_stream
 
     translator = Translator.from_path(args.model, dtype=args.dtype)
-    translator.decode = translator.options(args.beam, args.alpha, max_tokens=args.max_tokens)
+    translator.decode = translator.options(
+        args.beam, args.alpha, max_tokens=args.max_tokens, stop=args.stop
+    )
     if args.input == "-":
         outputs = translate_stream(translator, sys.stdin.buffer, "<stdin>")
     else:
@@ -265,7 +267,17 @@ def _add_translate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--alpha", type=float, help="length penalty α (default: the model's, 0.6)")
     p.add_argument("--dtype", choices=["fp32", "bf16", "int8"], default="fp32")
     p.add_argument("--max-tokens", type=int, help="source tokens per batch (padding counted)")
+    _add_stop(p)
     p.set_defaults(func=_cmd_translate)
+
+
+def _add_stop(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--stop",
+        choices=["t2t", "fairseq"],
+        help="when beam search ends a sentence: t2t = §6.1, when no live hypothesis can beat the "
+        "best finished one; fairseq = once K have finished (default: the model's, t2t)",
+    )
 
 
 def _cmd_evaluate(args: argparse.Namespace) -> int:
@@ -273,7 +285,7 @@ def _cmd_evaluate(args: argparse.Namespace) -> int:
 
     report = evaluate(
         args.model, args.data, args.split, args.beam, args.alpha, args.dtype, args.output,
-        args.limit,
+        args.limit, args.stop,
     )  # fmt: skip
     if args.json:
         print(json.dumps(report, indent=2))
@@ -300,6 +312,7 @@ def _add_evaluate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--dtype", choices=["fp32", "bf16", "int8"], default="fp32")
     p.add_argument("--output", help="write the translations to this file")
     p.add_argument("--limit", type=int, help="only the first N sentences")
+    _add_stop(p)
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.set_defaults(func=_cmd_evaluate)
 

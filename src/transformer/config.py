@@ -120,10 +120,15 @@ class DecodeConfig:
     max_len_b: int = 50
     n_best: int = 1
     max_tokens: int = 4000  # source tokens per translation batch
+    # §6.1 "terminating early when possible": "t2t" stops a sentence when no live hypothesis
+    # can beat the best finished one; "fairseq" (not the paper's) once K have finished.
+    stop: str = "t2t"
 
     def __post_init__(self) -> None:
         if self.beam_size < 1:
             raise ConfigError(f"decode.beam_size: must be >= 1, got {self.beam_size}")
+        if self.stop not in ("t2t", "fairseq"):
+            raise ConfigError(f"decode.stop: must be 't2t' or 'fairseq', got {self.stop!r}")
         if not 1 <= self.n_best <= self.beam_size:
             raise ConfigError(
                 f"decode.n_best: must be in [1, beam_size={self.beam_size}], got {self.n_best}"

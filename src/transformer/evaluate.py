@@ -34,6 +34,7 @@ def evaluate(
     dtype: torch.dtype | str = "fp32",
     output: str | Path | None = None,
     limit: int | None = None,
+    stop: str | None = None,
 ) -> dict:
     """Translate `split` of a prepared data directory and score it against its references.
 
@@ -45,6 +46,7 @@ def evaluate(
         dtype: "fp32", "bf16" or "int8".
         output: if given, the translations are written there, one per line.
         limit: translate only the first `limit` sentences (quick checks).
+        stop: the beam search's stopping rule, "t2t" (§6.1) or "fairseq" (default: the model's).
 
     Returns:
         {"split", "sentences", "bleu", "bleu_signature", "chrf", "chrf_signature",
@@ -61,6 +63,7 @@ def evaluate(
     if split not in data.split_names:
         raise UserError(f"{data_dir}: no split {split!r}; have {', '.join(data.split_names)}")
     translator = Translator.from_path(model_path, dtype=dtype)
+    translator.decode = translator.options(stop=stop)
     pair = (translator.loaded.src_lang, translator.loaded.tgt_lang)
     if pair != (data.src_lang, data.tgt_lang):
         raise UserError(

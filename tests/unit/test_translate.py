@@ -166,3 +166,20 @@ def test_cli_translate_file_and_errors(model_file, tmp_path, capsys):
     assert main(["translate", str(model_file), str(bad)]) == 2
     assert "bad.txt:2: invalid UTF-8" in capsys.readouterr().err
     assert main(["translate", str(tmp_path / "missing.safetensors"), str(src)]) == 2
+
+
+def test_the_stop_rule_reaches_the_search(model_file, monkeypatch):
+    import transformer.translate as translate_module
+
+    seen = []
+
+    def spy(*args):
+        seen.append(args[-1])  # beam_search(..., constrain, stop)
+        return beam_search(*args)
+
+    monkeypatch.setattr(translate_module, "beam_search", spy)
+    tr = Translator.from_path(model_file)
+    tr.translate(LINES)
+    tr.decode = tr.options(stop="fairseq")
+    tr.translate(LINES)
+    assert seen == ["t2t", "t2t", "fairseq", "fairseq"]  # two batches each (max_tokens=40)
