@@ -124,7 +124,7 @@ def quickstart(
     with _stage("average", seconds):
         from transformer.checkpoint import list_checkpoints
 
-        last = min(config.train.keep_last, len(list_checkpoints(run_dir)))
+        last = min(config.train.keep_last, len(list_checkpoints(run_dir, cadence_only=True)))
         model_path = average_run(run_dir, last, out_dir / "model.safetensors")
 
     translations = out_dir / f"test_2016_flickr.{tgt_lang}.hyp"
