@@ -26,7 +26,7 @@ import time
 import torch
 
 from transformer.experiments.banded import attention_banded
-from transformer.model import MultiHeadAttention, attention_fused, window_mask
+from transformer.model import MultiHeadAttention, attention, window_mask
 
 
 def _layer_step(attn: MultiHeadAttention, x: torch.Tensor, impl: str, window: int) -> None:
@@ -35,9 +35,9 @@ def _layer_step(attn: MultiHeadAttention, x: torch.Tensor, impl: str, window: in
     k, v = attn.project_kv(x)  # (B, H, N, K), (B, H, N, Vd)
     q = attn.w_q(x).view(B, N, attn.n_heads, attn.d_k).transpose(1, 2)  # (B, H, N, K)
     if impl == "full":
-        out = attention_fused(q, k, v, None)
+        out = attention(q, k, v, fused=True)
     elif impl == "masked":
-        out = attention_fused(q, k, v, window_mask(N, window, x.device))
+        out = attention(q, k, v, window_mask(N, window, x.device), fused=True)
     else:
         out = attention_banded(q, k, v, window)
     out = attn.w_o(out.transpose(1, 2).reshape(B, N, -1))  # (B, N, D)

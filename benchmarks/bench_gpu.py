@@ -3,7 +3,7 @@
 The paper's ~25k-token batches (§5.1: ~25,000 source + ~25,000 target tokens), synthetic
 sentences of ~30 tokens, V = 32,000 tied; the full step is ours (bf16 parameters, fp32 master
 Adam, chunked non-pad loss); attention on CUDA takes PyTorch's fused kernels (model.attention).
-MFU = analytic model FLOPs (transformer.experiments.flops.training_flops) / step time / the measured bf16
+MFU = analytic model FLOPs (experiments.flops.training_flops) / step time / the measured bf16
 matrix-product rate of the same GPU. Without CUDA it says so and exits 0.
 
     .venv/bin/python benchmarks/bench_gpu.py                       # base and big
@@ -23,7 +23,7 @@ from transformer.experiments.flops import measure_matmul_tflops, training_flops
 from transformer.loss import chunked_label_smoothed_loss
 from transformer.optim import MixedPrecisionAdam
 from transformer.tokenizer import BOS_ID, EOS_ID, PAD_ID
-from transformer.training import build_model
+from transformer.train import build_model
 
 
 def run(preset: str, tokens: int, length: int, steps: int, vocab: int) -> dict:

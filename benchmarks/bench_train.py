@@ -24,7 +24,7 @@ from transformer.config import build_config
 from transformer.loss import chunked_label_smoothed_loss
 from transformer.optim import MixedPrecisionAdam, learning_rate
 from transformer.tokenizer import BOS_ID, EOS_ID, PAD_ID
-from transformer.training import build_model
+from transformer.train import build_model
 
 
 def synthetic_batch(tokens: int, length: int, vocab: int, seed: int = 0):

@@ -36,11 +36,10 @@ import torch
 
 from transformer.config import build_config
 from transformer.loss import chunked_label_smoothed_loss
-from transformer.model import Transformer
+from transformer.model import DTYPES, Transformer
 from transformer.optim import MixedPrecisionAdam
 from transformer.search import ModelStepper
 from transformer.tokenizer import PAD_ID
-from transformer.training import DTYPES
 
 # The harness's training batches (its common.py): BOS = 0, PAD = 1, EOS = 2, ids 4.. real.
 PEER_BOS, PEER_PAD = 0, 1
@@ -87,7 +86,7 @@ class OurTrain:
             config = build_config("base", None, overrides, vocab_size=c["vocab"])
             torch.manual_seed(c["seed"])
             model = self.model_cls(config.model).train()
-            for p in model.parameters():  # as training.build_model: parameters in the dtype
+            for p in model.parameters():  # as train.build_model: parameters in the dtype
                 p.data = p.data.to(DTYPES[dtype])
             opt = MixedPrecisionAdam(model.parameters(), tuple(c["betas"]), c["eps"])
             self.runs[dtype] = (model, opt)

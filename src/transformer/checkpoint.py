@@ -1,4 +1,5 @@
-"""Checkpoints: atomic save, keep the last K, a `latest` pointer, resume; §6.1 averaging.
+"""Checkpoints: atomic save, keep the last K, a `latest` pointer, resume; §6.1 averaging of
+state dicts (`rundir.average_run` writes the averaged model file).
 
 A run directory holds `checkpoints/ckpt_<step>.pt` (written on the save cadence, the ones §6.1
 averages), at most one `checkpoints/ckpt_<step>_end.pt` (the end of a run that stopped between
@@ -54,6 +55,11 @@ def _write_atomic(path: Path, write) -> None:
         os.fsync(f.fileno())
     os.replace(tmp, path)
     _fsync_dir(path.parent)
+
+
+def step_of(path: Path) -> int:
+    """The step of a checkpoint file `ckpt_<step>.pt`."""
+    return int(_NAME.match(Path(path).name).group(1))
 
 
 def list_checkpoints(run_dir: Path, cadence_only: bool = False) -> list[Path]:
@@ -178,54 +184,4 @@ def average_checkpoints(states: Sequence[dict[str, torch.Tensor]]) -> dict[str, 
         for s in states:
             total += s[k].double()
         out[k] = (total / len(states)).float()
-    return out
-
-
-def average_run(
-    run_dir: Path, last: int, out: Path | None = None, upper_bound: int | None = None
-) -> Path:
-    """`transformer average`: average the run's last N checkpoints into one model file (§6.1).
-
-    Args:
-        run_dir: a training run directory.
-        last: how many of the newest checkpoints to average (5 for base, 20 for big).
-        out: the model file to write (default `RUN_DIR/average_last<N>.safetensors`, or
-            `average_last<N>_upto<STEP>.safetensors` with `upper_bound`).
-        upper_bound: only checkpoints of at most this step (fairseq's
-            `--checkpoint-upper-bound`): the last N up to, e.g., the best dev perplexity.
-
-    Only checkpoints written on the save cadence are averaged (§6.1: "the last 5 checkpoints,
-    written at 10-minute intervals"): a run's end between two cadence points is left out.
-
-    Returns:
-        The model file's path.
-    """
-    from transformer.config import from_dict
-    from transformer.model import Transformer
-    from transformer.modelfile import save_model
-
-    run_dir = Path(run_dir)
-    paths = list_checkpoints(run_dir, cadence_only=True)
-    if not paths:
-        raise CheckpointError(f"{run_dir / CHECKPOINT_DIR}: no checkpoints on the save cadence")
-    if upper_bound is not None:
-        paths = [p for p in paths if int(_NAME.match(p.name).group(1)) <= upper_bound]
-    if last < 1 or last > len(paths):
-        bound = "" if upper_bound is None else f" up to step {upper_bound}"
-        raise CheckpointError(
-            f"{run_dir / CHECKPOINT_DIR}: --last {last} asked, {len(paths)} checkpoints "
-            f"present{bound}"
-        )
-    chosen = paths[-last:]
-    states = [load_checkpoint(p) for p in chosen]
-    config = from_dict(states[-1]["config"], source=str(chosen[-1]))
-    model = Transformer(config.model)
-    model.load_state_dict(average_checkpoints([s["model"] for s in states]))
-    meta = states[-1]["data"]
-    if out is None:
-        bound = "" if upper_bound is None else f"_upto{upper_bound}"
-        out = run_dir / f"average_last{last}{bound}.safetensors"
-    out = Path(out)
-    save_model(out, model, config, bytes(meta["spm_proto"].numpy()), meta["src"], meta["tgt"])
-    logger.info("averaged %s into %s", ", ".join(p.name for p in chosen), out)
     return out

@@ -91,12 +91,82 @@ def _add_quickstart(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_cmd_quickstart)
 
 
+PTB = "ptb"  # §6.3: `prepare ptb` builds the parsing corpus (parsing.corpus)
+
+
+def _cmd_prepare(args: argparse.Namespace) -> int:
+    from transformer.data import DataError
+
+    if args.name == PTB:
+        from transformer.parsing.corpus import prepare_parsing
+
+        prepare_parsing(
+            args.out, args.from_dir, vocab_size=args.vocab_size, leaves=args.leaves,
+            force=args.force,
+        )  # fmt: skip
+        return 0
+    from transformer.prepare import prepare_corpus, read_symbols
+
+    if args.src is None or args.tgt is None:
+        raise DataError("prepare", f"{args.name}: --src and --tgt are required")
+    symbols = read_symbols(args.user_symbols) if args.user_symbols else ()
+    prepare_corpus(
+        args.name, args.src, args.tgt, args.out, from_dir=args.from_dir,
+        vocab_size=args.vocab_size, spm_type=args.spm_type, max_len=args.max_len,
+        max_ratio=args.max_ratio, train_files=args.train, valid_files=args.valid,
+        test_files=args.test, force=args.force, download_dir=args.download_dir,
+        spm_sample=args.spm_sample, num_threads=args.threads, user_symbols=symbols,
+        mirror=args.mirror, checksums=args.checksums,
+    )  # fmt: skip
+    return 0
+
+
 def _add_prepare(sub: argparse._SubParsersAction) -> None:
-    from transformer.prepare import add_prepare_arguments, run_prepare
+    from transformer import corpora, prepare
+    from transformer.parsing.trees import LEAF_MODES
 
     p = sub.add_parser("prepare", help="§5.1 corpus -> joint subwords + binarized splits")
-    add_prepare_arguments(p)
-    p.set_defaults(func=run_prepare)
+    names = [*corpora.REGISTRY, prepare.CUSTOM, PTB]
+    p.add_argument("name", choices=names, help="corpus name (ptb: §6.3 parsing)")
+    p.add_argument("--src", help="source language code, e.g. en (ptb: en)")
+    p.add_argument("--tgt", help="target language code, e.g. de (ptb: tree)")
+    p.add_argument("--out", required=True, type=Path, help="prepared-data directory")
+    p.add_argument("--from", dest="from_dir", type=Path, help="use files in DIR, no download")
+    for split in ("train", "valid", "test"):
+        p.add_argument(
+            f"--{split}", nargs=2, type=Path, metavar=("SRC", "TGT"), help=f"custom: {split} files"
+        )
+    p.add_argument("--vocab-size", type=int, help="joint subword vocabulary (default per corpus)")
+    p.add_argument("--spm-type", choices=["bpe", "unigram"], help="default per corpus")
+    p.add_argument(
+        "--max-len", type=int, default=prepare.DEFAULT_MAX_LEN, help="train: max subwords incl. EOS"
+    )
+    p.add_argument(
+        "--max-ratio", type=float, default=prepare.DEFAULT_MAX_RATIO, help="train: max length ratio"
+    )
+    p.add_argument(
+        "--spm-sample", type=int, default=prepare.DEFAULT_SPM_SAMPLE,
+        help="sentences for spm training",
+    )  # fmt: skip
+    p.add_argument("--threads", type=int, help="sentencepiece threads")
+    p.add_argument(
+        "--user-symbols", type=Path, help="file of tokens (one a line) kept whole in the vocabulary"
+    )
+    p.add_argument(
+        "--leaves", choices=LEAF_MODES, default="xx",
+        help="ptb: what the linearized trees write for each word: XX (the paper's [37]), the "
+        "POS tag, or the word itself (docs/parsing.md)",
+    )  # fmt: skip
+    p.add_argument("--download-dir", type=Path, help="default: OUT.downloads")
+    p.add_argument(
+        "--mirror", help="download from this base URL instead of each file's host (same paths)"
+    )
+    p.add_argument(
+        "--checksums", type=Path,
+        help="file of '<sha256 or md5>  <name>' lines replacing the built-in download checksums",
+    )  # fmt: skip
+    p.add_argument("--force", action="store_true", help="rebuild OUT even if it exists")
+    p.set_defaults(func=_cmd_prepare)
 
 
 def _add_flops(sub: argparse._SubParsersAction) -> None:
@@ -172,7 +242,7 @@ def _add_sweep(sub: argparse._SubParsersAction) -> None:
 
 def _cmd_train(args: argparse.Namespace) -> int:
     from transformer.config import build_config
-    from transformer.training import train
+    from transformer.train import train
 
     positional = [a for a in args.args if "=" not in a]
     overrides = [a for a in args.args if "=" in a]
@@ -223,7 +293,7 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
 
 
 def _cmd_average(args: argparse.Namespace) -> int:
-    from transformer.checkpoint import average_run
+    from transformer.rundir import average_run
 
     print(average_run(args.run_dir, args.last, args.out, args.upper_bound))
     return 0

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import types
 import typing
+from collections.abc import Sequence
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
@@ -36,12 +37,10 @@ class ModelConfig:
     d_v: int = 64
     p_drop: float = 0.1  # §5.4 residual and embedding dropout
     share_embeddings: bool = True  # §3.4: source embedding = target embedding (joint vocabulary)
-    tie_output: bool = True  # §3.4: target embedding = pre-softmax projection
     learned_pos: bool = False  # Table 3 row (E) instead of §3.5 sinusoids
     max_len: int = 1024  # positions available to the positional encoding
     norm_first: bool = False  # not in the paper: pre-norm with a final LayerNorm per stack
     p_attn_drop: float = 0.0  # not in the paper (tensor2tensor): dropout on attention weights
-    p_relu_drop: float = 0.0  # not in the paper (tensor2tensor): dropout after the FFN ReLU
     attn_window: int | None = None  # §4 Table 1: restricted self-attention, r neighbours each side
 
     def __post_init__(self) -> None:
@@ -55,7 +54,6 @@ class ModelConfig:
             "d_v": self.d_v > 0,
             "p_drop": 0.0 <= self.p_drop < 1.0,
             "p_attn_drop": 0.0 <= self.p_attn_drop < 1.0,
-            "p_relu_drop": 0.0 <= self.p_relu_drop < 1.0,
             "max_len": self.max_len > 0,
             "attn_window": self.attn_window is None or self.attn_window >= 0,
         }
@@ -283,16 +281,24 @@ def build_config(
                 raise ConfigError(f"{yaml_path}: section {section!r} must be a mapping")
             flat.update({f"{section}.{k}": v for k, v in values.items()})
         cfg = apply_overrides(cfg, flat, source=str(yaml_path))
-    parsed = {}
-    for item in overrides or []:
-        key, sep, value = item.partition("=")
-        if not sep:
-            raise ConfigError(f"override {item!r}: expected section.key=value")
-        parsed[key.strip()] = yaml.safe_load(value)
-    cfg = apply_overrides(cfg, parsed, source="override")
+    cfg = apply_overrides(cfg, parse_overrides(overrides or []), source="override")
     if vocab_size is not None:
         cfg = replace(cfg, model=replace(cfg.model, vocab_size=vocab_size))
     return cfg
+
+
+def parse_overrides(items: Sequence[str]) -> dict[str, Any]:
+    """`section.key=value` strings -> {"section.key": value}, each value read as YAML."""
+    parsed = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise ConfigError(f"override {item!r}: expected section.key=value")
+        try:
+            parsed[key.strip()] = yaml.safe_load(value)
+        except yaml.YAMLError as e:
+            raise ConfigError(f"override {item!r}: the value is not valid YAML: {e}") from None
+    return parsed
 
 
 def _read_yaml(path: Path) -> dict[str, Any]:
@@ -352,7 +358,15 @@ def to_dict(cfg: RunConfig) -> dict[str, Any]:
     return dataclasses.asdict(cfg)
 
 
+# Options of earlier versions that no model used, with the only value they were ever saved with:
+# model files and checkpoints written then still load.
+_RETIRED = {"model.tie_output": True, "model.p_relu_drop": 0.0}
+
+
 def from_dict(raw: dict[str, Any], source: str = "checkpoint") -> RunConfig:
     """Inverse of to_dict, with the same checks as a YAML file."""
     flat = {f"{s}.{k}": v for s, section in raw.items() for k, v in section.items()}
+    for key, value in _RETIRED.items():
+        if key in flat and flat[key] == value:
+            del flat[key]
     return apply_overrides(RunConfig(), flat, source=source)

@@ -39,7 +39,7 @@ def evaluate(
     """Translate `split` of a prepared data directory and score it against its references.
 
     Args:
-        model_path: a model file or a run directory (see `translate.resolve_model`).
+        model_path: a model file or a run directory (see `rundir.resolve_model`).
         data_dir: a directory written by `transformer prepare`.
         split: "test", "valid", ...
         beam_size, length_penalty: override the model's decode config (§6.1: 4 and 0.6).

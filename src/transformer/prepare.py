@@ -14,7 +14,6 @@ the same inputs (same sha256) and settings reuses it.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import gzip
 import hashlib
@@ -38,13 +37,11 @@ from transformer.data import (
     read_parallel,
 )
 from transformer.download import download, sha256_file
-from transformer.parsing.trees import LEAF_MODES
 from transformer.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 
 CUSTOM = "custom"
-PTB = "ptb"  # §6.3 parsing corpus (parsing_data.prepare_parsing)
 DEFAULT_MAX_LEN = 256  # positions, EOS included; like tensor2tensor's max_length
 DEFAULT_MAX_RATIO = 9.0  # Moses clean-corpus-n.perl default
 DEFAULT_SPM_SAMPLE = 1_000_000  # sentences sampled for sentencepiece training
@@ -487,100 +484,7 @@ def summarize(manifest: Manifest) -> str:
 # --------------------------------------------------------------------------------------------
 
 
-def add_prepare_arguments(parser: argparse.ArgumentParser) -> None:
-    """The flags of `transformer prepare`."""
-    parser.add_argument(
-        "name", choices=[*corpora.REGISTRY, CUSTOM, PTB], help="corpus name (ptb: §6.3 parsing)"
-    )
-    parser.add_argument("--src", help="source language code, e.g. en (ptb: en)")
-    parser.add_argument("--tgt", help="target language code, e.g. de (ptb: tree)")
-    parser.add_argument("--out", required=True, type=Path, help="prepared-data directory")
-    parser.add_argument("--from", dest="from_dir", type=Path, help="use files in DIR, no download")
-    parser.add_argument(
-        "--train", nargs=2, type=Path, metavar=("SRC", "TGT"), help="custom: train files"
-    )
-    parser.add_argument(
-        "--valid", nargs=2, type=Path, metavar=("SRC", "TGT"), help="custom: valid files"
-    )
-    parser.add_argument(
-        "--test", nargs=2, type=Path, metavar=("SRC", "TGT"), help="custom: test files"
-    )
-    parser.add_argument(
-        "--vocab-size", type=int, help="joint subword vocabulary (default per corpus)"
-    )
-    parser.add_argument("--spm-type", choices=["bpe", "unigram"], help="default per corpus")
-    parser.add_argument(
-        "--max-len", type=int, default=DEFAULT_MAX_LEN, help="train: max subwords incl. EOS"
-    )
-    parser.add_argument(
-        "--max-ratio", type=float, default=DEFAULT_MAX_RATIO, help="train: max length ratio"
-    )
-    parser.add_argument(
-        "--spm-sample", type=int, default=DEFAULT_SPM_SAMPLE, help="sentences for spm training"
-    )
-    parser.add_argument("--threads", type=int, help="sentencepiece threads")
-    parser.add_argument(
-        "--user-symbols", type=Path, help="file of tokens (one a line) kept whole in the vocabulary"
-    )
-    parser.add_argument(
-        "--leaves",
-        choices=LEAF_MODES,
-        default="xx",
-        help="ptb: what the linearized trees write for each word: XX (the paper's [37]), the "
-        "POS tag, or the word itself (docs/parsing.md)",
-    )
-    parser.add_argument("--download-dir", type=Path, help="default: OUT.downloads")
-    parser.add_argument(
-        "--mirror", help="download from this base URL instead of each file's host (same paths)"
-    )
-    parser.add_argument(
-        "--checksums",
-        type=Path,
-        help="file of '<sha256 or md5>  <name>' lines replacing the built-in download checksums",
-    )
-    parser.add_argument("--force", action="store_true", help="rebuild OUT even if it exists")
-
-
-def run_prepare(args: argparse.Namespace) -> int:
-    """Run `transformer prepare` from parsed arguments; returns the exit status."""
-    if not logging.getLogger().handlers:
-        logging.basicConfig(level=logging.INFO, format="%(message)s")
-    if args.name == PTB:
-        from transformer.parsing.corpus import prepare_parsing
-
-        prepare_parsing(
-            args.out, args.from_dir, vocab_size=args.vocab_size, leaves=args.leaves,
-            force=args.force,
-        )  # fmt: skip
-        return 0
-    if args.src is None or args.tgt is None:
-        raise DataError("prepare", f"{args.name}: --src and --tgt are required")
-    symbols = _read_symbols(args.user_symbols) if args.user_symbols else ()
-    prepare_corpus(
-        args.name,
-        args.src,
-        args.tgt,
-        args.out,
-        from_dir=args.from_dir,
-        vocab_size=args.vocab_size,
-        spm_type=args.spm_type,
-        max_len=args.max_len,
-        max_ratio=args.max_ratio,
-        train_files=args.train,
-        valid_files=args.valid,
-        test_files=args.test,
-        force=args.force,
-        download_dir=args.download_dir,
-        spm_sample=args.spm_sample,
-        num_threads=args.threads,
-        user_symbols=symbols,
-        mirror=args.mirror,
-        checksums=args.checksums,
-    )
-    return 0
-
-
-def _read_symbols(path: Path) -> list[str]:
+def read_symbols(path: Path) -> list[str]:
     """One token a line; blank lines are skipped, a line with inner spaces is an error."""
     try:
         lines = Path(path).read_text(encoding="utf-8").splitlines()

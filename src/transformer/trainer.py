@@ -1,7 +1,7 @@
 """The §5 training loop: accumulation, validation, checkpoint cadence, budgets, fault handling.
 
 The trainer owns the loop and nothing else: the model, the optimizer (optim.MixedPrecisionAdam),
-the loss function, the batch sampler and the data are passed in (training.train builds them).
+the loss function, the batch sampler and the data are passed in (train.train builds them).
 
 One optimizer step = `accum_steps` batches per rank. The loss is summed over real target tokens
 and the summed gradient is divided by the number of target tokens in the whole step (all
@@ -10,7 +10,6 @@ accumulated batches on all ranks), so the update equals that of one big batch.
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import time
@@ -22,7 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from transformer import checkpoint, distributed
+from transformer import checkpoint, distributed, rundir
 from transformer.batching import TokenBatchSampler
 from transformer.config import RunConfig, to_dict
 from transformer.data import Batch, ParallelSplit, collate
@@ -325,8 +324,7 @@ class Trainer:
     def _record(self, kind: str, values: dict[str, Any]) -> None:
         """Append to metrics.jsonl (always) and TensorBoard (if installed)."""
         line = {"kind": kind, "step": self.state.step, "time": time.time(), **values}
-        with open(self.run_dir / "metrics.jsonl", "a", encoding="utf-8") as f:
-            f.write(json.dumps(line) + "\n")
+        rundir.append_metrics(self.run_dir, line)
         writer = self._tensorboard()
         if writer is not None:
             for key, value in values.items():
@@ -340,7 +338,7 @@ class Trainer:
             except ImportError:  # the optional `tensorboard` extra is not installed
                 self._writer = False
                 return None
-            self._writer = SummaryWriter(str(self.run_dir / "tensorboard"))
+            self._writer = SummaryWriter(str(self.run_dir / rundir.TENSORBOARD))
         return self._writer or None
 
     @torch.no_grad()

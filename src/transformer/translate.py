@@ -21,14 +21,15 @@ from torch import nn
 
 from transformer.config import DecodeConfig
 from transformer.errors import UserError
-from transformer.modelfile import LoadedModel, load_model
+from transformer.model import DTYPES as model_dtypes
+from transformer.modelfile import LoadedModel
+from transformer.rundir import resolve_model
 from transformer.search import Constrain, beam_search, greedy_search
 from transformer.tokenizer import BOS_ID, EOS_ID, PAD_ID
 
 logger = logging.getLogger(__name__)
 
-AVERAGED_MODEL = "model_avg.safetensors"
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "int8": "int8"}
+DTYPES = {**model_dtypes, "int8": "int8"}  # int8: dynamic quantization of the nn.Linear layers
 
 
 @dataclass
@@ -38,39 +39,6 @@ class Translation:
     text: str
     tokens: list[int]
     score: float
-
-
-def resolve_model(path: str | Path, device: str | torch.device = "cpu") -> LoadedModel:
-    """Load a model file, or a run directory's model: `model_avg.safetensors`, else the newest
-    `average_last*.safetensors` (`transformer average`), else its latest checkpoint."""
-    path = Path(path)
-    if not path.is_dir():
-        return load_model(path, device)
-    if (path / AVERAGED_MODEL).is_file():
-        return load_model(path / AVERAGED_MODEL, device)
-    averages = sorted(path.glob("average_last*.safetensors"), key=lambda p: p.stat().st_mtime)
-    if averages:
-        return load_model(averages[-1], device)
-    return _load_latest_checkpoint(path, device)
-
-
-def _load_latest_checkpoint(run_dir: Path, device: str | torch.device) -> LoadedModel:
-    from transformer.checkpoint import latest_checkpoint, load_checkpoint
-    from transformer.config import from_dict
-    from transformer.model import Transformer
-
-    ckpt = latest_checkpoint(run_dir)
-    if ckpt is None:
-        raise UserError(f"{run_dir}: no model file ({AVERAGED_MODEL}) and no checkpoints")
-    state = load_checkpoint(ckpt)
-    config = from_dict(state["config"], source=str(ckpt))
-    model = Transformer(config.model)
-    model.load_state_dict(state["model"])
-    model.to(device).eval()
-    meta = state["data"]
-    spm = bytes(meta["spm_proto"].numpy())
-    logger.info("using the latest checkpoint %s (no averaged model in %s)", ckpt, run_dir)
-    return LoadedModel(model, config, spm, meta["src"], meta["tgt"], ckpt)
 
 
 def quantize_int8(model: nn.Module) -> nn.Module:
@@ -88,7 +56,7 @@ class Translator:
     """Translate text with a loaded model.
 
     Args:
-        loaded: a model file's contents (`modelfile.load_model` or `resolve_model`).
+        loaded: a model file's contents (`rundir.resolve_model`).
         decode: beam size, α, max-length rule, n-best and the token budget per batch.
         device: where to run.
         dtype: torch.float32, torch.bfloat16, or "fp32" / "bf16" / "int8".

@@ -12,7 +12,6 @@ from transformer import checkpoint
 from transformer.checkpoint import (
     CheckpointError,
     average_checkpoints,
-    average_run,
     latest_checkpoint,
     list_checkpoints,
     load_checkpoint,
@@ -21,6 +20,7 @@ from transformer.checkpoint import (
 from transformer.config import ModelConfig, RunConfig, to_dict
 from transformer.model import Transformer
 from transformer.modelfile import load_model
+from transformer.rundir import average_run
 
 
 def test_save_keeps_last_k_and_points_latest(tmp_path):

@@ -22,7 +22,7 @@ from transformer.config import (
 def test_defaults_are_the_papers_base_model_and_recipe() -> None:
     m, t, d = ModelConfig(), TrainConfig(), DecodeConfig()
     assert (m.n_layers, m.d_model, m.d_ff, m.n_heads, m.d_k, m.d_v) == (6, 512, 2048, 8, 64, 64)
-    assert (m.p_drop, m.share_embeddings, m.tie_output, m.norm_first) == (0.1, True, True, False)
+    assert (m.p_drop, m.share_embeddings, m.norm_first) == (0.1, True, False)
     assert (t.beta1, t.beta2, t.adam_eps, t.warmup_steps, t.eps_ls) == (0.9, 0.98, 1e-9, 4000, 0.1)
     assert (d.beam_size, d.length_penalty, d.max_len_a, d.max_len_b) == (4, 0.6, 1.0, 50)
     assert d.stop == "t2t"  # §6.1 "terminating early when possible", tensor2tensor's rule

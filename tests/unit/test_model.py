@@ -12,8 +12,7 @@ from transformer.config import PRESETS, ModelConfig, build_config
 from transformer.model import (
     PositionalEncoding,
     Transformer,
-    attention_fused,
-    attention_reference,
+    attention,
     causal_mask,
     sinusoid_table,
 )
@@ -47,7 +46,6 @@ def analytic_parameters(cfg: ModelConfig) -> int:
     embeddings = cfg.vocab_size * d  # one matrix: source, target, pre-softmax (§3.4)
     v_tgt = cfg.tgt_vocab_size or cfg.vocab_size
     embeddings += 0 if cfg.share_embeddings else v_tgt * d  # a separate target embedding
-    embeddings += 0 if cfg.tie_output else v_tgt * d  # a separate pre-softmax matrix
     positions = 2 * cfg.max_len * d if cfg.learned_pos else 0  # row (E): one table per stack
     return embeddings + positions + cfg.n_layers * (encoder_layer + decoder_layer)
 
@@ -83,14 +81,12 @@ def test_big_matches_the_paper_at_37k() -> None:
     assert round(analytic_parameters(build_config("big", vocab_size=36000).model) / 1e6) == 213
 
 
-def test_untied_and_separate_vocabularies_add_their_matrices() -> None:
-    tied = Transformer(tiny()).num_parameters()
-    untied = Transformer(tiny(tie_output=False)).num_parameters()
-    assert untied - tied == V * 32
-    separate = Transformer(tiny(share_embeddings=False, tgt_vocab_size=29)).num_parameters()
-    assert separate - tied == 29 * 32
-    model = Transformer(tiny(share_embeddings=False, tie_output=False, tgt_vocab_size=29))
+def test_separate_vocabularies_add_the_target_matrix() -> None:
+    shared = Transformer(tiny()).num_parameters()
+    model = Transformer(tiny(share_embeddings=False, tgt_vocab_size=29))
+    assert model.num_parameters() - shared == 29 * 32
     assert model.decode(*_decode_args(model)).shape[-1] == 29
+    assert model.output_weight() is model.tgt_embed.weight  # §3.4: tied to the target embedding
 
 
 def _decode_args(model: Transformer):
@@ -181,39 +177,60 @@ def test_cache_reorder_selects_rows() -> None:
     torch.testing.assert_close(out[:, 0], full[:, 3], rtol=0, atol=1e-5)
 
 
-def test_fused_attention_equals_reference() -> None:
+def _written_out(q, k, v, mask=None, causal=False):
+    """Eq. (1) by hand, independent of model.attention."""
+    scores = q @ k.transpose(-2, -1) / math.sqrt(q.size(-1))
+    if causal:
+        mask = causal_mask(q.size(-2), k.size(-2), q.device)
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    return scores.softmax(-1) @ v
+
+
+def test_fused_attention_equals_written_out() -> None:
     q, k, v = torch.randn(2, 3, 5, 8), torch.randn(2, 3, 7, 8), torch.randn(2, 3, 7, 6)
     mask = torch.rand(2, 1, 5, 7) > 0.3
     mask[..., 0] = True  # every query sees at least one key
-    ref, weights = attention_reference(q, k, v, mask)
-    torch.testing.assert_close(attention_fused(q, k, v, mask), ref, rtol=1e-5, atol=1e-5)
-    assert torch.all(weights[~mask.expand_as(weights)] == 0)
-    torch.testing.assert_close(weights.sum(-1), torch.ones(2, 3, 5))
+    weights: list[torch.Tensor] = []
+    ref = attention(q, k, v, mask, weights=weights)
+    torch.testing.assert_close(ref, _written_out(q, k, v, mask), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(attention(q, k, v, mask, fused=True), ref, rtol=1e-5, atol=1e-5)
+    (w,) = weights
+    assert torch.all(w[~mask.expand_as(w)] == 0)
+    torch.testing.assert_close(w.sum(-1), torch.ones(2, 3, 5))
     q = torch.randn(2, 3, 7, 8)
-    causal, _ = attention_reference(q, k, v, causal_mask(7, 7, q.device))
-    torch.testing.assert_close(attention_fused(q, k, v, None, is_causal=True), causal,
+    causal = attention(q, k, v, causal=True, fused=False)
+    torch.testing.assert_close(causal, _written_out(q, k, v, causal=True), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(attention(q, k, v, causal=True, fused=True), causal,
                                rtol=1e-5, atol=1e-5)  # fmt: skip
+    # With a cache (fewer queries than keys) the causal mask aligns the last query with the last
+    # key on both paths (the fused kernels' own is_causal would align the first ones).
+    q = torch.randn(2, 3, 4, 8)
+    cached = _written_out(q, k, v, causal=True)
+    for fused in (False, True):
+        torch.testing.assert_close(attention(q, k, v, causal=True, fused=fused), cached,
+                                   rtol=1e-5, atol=1e-5)  # fmt: skip
 
 
 def test_a_query_with_no_legal_key_gets_zero_weights_on_both_paths() -> None:
     q, k, v = torch.randn(1, 2, 3, 4), torch.randn(1, 2, 5, 4), torch.randn(1, 2, 5, 4)
     mask = torch.ones(1, 1, 3, 5, dtype=torch.bool)
     mask[..., 1, :] = False  # query 1 may see nothing
-    out, weights = attention_reference(q, k, v, mask)
-    assert torch.all(weights[:, :, 1] == 0) and torch.all(out[:, :, 1] == 0)
-    torch.testing.assert_close(attention_fused(q, k, v, mask), out, rtol=1e-5, atol=1e-5)
+    weights: list[torch.Tensor] = []
+    out = attention(q, k, v, mask, weights=weights)
+    assert torch.all(weights[0][:, :, 1] == 0) and torch.all(out[:, :, 1] == 0)
+    torch.testing.assert_close(attention(q, k, v, mask, fused=True), out, rtol=1e-5, atol=1e-5)
 
 
 def test_cpu_dispatch_takes_the_explicit_path_for_short_sequences_only() -> None:
     from transformer import model as model_module
 
     q, k, v = torch.randn(2, 2, 4, 8), torch.randn(2, 2, 6, 8), torch.randn(2, 2, 6, 8)
-    ref, _ = attention_reference(q, k, v, causal_mask(4, 6, q.device))
-    torch.testing.assert_close(model_module.attention(q, k, v, None, is_causal=True), ref)
+    explicit = attention(q, k, v, causal=True, fused=False)
+    assert torch.equal(attention(q, k, v, causal=True), explicit)
     long = model_module.CPU_EXPLICIT_MAX_KEYS + 1
     q, k, v = torch.randn(1, 1, long, 8), torch.randn(1, 1, long, 8), torch.randn(1, 1, long, 8)
-    fused = attention_fused(q, k, v, None, is_causal=True)
-    torch.testing.assert_close(model_module.attention(q, k, v, None, is_causal=True), fused)
+    assert torch.equal(attention(q, k, v, causal=True), attention(q, k, v, causal=True, fused=True))
 
 
 def test_model_paths_agree_and_return_weights() -> None:
@@ -286,7 +303,7 @@ def test_restricted_self_attention_ignores_tokens_beyond_the_window() -> None:
     assert not torch.allclose(out[0, 6:], out2[0, 6:])
 
 
-@pytest.mark.parametrize("option", ["p_attn_drop", "p_relu_drop", "p_drop"])
+@pytest.mark.parametrize("option", ["p_attn_drop", "p_drop"])
 def test_dropout_options_act_in_training_only(option: str) -> None:
     cfg = tiny(**{"p_drop": 0.0, option: 0.5})
     model = Transformer(cfg)

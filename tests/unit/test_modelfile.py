@@ -33,11 +33,24 @@ def test_round_trip_keeps_weights_config_tokenizer_bytes_and_tying(tmp_path: Pat
     assert not list(tmp_path.glob("*.tmp"))
 
 
-def test_untied_model_round_trips(tmp_path: Path) -> None:
-    cfg = build_config("tiny", vocab_size=50, overrides=["model.tie_output=false"])
+def test_separate_vocabularies_round_trip(tmp_path: Path) -> None:
+    overrides = ["model.share_embeddings=false", "model.tgt_vocab_size=40"]
+    cfg = build_config("tiny", vocab_size=50, overrides=overrides)
     model = Transformer(cfg.model)
     loaded = load_model(save_model(tmp_path / "m.safetensors", model, cfg, b"", "en", "de"))
-    assert torch.equal(loaded.model.out_proj.weight, model.out_proj.weight)
+    assert torch.equal(loaded.model.tgt_embed.weight, model.tgt_embed.weight)
+    assert loaded.model.output_weight().shape == (40, cfg.model.d_model)
+
+
+def test_files_of_earlier_versions_with_retired_options_load(tmp_path: Path) -> None:
+    from transformer.config import from_dict, to_dict
+
+    raw = to_dict(build_config("tiny", vocab_size=50))
+    raw["model"].update(tie_output=True, p_relu_drop=0.0)  # as every earlier file holds them
+    assert from_dict(raw) == build_config("tiny", vocab_size=50)
+    raw["model"]["tie_output"] = False  # a value no version could use: still an error
+    with pytest.raises(UserError, match="tie_output"):
+        from_dict(raw)
 
 
 def test_bad_files_give_clear_errors(tmp_path: Path) -> None:

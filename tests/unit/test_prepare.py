@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import gzip
 import json
 import random
@@ -11,8 +10,9 @@ import pytest
 from test_download import serve
 
 from transformer import corpora
+from transformer.cli import build_parser
 from transformer.data import DataError, collate, load_prepared
-from transformer.prepare import add_prepare_arguments, prepare_corpus, run_prepare
+from transformer.prepare import prepare_corpus
 
 EN_DE = dict(
     zip(
@@ -199,38 +199,40 @@ def test_named_corpus_is_downloaded(tmp_path, monkeypatch):
     assert len(server.requests) == 6
 
 
+def _prepare_cli(argv) -> int:
+    """`transformer prepare ARGV` through the CLI's own parser, errors raised (not printed)."""
+    args = build_parser().parse_args(["prepare", *argv])
+    return args.func(args)
+
+
 def test_cli_arguments(corpus, tmp_path):
     files, *_ = corpus
-    parser = argparse.ArgumentParser()
-    add_prepare_arguments(parser)
-    args = parser.parse_args(
-        [
-            "custom",
-            "--src",
-            "en",
-            "--tgt",
-            "de",
-            "--out",
-            str(tmp_path / "o"),
-            "--train",
-            *map(str, files["train"]),
-            "--valid",
-            *map(str, files["valid"]),
-            "--vocab-size",
-            "300",
-            "--max-len",
-            "100",
-            "--max-ratio",
-            "4",
-            "--spm-type",
-            "unigram",
-            "--threads",
-            "1",
-            "--spm-sample",
-            "0",
-        ]
-    )
-    assert run_prepare(args) == 0
+    args = [
+        "custom",
+        "--src",
+        "en",
+        "--tgt",
+        "de",
+        "--out",
+        str(tmp_path / "o"),
+        "--train",
+        *map(str, files["train"]),
+        "--valid",
+        *map(str, files["valid"]),
+        "--vocab-size",
+        "300",
+        "--max-len",
+        "100",
+        "--max-ratio",
+        "4",
+        "--spm-type",
+        "unigram",
+        "--threads",
+        "1",
+        "--spm-sample",
+        "0",
+    ]
+    assert _prepare_cli(args) == 0
     manifest = load_prepared(tmp_path / "o").manifest
     assert manifest["spm_type"] == "unigram" and manifest["settings"]["spm_sample"] == 0
     assert manifest["filters"]["train"]["length_ratio"] == 1
@@ -239,15 +241,10 @@ def test_cli_arguments(corpus, tmp_path):
 def test_user_symbols_file_keeps_tokens_whole(corpus, tmp_path):
     files, *_ = corpus
     (tmp_path / "symbols.txt").write_text("(NP\n)NP\n\nXX\n", encoding="utf-8")
-    parser = argparse.ArgumentParser()
-    add_prepare_arguments(parser)
     argv = ["custom", "--src", "en", "--tgt", "de", "--out", str(tmp_path / "o"), "--threads", "1"]
     argv += ["--train", *map(str, files["train"]), "--valid", *map(str, files["valid"])]
     argv += ["--vocab-size", "300", "--max-len", "100", "--max-ratio", "4"]
-    assert (
-        run_prepare(parser.parse_args([*argv, "--user-symbols", str(tmp_path / "symbols.txt")]))
-        == 0
-    )
+    assert _prepare_cli([*argv, "--user-symbols", str(tmp_path / "symbols.txt")]) == 0
     data = load_prepared(tmp_path / "o")
     assert data.manifest["settings"]["user_symbols"] == ["(NP", ")NP", "XX"]
     assert len(data.tokenizer.encode("(NP XX )NP")) == 3
@@ -256,16 +253,12 @@ def test_user_symbols_file_keeps_tokens_whole(corpus, tmp_path):
 def test_user_symbols_file_with_spaces_names_the_line(corpus, tmp_path):
     files, *_ = corpus
     (tmp_path / "symbols.txt").write_text("(NP\n(N P\n", encoding="utf-8")
-    parser = argparse.ArgumentParser()
-    add_prepare_arguments(parser)
     argv = ["custom", "--src", "en", "--tgt", "de", "--out", str(tmp_path / "o")]
     argv += ["--train", *map(str, files["train"]), "--valid", *map(str, files["valid"])]
     with pytest.raises(DataError, match=r"symbols.txt:2: a user symbol holds no spaces"):
-        run_prepare(parser.parse_args([*argv, "--user-symbols", str(tmp_path / "symbols.txt")]))
+        _prepare_cli([*argv, "--user-symbols", str(tmp_path / "symbols.txt")])
 
 
 def test_named_corpora_need_src_and_tgt(tmp_path):
-    parser = argparse.ArgumentParser()
-    add_prepare_arguments(parser)
     with pytest.raises(DataError, match="--src and --tgt are required"):
-        run_prepare(parser.parse_args(["multi30k", "--out", str(tmp_path / "o")]))
+        _prepare_cli(["multi30k", "--out", str(tmp_path / "o")])

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from fixtures import prepare_slice
-from transformer import checkpoint
+from transformer import checkpoint, rundir
 from transformer.batching import TokenBatchSampler
 from transformer.cli import main
 from transformer.config import build_config
@@ -19,8 +19,8 @@ from transformer.data import collate, load_prepared
 from transformer.errors import UserError
 from transformer.loss import chunked_label_smoothed_loss
 from transformer.optim import MixedPrecisionAdam
+from transformer.train import build_model, train
 from transformer.trainer import MAX_NONFINITE_IN_ROW, Trainer, TrainingError
-from transformer.training import build_model, train
 
 TINY = [
     "train.max_tokens=400",
@@ -256,7 +256,7 @@ def test_end_of_run_checkpoint_resumes_but_is_never_averaged(data_dir, tmp_path)
         "ckpt_2.pt", "ckpt_4.pt", "ckpt_5_end.pt"
     ]  # fmt: skip
     assert checkpoint.latest_checkpoint(run).name == "ckpt_5_end.pt"
-    out = checkpoint.average_run(run, last=2, out=tmp_path / "avg.safetensors")
+    out = rundir.average_run(run, last=2, out=tmp_path / "avg.safetensors")
     want = checkpoint.average_checkpoints(
         [checkpoint.load_checkpoint(run / "checkpoints" / f"ckpt_{s}.pt")["model"] for s in (2, 4)]
     )
@@ -265,7 +265,7 @@ def test_end_of_run_checkpoint_resumes_but_is_never_averaged(data_dir, tmp_path)
     got = load_model(out).model.state_dict()
     assert all(torch.equal(got[k], want[k]) for k in want)
     with pytest.raises(checkpoint.CheckpointError, match="--last 3 asked, 2 checkpoints"):
-        checkpoint.average_run(run, last=3)
+        rundir.average_run(run, last=3)
     # Resuming from the end checkpoint continues the run; once the cadence passes it, it goes.
     assert main(["train", "--resume", str(run), "--max-steps", "6"]) == 0
     assert [p.name for p in checkpoint.list_checkpoints(run)] == ["ckpt_4.pt", "ckpt_6.pt"]

@@ -13,9 +13,10 @@ from transformer.config import DecodeConfig, ModelConfig, RunConfig
 from transformer.errors import UserError
 from transformer.model import Transformer
 from transformer.modelfile import load_model, save_model
+from transformer.rundir import resolve_model
 from transformer.search import beam_search, greedy_search
 from transformer.tokenizer import BOS_ID, EOS_ID, PAD_ID, UNK_ID
-from transformer.translate import Translator, read_lines, resolve_model
+from transformer.translate import Translator, read_lines
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -33,7 +33,7 @@ def attention_banded(
 ) -> torch.Tensor:
     """§3.2.1 eq. (1) restricted to a neighbourhood of r = `window` positions on each side (§4).
 
-    Equal to `attention_reference(q, k, v, window_mask(n, r) & key_mask)` wherever a query has at
+    Equal to `model.attention(q, k, v, window_mask(n, r) & key_mask)` wherever a query has at
     least one visible key; a query with none (e.g. padding far from any real token) gets zeros
     instead of NaN.
 

@@ -16,16 +16,14 @@ Counting conventions (all forward, per token):
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import yaml
-
-from transformer.config import ModelConfig, RunConfig, from_dict
+from transformer import rundir
+from transformer.config import ModelConfig
 from transformer.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -176,60 +174,12 @@ def _report(name, cfg, steps, src_tok, tgt_tok, src_len, tgt_len, hours, devices
     )
 
 
-def read_run(run_dir: Path) -> tuple[RunConfig, dict]:
-    """The run's resolved config (config.yaml) and its training totals from metrics.jsonl.
-
-    The trainer appends one `{"kind": "train", "step", "tokens" (target tokens so far),
-    "tokens_per_s" (over the window since the previous record), ...}` line per log window.
-    Training time is the sum over windows of window tokens / tokens_per_s, so validation and
-    checkpointing time are not counted. A record with `elapsed_s` is taken as is.
-
-    Returns:
-        (config, {"step", "tgt_tokens", "elapsed_s"}).
-    """
-    run_dir = Path(run_dir)
-    cfg_path, metrics_path = run_dir / "config.yaml", run_dir / "metrics.jsonl"
-    for p in (cfg_path, metrics_path):
-        if not p.is_file():
-            raise UserError(f"{p}: not found; is {run_dir} a training run directory?")
-    try:
-        raw = yaml.safe_load(cfg_path.read_text(encoding="utf-8"))
-    except yaml.YAMLError as e:
-        raise UserError(f"{cfg_path}: cannot parse YAML: {e}") from e
-    cfg = from_dict(raw, source=str(cfg_path))
-    totals: dict | None = None
-    seconds, tokens_before = 0.0, 0
-    with open(metrics_path, encoding="utf-8") as f:
-        for number, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise UserError(f"{metrics_path}:{number}: not a JSON line: {e}") from e
-            if record.get("kind", "train") != "train" or "tokens" not in record:
-                continue
-            if "elapsed_s" in record:
-                seconds = float(record["elapsed_s"])
-            elif record.get("tokens_per_s"):
-                seconds += (record["tokens"] - tokens_before) / record["tokens_per_s"]
-            else:
-                raise UserError(f"{metrics_path}:{number}: no tokens_per_s or elapsed_s")
-            tokens_before = record["tokens"]
-            totals = {"step": int(record["step"]), "tgt_tokens": float(record["tokens"]),
-                      "elapsed_s": seconds}  # fmt: skip
-    if totals is None:
-        raise UserError(f"{metrics_path}: no training record (step, tokens, tokens_per_s)")
-    return cfg, totals
-
-
 def _data_lengths(run_dir: Path) -> tuple[float, float] | None:
     """Mean source and target lengths (EOS included) of the run's training split, if found."""
     try:
         from transformer.data import load_prepared
 
-        data_dir = json.loads((Path(run_dir) / "run.json").read_text(encoding="utf-8"))
-        split = load_prepared(data_dir["data_dir"]).split("train")
+        split = load_prepared(rundir.read_data_dir(run_dir)).split("train")
         return float(split.src_lens.mean()), float(split.tgt_lens.mean())
     except (OSError, KeyError, ValueError, UserError) as e:
         log.warning("%s: cannot read the run's data for mean lengths (%s)", run_dir, e)
@@ -256,7 +206,7 @@ def run_report(
         src_len, tgt_len: mean sentence lengths; None takes them from the run's training data,
             or DEFAULT_MEAN_LEN when that cannot be read.
     """
-    cfg, totals = read_run(run_dir)
+    cfg, totals = rundir.read_config(run_dir), rundir.training_totals(run_dir)
     if src_len is None or tgt_len is None:
         lengths = _data_lengths(run_dir) or (DEFAULT_MEAN_LEN, DEFAULT_MEAN_LEN)
         src_len, tgt_len = src_len or lengths[0], tgt_len or lengths[1]

@@ -83,11 +83,12 @@ def quickstart(
         train_minutes: training budget (default TRAIN_MINUTES; smoke runs use steps).
         data_from: Multi30k's files (default: found by `find_multi30k`, else downloaded).
     """
-    from transformer.checkpoint import average_run
+    from transformer import rundir
+    from transformer.checkpoint import list_checkpoints
     from transformer.config import build_config
     from transformer.evaluate import evaluate
     from transformer.prepare import prepare_corpus
-    from transformer.training import train
+    from transformer.train import train
 
     for lang in (src_lang, tgt_lang):
         if lang not in LANGUAGES:
@@ -116,16 +117,14 @@ def quickstart(
     config = build_config(preset, overrides=overrides, vocab_size=manifest.vocab_size)
 
     with _stage("train", seconds):
-        if (run_dir / "config.yaml").exists():
+        if (run_dir / rundir.CONFIG).exists():
             logger.info("%s holds an earlier run: starting it afresh", run_dir)
             _clear_run(run_dir)
         train(data_dir, run_dir, config)
 
     with _stage("average", seconds):
-        from transformer.checkpoint import list_checkpoints
-
         last = min(config.train.keep_last, len(list_checkpoints(run_dir, cadence_only=True)))
-        model_path = average_run(run_dir, last, out_dir / "model.safetensors")
+        model_path = rundir.average_run(run_dir, last, out_dir / rundir.MODEL)
 
     translations = out_dir / f"test_2016_flickr.{tgt_lang}.hyp"
     with _stage("translate", seconds):
@@ -149,12 +148,11 @@ def _clear_run(run_dir: Path) -> None:
 
 def _train_losses(run_dir: Path) -> tuple[int, list[float]]:
     """The training losses logged in the run's metrics.jsonl, in order, and the last step."""
+    from transformer.rundir import read_metrics
+
     losses, step = [], 0
-    path = run_dir / "metrics.jsonl"
-    if path.exists():
-        for line in path.read_text().splitlines():
-            row = json.loads(line)
-            if row.get("kind") == "train" and "loss" in row:
-                losses.append(float(row["loss"]))
-                step = int(row.get("step", step))
+    for _, row in read_metrics(run_dir, "train"):
+        if "loss" in row:
+            losses.append(float(row["loss"]))
+            step = int(row.get("step", step))
     return step, losses

@@ -166,22 +166,21 @@ def dev_perplexity(model, split, max_tokens: int) -> float:
 
 def _train_row(row: str, config: RunConfig, data_dir: Path, run_dir: Path, args: dict) -> RowResult:
     """Train one row, then measure it; `args` holds beam, alpha, valid_limit, eval_max_tokens."""
+    from transformer import rundir
     from transformer.checkpoint import latest_checkpoint
     from transformer.data import load_prepared
     from transformer.evaluate import evaluate
-    from transformer.experiments.flops import read_run
-    from transformer.training import train
-    from transformer.translate import resolve_model
+    from transformer.train import train
 
     start = time.perf_counter()
     if latest_checkpoint(run_dir) is not None:  # trained, then stopped before being measured
         state = train(None, run_dir, resume=True, progress=False)
     else:
-        (run_dir / "metrics.jsonl").unlink(missing_ok=True)  # an interrupted attempt's lines
+        (run_dir / rundir.METRICS).unlink(missing_ok=True)  # an interrupted attempt's lines
         state = train(data_dir, run_dir, config, progress=False)
     wall = time.perf_counter() - start
-    _, totals = read_run(run_dir)
-    loaded = resolve_model(run_dir)  # the latest checkpoint: no averaging (§6.2)
+    totals = rundir.training_totals(run_dir)
+    loaded = rundir.resolve_model(run_dir)  # the latest checkpoint: no averaging (§6.2)
     valid = load_prepared(data_dir).split("valid")
     ppl = dev_perplexity(loaded.model, valid, args["eval_max_tokens"])
     report = evaluate(run_dir, data_dir, "valid", args["beam"], args["alpha"],

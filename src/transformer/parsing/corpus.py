@@ -28,7 +28,14 @@ import shutil
 from collections import Counter
 from pathlib import Path
 
-from transformer.parsing.trees import LEAF_MODES, Tree, is_bracket, linearize, read_trees, write_trees
+from transformer.parsing.trees import (
+    LEAF_MODES,
+    Tree,
+    is_bracket,
+    linearize,
+    read_trees,
+    write_trees,
+)
 
 logger = logging.getLogger(__name__)
 

@@ -25,8 +25,6 @@ import torch
 from transformer.config import DecodeConfig
 from transformer.errors import UserError
 from transformer.parsing.evalb import evaluate_parses
-from transformer.search import NEG_INF
-from transformer.tokenizer import BOS_ID, EOS_ID, PAD_ID, WORD_MARK
 from transformer.parsing.trees import (
     CLOSE,
     NORMALIZED_POS,
@@ -36,6 +34,8 @@ from transformer.parsing.trees import (
     read_trees,
     trees_from_predictions,
 )
+from transformer.search import NEG_INF
+from transformer.tokenizer import BOS_ID, EOS_ID, PAD_ID, WORD_MARK
 
 logger = logging.getLogger(__name__)
 
@@ -78,7 +78,7 @@ def parse_sentences(
     """Parse tokenized sentences into trees (§6.3).
 
     Args:
-        model_path: a model file, or a run directory (`translate.resolve_model`).
+        model_path: a model file, or a run directory (`rundir.resolve_model`).
         sentences: the words of each sentence, tokenized as in the treebank (`-LRB-`, `n't`).
         pos: POS tags per sentence for the output trees (e.g. from a tagger or gold trees);
             None writes `XX` (then EVALB cannot remove punctuation from the predicted trees).

@@ -418,7 +418,7 @@ def serve(
     """Load a model file (or run directory) and serve it until interrupted.
 
     Args:
-        model_path: a model file or a run directory (`translate.resolve_model`).
+        model_path: a model file or a run directory (`rundir.resolve_model`).
         host: interface to bind; loopback by default, use 0.0.0.0 deliberately.
         port: TCP port.
         limits: request limits and batching (ServeLimits defaults when None).

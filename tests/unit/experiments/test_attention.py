@@ -8,12 +8,12 @@ import torch
 pytest.importorskip("matplotlib")
 
 from fixtures import make_model_file  # noqa: E402
+from transformer.errors import UserError  # noqa: E402
 from transformer.experiments.attention import (  # noqa: E402
     _pick_word,
     plot_attention,
     sentence_attention,
 )
-from transformer.errors import UserError  # noqa: E402
 from transformer.modelfile import load_model  # noqa: E402
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from transformer.experiments.banded import attention_banded
-from transformer.model import attention_reference, window_mask
+from transformer.model import attention, window_mask
 
 
 def _qkv(n: int, b: int = 2, h: int = 3, d_k: int = 4, d_v: int = 5):
@@ -18,7 +18,7 @@ def _qkv(n: int, b: int = 2, h: int = 3, d_k: int = 4, d_v: int = 5):
 )
 def test_banded_equals_masked_reference(n: int, window: int) -> None:
     q, k, v = _qkv(n)
-    expected, _ = attention_reference(q, k, v, window_mask(n, window, q.device))
+    expected = attention(q, k, v, window_mask(n, window, q.device), fused=False)
     torch.testing.assert_close(attention_banded(q, k, v, window), expected)
 
 
@@ -28,7 +28,7 @@ def test_banded_with_key_padding() -> None:
     lengths = torch.tensor([11, 6])
     key_mask = torch.arange(n)[None, :] < lengths[:, None]  # (B, N)
     mask = window_mask(n, window, q.device) & key_mask[:, None, None, :]
-    expected, _ = attention_reference(q, k, v, mask)
+    expected = attention(q, k, v, mask, fused=False)
     got = attention_banded(q, k, v, window, key_mask)
     visible = mask.any(-1)  # queries with at least one visible key: (B, 1, N)
     torch.testing.assert_close(got[visible.expand(-1, 3, -1)], expected[visible.expand(-1, 3, -1)])
@@ -43,7 +43,7 @@ def test_banded_gradients_equal_reference() -> None:
     grads = [t.grad.clone() for t in (q, k, v)]
     for t in (q, k, v):
         t.grad = None
-    out, _ = attention_reference(q, k, v, window_mask(n, window, q.device))
+    out = attention(q, k, v, window_mask(n, window, q.device), fused=False)
     out.square().sum().backward()
     for got, t in zip(grads, (q, k, v), strict=True):
         torch.testing.assert_close(got, t.grad)

@@ -24,9 +24,9 @@ from transformer.parsing.parse import (
     parse_file,
     parse_sentences,
 )
+from transformer.parsing.trees import linearize, parse_trees, write_trees
 from transformer.search import beam_steps, greedy_steps
 from transformer.tokenizer import BOS_ID, EOS_ID, PAD_ID, Tokenizer
-from transformer.parsing.trees import linearize, parse_trees, write_trees
 
 GOLD = parse_trees(
     """

@@ -1,4 +1,4 @@
-"""serving/export.py: a CTranslate2 export of a tiny random model scores and decodes exactly like ours."""
+"""serving/export.py: a CTranslate2 export of a tiny random model scores and decodes like ours."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ import torch
 import torch.nn.functional as F
 
 from fixtures import make_model_file, multi30k_lines
-from transformer.serving.export import ExportError, export_ctranslate2
 from transformer.modelfile import load_model
 from transformer.search import greedy_search
+from transformer.serving.export import ExportError, export_ctranslate2
 from transformer.tokenizer import BOS_ID, EOS_ID, PAD_ID
 
 ctranslate2 = pytest.importorskip("ctranslate2")

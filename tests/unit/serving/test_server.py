@@ -1,4 +1,4 @@
-"""serving/server.py: the JSON API, its limits and errors, the batching queue, and the page's files."""
+"""serving/server.py: the JSON API, its limits and errors, the batching queue, the page files."""
 
 from __future__ import annotations
 
@@ -8,7 +8,13 @@ import json
 import pytest
 
 from fixtures import make_model_file, multi30k_lines
-from transformer.serving.server import ApiError, BatchingQueue, Options, ServeLimits, parse_translate
+from transformer.serving.server import (
+    ApiError,
+    BatchingQueue,
+    Options,
+    ServeLimits,
+    parse_translate,
+)
 
 pytest.importorskip("starlette")
 pytest.importorskip("httpx")

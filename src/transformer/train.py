@@ -1,14 +1,12 @@
-"""`transformer train`: build the model, optimizer, sampler and run directory, then run the loop.
+"""`transformer train` (train.train): build the model, optimizer, sampler and run directory, then
+run the loop (trainer.Trainer).
 
-A run directory holds `config.yaml` (the resolved config), `run.json` (the data directory),
-`train.log`, `metrics.jsonl`, `checkpoints/ckpt_<step>.pt` + `checkpoints/latest` and
-`tensorboard/`. Every checkpoint also carries the sentencepiece model, so `transformer average`
-writes a self-contained model file from the run directory alone.
+The run directory's layout is rundir.py's. Every checkpoint also carries the sentencepiece model,
+so `transformer average` writes a self-contained model file from the run directory alone.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 from collections.abc import Sequence
@@ -17,21 +15,18 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import yaml
 
-from transformer import checkpoint, distributed
+from transformer import checkpoint, distributed, rundir
 from transformer.batching import TokenBatchSampler
-from transformer.config import RunConfig, apply_overrides, from_dict, to_dict
+from transformer.config import RunConfig, apply_overrides, parse_overrides
 from transformer.data import load_prepared
 from transformer.errors import UserError
 from transformer.loss import chunked_label_smoothed_loss
-from transformer.model import Transformer
+from transformer.model import DTYPES, Transformer
 from transformer.optim import MixedPrecisionAdam
 from transformer.trainer import Trainer, TrainState
 
 logger = logging.getLogger(__name__)
-
-DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 
 def resolve_run(
@@ -44,24 +39,12 @@ def resolve_run(
             raise UserError("train: a new run needs DATA_DIR and a config (--preset/--config)")
         if checkpoint.latest_checkpoint(out_dir) is not None:
             raise UserError(f"{out_dir}: already holds a run; use --resume {out_dir} to continue")
-        return Path(data_dir), apply_overrides(config, _parse(overrides), source="override")
-    config_path = out_dir / "config.yaml"
-    if not config_path.is_file():
-        raise UserError(f"{config_path}: not found; is {out_dir} a run directory?")
-    raw = yaml.safe_load(config_path.read_text(encoding="utf-8"))
-    saved = from_dict(raw, source=str(config_path))
-    saved_data = Path(json.loads((out_dir / "run.json").read_text(encoding="utf-8"))["data_dir"])
-    return Path(data_dir or saved_data), apply_overrides(saved, _parse(overrides), "override")
-
-
-def _parse(overrides: Sequence[str]) -> dict:
-    parsed = {}
-    for item in overrides:
-        key, sep, value = item.partition("=")
-        if not sep:
-            raise UserError(f"override {item!r}: expected section.key=value")
-        parsed[key.strip()] = yaml.safe_load(value)
-    return parsed
+        return Path(data_dir), apply_overrides(
+            config, parse_overrides(overrides), source="override"
+        )
+    saved = rundir.read_config(out_dir)
+    data_dir = Path(data_dir) if data_dir else rundir.read_data_dir(out_dir)
+    return data_dir, apply_overrides(saved, parse_overrides(overrides), "override")
 
 
 def _setup_torch(config: RunConfig, info: distributed.DistInfo, device: torch.device) -> None:
@@ -78,7 +61,7 @@ def _setup_torch(config: RunConfig, info: distributed.DistInfo, device: torch.de
 
 
 def _log_to_file(run_dir: Path) -> logging.Handler:
-    handler = logging.FileHandler(run_dir / "train.log", encoding="utf-8")
+    handler = logging.FileHandler(run_dir / rundir.LOG, encoding="utf-8")
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     logging.getLogger("transformer").addHandler(handler)
     if logging.getLogger("transformer").getEffectiveLevel() > logging.INFO:
@@ -131,8 +114,7 @@ def train(
     if info.is_main:
         out_dir.mkdir(parents=True, exist_ok=True)
         handler = _log_to_file(out_dir)
-        (out_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(config)), encoding="utf-8")
-        (out_dir / "run.json").write_text(json.dumps({"data_dir": str(data_dir)}), "utf-8")
+        rundir.write_run_files(out_dir, config, data_dir)
     try:
         return _run(data, out_dir, config, resume, info, dev, progress)
     finally:
