@@ -22,6 +22,8 @@ from transformer.translate import Translator
 
 logger = logging.getLogger(__name__)
 
+# The decode settings that decide the output, reported with the scores.
+SEARCH_FIELDS = ("beam_size", "length_penalty", "max_len_a", "max_len_b", "stop")
 PAPER_BLEU_HINT = "it needs sacremoses: pip install 'transformer[paper-bleu]'"
 
 
@@ -49,9 +51,9 @@ def evaluate(
         stop: the beam search's stopping rule, "t2t" (§6.1) or "fairseq" (default: the model's).
 
     Returns:
-        {"split", "sentences", "bleu", "bleu_signature", "chrf", "chrf_signature",
-        ["paper_bleu", "paper_bleu_signature"] (en→de, en→fr), ["detokenized"], "seconds",
-        "sentences_per_s", "target_tokens_per_s"}.
+        {"split", "sentences", "search" (beam, α, max length, stop rule), "bleu",
+        "bleu_signature", "chrf", "chrf_signature", ["paper_bleu", "paper_bleu_signature"]
+        (en→de, en→fr), ["detokenized"], "seconds", "sentences_per_s", "target_tokens_per_s"}.
 
     Raises:
         UserError: the translations look Moses-tokenized and the references do not, or the
@@ -63,7 +65,7 @@ def evaluate(
     if split not in data.split_names:
         raise UserError(f"{data_dir}: no split {split!r}; have {', '.join(data.split_names)}")
     translator = Translator.from_path(model_path, dtype=dtype)
-    translator.decode = translator.options(stop=stop)
+    translator.decode = translator.options(beam_size, length_penalty, stop=stop)
     pair = (translator.loaded.src_lang, translator.loaded.tgt_lang)
     if pair != (data.src_lang, data.tgt_lang):
         raise UserError(
@@ -75,7 +77,7 @@ def evaluate(
     if limit is not None:
         sources, refs = sources[:limit], refs[:limit]
     start = time.perf_counter()
-    results = translator.translate(sources, beam_size=beam_size, length_penalty=length_penalty)
+    results = translator.translate(sources)
     seconds = time.perf_counter() - start
     hyps = [nbest[0].text for nbest in results]
     n_tokens = sum(len(nbest[0].tokens) + 1 for nbest in results)  # + EOS
@@ -95,6 +97,7 @@ def evaluate(
     report = {
         "split": split,
         "sentences": len(hyps),
+        "search": {k: getattr(translator.decode, k) for k in SEARCH_FIELDS},
         "bleu": bleu.score,
         "bleu_signature": bleu.signature,
         "bleu_details": str(bleu),

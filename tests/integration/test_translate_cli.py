@@ -146,4 +146,8 @@ def test_evaluate_refuses_tokenized_output_against_raw_references_and_the_revers
     _outputs(monkeypatch, tokenized)
     report = evaluate_module.evaluate(model, tok_data, "test", limit=20)
     assert report["bleu"] == pytest.approx(100.0) and "detokenized" in report
+    assert report["search"]["stop"] == "t2t" and report["search"]["beam_size"] == 4
+    report = evaluate_module.evaluate(model, tok_data, "test", 2, 1.0, limit=20, stop="fairseq")
+    assert report["search"] == {"beam_size": 2, "length_penalty": 1.0, "max_len_a": 1.0,
+                                "max_len_b": 10, "stop": "fairseq"}  # fmt: skip
     assert report["paper_bleu"] == pytest.approx(100.0)

@@ -155,7 +155,8 @@ def _run_recipe(script: str, data: Path, run: Path, env: dict) -> subprocess.Com
     bin_dir = str(Path(sys.executable).parent)
     env = {**os.environ, "PATH": bin_dir + os.pathsep + os.environ["PATH"], "OMP_NUM_THREADS": "1",
            "PRESET": "tiny", "LAST": "2", "THREADS": "1", "BEAM": "1",
-           "TRAIN_ARGS": "--max-steps 5 --device cpu train.max_tokens=600 train.warmup_steps=10 "
+           "TRAIN_ARGS": "--max-steps 5 --device cpu train.dtype=fp32 train.max_tokens=600 "
+                         "train.warmup_steps=10 "
                          "train.save_every_steps=2 train.save_every_minutes=1000 "
                          "train.valid_every_steps=1000 train.log_every_steps=5 "
                          "decode.max_len_b=3",

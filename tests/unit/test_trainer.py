@@ -223,8 +223,9 @@ def test_pairs_longer_than_the_model_or_a_batch_are_a_user_error_before_training
 
 def test_time_cadence_saves_at_exact_marks_of_the_run_clock(data_dir, tmp_path, monkeypatch):
     # A fake clock: each step takes 0.6 minutes; save every minute, never by steps. The flag is
-    # read before a step: 1.2 >= 1 (step 3), 2.4 >= 2 (step 5), 3.0 >= 3 (step 6), 4.2 >= 4
-    # (step 8). "1 minute since the last save" would drift: steps 3, 6, 9 (every 1.8 minutes).
+    # read before a step: 1.2 >= 1 (step 3), 2.4 >= 2 (step 5), 3.0 >= 3 (step 6). "1 minute
+    # since the last save" would drift: steps 3 and 6 only (every 1.8 minutes). The run ends at
+    # step 6, on the cadence: no separate end checkpoint.
     import types
 
     from transformer import trainer as trainer_module
@@ -232,7 +233,7 @@ def test_time_cadence_saves_at_exact_marks_of_the_run_clock(data_dir, tmp_path, 
     clock = {"s": 0.0}
     fake = types.SimpleNamespace(monotonic=lambda: clock["s"], time=lambda: 0.0)
     monkeypatch.setattr(trainer_module, "time", fake)
-    cfg = _config("train.max_steps=9", "train.save_every_steps=0", "train.save_every_minutes=1",
+    cfg = _config("train.max_steps=6", "train.save_every_steps=0", "train.save_every_minutes=1",
                   "train.keep_last=10")  # fmt: skip
     trainer = _trainer(data_dir, tmp_path / "run", cfg)
     step = trainer.train_step
@@ -245,7 +246,7 @@ def test_time_cadence_saves_at_exact_marks_of_the_run_clock(data_dir, tmp_path, 
     trainer.train_step = timed_step
     trainer.run()
     names = [p.name for p in checkpoint.list_checkpoints(tmp_path / "run")]
-    assert names == ["ckpt_3.pt", "ckpt_5.pt", "ckpt_6.pt", "ckpt_8.pt", "ckpt_9_end.pt"]
+    assert names == ["ckpt_3.pt", "ckpt_5.pt", "ckpt_6.pt"]
 
 
 def test_end_of_run_checkpoint_resumes_but_is_never_averaged(data_dir, tmp_path):
