@@ -361,6 +361,7 @@ def _cmd_evaluate(args: argparse.Namespace) -> int:
         print(json.dumps(report, indent=2))
         return 0
     print(f"{report['split']}: {report['sentences']} sentences in {report['seconds']:.1f} s")
+    print("search: " + ", ".join(f"{k} {v}" for k, v in report["search"].items()))
     print(f"sacreBLEU {report['bleu']:.2f}  {report['bleu_signature']}")
     print(f"  {report['bleu_details']}")
     print(f"chrF {report['chrf']:.2f}  {report['chrf_signature']}")
