@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 import torch
 
-SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
+from fixtures import SHARED_DATA, make_model_file, run_cli
 
 
 @pytest.fixture(autouse=True)
@@ -27,6 +27,18 @@ def shared_data() -> Path:
     if not SHARED_DATA.is_dir():
         pytest.skip(f"real corpora not found at {SHARED_DATA}")
     return SHARED_DATA
+
+
+@pytest.fixture(scope="session")
+def tiny_model_file(tmp_path_factory) -> Path:
+    """A tiny random en->de model file with a real sentencepiece model (make_model_file)."""
+    return make_model_file(tmp_path_factory.mktemp("tiny_model"))
+
+
+@pytest.fixture
+def cli():
+    """Runs `transformer ARGS` in a subprocess: cli("translate", model, stdin=b"...")."""
+    return run_cli
 
 
 def pytest_collection_modifyitems(config, items):  # noqa: ARG001

@@ -1,13 +1,15 @@
-"""Shared test helpers: a tiny random model file with a real sentencepiece model.
+"""The test suite's helpers, one copy each: the shared-data path, Multi30k lines, a sentencepiece
+model, a tiny random model file, the CLI as a subprocess, a running server.
 
 Random weights decode deterministically, so a model file built here is enough to test serving and
-export on real Multi30k sentences without training. Import with `from fixtures import ...`
-(pytest puts tests/ on sys.path because tests/conftest.py lives there).
+export on real Multi30k sentences without training. conftest.py wraps them as fixtures; import
+them with `from fixtures import ...` (pytest puts tests/ on sys.path: conftest.py lives there).
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 import subprocess
 import sys
 import tempfile
@@ -22,7 +24,8 @@ from transformer.model import Transformer
 from transformer.modelfile import save_model
 from transformer.tokenizer import Tokenizer
 
-MULTI30K = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "multi30k"
+SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"  # ../shared/data
+MULTI30K = SHARED_DATA / "multi30k"
 
 # A few sentences to train the subword model on when Multi30k is absent (CI without data).
 _FALLBACK = [
@@ -78,6 +81,14 @@ def make_model_file(
     torch.manual_seed(seed)
     model = Transformer(config.model).eval()
     return save_model(tmp_dir / "model.safetensors", model, config, proto, "en", "de")
+
+
+def run_cli(*args: str, stdin: bytes = b"", env: dict | None = None, timeout: float = 600):
+    """`transformer ARGS` in a subprocess (one torch thread): the CompletedProcess, output
+    captured as bytes."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+    cmd = [sys.executable, "-m", "transformer", *args]
+    return subprocess.run(cmd, input=stdin, capture_output=True, env=env, timeout=timeout)
 
 
 def free_port() -> int:

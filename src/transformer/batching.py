@@ -22,6 +22,8 @@ def batch_by_tokens(
     tgt_lens: np.ndarray,
     max_tokens: int,
     max_sentences: int | None = None,
+    longest_first: bool = False,
+    oversize_alone: bool = False,
 ) -> list[np.ndarray]:
     """Group pairs of similar length into batches within a padded token budget per side.
 
@@ -30,26 +32,33 @@ def batch_by_tokens(
         max_tokens: budget per side, padding counted: B * max(src_lens[batch]) <= max_tokens
             and B * max(tgt_lens[batch]) <= max_tokens.
         max_sentences: optional cap on B.
+        longest_first: cut the batches from the longest pair down (inference: the first batch
+            shows at once whether the longest sentences fit in memory).
+        oversize_alone: a pair longer than `max_tokens` is a batch of its own (inference)
+            instead of an error (training).
 
     Returns:
         Batches of indices, in (target, source) length order; every index exactly once.
 
     Raises:
-        ValueError: a single pair longer than `max_tokens`.
+        ValueError: a single pair longer than `max_tokens` (unless oversize_alone).
     """
     src_lens = np.asarray(src_lens, dtype=np.int64)
     tgt_lens = np.asarray(tgt_lens, dtype=np.int64)
     if src_lens.shape != tgt_lens.shape:
         raise ValueError(f"src_lens {src_lens.shape} and tgt_lens {tgt_lens.shape} differ")
     too_long = np.flatnonzero(np.maximum(src_lens, tgt_lens) > max_tokens)
-    if too_long.size:
+    if too_long.size and not oversize_alone:
         i = int(too_long[0])
         raise ValueError(
             f"pair {i} (src {src_lens[i]}, tgt {tgt_lens[i]} tokens) exceeds max_tokens="
             f"{max_tokens}; raise max_tokens or prepare with a smaller max_len"
         )
     cap = max_sentences or len(src_lens) or 1
-    order = np.lexsort((src_lens, tgt_lens))  # stable; primary key tgt, then src
+    if longest_first:
+        order = np.lexsort((-src_lens, -tgt_lens))  # stable; primary key tgt, then src
+    else:
+        order = np.lexsort((src_lens, tgt_lens))
     batches: list[np.ndarray] = []
     start, n, max_s, max_t = 0, 0, 0, 0
     for pos, (s, t) in enumerate(

@@ -470,8 +470,8 @@ def _add_export(sub: argparse._SubParsersAction) -> None:
 
 
 def _cmd_parse(args: argparse.Namespace) -> int:
+    from transformer.data import read_lines
     from transformer.parsing.parse import evaluate_parser, parse_file
-    from transformer.translate import read_lines
 
     if args.eval is not None:
         r = evaluate_parser(
@@ -489,11 +489,11 @@ def _cmd_parse(args: argparse.Namespace) -> int:
 
     def lines(path: str) -> list[str]:
         if path == "-":
-            return read_lines(sys.stdin.buffer, "<stdin>")
+            return list(read_lines(sys.stdin.buffer, "<stdin>"))
         if not Path(path).is_file():
             raise UserError(f"{path}: no such input file")
         with open(path, "rb") as f:
-            return read_lines(f, path)
+            return list(read_lines(f, path))
 
     name = "<stdin>" if args.input == "-" else args.input
     pos = lines(args.pos) if args.pos else None

@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 import types
 import typing
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
@@ -143,43 +143,85 @@ class RunConfig:
 
 
 # ---------------------------------------------------------------------------------------------
-# Presets. A preset is a set of overrides on the defaults (= the paper's base model), so each
-# Table 3 row reads exactly as in the paper: only the values that differ are listed.
+# Presets. A preset is a set of overrides on the defaults (= the paper's base model). Table 3's
+# rows are written once, as the paper states them: changes relative to the base model.
 # ---------------------------------------------------------------------------------------------
 
-_TABLE3_ROWS: dict[str, dict[str, Any]] = {
-    "A1": {"n_heads": 1, "d_k": 512, "d_v": 512},
-    "A2": {"n_heads": 4, "d_k": 128, "d_v": 128},
-    "A3": {"n_heads": 16, "d_k": 32, "d_v": 32},
-    "A4": {"n_heads": 32, "d_k": 16, "d_v": 16},
-    "B1": {"d_k": 16},
-    "B2": {"d_k": 32},
-    "C1": {"n_layers": 2},
-    "C2": {"n_layers": 4},
-    "C3": {"n_layers": 8},
-    "C4": {"d_model": 256, "d_k": 32, "d_v": 32},
-    "C5": {"d_model": 1024, "d_k": 128, "d_v": 128},
-    "C6": {"d_ff": 1024},
-    "C7": {"d_ff": 4096},
-    "D1": {"p_drop": 0.0},
-    "D2": {"p_drop": 0.2},
-    "D3": {"train.eps_ls": 0.0},
-    "D4": {"train.eps_ls": 0.2},
-    "E": {"learned_pos": True},
+# Table 3's rows, in the paper's order, as changes relative to a base model b. With b = the
+# paper's base (N 6, d_model 512, d_ff 2048, h 8, d_k = d_v = 64) each gives the paper's values.
+TABLE3_ROWS: dict[str, Callable[[ModelConfig], dict[str, Any]]] = {
+    "base": lambda b: {},
+    # (A) h x d_k stays constant, so the computation stays constant.
+    "A1": lambda b: {"n_heads": 1, "d_k": b.n_heads * b.d_k, "d_v": b.n_heads * b.d_v},
+    "A2": lambda b: _heads(b, 0.5),
+    "A3": lambda b: _heads(b, 2),
+    "A4": lambda b: _heads(b, 4),
+    # (B) smaller attention key size, d_v unchanged: 64 -> 16 and 32.
+    "B1": lambda b: {"d_k": max(1, b.d_k // 4)},
+    "B2": lambda b: {"d_k": max(1, b.d_k // 2)},
+    # (C) bigger and smaller models: N 6 -> 2, 4, 8; d_model x0.5, x2 (d_k, d_v with it, h kept);
+    # d_ff x0.5, x2.
+    "C1": lambda b: {"n_layers": _layers(b, 2)},
+    "C2": lambda b: {"n_layers": _layers(b, 4)},
+    "C3": lambda b: {"n_layers": _layers(b, 8)},
+    "C4": lambda b: _width(b, 0.5),
+    "C5": lambda b: _width(b, 2),
+    "C6": lambda b: {"d_ff": b.d_ff // 2},
+    "C7": lambda b: {"d_ff": b.d_ff * 2},
+    # (D) dropout and label smoothing: the paper's absolute values.
+    "D1": lambda b: {"p_drop": 0.0},
+    "D2": lambda b: {"p_drop": 0.2},
+    "D3": lambda b: {"train.eps_ls": 0.0},
+    "D4": lambda b: {"train.eps_ls": 0.2},
+    # (E) learned positional embeddings instead of sinusoids.
+    "E": lambda b: {"learned_pos": True},
+    # big: d_model, d_ff and h x2 (d_k kept), P_drop 0.3.
+    "big": lambda b: {
+        **_width(b, 2),
+        "d_ff": b.d_ff * 2,
+        "n_heads": b.n_heads * 2,
+        "d_k": b.d_k,
+        "d_v": b.d_v,
+        "p_drop": 0.3,
+    },  # fmt: skip
 }
+
+
+def _heads(b: ModelConfig, factor: float) -> dict[str, int]:
+    h = max(1, round(b.n_heads * factor))
+    total_k, total_v = b.n_heads * b.d_k, b.n_heads * b.d_v
+    return {"n_heads": h, "d_k": max(1, total_k // h), "d_v": max(1, total_v // h)}
+
+
+def _layers(b: ModelConfig, paper_n: int) -> int:
+    return max(1, round(b.n_layers * paper_n / 6))
+
+
+def _width(b: ModelConfig, factor: float) -> dict[str, int]:
+    return {"d_model": round(b.d_model * factor), "d_k": max(1, round(b.d_k * factor)),
+            "d_v": max(1, round(b.d_v * factor))}  # fmt: skip
+
+
+def scale_row(row: str, base: ModelConfig) -> dict[str, Any]:
+    """The row's changes relative to `base`, as overrides (model keys bare, `train.` prefixed).
+
+    Args:
+        row: a Table 3 row name (`TABLE3_ROWS`).
+        base: the model the row is applied to.
+
+    Returns:
+        e.g. {"n_heads": 1, "d_k": 512, "d_v": 512} for A1 on the paper's base.
+    """
+    if row not in TABLE3_ROWS:
+        raise ConfigError(f"unknown Table 3 row {row!r}; choose from {', '.join(TABLE3_ROWS)}")
+    return TABLE3_ROWS[row](base)
+
 
 PRESETS: dict[str, dict[str, Any]] = {
     "base": {},
     # Table 3 "big": d_k stays 64 (16 heads x 64 = 1024); §5.2: 300K steps; §6.1: average 20.
-    "big": {
-        "d_model": 1024,
-        "d_ff": 4096,
-        "n_heads": 16,
-        "p_drop": 0.3,
-        "train.max_steps": 300000,
-        "train.keep_last": 20,
-    },
-    **_TABLE3_ROWS,
+    "big": {**scale_row("big", ModelConfig()), "train.max_steps": 300000, "train.keep_last": 20},
+    **{row: scale_row(row, ModelConfig()) for row in TABLE3_ROWS if row not in ("base", "big")},
     # §6.3: 4 layers, d_model 1024, everything else as base; d_k = d_v = 1024 / 8 as in row C5.
     # §6.3 does not say whether the embeddings are shared. Sentences and linearized trees use
     # disjoint pieces of the joint vocabulary, and with one shared matrix every word row also

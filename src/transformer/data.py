@@ -55,15 +55,19 @@ def open_binary(path: str | Path) -> BinaryIO:
     return open(path, "rb")
 
 
-def read_lines(path: str | Path) -> Iterator[str]:
-    """Yield the lines of a UTF-8 text file (plain or `.gz`) without their line ending.
+def read_lines(source: str | Path | BinaryIO, name: str | None = None) -> Iterator[str]:
+    """Yield the lines of UTF-8 text without their line ending: a file (plain or `.gz`) or an
+    open byte stream (stdin), named `name` in errors. The one line reader of the product.
 
     Raises:
         DataError: naming the file and line of the first invalid UTF-8 byte sequence.
     """
-    with open_binary(path) as f:
-        for number, raw in enumerate(f, start=1):
-            yield _decode_line(raw, path, number)
+    if isinstance(source, str | Path):
+        with open_binary(source) as f:
+            yield from read_lines(f, str(source))
+        return
+    for number, raw in enumerate(source, start=1):
+        yield _decode_line(raw, name or "<stream>", number)
 
 
 def _decode_line(raw: bytes, path: str | Path, number: int) -> str:

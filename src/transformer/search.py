@@ -384,16 +384,6 @@ def _is_done(
     return done
 
 
-def log_prob_of(stepper: Stepper, tokens: list[int]) -> float:
-    """log P(tokens + EOS) under a one-row stepper (for tests and rescoring)."""
-    total, last = 0.0, BOS_ID
-    for token in [*tokens, EOS_ID]:
-        lprobs = stepper.step(torch.tensor([last]))
-        total += float(lprobs[0, token])
-        last = token
-    return total
-
-
 __all__ = [
     "STOP_RULES",
     "Hypothesis",
@@ -404,6 +394,5 @@ __all__ = [
     "greedy_search",
     "greedy_steps",
     "length_penalty",
-    "log_prob_of",
     "max_output_lengths",
 ]

@@ -26,6 +26,7 @@ from transformer.batching import TokenBatchSampler
 from transformer.config import RunConfig, to_dict
 from transformer.data import Batch, ParallelSplit, collate
 from transformer.errors import UserError
+from transformer.loss import chunked_label_smoothed_loss
 from transformer.optim import MixedPrecisionAdam, learning_rate
 from transformer.tokenizer import PAD_ID
 
@@ -344,41 +345,23 @@ class Trainer:
     @torch.no_grad()
     def validate(self) -> dict[str, Any]:
         """Validation loss, per-token perplexity and greedy BLEU on the valid split."""
-        split = self.valid_split
-        self.model.eval()
-        sampler = TokenBatchSampler(
-            split.src_lens, split.tgt_lens, self.cfg.max_tokens, seed=0, shuffle=False
-        )
-        loss = nll = 0.0
-        tokens = 0
-        hyps: dict[int, str] = {}
-        greedy = _greedy_search()
-        for indices in sampler:
-            batch = collate(split, indices)
-            out = self._batch_loss(batch)
-            loss, nll, tokens = (
-                loss + float(out[0]),
-                nll + float(out[1]),
-                tokens + batch.n_tgt_tokens,
-            )
-            if greedy is not None:
-                b = batch.to(self.device)
-                for i, ids in zip(
-                    batch.indices, greedy(self.model, b.src, b.src_mask), strict=True
-                ):
-                    hyps[i] = self.tokenizer.decode(ids)
-        self.model.train()
-        record: dict[str, Any] = {
-            "loss": loss / max(tokens, 1),
-            "nll": nll / max(tokens, 1),
-            "ppl": math.exp(min(nll / max(tokens, 1), 50.0)),
-        }
-        if greedy is not None:
-            from transformer.bleu import corpus_bleu
+        from transformer.bleu import corpus_bleu
+        from transformer.search import greedy_search
 
-            refs = [split.tgt_text(i) for i in range(len(split))]
-            result = corpus_bleu([hyps[i] for i in range(len(split))], refs)
-            record["bleu"] = float(result.score)
+        split = self.valid_split
+        record: dict[str, Any] = evaluate_loss(
+            self.model, split, self.cfg.max_tokens, self.cfg.eps_ls, self.loss_fn, self.forward
+        )
+        self.model.eval()
+        hyps: dict[int, str] = {}
+        for indices in _in_order(split, self.cfg.max_tokens):
+            b = collate(split, indices).to(self.device)
+            for i, ids in zip(b.indices, greedy_search(self.model, b.src, b.src_mask), strict=True):
+                hyps[i] = self.tokenizer.decode(ids)
+        self.model.train()
+        refs = [split.tgt_text(i) for i in range(len(split))]
+        result = corpus_bleu([hyps[i] for i in range(len(split))], refs)
+        record["bleu"] = float(result.score)
         return record
 
     # ---------------------------------------------------------------- checkpoints
@@ -421,12 +404,32 @@ class Trainer:
         )
 
 
-def _greedy_search():
-    """search.greedy_search if it and bleu.py are available (they land with the decoding issue)."""
-    try:
-        from transformer.bleu import corpus_bleu  # noqa: F401
-        from transformer.search import greedy_search
-    except ImportError:
-        logger.warning("transformer.search / transformer.bleu not available: no valid BLEU")
-        return None
-    return greedy_search
+def _in_order(split: ParallelSplit, max_tokens: int) -> TokenBatchSampler:
+    return TokenBatchSampler(split.src_lens, split.tgt_lens, max_tokens, seed=0, shuffle=False)
+
+
+@torch.no_grad()
+def evaluate_loss(
+    model: nn.Module,
+    split: ParallelSplit,
+    max_tokens: int,
+    eps_ls: float = 0.0,
+    loss_fn: LossFn = chunked_label_smoothed_loss,
+    forward: nn.Module | None = None,
+) -> dict[str, float]:
+    """Teacher-forced loss on a split, dropout off: {"loss" (label-smoothed with eps_ls), "nll",
+    per target token, "ppl" = exp(nll) (per subword, §6.2 Table 3's PPL), "tokens"}."""
+    was_training = model.training
+    model.eval()
+    device = next(model.parameters()).device
+    loss = nll = 0.0
+    tokens = 0
+    for indices in _in_order(split, max_tokens):
+        b = collate(split, indices).to(device)
+        hidden = (forward or model)(b.src, b.src_mask, b.tgt_in)  # (B, T, D)
+        keep = b.tgt_out != PAD_ID  # (B, T): only real target positions are projected
+        out = loss_fn(hidden[keep], model.output_weight(), b.tgt_out[keep], eps_ls)
+        loss, nll, tokens = loss + float(out[0]), nll + float(out[1]), tokens + b.n_tgt_tokens
+    model.train(was_training)
+    n = max(tokens, 1)
+    return {"loss": loss / n, "nll": nll / n, "ppl": math.exp(min(nll / n, 50.0)), "tokens": tokens}

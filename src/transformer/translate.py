@@ -16,10 +16,13 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import BinaryIO
 
+import numpy as np
 import torch
 from torch import nn
 
+from transformer.batching import batch_by_tokens
 from transformer.config import DecodeConfig
+from transformer.data import read_lines
 from transformer.errors import UserError
 from transformer.model import DTYPES as model_dtypes
 from transformer.modelfile import LoadedModel
@@ -39,6 +42,17 @@ class Translation:
     text: str
     tokens: list[int]
     score: float
+
+
+@dataclass
+class SentenceAttention:
+    """One sentence pair's attention weights (Figures 3-5) with the token labels."""
+
+    source_pieces: list[str]  # S: the subwords and </s>
+    target_pieces: list[str]  # T: the output subwords and </s> (row i predicts piece i)
+    target_input_pieces: list[str]  # T: <s> and the output subwords (the decoder's inputs)
+    translation: str
+    weights: dict[str, list[torch.Tensor]]  # encoder/decoder/cross -> N layers of (H, Tq, Tk)
 
 
 def quantize_int8(model: nn.Module) -> nn.Module:
@@ -119,16 +133,12 @@ class Translator:
     def batches(self, sources: Sequence[list[int]]) -> Iterator[list[int]]:
         """Indices of non-empty sources in batches of at most `decode.max_tokens` padded source
         tokens, longest first (stable), so that padding and search steps are few."""
-        order = sorted((i for i, s in enumerate(sources) if s), key=lambda i: -len(sources[i]))
-        batch: list[int] = []
-        for i in order:
-            width = len(sources[batch[0]]) if batch else len(sources[i])
-            if batch and (len(batch) + 1) * width > self.decode.max_tokens:
-                yield batch
-                batch = []
-            batch.append(i)
-        if batch:
-            yield batch
+        kept = np.array([i for i, s in enumerate(sources) if s], dtype=np.int64)
+        lens = np.array([len(sources[i]) for i in kept], dtype=np.int64)
+        for batch in batch_by_tokens(
+            lens, lens, self.decode.max_tokens, longest_first=True, oversize_alone=True
+        ):
+            yield kept[batch].tolist()
 
     def _collate(self, sources: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
         S = max(len(s) for s in sources)
@@ -197,8 +207,32 @@ class Translator:
         return [nbest[0].text for nbest in self.translate(lines)]
 
     @torch.inference_mode()
+    def attention_weights(self, src_text: str, tgt_text: str | None = None) -> SentenceAttention:
+        """Attention weights of one sentence pair (Figures 3-5); decodes tgt when not given
+        (with this translator's search)."""
+        if tgt_text is None:
+            tgt_text = self.translate_lines([src_text])[0]
+        src_ids = self.encode([src_text])[0] or [EOS_ID]
+        tgt_ids = self.tokenizer.encode(tgt_text)
+        if len(tgt_ids) + 1 > self.model.cfg.max_len:
+            raise UserError(
+                f"target: {len(tgt_ids) + 1} tokens exceed the model's max_len "
+                f"{self.model.cfg.max_len}"
+            )
+        src, src_mask = self._collate([src_ids])
+        tgt = torch.tensor([[BOS_ID, *tgt_ids]], device=self.device)  # (1, T)
+        weights = self.model.attention_weights(src, src_mask, tgt)
+        piece = self.tokenizer.id_to_piece
+        return SentenceAttention(
+            source_pieces=[piece(i) for i in src_ids],
+            target_pieces=[piece(i) for i in [*tgt_ids, EOS_ID]],
+            target_input_pieces=[piece(i) for i in [BOS_ID, *tgt_ids]],
+            translation=tgt_text,
+            weights={k: [w[0].float().cpu() for w in v] for k, v in weights.items()},
+        )
+
     def attention(self, src_text: str, tgt_text: str | None = None) -> dict:
-        """Attention weights of one sentence pair (Figures 3-5); decodes tgt when not given.
+        """`attention_weights` as plain JSON values.
 
         Returns:
             {"source_pieces": S pieces (ending "</s>"), "target_pieces": T output pieces
@@ -207,38 +241,18 @@ class Translator:
             "encoder": N x H x S x S, "decoder": N x H x T x T, "cross": N x H x T x S},
             weights as nested lists of floats.
         """
-        if tgt_text is None:
-            tgt_text = self.translate_lines([src_text])[0]
-        src_ids = self.encode([src_text])[0] or [EOS_ID]
-        tgt_ids = self.tokenizer.encode(tgt_text)
-        src, src_mask = self._collate([src_ids])
-        tgt = torch.tensor([[BOS_ID, *tgt_ids]], device=self.device)  # (1, T)
-        weights = self.model.attention_weights(src, src_mask, tgt)
-        piece = self.tokenizer.id_to_piece
+        a = self.attention_weights(src_text, tgt_text)
         return {
-            "source_pieces": [piece(i) for i in src_ids],
-            "target_pieces": [piece(i) for i in [*tgt_ids, EOS_ID]],
-            "target_input_pieces": [piece(i) for i in [BOS_ID, *tgt_ids]],
-            "translation": tgt_text,
-            **{k: [w[0].float().tolist() for w in v] for k, v in weights.items()},
+            "source_pieces": a.source_pieces,
+            "target_pieces": a.target_pieces,
+            "target_input_pieces": a.target_input_pieces,
+            "translation": a.translation,
+            **{k: [w.tolist() for w in v] for k, v in a.weights.items()},
         }
-
-
-def read_lines(stream: BinaryIO, name: str) -> list[str]:
-    """Lines of a UTF-8 byte stream without their line ends; invalid UTF-8 is a UserError
-    naming the stream and the line."""
-    lines = []
-    for number, raw in enumerate(stream, start=1):
-        raw = raw.rstrip(b"\n").rstrip(b"\r")
-        try:
-            lines.append(raw.decode("utf-8"))
-        except UnicodeDecodeError as e:
-            raise UserError(f"{name}:{number}: invalid UTF-8 at byte {e.start}") from None
-    return lines
 
 
 def translate_stream(translator: Translator, stream: BinaryIO, name: str) -> list[str]:
     """`transformer translate`: read all lines of `stream`, return their translations."""
-    lines = read_lines(stream, name)
+    lines = list(read_lines(stream, name))
     logger.info("translating %d lines from %s", len(lines), name)
     return translator.translate_lines(lines)

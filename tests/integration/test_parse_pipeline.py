@@ -4,23 +4,13 @@ model, `average`, then `parse` (plain sentences and `--eval` on dev trees with E
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 
+from fixtures import run_cli
 from transformer.parsing.trees import read_trees
 
 pytestmark = pytest.mark.integration
-
-
-def _cli(*args: str, stdin: bytes = b"") -> subprocess.CompletedProcess:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.run(
-        [sys.executable, "-m", "transformer", *args], input=stdin, capture_output=True,
-        env=env, timeout=600,
-    )  # fmt: skip
 
 
 @pytest.mark.parametrize("leaves", ["xx", "words"])
@@ -28,7 +18,7 @@ def test_prepare_train_average_parse(shared_data, tmp_path, leaves):
     if not (shared_data / "ptb_sample").is_dir() or not (shared_data / "ptb_wsj").is_dir():
         pytest.skip("treebank data not found")
     data = tmp_path / "ptb"
-    res = _cli(
+    res = run_cli(
         "prepare", "ptb", "--from", str(shared_data), "--out", str(data), "--leaves", leaves
     )  # fmt: skip
     assert res.returncode == 0, res.stderr.decode()
@@ -45,22 +35,22 @@ def test_prepare_train_average_parse(shared_data, tmp_path, leaves):
     assert len(read_trees(data / "valid.trees")) == 413
 
     run = tmp_path / "run"
-    res = _cli("train", str(data), "--preset", "tiny", "--out", str(run), "--max-steps", "4",
+    res = run_cli("train", str(data), "--preset", "tiny", "--out", str(run), "--max-steps", "4",
                "--device", "cpu", "train.max_tokens=800", "train.save_every_steps=2",
                "model.max_len=1024")  # fmt: skip
     assert res.returncode == 0, res.stderr.decode()
-    res = _cli("average", str(run), "--last", "2", "--out", str(tmp_path / "model.safetensors"))
+    res = run_cli("average", str(run), "--last", "2", "--out", str(tmp_path / "model.safetensors"))
     assert res.returncode == 0, res.stderr.decode()
     model = str(tmp_path / "model.safetensors")
 
     gold = read_trees(data / "valid.trees")[:3]
     text = "".join(" ".join(t.leaves()) + "\n" for t in gold)
-    res = _cli("parse", model, "--beam", "2", stdin=text.encode())
+    res = run_cli("parse", model, "--beam", "2", stdin=text.encode())
     assert res.returncode == 0, res.stderr.decode()
     out = res.stdout.decode().splitlines()
     assert [t.leaves() for t in map(_one_tree, out)] == [t.leaves() for t in gold]
 
-    res = _cli("parse", model, "--eval", str(data), "--split", "valid", "--limit", "3",
+    res = run_cli("parse", model, "--eval", str(data), "--split", "valid", "--limit", "3",
                "--beam", "2")  # fmt: skip
     assert res.returncode == 0, res.stderr.decode()
     lines = res.stdout.decode().splitlines()
@@ -68,7 +58,7 @@ def test_prepare_train_average_parse(shared_data, tmp_path, leaves):
     assert "EVALB all: P" in lines[1] and "errors 0" in lines[1]
 
     # The constrained search: words-as-leaves models only, a clear error for XX ones.
-    res = _cli("parse", model, "--beam", "2", "--constrain", stdin=text.encode())
+    res = run_cli("parse", model, "--beam", "2", "--constrain", stdin=text.encode())
     if leaves == "xx":
         assert res.returncode != 0
         assert "needs a model whose trees write the words" in res.stderr.decode()

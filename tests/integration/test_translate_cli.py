@@ -4,14 +4,12 @@ as subprocesses on a tiny random model with the prepared subword model."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
+from fixtures import SHARED_DATA, run_cli
 from transformer.config import DecodeConfig, ModelConfig, RunConfig
 from transformer.model import Transformer
 from transformer.modelfile import save_model
@@ -19,21 +17,13 @@ from transformer.modelfile import save_model
 pytestmark = pytest.mark.integration
 
 
-def _cli(*args: str, stdin: bytes = b"") -> subprocess.CompletedProcess:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.run(
-        [sys.executable, "-m", "transformer", *args], input=stdin, capture_output=True,
-        env=env, timeout=600,
-    )  # fmt: skip
-
-
 @pytest.fixture(scope="module")
 def prepared(tmp_path_factory) -> tuple[Path, Path]:
-    shared = Path(__file__).resolve().parents[2].parent / "shared" / "data" / "multi30k"
+    shared = SHARED_DATA / "multi30k"
     if not shared.is_dir():
         pytest.skip(f"Multi30k not found at {shared}")
     out = tmp_path_factory.mktemp("m30k") / "en-de"
-    res = _cli("prepare", "multi30k", "--src", "en", "--tgt", "de", "--from", str(shared),
+    res = run_cli("prepare", "multi30k", "--src", "en", "--tgt", "de", "--from", str(shared),
                "--out", str(out))  # fmt: skip
     assert res.returncode == 0, res.stderr.decode()
     manifest = json.loads((out / "manifest.json").read_text())
@@ -56,17 +46,17 @@ def test_translate_stdin_keeps_lines_and_order(prepared):
     data, model = prepared
     lines = (data / "test.en.txt").read_text(encoding="utf-8").split("\n")[:5]
     text = "\n".join(lines[:2] + [""] + lines[2:]) + "\n"
-    res = _cli("translate", str(model), "--beam", "4", "--alpha", "0.6", stdin=text.encode())
+    res = run_cli("translate", str(model), "--beam", "4", "--alpha", "0.6", stdin=text.encode())
     assert res.returncode == 0, res.stderr.decode()
     out = res.stdout.decode("utf-8").split("\n")
     assert len(out) == 7 and out[2] == "" and out[-1] == ""
-    alone = _cli("translate", str(model), stdin=(lines[3] + "\n").encode())
+    alone = run_cli("translate", str(model), stdin=(lines[3] + "\n").encode())
     assert alone.stdout.decode("utf-8") == out[4] + "\n"  # same output when batched
 
 
 def test_translate_invalid_utf8_names_the_line(prepared):
     _, model = prepared
-    res = _cli("translate", str(model), stdin=b"A dog.\n\xff\xfe\n")
+    res = run_cli("translate", str(model), stdin=b"A dog.\n\xff\xfe\n")
     assert res.returncode == 2
     assert "<stdin>:2: invalid UTF-8" in res.stderr.decode()
 
@@ -75,7 +65,7 @@ def test_evaluate_prints_sacrebleu_chrf_and_the_paper_metric(prepared, tmp_path)
     pytest.importorskip("sacremoses")
     data, model = prepared
     hyps = tmp_path / "hyps.de"
-    res = _cli("evaluate", str(model), "--data", str(data), "--split", "test", "--limit", "20",
+    res = run_cli("evaluate", str(model), "--data", str(data), "--split", "test", "--limit", "20",
                "--beam", "2", "--output", str(hyps))  # fmt: skip
     assert res.returncode == 0, res.stderr.decode()
     out = res.stdout.decode()
@@ -83,7 +73,7 @@ def test_evaluate_prints_sacrebleu_chrf_and_the_paper_metric(prepared, tmp_path)
     assert "chrF" in out and "tokenized BLEU, compounds split" in out
     assert "search: beam_size 2, length_penalty 0.6, max_len_a 1.0, max_len_b 10, stop t2t" in out
     assert len(hyps.read_text(encoding="utf-8").split("\n")) == 21
-    res = _cli("evaluate", str(model), "--data", str(data), "--split", "nope")
+    res = run_cli("evaluate", str(model), "--data", str(data), "--split", "nope")
     assert res.returncode == 2 and "no split 'nope'" in res.stderr.decode()
 
 

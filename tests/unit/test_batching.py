@@ -145,3 +145,14 @@ def test_eval_mode_is_length_ordered_and_complete_across_ranks():
 def test_bad_rank_is_an_error():
     with pytest.raises(ValueError, match="rank 2"):
         TokenBatchSampler(np.array([2]), np.array([2]), 10, seed=0, rank=2, world_size=2)
+
+
+def test_longest_first_with_oversize_alone_as_inference_batches():
+    # Translator.batches: longest first (stable), padded budget, an oversize source alone.
+    lens = np.array([3, 9, 3, 12, 5, 9, 1])
+    batches = [b.tolist() for b in batch_by_tokens(lens, lens, 10, longest_first=True,
+                                                    oversize_alone=True)]  # fmt: skip
+    assert batches == [[3], [1], [5], [4, 0], [2, 6]]
+    assert sorted(i for b in batches for i in b) == list(range(7))
+    with pytest.raises(ValueError, match="exceeds max_tokens=10"):
+        batch_by_tokens(lens, lens, 10, longest_first=True)

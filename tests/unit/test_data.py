@@ -157,3 +157,11 @@ def test_token_writer_empty(tmp_path):
     w = TokenWriter(tmp_path / "x")
     assert w.close() == 0
     assert np.load(tmp_path / "x.idx.npy").tolist() == [0]
+
+
+def test_read_lines_of_a_stream_names_it():
+    import io
+
+    assert list(read_lines(io.BytesIO(b"a\r\n\nb"), "x")) == ["a", "", "b"]
+    with pytest.raises(DataError, match=r"in\.txt:2: invalid UTF-8"):
+        list(read_lines(io.BytesIO(b"ok\nbad \xff\n"), "in.txt"))

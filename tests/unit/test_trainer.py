@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from fixtures import prepare_slice
+from fixtures import SHARED_DATA, prepare_slice
 from transformer import checkpoint, rundir
 from transformer.batching import TokenBatchSampler
 from transformer.cli import main
@@ -34,7 +34,7 @@ TINY = [
 
 @pytest.fixture(scope="module")
 def data_dir(tmp_path_factory) -> Path:
-    multi30k = Path(__file__).resolve().parents[2].parent / "shared" / "data" / "multi30k"
+    multi30k = SHARED_DATA / "multi30k"
     if not multi30k.is_dir():
         pytest.skip("Multi30k not found in ../shared/data")
     return prepare_slice(tmp_path_factory.mktemp("data"), multi30k)
@@ -204,7 +204,7 @@ def test_validation_bleu_aligns_hypotheses_with_references(data_dir, tmp_path, m
         rows = [tuple(s[m][:-1].tolist()) for s, m in zip(src, src_mask, strict=True)]
         return [split.tgt_tokens(by_src[r]).tolist() for r in rows]
 
-    monkeypatch.setattr("transformer.trainer._greedy_search", lambda: oracle)
+    monkeypatch.setattr("transformer.search.greedy_search", oracle)
     assert trainer.validate()["bleu"] == pytest.approx(100.0)
 
 

@@ -1,6 +1,5 @@
 from __future__ import annotations
 
-import io
 import logging
 from pathlib import Path
 
@@ -16,7 +15,7 @@ from transformer.modelfile import load_model, save_model
 from transformer.rundir import resolve_model
 from transformer.search import beam_search, greedy_search
 from transformer.tokenizer import BOS_ID, EOS_ID, PAD_ID, UNK_ID
-from transformer.translate import Translator, read_lines
+from transformer.translate import Translator
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -136,12 +135,6 @@ def test_attention_has_pieces_and_per_layer_head_weights(model_file):
         torch.testing.assert_close(layers.sum(-1), torch.ones(2, 2, shape[0]))
     given = tr.attention("A man runs.", "Ein Mann.")
     assert given["translation"] == "Ein Mann."
-
-
-def test_read_lines_names_the_invalid_utf8_line():
-    assert read_lines(io.BytesIO(b"a\r\n\nb"), "x") == ["a", "", "b"]
-    with pytest.raises(UserError, match=r"in\.txt:2: invalid UTF-8"):
-        read_lines(io.BytesIO(b"ok\nbad \xff\n"), "in.txt")
 
 
 def test_run_directory_uses_its_averaged_model(model_file, tmp_path):

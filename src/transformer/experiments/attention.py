@@ -13,26 +13,15 @@ from __future__ import annotations
 
 import logging
 import string
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from transformer.errors import UserError
-from transformer.tokenizer import BOS_ID, EOS_ID
 
 log = logging.getLogger(__name__)
 
 KINDS = ("encoder", "decoder", "cross")
-
-
-@dataclass
-class SentenceAttention:
-    """The attention weights of every layer for one sentence pair, with the token labels."""
-
-    src_pieces: list[str]  # S labels: the subwords and </s>
-    tgt_pieces: list[str]  # T labels: <s> and the subwords
-    weights: dict[str, list[torch.Tensor]]  # kind -> N tensors (H, Tq, Tk)
 
 
 def _import_pyplot():
@@ -44,39 +33,6 @@ def _import_pyplot():
     import matplotlib.pyplot as plt
 
     return plt
-
-
-def sentence_attention(model, tokenizer, text: str, target: str | None = None) -> SentenceAttention:
-    """Run the model on one sentence and collect its attention weights (reference path).
-
-    Args:
-        model: a `Transformer` (eval mode).
-        tokenizer: its `Tokenizer`.
-        text: the source sentence.
-        target: the target sentence for the decoder; None decodes one greedily.
-    """
-    from transformer.search import greedy_search
-
-    src_ids = tokenizer.encode(text) + [EOS_ID]
-    if len(src_ids) > model.cfg.max_len:
-        raise UserError(f"--text: {len(src_ids)} tokens exceed the model's max_len")
-    src = torch.tensor([src_ids])  # (1, S)
-    src_mask = torch.ones_like(src, dtype=torch.bool)  # (1, S)
-    if target is None:
-        tgt_ids = greedy_search(model, src, src_mask)[0]
-        log.info("greedy translation: %s", tokenizer.decode(tgt_ids))
-    else:
-        tgt_ids = tokenizer.encode(target)
-        if len(tgt_ids) + 1 > model.cfg.max_len:
-            raise UserError(f"--target: {len(tgt_ids) + 1} tokens exceed the model's max_len")
-    tgt = torch.tensor([[BOS_ID] + tgt_ids])  # (1, T)
-    raw = model.attention_weights(src, src_mask, tgt)
-    weights = {kind: [w[0].float().cpu() for w in raw[kind]] for kind in KINDS}  # (H, Tq, Tk)
-    return SentenceAttention(
-        src_pieces=[tokenizer.id_to_piece(i) for i in src_ids[:-1]] + ["</s>"],
-        tgt_pieces=["<s>"] + [tokenizer.id_to_piece(i) for i in tgt_ids],
-        weights=weights,
-    )
 
 
 def plot_heads(weights: torch.Tensor, q_labels, k_labels, path: Path, title: str) -> Path:
@@ -214,21 +170,24 @@ def plot_attention(
     Returns:
         The paths written.
     """
-    from transformer.modelfile import load_model
+    from transformer.translate import Translator
 
-    loaded = load_model(model_path)
-    model = loaded.model
-    n = model.cfg.n_layers
+    translator = Translator.from_path(model_path)
+    translator.decode = translator.options(beam_size=1)  # the greedy translation as the target
+    cfg = translator.model.cfg
+    n = cfg.n_layers
     if layer is None:
         layer = max(0, n - 2)
     if not -n <= layer < n:
         raise UserError(f"--layer {layer}: the model has {n} layers (0..{n - 1})")
     layer = layer % n
-    if head is not None and not 0 <= head < model.cfg.n_heads:
-        raise UserError(f"--head {head}: the model has {model.cfg.n_heads} heads")
-    att = sentence_attention(model, loaded.tokenizer(), text, target)
-    labels = {"encoder": (att.src_pieces, att.src_pieces), "decoder": (att.tgt_pieces,) * 2,
-              "cross": (att.tgt_pieces, att.src_pieces)}  # fmt: skip
+    if head is not None and not 0 <= head < cfg.n_heads:
+        raise UserError(f"--head {head}: the model has {cfg.n_heads} heads")
+    att = translator.attention_weights(text, target)
+    if target is None:
+        log.info("greedy translation: %s", att.translation)
+    src, tgt = att.source_pieces, att.target_input_pieces
+    labels = {"encoder": (src, src), "decoder": (tgt, tgt), "cross": (tgt, src)}
     out_dir = Path(out_dir)
     written = []
     for kind in kinds:
@@ -238,11 +197,11 @@ def plot_attention(
         written.append(plot_heads(w, q_labels, k_labels, out_dir / f"{kind}_l{layer}.png", title))
     if "encoder" in kinds:
         w = att.weights["encoder"][layer]
-        i = _pick_word(att.src_pieces, word)
+        i = _pick_word(src, word)
         title = f"encoder self-attention, layer {layer + 1} of {n}"
         path = out_dir / f"encoder_l{layer}_word{i}.png"
-        written.append(plot_word(w, att.src_pieces, i, path, title))
+        written.append(plot_word(w, src, i, path, title))
         heads = range(w.size(0)) if head is None else [head]
         path = out_dir / f"encoder_l{layer}_head{'all' if head is None else head}.png"
-        written.append(plot_all_words(w, att.src_pieces, heads, path, title))
+        written.append(plot_all_words(w, src, heads, path, title))
     return written

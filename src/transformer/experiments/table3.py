@@ -18,57 +18,23 @@ import json
 import logging
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
 
-import torch
-
-from transformer.config import ModelConfig, RunConfig, apply_overrides, build_config
+from transformer.config import (
+    TABLE3_ROWS,
+    RunConfig,
+    apply_overrides,
+    build_config,
+    scale_row,
+)
 from transformer.errors import UserError
 
 log = logging.getLogger(__name__)
 
-# Table 3's rows, in the paper's order, as changes relative to a base model b. With b = the
-# paper's base (N 6, d_model 512, d_ff 2048, h 8, d_k = d_v = 64) each gives the paper's values.
-_ROWS: dict[str, Callable[[ModelConfig], dict[str, Any]]] = {
-    "base": lambda b: {},
-    # (A) h x d_k stays constant, so the computation stays constant.
-    "A1": lambda b: {"n_heads": 1, "d_k": b.n_heads * b.d_k, "d_v": b.n_heads * b.d_v},
-    "A2": lambda b: _heads(b, 0.5),
-    "A3": lambda b: _heads(b, 2),
-    "A4": lambda b: _heads(b, 4),
-    # (B) smaller attention key size, d_v unchanged: 64 -> 16 and 32.
-    "B1": lambda b: {"d_k": max(1, b.d_k // 4)},
-    "B2": lambda b: {"d_k": max(1, b.d_k // 2)},
-    # (C) bigger and smaller models: N 6 -> 2, 4, 8; d_model x0.5, x2 (d_k, d_v with it, h kept);
-    # d_ff x0.5, x2.
-    "C1": lambda b: {"n_layers": _layers(b, 2)},
-    "C2": lambda b: {"n_layers": _layers(b, 4)},
-    "C3": lambda b: {"n_layers": _layers(b, 8)},
-    "C4": lambda b: _width(b, 0.5),
-    "C5": lambda b: _width(b, 2),
-    "C6": lambda b: {"d_ff": b.d_ff // 2},
-    "C7": lambda b: {"d_ff": b.d_ff * 2},
-    # (D) dropout and label smoothing: the paper's absolute values.
-    "D1": lambda b: {"p_drop": 0.0},
-    "D2": lambda b: {"p_drop": 0.2},
-    "D3": lambda b: {"train.eps_ls": 0.0},
-    "D4": lambda b: {"train.eps_ls": 0.2},
-    # (E) learned positional embeddings instead of sinusoids.
-    "E": lambda b: {"learned_pos": True},
-    # big: d_model, d_ff and h x2 (d_k kept), P_drop 0.3.
-    "big": lambda b: {
-        **_width(b, 2),
-        "d_ff": b.d_ff * 2,
-        "n_heads": b.n_heads * 2,
-        "d_k": b.d_k,
-        "d_v": b.d_v,
-        "p_drop": 0.3,
-    },  # fmt: skip
-}
-ROWS = tuple(_ROWS)
+ROWS = tuple(TABLE3_ROWS)  # base, A1 ... E, big: the paper's order
+
 
 # Table 3 as printed (newstest2013, 100K steps; big 300K): dev PPL, dev BLEU, params (M).
 PAPER_TABLE3: dict[str, tuple[float, float, float | None]] = {
@@ -82,36 +48,6 @@ PAPER_TABLE3: dict[str, tuple[float, float, float | None]] = {
 }  # fmt: skip
 
 SCALES = {"base": "base", "small": "cpu-small"}  # --scale name -> the preset used as the base
-
-
-def _heads(b: ModelConfig, factor: float) -> dict[str, int]:
-    h = max(1, round(b.n_heads * factor))
-    total_k, total_v = b.n_heads * b.d_k, b.n_heads * b.d_v
-    return {"n_heads": h, "d_k": max(1, total_k // h), "d_v": max(1, total_v // h)}
-
-
-def _layers(b: ModelConfig, paper_n: int) -> int:
-    return max(1, round(b.n_layers * paper_n / 6))
-
-
-def _width(b: ModelConfig, factor: float) -> dict[str, int]:
-    return {"d_model": round(b.d_model * factor), "d_k": max(1, round(b.d_k * factor)),
-            "d_v": max(1, round(b.d_v * factor))}  # fmt: skip
-
-
-def scale_row(row: str, base: ModelConfig) -> dict[str, Any]:
-    """The row's changes relative to `base`, as overrides (model keys bare, `train.` prefixed).
-
-    Args:
-        row: a Table 3 row name (`ROWS`).
-        base: the model the row is applied to.
-
-    Returns:
-        e.g. {"n_heads": 1, "d_k": 512, "d_v": 512} for A1 on the paper's base.
-    """
-    if row not in _ROWS:
-        raise UserError(f"--rows: unknown Table 3 row {row!r}; choose from {', '.join(ROWS)}")
-    return _ROWS[row](base)
 
 
 def row_config(row: str, base: RunConfig) -> RunConfig:
@@ -144,26 +80,6 @@ class RowResult:
     wall_minutes: float
 
 
-@torch.no_grad()
-def dev_perplexity(model, split, max_tokens: int) -> float:
-    """Per-subword perplexity on a split: exp(mean NLL of the references, no label smoothing)."""
-    from transformer.batching import TokenBatchSampler
-    from transformer.data import collate
-
-    model.eval()
-    device = next(model.parameters()).device
-    nll, tokens = 0.0, 0
-    sampler = TokenBatchSampler(split.src_lens, split.tgt_lens, max_tokens, seed=0, shuffle=False)
-    for indices in sampler:
-        b = collate(split, indices).to(device)
-        keep = b.tgt_out != 0  # (B, T): real target positions (PAD_ID = 0)
-        hidden = model(b.src, b.src_mask, b.tgt_in)[keep]  # (N, D)
-        logits = model.project(hidden).float()  # (N, V)
-        nll += float(torch.nn.functional.cross_entropy(logits, b.tgt_out[keep], reduction="sum"))
-        tokens += int(keep.sum())
-    return math.exp(nll / max(tokens, 1))
-
-
 def _train_row(row: str, config: RunConfig, data_dir: Path, run_dir: Path, args: dict) -> RowResult:
     """Train one row, then measure it; `args` holds beam, alpha, valid_limit, eval_max_tokens."""
     from transformer import rundir
@@ -171,6 +87,7 @@ def _train_row(row: str, config: RunConfig, data_dir: Path, run_dir: Path, args:
     from transformer.data import load_prepared
     from transformer.evaluate import evaluate
     from transformer.train import train
+    from transformer.trainer import evaluate_loss
 
     start = time.perf_counter()
     if latest_checkpoint(run_dir) is not None:  # trained, then stopped before being measured
@@ -182,7 +99,7 @@ def _train_row(row: str, config: RunConfig, data_dir: Path, run_dir: Path, args:
     totals = rundir.training_totals(run_dir)
     loaded = rundir.resolve_model(run_dir)  # the latest checkpoint: no averaging (§6.2)
     valid = load_prepared(data_dir).split("valid")
-    ppl = dev_perplexity(loaded.model, valid, args["eval_max_tokens"])
+    ppl = evaluate_loss(loaded.model, valid, args["eval_max_tokens"])["ppl"]
     report = evaluate(run_dir, data_dir, "valid", args["beam"], args["alpha"],
                       limit=args["valid_limit"])  # fmt: skip
     m = loaded.config.model

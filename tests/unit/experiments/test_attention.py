@@ -7,31 +7,27 @@ import torch
 
 pytest.importorskip("matplotlib")
 
-from fixtures import make_model_file  # noqa: E402
 from transformer.errors import UserError  # noqa: E402
-from transformer.experiments.attention import (  # noqa: E402
-    _pick_word,
-    plot_attention,
-    sentence_attention,
-)
-from transformer.modelfile import load_model  # noqa: E402
+from transformer.experiments.attention import _pick_word, plot_attention  # noqa: E402
+from transformer.translate import Translator  # noqa: E402
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
 @pytest.fixture(scope="module")
-def model_file(tmp_path_factory):
-    return make_model_file(tmp_path_factory.mktemp("model"))
+def model_file(tiny_model_file):
+    return tiny_model_file
 
 
 def test_sentence_attention_shapes_and_rows_sum_to_one(model_file) -> None:
-    loaded = load_model(model_file)
-    tok = loaded.tokenizer()
-    att = sentence_attention(loaded.model, tok, "A little girl.", target="Ein kleines Mädchen.")
-    S, T = len(att.src_pieces), len(att.tgt_pieces)
-    assert S == len(tok.encode("A little girl.")) + 1 and att.src_pieces[-1] == "</s>"
-    assert T == len(tok.encode("Ein kleines Mädchen.")) + 1 and att.tgt_pieces[0] == "<s>"
-    H, N = loaded.model.cfg.n_heads, loaded.model.cfg.n_layers
+    translator = Translator.from_path(model_file)
+    tok = translator.tokenizer
+    att = translator.attention_weights("A little girl.", "Ein kleines Mädchen.")
+    S, T = len(att.source_pieces), len(att.target_input_pieces)
+    assert S == len(tok.encode("A little girl.")) + 1 and att.source_pieces[-1] == "</s>"
+    assert T == len(tok.encode("Ein kleines Mädchen.")) + 1
+    assert att.target_input_pieces[0] == "<s>" and att.target_pieces[-1] == "</s>"
+    H, N = translator.model.cfg.n_heads, translator.model.cfg.n_layers
     shapes = {"encoder": (H, S, S), "decoder": (H, T, T), "cross": (H, T, S)}
     for kind, shape in shapes.items():
         assert len(att.weights[kind]) == N

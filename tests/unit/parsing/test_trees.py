@@ -293,41 +293,6 @@ def test_tree_leaves_of_hand_built_tree():
 # --- real trees ---------------------------------------------------------------------------------
 
 
-@pytest.mark.integration
-def test_read_real_mrg_file(shared_data):
-    trees = read_trees(shared_data / "ptb_sample" / "combined" / "wsj_0001.mrg")
-    assert [str(t) for t in trees] == [
-        "(TOP (S (NP (NP (NNP Pierre) (NNP Vinken)) (, ,) (ADJP (NP (CD 61) (NNS years))"
-        " (JJ old)) (, ,)) (VP (MD will) (VP (VB join) (NP (DT the) (NN board)) (PP (IN as)"
-        " (NP (DT a) (JJ nonexecutive) (NN director))) (NP (NNP Nov.) (CD 29)))) (. .)))",
-        "(TOP (S (NP (NNP Mr.) (NNP Vinken)) (VP (VBZ is) (NP (NP (NN chairman)) (PP (IN of)"
-        " (NP (NP (NNP Elsevier) (NNP N.V.)) (, ,) (NP (DT the) (NNP Dutch) (VBG publishing)"
-        " (NN group)))))) (. .)))",
-    ]
-
-
-@pytest.mark.integration
-def test_read_real_one_per_line_file_prints_back_identically(shared_data):
-    path = shared_data / "ptb_wsj" / "22.auto.clean"
-    trees = read_trees(path)
-    lines = path.read_text().splitlines()
-    assert len(trees) == len(lines) == 1700  # README: 1,700 trees
-    assert [str(t) for t in trees] == lines  # already clean: cleaning changes nothing
-
-
-@pytest.mark.integration
-def test_round_trip_every_real_tree(shared_data):
-    sample = sorted((shared_data / "ptb_sample" / "combined").glob("wsj_*.mrg"))
-    trees = [t for path in sample for t in read_trees(path)]
-    assert len(trees) == 3914  # README: 3,914 trees in combined/
-    trees += read_trees(shared_data / "ptb_wsj" / "22.auto.clean")
-    for tree in trees:
-        words, tags = tree.leaves(), tree.pos()
-        assert "-NONE-" not in tags
-        assert str(delinearize(linearize(tree), words, tags)) == str(tree)
-        assert str(delinearize(linearize(tree, leaves="pos"), words)) == str(tree)
-
-
 def test_deeply_nested_output_is_repaired_and_printed_without_recursion_errors():
     # A garbage output that opens 5,000 constituents: far deeper than Python's recursion limit.
     tokens = ["(NP"] * 5000 + ["XX", "(VP", ")VP"]

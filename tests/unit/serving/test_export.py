@@ -36,10 +36,9 @@ def _ct2_log_probs(translator, sp, src: str, tgt: str) -> np.ndarray:
 
 
 @pytest.fixture(scope="module")
-def exported(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("export")
-    path = make_model_file(tmp / "model")
-    return load_model(path), export_ctranslate2(path, tmp / "ct2")
+def exported(tmp_path_factory, tiny_model_file):
+    out = tmp_path_factory.mktemp("export") / "ct2"
+    return load_model(tiny_model_file), export_ctranslate2(tiny_model_file, out)
 
 
 # Post-norm base architecture, then pre-norm, learned positions (Table 3 row E) and
