@@ -215,18 +215,20 @@ _TOKENIZED_MARKS = ("##AT##-##AT##", " @-@ ", "&quot;", "&apos;")
 _FINAL_PUNCT = re.compile(r"\S(\s?)[.!?]['\"»“”]?\s*$")
 
 
-def tokenized_reason(lines: Sequence[str]) -> str | None:
+def tokenized_reason(lines: Sequence[str], punctuation: bool = True) -> str | None:
     """Why `lines` look Moses-tokenized, or None when they look like detokenized text.
 
-    Tokenized: a mark above on at least 1% of the lines, or a space before the final full stop
-    (question or exclamation mark) on at least half of the lines that end in one. On the raw
-    newstest2014 German reference 2 of ~2,700 such lines have the space; on the tokenized
-    newstest2013 (Stanford release) 2,622 of 3,000 have it.
+    Tokenized: a mark above on at least 1% of the lines, or (with `punctuation`) a space before
+    the final full stop (question or exclamation mark) on at least half of the lines that end in
+    one. On the raw newstest2014 German reference 2 of ~2,700 such lines have the space; on the
+    tokenized newstest2013 (Stanford release) 2,622 of 3,000 have it.
     """
     marked = sum(any(m in line for m in _TOKENIZED_MARKS) for line in lines)
     if lines and marked >= max(1, len(lines) // 100):
         mark = next(m for m in _TOKENIZED_MARKS if any(m in line for line in lines))
         return f"{marked} of {len(lines)} lines hold Moses tokenizer marks such as {mark.strip()!r}"
+    if not punctuation:
+        return None
     spaced = ended = 0
     for line in lines:
         m = _FINAL_PUNCT.search(line)
@@ -239,10 +241,18 @@ def tokenized_reason(lines: Sequence[str]) -> str | None:
 
 
 def check_detokenized(
-    hyps: Sequence[str], refs: Sequence[str], hyp_name: str, ref_name: str
+    hyps: Sequence[str],
+    refs: Sequence[str],
+    hyp_name: str,
+    ref_name: str,
+    hyp_punctuation: bool = True,
 ) -> bool:
     """Refuse to score tokenized text against raw text (or the reverse): sacreBLEU and the
     paper's metric would then tokenize twice, and `##AT##-##AT##` alone becomes many tokens.
+
+    hyp_punctuation: False judges the hypotheses by the Moses marks only (`tokenized_reason`),
+        for a model's own output: an under-trained model can put a space before a final period
+        without having been trained on tokenized text.
 
     Returns:
         True when both sides look tokenized (the caller must detokenize or refuse), else False.
@@ -250,7 +260,7 @@ def check_detokenized(
     Raises:
         UserError: one side looks tokenized and the other does not, naming both files.
     """
-    hyp_why, ref_why = tokenized_reason(hyps), tokenized_reason(refs)
+    hyp_why, ref_why = tokenized_reason(hyps, hyp_punctuation), tokenized_reason(refs)
     if (hyp_why is None) != (ref_why is None):
         tok, raw, why = (
             (hyp_name, ref_name, hyp_why) if hyp_why is not None else (ref_name, hyp_name, ref_why)

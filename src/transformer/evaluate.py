@@ -84,7 +84,11 @@ def evaluate(
     if output is not None:
         Path(output).write_text("".join(h + "\n" for h in hyps), encoding="utf-8")
     ref_name = f"{data_dir}: the {split} references"
-    detokenized = check_detokenized(hyps, refs, f"{model_path}: its {split} output", ref_name)
+    # The output is judged by Moses' marks only: a model trained on raw text emits none, but an
+    # under-trained one may well put a space before a final period.
+    detokenized = check_detokenized(
+        hyps, refs, f"{model_path}: its {split} output", ref_name, hyp_punctuation=False
+    )
     if detokenized:
         # Both sides tokenized (the Stanford release): sacreBLEU and the paper's metric tokenize
         # themselves, so both are scored after the Moses detokenizer, and the report says so.

@@ -109,6 +109,8 @@ def test_tokenized_reason_tells_moses_output_from_raw_text():
     stanford = ["Ein Mann spielt Computer ##AT##-##AT## Spiele .", "Er sagt : &quot; Nein ! &quot;"]
     assert "##AT##-##AT##" in tokenized_reason(stanford)
     assert "split off by a space" in tokenized_reason(["Ein Mann spielt .", "Wer ist das ?"])
+    assert tokenized_reason(["Ein Mann spielt .", "Wer ist das ?"], punctuation=False) is None
+    assert tokenized_reason(stanford, punctuation=False) is not None
 
 
 def test_check_detokenized_refuses_tokenized_against_raw_either_way():
