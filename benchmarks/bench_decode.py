@@ -12,7 +12,7 @@ Two workloads:
   early stopping, and for each dtype the sacreBLEU of its output (int8's BLEU cost).
 
     python benchmarks/bench_decode.py --w2 --reps 1
-    python benchmarks/bench_decode.py --model runs/x/model_avg.safetensors --data data/ende
+    python benchmarks/bench_decode.py --model runs/x/model.safetensors --data data/ende
     python benchmarks/bench_decode.py --w2 --profile fp32:4     # torch.profiler table
 """
 

@@ -6,7 +6,7 @@ The same model file is translated by `translate.Translator` and, after
 sentences with the same threads, beam sizes and maximum lengths. Also prints how many greedy
 outputs agree token for token (fp32 vs float32 must be all of them; int8 may differ).
 
-    python benchmarks/bench_export.py --model runs/x/model_avg.safetensors
+    python benchmarks/bench_export.py --model runs/x/model.safetensors
     python benchmarks/bench_export.py --random-preset cpu-small --limit 200
 
 A random model rarely emits EOS, so its outputs run to the maximum length: equal work for all.

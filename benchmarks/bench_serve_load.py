@@ -5,7 +5,7 @@ Starts the server as a subprocess on 127.0.0.1 (a free port), then runs `--clien
 clients, each posting one Multi30k test sentence at a time to /v1/translate for `--seconds`.
 Prints throughput, latency percentiles, failed requests and the server's batching statistics.
 
-    python benchmarks/bench_serve_load.py --model runs/x/model_avg.safetensors
+    python benchmarks/bench_serve_load.py --model runs/x/model.safetensors
     python benchmarks/bench_serve_load.py --random-preset tiny          # no trained model needed
     python benchmarks/bench_serve_load.py --url http://127.0.0.1:8000   # an already running server
 

@@ -16,7 +16,7 @@ from transformer.errors import UserError
 
 
 def _cmd_presets(args: argparse.Namespace) -> int:
-    from transformer.experiments.presets import describe_presets
+    from transformer.experiments.table3 import describe_presets
 
     rows = describe_presets(args.vocab_size)
     if args.json:
@@ -303,7 +303,7 @@ def _add_average(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("average", help="§6.1: average a run's last N checkpoints into a model")
     p.add_argument("run_dir", type=Path, help="training run directory")
     p.add_argument("--last", type=int, default=5, help="checkpoints to average (§6.1: 5 / 20)")
-    p.add_argument("--out", type=Path, help="model file (default RUN_DIR/average_last<N>...)")
+    p.add_argument("--out", type=Path, help="model file (default RUN_DIR/model.safetensors)")
     p.add_argument(
         "--upper-bound", type=int, metavar="STEP",
         help="average the last N checkpoints of at most this step (e.g. the best on dev)",

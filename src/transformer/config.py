@@ -217,6 +217,9 @@ def scale_row(row: str, base: ModelConfig) -> dict[str, Any]:
     return TABLE3_ROWS[row](base)
 
 
+# The model of the cpu-small and quickstart presets: N 3, d_model 256, h 4 (~7.6M parameters).
+_CPU_SMALL = {"n_layers": 3, "d_model": 256, "d_ff": 1024, "n_heads": 4, "d_k": 64, "d_v": 64}
+
 PRESETS: dict[str, dict[str, Any]] = {
     "base": {},
     # Table 3 "big": d_k stays 64 (16 heads x 64 = 1024); §5.2: 300K steps; §6.1: average 20.
@@ -233,16 +236,7 @@ PRESETS: dict[str, dict[str, Any]] = {
     "parsing": {"n_layers": 4, "d_model": 1024, "d_k": 128, "d_v": 128, "share_embeddings": False},
     # CPU-sized presets for the small corpora here (not in the paper).
     "tiny": {"n_layers": 2, "d_model": 32, "d_ff": 64, "n_heads": 4, "d_k": 8, "d_v": 8},
-    "cpu-small": {
-        "n_layers": 3,
-        "d_model": 256,
-        "d_ff": 1024,
-        "n_heads": 4,
-        "d_k": 64,
-        "d_v": 64,
-        "train.max_tokens": 4000,
-        "train.warmup_steps": 800,
-    },
+    "cpu-small": {**_CPU_SMALL, "train.max_tokens": 4000, "train.warmup_steps": 800},
     "cpu-medium": {
         "n_layers": 4,
         "d_model": 384,
@@ -255,12 +249,7 @@ PRESETS: dict[str, dict[str, Any]] = {
     },
     # `transformer quickstart`: Multi30k on a 2-core CPU in 20 minutes (tuning: docs/quickstart.md).
     "quickstart": {
-        "n_layers": 3,
-        "d_model": 256,
-        "d_ff": 1024,
-        "n_heads": 4,
-        "d_k": 64,
-        "d_v": 64,
+        **_CPU_SMALL,
         "p_drop": 0.1,
         # ~4,000 steps of ~920 target tokens fit in the budget on 2 cores (~8.6 epochs): small
         # batches, because at this epoch count the number of updates is what the model lacks

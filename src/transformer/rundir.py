@@ -141,8 +141,7 @@ def average_run(
     Args:
         run_dir: a training run directory.
         last: how many of the newest checkpoints to average (5 for base, 20 for big).
-        out: the model file to write (default `RUN_DIR/average_last<N>.safetensors`, or
-            `average_last<N>_upto<STEP>.safetensors` with `upper_bound`).
+        out: the model file to write (default `RUN_DIR/model.safetensors`, the run's model).
         upper_bound: only checkpoints of at most this step (fairseq's
             `--checkpoint-upper-bound`): the last N up to, e.g., the best dev perplexity.
 
@@ -168,10 +167,7 @@ def average_run(
     states = [checkpoint.load_checkpoint(p) for p in chosen]
     model, config = model_from_checkpoint(states[-1], chosen[-1])
     model.load_state_dict(checkpoint.average_checkpoints([s["model"] for s in states]))
-    if out is None:
-        bound = "" if upper_bound is None else f"_upto{upper_bound}"
-        out = run_dir / f"average_last{last}{bound}.safetensors"
-    out = Path(out)
+    out = Path(out) if out is not None else run_dir / MODEL
     save_model(out, model, config, *_spm_of(states[-1]))
     logger.info("averaged %s into %s", ", ".join(p.name for p in chosen), out)
     return out
@@ -180,14 +176,15 @@ def average_run(
 def resolve_model(path: str | Path, device: str | torch.device = "cpu") -> LoadedModel:
     """Any path the product wrote -> its model (eval mode).
 
-    A model file; a directory's `model.safetensors`, else (a run directory) its newest
-    `average_last*.safetensors` (`transformer average`), else its latest checkpoint; a
-    quickstart directory's `run/` is looked into the same way.
+    A model file; a directory's `model.safetensors` (the averaged model that `transformer
+    average` and the quickstart write), else its latest checkpoint; a quickstart directory's
+    `run/` is looked into the same way. Directories written before the one name still resolve
+    (`model_avg.safetensors`, the newest `average_last*.safetensors`).
     """
     path = Path(path)
     if not path.is_dir():
         return load_model(path, device)
-    for name in (MODEL, "model_avg.safetensors"):  # model_avg: run directories of before 0.1
+    for name in (MODEL, "model_avg.safetensors"):
         if (path / name).is_file():
             return load_model(path / name, device)
     averages = sorted(path.glob("average_last*.safetensors"), key=lambda p: p.stat().st_mtime)
@@ -197,9 +194,7 @@ def resolve_model(path: str | Path, device: str | torch.device = "cpu") -> Loade
         return resolve_model(path / QUICKSTART_RUN, device)
     ckpt = checkpoint.latest_checkpoint(path)
     if ckpt is None:
-        raise UserError(
-            f"{path}: no model file ({MODEL} or average_last*.safetensors) and no checkpoints"
-        )
+        raise UserError(f"{path}: no model file ({MODEL}) and no checkpoints")
     state = checkpoint.load_checkpoint(ckpt)
     model, config = model_from_checkpoint(state, ckpt)
     logger.info("using the latest checkpoint %s (no averaged model in %s)", ckpt, path)

@@ -17,10 +17,6 @@ from transformer.checkpoint import (
     load_checkpoint,
     save_checkpoint,
 )
-from transformer.config import ModelConfig, RunConfig, to_dict
-from transformer.model import Transformer
-from transformer.modelfile import load_model
-from transformer.rundir import average_run
 
 
 def test_save_keeps_last_k_and_points_latest(tmp_path):
@@ -90,43 +86,3 @@ def test_average_rejects_mismatched_or_empty():
         average_checkpoints([])
     with pytest.raises(ValueError, match="different keys"):
         average_checkpoints([{"a": torch.ones(1)}, {"b": torch.ones(1)}])
-
-
-def test_average_run_writes_model_file(tmp_path):
-    cfg = RunConfig(
-        model=ModelConfig(vocab_size=20, n_layers=1, d_model=8, d_ff=16, n_heads=2, d_k=4, d_v=4)
-    )
-    states = []
-    for step in (1, 2, 3):
-        torch.manual_seed(step)
-        model_state = {k: v.clone() for k, v in Transformer(cfg.model).state_dict().items()}
-        states.append(model_state)
-        ckpt = {
-            "step": step,
-            "model": model_state,
-            "config": to_dict(cfg),
-            "data": {
-                "spm_proto": torch.tensor([1, 2, 3], dtype=torch.uint8),
-                "src": "en",
-                "tgt": "de",
-            },
-        }
-        save_checkpoint(tmp_path, step, ckpt, keep_last=5)
-    out = average_run(tmp_path, last=2)
-    loaded = load_model(out)
-    expected = (
-        states[1]["encoder_layers.0.ffn.w_1.weight"] + states[2]["encoder_layers.0.ffn.w_1.weight"]
-    ) / 2
-    torch.testing.assert_close(loaded.model.encoder_layers[0].ffn.w_1.weight, expected)
-    assert loaded.spm_proto == bytes([1, 2, 3]) and loaded.src_lang == "en"
-    with pytest.raises(CheckpointError, match="--last 4"):
-        average_run(tmp_path, last=4)
-    # --upper-bound: the last N of the checkpoints up to a step
-    bounded = load_model(average_run(tmp_path, last=2, upper_bound=2))
-    expected = (
-        states[0]["encoder_layers.0.ffn.w_1.weight"] + states[1]["encoder_layers.0.ffn.w_1.weight"]
-    ) / 2
-    torch.testing.assert_close(bounded.model.encoder_layers[0].ffn.w_1.weight, expected)
-    assert (tmp_path / "average_last2_upto2.safetensors").is_file()
-    with pytest.raises(CheckpointError, match="--last 2 asked, 1 checkpoints present up to step 1"):
-        average_run(tmp_path, last=2, upper_bound=1)

@@ -9,7 +9,7 @@ from transformer import checkpoint, rundir
 from transformer.config import ModelConfig, RunConfig, to_dict
 from transformer.errors import UserError
 from transformer.model import Transformer
-from transformer.modelfile import save_model
+from transformer.modelfile import load_model, save_model
 
 TINY = ModelConfig(vocab_size=30, d_model=16, d_ff=32, n_heads=2, n_layers=1, max_len=32)
 
@@ -73,3 +73,45 @@ def test_resolve_model_from_any_path_the_product_wrote(tmp_path):
                      loaded.spm_proto, "en", "de")  # fmt: skip
     assert rundir.resolve_model(tmp_path / "quickstart").path == top
     assert rundir.resolve_model(top).src_lang == "en"
+
+
+def test_average_run_writes_model_file(tmp_path):
+    cfg = RunConfig(
+        model=ModelConfig(vocab_size=20, n_layers=1, d_model=8, d_ff=16, n_heads=2, d_k=4, d_v=4)
+    )
+    states = []
+    for step in (1, 2, 3):
+        torch.manual_seed(step)
+        model_state = {k: v.clone() for k, v in Transformer(cfg.model).state_dict().items()}
+        states.append(model_state)
+        ckpt = {
+            "step": step,
+            "model": model_state,
+            "config": to_dict(cfg),
+            "data": {
+                "spm_proto": torch.tensor([1, 2, 3], dtype=torch.uint8),
+                "src": "en",
+                "tgt": "de",
+            },
+        }
+        checkpoint.save_checkpoint(tmp_path, step, ckpt, keep_last=5)
+    out = rundir.average_run(tmp_path, last=2)
+    loaded = load_model(out)
+    expected = (
+        states[1]["encoder_layers.0.ffn.w_1.weight"] + states[2]["encoder_layers.0.ffn.w_1.weight"]
+    ) / 2
+    torch.testing.assert_close(loaded.model.encoder_layers[0].ffn.w_1.weight, expected)
+    assert loaded.spm_proto == bytes([1, 2, 3]) and loaded.src_lang == "en"
+    with pytest.raises(checkpoint.CheckpointError, match="--last 4"):
+        rundir.average_run(tmp_path, last=4)
+    # --upper-bound: the last N of the checkpoints up to a step
+    bounded = load_model(rundir.average_run(tmp_path, last=2, upper_bound=2))
+    expected = (
+        states[0]["encoder_layers.0.ffn.w_1.weight"] + states[1]["encoder_layers.0.ffn.w_1.weight"]
+    ) / 2
+    torch.testing.assert_close(bounded.model.encoder_layers[0].ffn.w_1.weight, expected)
+    assert out == tmp_path / rundir.MODEL  # the run's model, by its one name
+    with pytest.raises(
+        checkpoint.CheckpointError, match="--last 2 asked, 1 checkpoints present up to step 1"
+    ):
+        rundir.average_run(tmp_path, last=2, upper_bound=1)

@@ -1,4 +1,5 @@
-"""§6.2 Table 3 as a command: train the base model and the row A-E variants under one budget.
+"""§6.2 Table 3 as a command: train the base model and the row A-E variants under one budget;
+and the presets table (`transformer presets`: every preset with its parameter count).
 
 `transformer sweep table3 --data PREPARED --out DIR --budget-minutes M --scale small` trains every
 row for the same budget, then measures what Table 3 reports: parameters, dev perplexity (per
@@ -21,8 +22,10 @@ import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 from transformer.config import (
+    PRESETS,
     TABLE3_ROWS,
     RunConfig,
     apply_overrides,
@@ -201,3 +204,29 @@ def write_report(results: Sequence[RowResult], md_path: Path, csv_path: Path, se
         for r in results:
             paper = PAPER_TABLE3.get(r.row, (None, None, None))
             writer.writerow([getattr(r, c) for c in _COLUMNS] + [paper[0], paper[1]])
+
+
+# ---------------------------------------------------------------- `transformer presets`
+
+
+def count_parameters(model_cfg) -> int:
+    """Parameters of the model a config describes, counted by building it on the meta device."""
+    import torch
+
+    from transformer.model import Transformer
+
+    with torch.device("meta"):
+        return Transformer(model_cfg).num_parameters()
+
+
+def describe_presets(vocab_size: int) -> list[dict[str, Any]]:
+    """One dict per preset: name, parameters at this vocabulary size, every model and train value
+    that the preset sets."""
+    rows = []
+    for name in PRESETS:
+        cfg = build_config(name, vocab_size=vocab_size)
+        row: dict[str, Any] = {"name": name, "parameters": count_parameters(cfg.model)}
+        row.update(asdict(cfg.model))
+        row.update({k: getattr(cfg.train, k) for k in ("eps_ls", "max_steps", "warmup_steps")})
+        rows.append(row)
+    return rows
