@@ -26,8 +26,8 @@ transformer prepare wmt14 --src en --tgt fr --out "$DATA" --download-dir "$DATA.
   ${MIRROR:+--mirror "$MIRROR"} ${CHECKSUMS:+--checksums "$CHECKSUMS"}
 # shellcheck disable=SC2086  # TRAIN_ARGS is a list of arguments
 transformer train "$DATA" --preset "$PRESET" --out "$RUN" ${TRAIN_ARGS:-}
-transformer average "$RUN" --last "$LAST" --out "$RUN/model_avg.safetensors"
-transformer evaluate "$RUN/model_avg.safetensors" --data "$DATA" --split test \
+transformer average "$RUN" --last "$LAST"   # writes RUN/model.safetensors
+transformer evaluate "$RUN/model.safetensors" --data "$DATA" --split test \
   ${BEAM:+--beam "$BEAM"} ${ALPHA:+--alpha "$ALPHA"} \
   --output "$RUN/newstest2014.hyp.fr" --json > "$RUN/newstest2014.json"
 cat "$RUN/newstest2014.json"
