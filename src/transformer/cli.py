@@ -15,6 +15,22 @@ from pathlib import Path
 from transformer.errors import UserError
 
 
+def _add_threads(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--threads", type=int, help="CPU threads (default: OMP_NUM_THREADS if set, else all cores)"
+    )
+
+
+def _set_threads(threads: int | None) -> None:
+    """--threads for inference commands; torch itself already honours OMP_NUM_THREADS."""
+    if threads is not None:
+        if threads < 1:
+            raise UserError(f"--threads: must be at least 1, got {threads}")
+        import torch
+
+        torch.set_num_threads(threads)
+
+
 def _cmd_presets(args: argparse.Namespace) -> int:
     from transformer.experiments.table3 import describe_presets
 
@@ -253,12 +269,13 @@ def _cmd_train(args: argparse.Namespace) -> int:
         if flag is not None:
             overrides.append(f"{key}={flag}")
     if args.resume is not None:
-        train(data_dir, args.resume, resume=True, overrides=overrides, device=args.device)
+        train(data_dir, args.resume, resume=True, overrides=overrides, device=args.device,
+              threads=args.threads)  # fmt: skip
         return 0
     if args.out is None or data_dir is None:
         raise UserError("train: give DATA_DIR and --out RUN_DIR (or --resume RUN_DIR)")
     config = build_config(args.preset, args.config)
-    train(data_dir, args.out, config, overrides=overrides, device=args.device)
+    train(data_dir, args.out, config, overrides=overrides, device=args.device, threads=args.threads)
     return 0
 
 
@@ -289,6 +306,7 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-steps", type=int, help="stop after this many optimizer steps")
     p.add_argument("--max-minutes", type=float, help="stop after this many minutes")
     p.add_argument("--device", help="cpu, cuda, cuda:1 ... (default: cuda if available)")
+    _add_threads(p)
     p.set_defaults(func=_cmd_train)
 
 
@@ -314,6 +332,7 @@ def _add_average(sub: argparse._SubParsersAction) -> None:
 def _cmd_translate(args: argparse.Namespace) -> int:
     from transformer.translate import Translator, translate_stream
 
+    _set_threads(args.threads)
     translator = Translator.from_path(args.model, dtype=args.dtype)
     translator.decode = translator.options(
         args.beam, args.alpha, max_tokens=args.max_tokens, stop=args.stop
@@ -338,6 +357,7 @@ def _add_translate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--dtype", choices=["fp32", "bf16", "int8"], default="fp32")
     p.add_argument("--max-tokens", type=int, help="source tokens per batch (padding counted)")
     _add_stop(p)
+    _add_threads(p)
     p.set_defaults(func=_cmd_translate)
 
 
@@ -353,6 +373,7 @@ def _add_stop(p: argparse.ArgumentParser) -> None:
 def _cmd_evaluate(args: argparse.Namespace) -> int:
     from transformer.evaluate import evaluate
 
+    _set_threads(args.threads)
     report = evaluate(
         args.model, args.data, args.split, args.beam, args.alpha, args.dtype, args.output,
         args.limit, args.stop,
@@ -385,6 +406,7 @@ def _add_evaluate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--limit", type=int, help="only the first N sentences")
     _add_stop(p)
     p.add_argument("--json", action="store_true", help="print the report as JSON")
+    _add_threads(p)
     p.set_defaults(func=_cmd_evaluate)
 
 

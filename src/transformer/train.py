@@ -47,14 +47,19 @@ def resolve_run(
     return data_dir, apply_overrides(saved, parse_overrides(overrides), "override")
 
 
-def _setup_torch(config: RunConfig, info: distributed.DistInfo, device: torch.device) -> None:
+def _setup_torch(config: RunConfig, device: torch.device, threads: int | None = None) -> None:
+    """Determinism, the seed and the CPU thread count: `threads` if given, else 1 for a
+    deterministic run, else OMP_NUM_THREADS if set, else all cores shared by this node's ranks."""
+    if threads is not None and threads < 1:
+        raise UserError(f"--threads: must be at least 1, got {threads}")
     if config.train.deterministic:
         # Bit-exact runs: deterministic kernels and a fixed thread count (reductions split
         # work by thread count).
         torch.use_deterministic_algorithms(True)
-        torch.set_num_threads(1)
-    elif device.type == "cpu":
-        # All cores by default, shared between the ranks of this node.
+        torch.set_num_threads(threads or 1)
+    elif threads is not None:
+        torch.set_num_threads(threads)
+    elif device.type == "cpu" and not os.environ.get("OMP_NUM_THREADS"):
         local = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local))
     torch.manual_seed(config.train.seed)
@@ -86,6 +91,7 @@ def train(
     overrides: Sequence[str] = (),
     device: str | None = None,
     progress: bool = True,
+    threads: int | None = None,
 ) -> TrainState:
     """Train (or resume) a run; returns the final counters. Launch with `torchrun` for DDP.
 
@@ -98,6 +104,8 @@ def train(
         overrides: `section.key=value` strings applied on top (e.g. a larger train.max_steps).
         device: "cpu", "cuda" ...; default CUDA when available.
         progress: show a progress bar.
+        threads: CPU threads (default: OMP_NUM_THREADS if set, else all cores; 1 when
+            train.deterministic).
     """
     out_dir = Path(out_dir)
     data_dir, config = resolve_run(data_dir, out_dir, config, resume, overrides)
@@ -107,7 +115,7 @@ def train(
         dev = torch.device("cuda", info.local_rank)
         torch.cuda.set_device(dev)
     saved_torch = (torch.are_deterministic_algorithms_enabled(), torch.get_num_threads())
-    _setup_torch(config, info, dev)
+    _setup_torch(config, dev, threads)
     data = load_prepared(data_dir)
     config = replace(config, model=replace(config.model, vocab_size=data.tokenizer.vocab_size))
     handler = None

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from dataclasses import replace
 from pathlib import Path
 
@@ -271,3 +272,26 @@ def test_end_of_run_checkpoint_resumes_but_is_never_averaged(data_dir, tmp_path)
     assert main(["train", "--resume", str(run), "--max-steps", "6"]) == 0
     assert [p.name for p in checkpoint.list_checkpoints(run)] == ["ckpt_4.pt", "ckpt_6.pt"]
     assert checkpoint.load_checkpoint(checkpoint.latest_checkpoint(run))["step"] == 6
+
+
+def test_thread_count_follows_threads_then_omp_num_threads(monkeypatch):
+    from transformer.config import RunConfig
+    from transformer.train import _setup_torch
+
+    before = torch.get_num_threads()
+    cpu = torch.device("cpu")
+    try:
+        monkeypatch.setenv("OMP_NUM_THREADS", "1")
+        torch.set_num_threads(2)
+        _setup_torch(RunConfig(), cpu)  # a user's OMP_NUM_THREADS is left as torch read it
+        assert torch.get_num_threads() == 2
+        _setup_torch(RunConfig(), cpu, threads=1)  # --threads wins
+        assert torch.get_num_threads() == 1
+        monkeypatch.delenv("OMP_NUM_THREADS")
+        _setup_torch(RunConfig(), cpu)  # neither: every core
+        assert torch.get_num_threads() == max(1, os.cpu_count() or 1)
+        with pytest.raises(UserError, match="--threads: must be at least 1"):
+            _setup_torch(RunConfig(), cpu, threads=0)
+    finally:
+        torch.set_num_threads(before)
+        torch.use_deterministic_algorithms(False)
