@@ -1,7 +1,9 @@
 """Checkpoints: atomic save, keep the last K, a `latest` pointer, resume; §6.1 averaging of
 state dicts (`rundir.average_run` writes the averaged model file).
 
-A run directory holds `checkpoints/ckpt_<step>.pt` and `checkpoints/latest` (the file name of
+A run directory holds `checkpoints/ckpt_<step>.pt` (written on the save cadence, the ones §6.1
+averages), at most one `checkpoints/ckpt_<step>_end.pt` (the end of a run that stopped between
+two cadence points: for resuming only, never averaged) and `checkpoints/latest` (the file name of
 the newest complete checkpoint). A checkpoint is written to a temporary file, fsynced and renamed
 into place; only then is `latest` replaced the same way, so a kill at any moment leaves `latest`
 naming a complete file. Checkpoints hold only tensors and plain Python values and are read with
@@ -28,7 +30,7 @@ logger = logging.getLogger(__name__)
 
 CHECKPOINT_DIR = "checkpoints"
 LATEST = "latest"
-_NAME = re.compile(r"^ckpt_(\d+)\.pt$")
+_NAME = re.compile(r"^ckpt_(\d+)(_end)?\.pt$")
 
 
 class CheckpointError(UserError):
@@ -110,13 +112,21 @@ def step_of(path: Path) -> int:
     return int(_NAME.match(Path(path).name).group(1))
 
 
-def list_checkpoints(run_dir: Path) -> list[Path]:
-    """Complete checkpoints of a run, oldest first (by step)."""
+def list_checkpoints(run_dir: Path, cadence_only: bool = False) -> list[Path]:
+    """Complete checkpoints of a run, oldest first (by step).
+
+    cadence_only: only those written on the save cadence (`ckpt_<step>.pt`), which §6.1
+        averages; without it the end-of-run `ckpt_<step>_end.pt` is listed too.
+    """
     directory = Path(run_dir) / CHECKPOINT_DIR
     if not directory.is_dir():
         return []
-    found = [(int(m.group(1)), p) for p in directory.iterdir() if (m := _NAME.match(p.name))]
-    return [p for _, p in sorted(found)]
+    found = [
+        (int(m.group(1)), m.group(2) is not None, p)
+        for p in directory.iterdir()
+        if (m := _NAME.match(p.name)) and not (cadence_only and m.group(2))
+    ]
+    return [p for _, _, p in sorted(found)]
 
 
 def latest_checkpoint(run_dir: Path) -> Path | None:
@@ -130,28 +140,36 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
     return path
 
 
-def save_checkpoint(run_dir: Path, step: int, state: dict[str, Any], keep_last: int) -> Path:
+def save_checkpoint(
+    run_dir: Path, step: int, state: dict[str, Any], keep_last: int, on_cadence: bool = True
+) -> Path:
     """Write `checkpoints/ckpt_<step>.pt` atomically, point `latest` at it, keep the last K.
 
     Args:
         run_dir: the run directory.
         step: optimizer step, used in the file name.
         state: tensors and plain values only (see `training_state`).
-        keep_last: how many checkpoints to keep (§6.1: 5 for base, 20 for big).
+        keep_last: how many cadence checkpoints to keep (§6.1: 5 for base, 20 for big).
+        on_cadence: False for the end of a run between two cadence points: it is written as
+            `ckpt_<step>_end.pt`, resumes like any other, and is never averaged nor counted
+            in `keep_last` (so it pushes no cadence checkpoint out).
 
     Returns:
         The checkpoint's path.
     """
     directory = Path(run_dir) / CHECKPOINT_DIR
     directory.mkdir(parents=True, exist_ok=True)
-    path = directory / f"ckpt_{step}.pt"
+    path = directory / (f"ckpt_{step}.pt" if on_cadence else f"ckpt_{step}_end.pt")
     try:
         write_atomic(path, lambda f: torch.save(state, f))
         write_atomic(directory / LATEST, lambda f: f.write(path.name.encode("utf-8")))
     except OSError as e:  # disk full, permission denied; `latest` still names the previous one
         raise CheckpointError(f"{path}: cannot save the checkpoint: {e.strerror or e}") from e
-    for old in list_checkpoints(run_dir)[:-keep_last]:
+    for old in list_checkpoints(run_dir, cadence_only=True)[:-keep_last]:
         old.unlink()
+    for old in list_checkpoints(run_dir):  # an end checkpoint is kept only while it is latest
+        if old.name.endswith("_end.pt") and old != path:
+            old.unlink()
     logger.info("saved checkpoint %s", path)
     return path
 

@@ -140,6 +140,7 @@ def _cmd_prepare(args: argparse.Namespace) -> int:
         max_ratio=args.max_ratio, train_files=args.train, valid_files=args.valid,
         test_files=args.test, force=args.force, download_dir=args.download_dir,
         spm_sample=args.spm_sample, num_threads=args.threads, user_symbols=symbols,
+        mirror=args.mirror, checksums=args.checksums,
     )  # fmt: skip
     return 0
 
@@ -181,6 +182,13 @@ def _add_prepare(sub: argparse._SubParsersAction) -> None:
         "POS tag, or the word itself (docs/parsing.md)",
     )  # fmt: skip
     p.add_argument("--download-dir", type=Path, help="default: OUT.downloads")
+    p.add_argument(
+        "--mirror", help="download from this base URL instead of each file's host (same paths)"
+    )
+    p.add_argument(
+        "--checksums", type=Path,
+        help="file of '<sha256 or md5>  <name>' lines replacing the built-in download checksums",
+    )  # fmt: skip
     p.add_argument("--force", action="store_true", help="rebuild OUT even if it exists")
     p.set_defaults(func=_cmd_prepare)
 
@@ -337,7 +345,9 @@ def _cmd_translate(args: argparse.Namespace) -> int:
 
     _set_threads(args.threads)
     translator = Translator.from_path(args.model, dtype=args.dtype, verify=args.verify)
-    translator.decode = translator.options(args.beam, args.alpha, max_tokens=args.max_tokens)
+    translator.decode = translator.options(
+        args.beam, args.alpha, max_tokens=args.max_tokens, stop=args.stop
+    )
     if args.input == "-":
         outputs = translate_stream(translator, sys.stdin.buffer, "<stdin>")
     else:
@@ -355,9 +365,19 @@ def _add_translate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--alpha", type=float, help="length penalty α (default: the model's, 0.6)")
     p.add_argument("--dtype", choices=["fp32", "bf16", "int8"], default="fp32")
     p.add_argument("--max-tokens", type=int, help="source tokens per batch (padding counted)")
+    _add_stop(p)
     _add_threads(p)
     _add_no_verify(p)
     p.set_defaults(func=_cmd_translate)
+
+
+def _add_stop(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--stop",
+        choices=["t2t", "fairseq"],
+        help="when beam search ends a sentence: t2t = §6.1, when no live hypothesis can beat the "
+        "best finished one; fairseq = once K have finished (default: the model's, t2t)",
+    )
 
 
 def _cmd_evaluate(args: argparse.Namespace) -> int:
@@ -366,12 +386,13 @@ def _cmd_evaluate(args: argparse.Namespace) -> int:
     _set_threads(args.threads)
     report = evaluate(
         args.model, args.data, args.split, args.beam, args.alpha, args.dtype, args.output,
-        args.limit, verify=args.verify,
+        args.limit, args.stop, verify=args.verify,
     )  # fmt: skip
     if args.json:
         print(json.dumps(report, indent=2))
         return 0
     print(f"{report['split']}: {report['sentences']} sentences in {report['seconds']:.1f} s")
+    print("search: " + ", ".join(f"{k} {v}" for k, v in report["search"].items()))
     print(f"sacreBLEU {report['bleu']:.2f}  {report['bleu_signature']}")
     print(f"  {report['bleu_details']}")
     print(f"chrF {report['chrf']:.2f}  {report['chrf_signature']}")
@@ -393,10 +414,44 @@ def _add_evaluate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--dtype", choices=["fp32", "bf16", "int8"], default="fp32")
     p.add_argument("--output", help="write the translations to this file")
     p.add_argument("--limit", type=int, help="only the first N sentences")
+    _add_stop(p)
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     _add_threads(p)
     _add_no_verify(p)
     p.set_defaults(func=_cmd_evaluate)
+
+
+def _cmd_score(args: argparse.Namespace) -> int:
+    from transformer.bleu import score_files
+
+    report = score_files(args.hyp, args.ref, args.lang)
+    if args.json:
+        print(json.dumps(report.as_dict(), indent=2))
+        return 0
+    paper = "tokenized BLEU, compounds split" if args.lang == "de" else "tokenized BLEU"
+    print(f"{report.lines} lines")
+    print(f"sacreBLEU {report.sacrebleu.score:.2f}  {report.sacrebleu.signature}")
+    print(f"  {report.sacrebleu}")
+    print(f"chrF {report.chrf.score:.2f}  {report.chrf.signature}")
+    print(f"{paper} (paper) {report.paper.score:.2f}  {report.paper.signature}")
+    print(f"  {report.paper}")
+    return 0
+
+
+def _add_score(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "score", help="score a detokenized output file: sacreBLEU, chrF, the paper's BLEU"
+    )
+    p.add_argument("hyp", help="detokenized system output, one line per reference line")
+    p.add_argument("ref", help="the raw (untokenized) references")
+    p.add_argument(
+        "--lang",
+        required=True,
+        choices=["de", "fr"],
+        help="target language: de = En-De metric (compounds split), fr = En-Fr metric",
+    )
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(func=_cmd_score)
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
@@ -547,6 +602,7 @@ _SUBCOMMANDS = [
     _add_average,
     _add_translate,
     _add_evaluate,
+    _add_score,
     _add_parse,
     _add_serve,
     _add_export,

@@ -128,6 +128,9 @@ class DecodeConfig:
     max_len_b: int = 50
     n_best: int = 1
     max_tokens: int = 4000  # source tokens per translation batch
+    # §6.1 "terminating early when possible": "t2t" stops a sentence when no live hypothesis
+    # can beat the best finished one; "fairseq" (not the paper's) once K have finished.
+    stop: str = "t2t"
 
     def __post_init__(self) -> None:
         # One validation for every caller (translate, evaluate, the server, a model file's
@@ -146,6 +149,8 @@ class DecodeConfig:
         number("max_len_a", self.max_len_a, 0, MAX_LEN_A, integer=False)
         number("max_len_b", self.max_len_b, 0, MAX_LEN_B, integer=True)
         number("max_tokens", self.max_tokens, 1, MAX_DECODE_TOKENS, integer=True)
+        if self.stop not in ("t2t", "fairseq"):
+            raise ConfigError(f"decode.stop: must be 't2t' or 'fairseq', got {self.stop!r}")
 
 
 @dataclass(frozen=True)

@@ -16,19 +16,22 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+from transformer.errors import UserError
+
 logger = logging.getLogger(__name__)
 
 _CHUNK = 1 << 20
 _USER_AGENT = "transformer-prepare/0.1 (+https://github.com/)"
 
 
-class DownloadError(RuntimeError):
-    """A download failed: network or server error, or a checksum mismatch."""
+class DownloadError(UserError):
+    """A download failed: network or server error, or a checksum mismatch (one clean line from
+    the CLI: the message names the URL or file and what went wrong)."""
 
 
-def sha256_file(path: str | Path) -> str:
-    """Hex sha256 of a file's bytes, read in 1 MiB chunks."""
-    digest = hashlib.sha256()
+def sha256_file(path: str | Path, algorithm: str = "sha256") -> str:
+    """Hex digest of a file's bytes (sha256, or e.g. "md5" where only that is published)."""
+    digest = hashlib.new(algorithm)
     with open(path, "rb") as f:
         while chunk := f.read(_CHUNK):
             digest.update(chunk)
@@ -40,6 +43,7 @@ def download(
     dest: str | Path,
     sha256: str | None = None,
     timeout: float = 60.0,
+    md5: str | None = None,
 ) -> Path:
     """Download `url` to `dest`, resuming a partial download and verifying its sha256.
 
@@ -48,8 +52,10 @@ def download(
     Args:
         url: http(s) URL.
         dest: final path; the partial download lives at `{dest}.part`.
-        sha256: expected hex digest of the whole file, or None when unknown (nothing verified).
+        sha256: expected hex digest of the whole file, or None when unknown.
         timeout: socket timeout in seconds.
+        md5: expected md5, for files whose publisher gives only that (sacreBLEU's WMT sets);
+            with neither checksum nothing is verified.
 
     Returns:
         `dest` as a Path.
@@ -59,23 +65,27 @@ def download(
             checksum mismatch (the `.part` file is deleted: its bytes are wrong).
     """
     dest = Path(dest)
+    expected = {k: v for k, v in (("sha256", sha256), ("md5", md5)) if v is not None}
     if dest.exists():
-        if sha256 is None or sha256_file(dest) == sha256:
+        wrong = [k for k, v in expected.items() if sha256_file(dest, k) != v]
+        if not wrong:
             logger.info("%s: already downloaded", dest)
             return dest
-        raise DownloadError(f"{dest}: exists but its sha256 is not {sha256}; delete it and retry")
+        raise DownloadError(
+            f"{dest}: exists but its {wrong[0]} is not {expected[wrong[0]]}; delete it and retry"
+        )
     dest.parent.mkdir(parents=True, exist_ok=True)
     part = dest.with_name(dest.name + ".part")
     _fetch_to_part(url, part, timeout)
-    if sha256 is not None:
-        actual = sha256_file(part)
-        if actual != sha256:
+    for algorithm, value in expected.items():
+        actual = sha256_file(part, algorithm)
+        if actual != value:
             part.unlink()
             raise DownloadError(
-                f"{url}: sha256 mismatch: expected {sha256}, got {actual}; partial file removed"
+                f"{url}: {algorithm} mismatch: expected {value}, got {actual}; partial file removed"
             )
-    else:
-        logger.warning("%s: no known sha256, downloaded file not verified", url)
+    if not expected:
+        logger.warning("%s: no known checksum, downloaded file not verified", url)
     os.replace(part, dest)
     logger.info("downloaded %s -> %s", url, dest)
     return dest

@@ -1,5 +1,5 @@
 """`transformer evaluate`: translate a prepared split and score it (sacreBLEU, chrF and, for
-English→German, the paper's tokenized compound-split BLEU)."""
+English→German and English→French, the paper's tokenized BLEU)."""
 
 from __future__ import annotations
 
@@ -10,12 +10,20 @@ from pathlib import Path
 
 import torch
 
-from transformer.bleu import corpus_bleu, corpus_chrf, tokenized_bleu_compound_split
+from transformer.bleu import (
+    check_detokenized,
+    corpus_bleu,
+    corpus_chrf,
+    moses_detokenize,
+    paper_bleu,
+)
 from transformer.errors import UserError
 from transformer.translate import Translator
 
 logger = logging.getLogger(__name__)
 
+# The decode settings that decide the output, reported with the scores.
+SEARCH_FIELDS = ("beam_size", "length_penalty", "max_len_a", "max_len_b", "stop")
 PAPER_BLEU_HINT = "it needs sacremoses: pip install 'transformer[paper-bleu]'"
 
 
@@ -28,6 +36,7 @@ def evaluate(
     dtype: torch.dtype | str = "fp32",
     output: str | Path | None = None,
     limit: int | None = None,
+    stop: str | None = None,
     verify: bool = True,
 ) -> dict:
     """Translate `split` of a prepared data directory and score it against its references.
@@ -40,17 +49,22 @@ def evaluate(
         dtype: "fp32", "bf16" or "int8".
         output: if given, the translations are written there, one per line.
         limit: translate only the first `limit` sentences (quick checks).
+        stop: the beam search's stopping rule, "t2t" (§6.1) or "fairseq" (default: the model's).
         verify: check the model file's checksum (`modelfile.load_model`).
 
     Returns:
-        {"split", "sentences", "bleu", "bleu_signature", "chrf", "chrf_signature",
-        ["paper_bleu", "paper_bleu_signature"] (en→de only), "seconds", "sentences_per_s",
-        "target_tokens_per_s"}.
+        {"split", "sentences", "search" (beam, α, max length, stop rule), "bleu",
+        "bleu_signature", "chrf", "chrf_signature", ["paper_bleu", "paper_bleu_signature"]
+        (en→de, en→fr), ["detokenized"], "seconds", "sentences_per_s", "target_tokens_per_s"}.
+
+    Raises:
+        UserError: the translations look Moses-tokenized and the references do not, or the
+            reverse (a model trained on tokenized text scored against raw references).
     """
     from transformer.data import load_prepared, write_output
 
     translator = Translator.from_path(model_path, dtype=dtype, verify=verify)
-    translator.decode = translator.options(beam_size, length_penalty)  # ConfigError: out of bounds
+    translator.decode = translator.options(beam_size, length_penalty, stop=stop)  # ConfigError
     data = load_prepared(data_dir)
     if split not in data.split_names:
         raise UserError(f"{data_dir}: no split {split!r}; have {', '.join(data.split_names)}")
@@ -71,10 +85,25 @@ def evaluate(
     n_tokens = sum(len(nbest[0].tokens) + 1 for nbest in results)  # + EOS
     if output is not None:
         write_output(output, "".join(h + "\n" for h in hyps))
+    ref_name = f"{data_dir}: the {split} references"
+    # The output is judged by Moses' marks only: a model trained on raw text emits none, but an
+    # under-trained one may well put a space before a final period.
+    detokenized = check_detokenized(
+        hyps, refs, f"{model_path}: its {split} output", ref_name, hyp_punctuation=False
+    )
+    if detokenized:
+        # Both sides tokenized (the Stanford release): sacreBLEU and the paper's metric tokenize
+        # themselves, so both are scored after the Moses detokenizer, and the report says so.
+        if importlib.util.find_spec("sacremoses") is None:
+            raise UserError(f"{ref_name} are tokenized: detokenizing them {PAPER_BLEU_HINT}")
+        hyps = moses_detokenize(hyps, data.tgt_lang)
+        refs = moses_detokenize(refs, data.tgt_lang)
+        logger.warning("%s are tokenized: both sides scored after Moses detokenization", ref_name)
     bleu, chrf = corpus_bleu(hyps, refs), corpus_chrf(hyps, refs)
     report = {
         "split": split,
         "sentences": len(hyps),
+        "search": {k: getattr(translator.decode, k) for k in SEARCH_FIELDS},
         "bleu": bleu.score,
         "bleu_signature": bleu.signature,
         "bleu_details": str(bleu),
@@ -84,13 +113,15 @@ def evaluate(
         "sentences_per_s": len(hyps) / seconds if seconds > 0 else 0.0,
         "target_tokens_per_s": n_tokens / seconds if seconds > 0 else 0.0,
     }
-    if pair == ("en", "de"):  # SPEC §6.1: the paper's metric, reported next to sacreBLEU
+    if detokenized:
+        report["detokenized"] = "moses detokenizer (sacremoses) on hypotheses and references"
+    if pair in (("en", "de"), ("en", "fr")):  # SPEC §6.1: the paper's metric, next to sacreBLEU
         if importlib.util.find_spec("sacremoses") is None:
             # An optional extra: its absence costs the paper's metric, not the evaluation.
             report["paper_bleu_missing"] = PAPER_BLEU_HINT
             logger.warning("the paper's tokenized BLEU is skipped: %s", PAPER_BLEU_HINT)
         else:
-            paper = tokenized_bleu_compound_split(hyps, refs, lang="de")
+            paper = paper_bleu(hyps, refs, lang=data.tgt_lang)
             report["paper_bleu"] = paper.score
             report["paper_bleu_signature"] = paper.signature
     logger.info("%s: BLEU %.2f chrF %.2f", split, bleu.score, chrf.score)

@@ -98,11 +98,13 @@ def prepare_corpus(
     spm_sample: int = DEFAULT_SPM_SAMPLE,
     num_threads: int | None = None,
     user_symbols: Sequence[str] = (),
+    mirror: str | None = None,
+    checksums: Path | None = None,
 ) -> Manifest:
     """Prepare a named corpus (or `name="custom"` with explicit files) into `out_dir`.
 
     Args:
-        name: "multi30k", "tatoeba", "iwslt14", "wmt14", or "custom".
+        name: "multi30k", "tatoeba", "iwslt14", "wmt14", "wmt14-stanford" or "custom".
         src_lang, tgt_lang: language codes, e.g. "en", "de".
         out_dir: the prepared-data directory to write.
         from_dir: read the corpus's files from here instead of downloading.
@@ -115,6 +117,10 @@ def prepare_corpus(
         spm_sample: sentences sampled for sentencepiece training.
         num_threads: threads for sentencepiece (default min(4, cpu count)).
         user_symbols: tokens kept whole in the vocabulary (§6.3 tree symbols, `Tokenizer.train`).
+        mirror: fetch every download from this base URL instead of its host, same path
+            (a local copy of statmt.org, or the tests' loopback server).
+        checksums: a file of "<sha256 or md5>  <file name>" lines that replace the built-in
+            checksums of those downloads (a mirror that repacked its archives).
 
     Returns:
         The manifest written to `out_dir/manifest.json`.
@@ -134,7 +140,10 @@ def prepare_corpus(
         recipe = corpora.resolve(name, src_lang, tgt_lang)
         if from_dir is None:
             from_dir = _download(
-                recipe, download_dir or out_dir.with_name(out_dir.name + ".downloads")
+                recipe,
+                download_dir or out_dir.with_name(out_dir.name + ".downloads"),
+                mirror,
+                _read_sums(Path(checksums)) if checksums is not None else {},
             )
         inputs = _named_inputs(recipe, Path(from_dir))
         official = recipe.text_sha256
@@ -222,18 +231,60 @@ def _named_inputs(recipe: corpora.CorpusRecipe, directory: Path) -> Inputs:
     return inputs
 
 
-def _download(recipe: corpora.CorpusRecipe, directory: Path) -> Path:
+SHA256SUMS = "SHA256SUMS"  # in a download directory: "<sha256>  <name>" of each first download
+
+
+def _download(
+    recipe: corpora.CorpusRecipe,
+    directory: Path,
+    mirror: str | None = None,
+    pins: dict[str, str] | None = None,
+) -> Path:
+    """Fetch the recipe's files into `directory`, verifying each against `pins` (by file name),
+    else its built-in checksum, else the sha256 recorded in `directory/SHA256SUMS` by its first
+    download (so a later run detects a changed or corrupted file)."""
+    recorded = _read_sums(directory / SHA256SUMS)
     for remote in recipe.downloads:
+        url = remote.url
+        if mirror is not None:  # same path, another host: https://host/a/b -> MIRROR/a/b
+            url = mirror.rstrip("/") + "/" + url.split("://", 1)[1].split("/", 1)[1]
+        sha256, md5 = remote.sha256, remote.md5
+        if pins and remote.name in pins:
+            pin = pins[remote.name]
+            sha256, md5 = (pin, None) if len(pin) == 64 else (None, pin)
+        elif sha256 is None and md5 is None:
+            sha256 = recorded.get(remote.name)
         try:
-            download(remote.url, directory / remote.name, remote.sha256)
+            download(url, directory / remote.name, sha256, md5=md5)
         except Exception as e:  # a missing optional test file should not stop the rest
             if remote.name.startswith(recipe.splits.get("test", "\0")):
                 logger.warning("optional test file not downloaded: %s", e)
                 continue
             raise
+        if remote.name not in recorded:
+            recorded[remote.name] = sha256_file(directory / remote.name)
+            _write_sums(directory / SHA256SUMS, recorded)
     if recipe.assemble is not None and recipe.find(directory, "train", recipe.src_lang) is None:
         recipe.assemble(directory)
     return directory
+
+
+def _read_sums(path: Path) -> dict[str, str]:
+    if not path.is_file():
+        return {}
+    sums = {}
+    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        fields = line.split()
+        if len(fields) != 2 or len(fields[0]) not in (32, 64):
+            raise DataError(path, f"not a '<sha256 or md5>  <name>' line: {line[:60]!r}", number)
+        sums[fields[1]] = fields[0]
+    return sums
+
+
+def _write_sums(path: Path, sums: dict[str, str]) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(f"{v}  {k}\n" for k, v in sorted(sums.items())), encoding="utf-8")
+    os.replace(tmp, path)
 
 
 def _text_sha256(path: Path) -> str:

@@ -155,15 +155,18 @@ def average_run(
         upper_bound: only checkpoints of at most this step (fairseq's
             `--checkpoint-upper-bound`): the last N up to, e.g., the best dev perplexity.
 
+    Only checkpoints written on the save cadence are averaged (§6.1: "the last 5 checkpoints,
+    written at 10-minute intervals"): a run's end between two cadence points is left out.
+
     Returns:
         The model file's path.
     """
     run_dir = Path(run_dir)
     checkpoint.remove_stale(run_dir)  # e.g. the .model.safetensors.tmp-PID of a killed average
     ckpt_dir = run_dir / checkpoint.CHECKPOINT_DIR
-    paths = checkpoint.list_checkpoints(run_dir)
+    paths = checkpoint.list_checkpoints(run_dir, cadence_only=True)
     if not paths:
-        raise checkpoint.CheckpointError(f"{ckpt_dir}: no checkpoints")
+        raise checkpoint.CheckpointError(f"{ckpt_dir}: no checkpoints on the save cadence")
     if upper_bound is not None:
         paths = [p for p in paths if checkpoint.step_of(p) <= upper_bound]
     if last < 1 or last > len(paths):

@@ -22,6 +22,12 @@ from transformer.model import DecoderCache, Transformer
 from transformer.tokenizer import BOS_ID, EOS_ID, PAD_ID
 
 NEG_INF = float("-inf")
+# When a sentence's beam search stops (docs/decoding.md):
+#   "t2t":     §6.1 "terminating early when possible", tensor2tensor's rule (the paper's code):
+#              only when no live hypothesis can still beat the best finished one;
+#   "fairseq": as soon as K hypotheses have finished (fairseq's rule, faster, can miss a longer
+#              hypothesis that the length penalty would have preferred when α > 0).
+STOP_RULES = ("t2t", "fairseq")
 
 
 def length_penalty(length: int, alpha: float) -> float:
@@ -199,6 +205,7 @@ def beam_search(
     max_len_b: int = 50,
     n_best: int = 1,
     constrain: Constrain | None = None,
+    stop: str = "t2t",
 ) -> list[list[Hypothesis]]:
     """§6.1 batched beam search (beam 4, α 0.6, max length = source length + 50).
 
@@ -209,6 +216,7 @@ def beam_search(
         max_len_a, max_len_b: maximum output length = a * source length + b (EOS included).
         n_best: hypotheses returned per sentence, best first.
         constrain: wraps the stepper to bar tokens (`Constrain`); None: every token allowed.
+        stop: when a sentence's search ends, one of `STOP_RULES` (default §6.1's "t2t").
 
     Returns:
         For each sentence, its `n_best` finished hypotheses sorted by score.
@@ -219,7 +227,7 @@ def beam_search(
     if constrain is not None:
         stepper = constrain(stepper, src, src_mask)
     max_lens = max_output_lengths(src_mask.sum(1), max_len_a, max_len_b, model.cfg.max_len)
-    return beam_steps(stepper, max_lens, beam_size, length_penalty, n_best)
+    return beam_steps(stepper, max_lens, beam_size, length_penalty, n_best, stop)
 
 
 @dataclass
@@ -238,14 +246,18 @@ def beam_steps(
     beam_size: int,
     alpha: float,
     n_best: int = 1,
+    stop: str = "t2t",
 ) -> list[list[Hypothesis]]:
     """Beam search over any `Stepper`, starting from one BOS row per sentence.
 
     Each step: expand every live beam by every token, take the top 2K candidates per sentence
-    (`_top_candidates`), finalize those ending in EOS that rank within the top K
-    (`_finalize`), keep the best K others as the new beams, then drop sentences that are done
-    (`_is_done`) and reorder the stepper's state in one `reorder` call.
+    (`_top_candidates`), finalize those ending in EOS (`_finalize`: all 2K under "t2t", as
+    tensor2tensor's grow_finished; the top K under "fairseq"), keep the best K others as the
+    new beams, then drop sentences that are done (`_is_done`, by the `stop` rule) and reorder
+    the stepper's state in one `reorder` call.
     """
+    if stop not in STOP_RULES:
+        raise ValueError(f"stop must be one of {STOP_RULES}, got {stop!r}")
     B, device = max_lens.size(0), max_lens.device  # the search runs where the model does
     state = _BeamState(
         sentences=torch.arange(B, device=device),
@@ -261,10 +273,11 @@ def beam_steps(
         force_eos = (max_lens[state.sentences] <= t).repeat_interleave(k)
         lprobs = _mask_specials(stepper.step(last), force_eos, t)  # (Ba * k, V)
         cand_scores, cand_beams, cand_tokens = _top_candidates(state.scores, lprobs, beam_size)
-        _finalize(state, cand_scores, cand_beams, cand_tokens, beam_size, t, alpha)
+        ranks = cand_scores.size(1) if stop == "t2t" else beam_size
+        _finalize(state, cand_scores, cand_beams, cand_tokens, ranks, t, alpha)
         scores, beams, tokens = _select_live(cand_scores, cand_beams, cand_tokens, beam_size)
         parents = beams + torch.arange(beams.size(0), device=device)[:, None] * k  # (Ba, K) rows
-        done = _is_done(state, scores, max_lens, t, beam_size, alpha, n_best)
+        done = _is_done(state, scores, max_lens, t, beam_size, alpha, n_best, stop)
         keep = (~done).nonzero().squeeze(1)
         rows = parents[keep].reshape(-1)  # one reorder: beam parents of the kept sentences
         if rows.numel() > 0:
@@ -300,13 +313,13 @@ def _finalize(
     cand_scores: torch.Tensor,
     cand_beams: torch.Tensor,
     cand_tokens: torch.Tensor,
-    beam_size: int,
+    ranks: int,
     t: int,
     alpha: float,
 ) -> None:
-    """Move EOS candidates that rank within the top K into the finished lists."""
-    top = cand_tokens[:, :beam_size] == EOS_ID
-    ends = (top & (cand_scores[:, :beam_size] > NEG_INF)).nonzero().tolist()
+    """Move EOS candidates that rank within the top `ranks` into the finished lists."""
+    top = cand_tokens[:, :ranks] == EOS_ID
+    ends = (top & (cand_scores[:, :ranks] > NEG_INF)).nonzero().tolist()
     if not ends:
         return
     k = state.scores.size(1)
@@ -348,10 +361,11 @@ def _is_done(
     beam_size: int,
     alpha: float,
     n_best: int,
+    stop: str,
 ) -> torch.Tensor:
-    """(Ba,) bool: a sentence is done when it has K finished hypotheses (the beam is used up),
-    when no live beam is left (maximum length), or when no live beam can still beat its
-    n_best-th finished score (§6.1 early termination).
+    """(Ba,) bool: a sentence is done when no live beam is left (maximum length), or when no
+    live beam can still beat its n_best-th finished score (§6.1 early termination, rule "t2t"),
+    or, under rule "fairseq" only, as soon as it has K finished hypotheses.
 
     The bound: log-probs only fall as a hypothesis grows, so a live beam with log-prob s can
     score at most s / lp(L) at best over the lengths L still open to it.
@@ -360,7 +374,7 @@ def _is_done(
     best_live = scores.max(dim=1).values.tolist()
     for b, sentence in enumerate(state.sentences.tolist()):
         hyps = state.finished[sentence]
-        if len(hyps) >= beam_size or best_live[b] == NEG_INF:
+        if best_live[b] == NEG_INF or (stop == "fairseq" and len(hyps) >= beam_size):
             done[b] = True
         elif len(hyps) >= n_best:
             max_len = int(max_lens[sentence])
@@ -371,6 +385,7 @@ def _is_done(
 
 
 __all__ = [
+    "STOP_RULES",
     "Hypothesis",
     "ModelStepper",
     "Stepper",

@@ -109,7 +109,7 @@ class Trainer:
         self.device = next(model.parameters()).device
         self._batches = iter(self.sampler)
         self._writer = None
-        self._last_save = time.monotonic()
+        self._saved_step: int | None = None  # the step of the last checkpoint written
 
     # ---------------------------------------------------------------- one step
 
@@ -180,15 +180,18 @@ class Trainer:
     # ---------------------------------------------------------------- the loop
 
     def run(self) -> TrainState:
-        """Train until a budget is spent; the last state is always checkpointed."""
-        start = self._run_start = self._last_save = time.monotonic()
+        """Train until a budget is spent; the last state is always checkpointed (`_save_end`)."""
+        start = self._run_start = time.monotonic()
+        self._next_save_minutes = self.cfg.save_every_minutes
+        if self.state.step > 0:  # resumed: this state is already a checkpoint
+            self._saved_step = self.state.step
         window = _Window()
         bar = self._progress_bar()
         try:
             while self.state.step < self.cfg.max_steps:
-                minutes = (time.monotonic() - start) / 60
+                minutes = self._minutes = (time.monotonic() - start) / 60
                 time_up = self.cfg.max_minutes is not None and minutes >= self.cfg.max_minutes
-                save_due = (time.monotonic() - self._last_save) / 60 >= self.cfg.save_every_minutes
+                save_due = minutes >= self._next_save_minutes
                 out = self.train_step(self._next_batches(), time_up, save_due)
                 if self._account(out, window):
                     self._update_bar(bar, out, window)
@@ -201,7 +204,7 @@ class Trainer:
                 bar.close()
         if window.steps:
             self._log_train(window)
-        self.save()
+        self._save_end()
         if self._writer:
             self._writer.close()
         return self.state
@@ -217,7 +220,11 @@ class Trainer:
         by_steps = self.cfg.save_every_steps > 0 and step % self.cfg.save_every_steps == 0
         if by_steps or out["save_due"] > 0:
             self.save()
-            self._last_save = time.monotonic()
+            # §6.1 checkpoints at exact intervals of the run's clock (10, 20, 30 ... minutes:
+            # the first step that starts past each mark), not 10 minutes after the previous
+            # save, which drifts by a step or more each time.
+            every = self.cfg.save_every_minutes
+            self._next_save_minutes = (math.floor(self._minutes / every) + 1) * every
         return window
 
     def _account(self, out: dict[str, float], window: _Window) -> bool:
@@ -241,7 +248,7 @@ class Trainer:
             self.state.nonfinite_in_row,
         )
         if self.state.nonfinite_in_row >= MAX_NONFINITE_IN_ROW:
-            path = self.save()
+            path = self._save_end()
             raise TrainingError(
                 f"{MAX_NONFINITE_IN_ROW} non-finite losses in a row after step {self.state.step}; "
                 f"stopped. The last checkpoint ({path}) holds the parameters before them. "
@@ -376,12 +383,25 @@ class Trainer:
             **self.extra,
         }
 
-    def save(self) -> Path | None:
-        """Checkpoint the current state (rank 0 writes; every rank takes part)."""
+    def _save_end(self) -> Path | None:
+        """The run's last state, unless the cadence has just written it. Off the cadence it is
+        `ckpt_<step>_end.pt`: it resumes, but §6.1's average leaves it out."""
+        if self._saved_step == self.state.step:
+            return checkpoint.latest_checkpoint(self.run_dir)
+        return self.save(on_cadence=False)
+
+    def save(self, on_cadence: bool = True) -> Path | None:
+        """Checkpoint the current state (rank 0 writes; every rank takes part).
+
+        on_cadence: False for the end of a run between two save points (not averaged).
+        """
         state = self.training_state()
+        self._saved_step = self.state.step
         if not self.dist.is_main:
             return None
-        return checkpoint.save_checkpoint(self.run_dir, self.state.step, state, self.cfg.keep_last)
+        return checkpoint.save_checkpoint(
+            self.run_dir, self.state.step, state, self.cfg.keep_last, on_cadence
+        )
 
 
 def _in_order(split: ParallelSplit, max_tokens: int) -> TokenBatchSampler:

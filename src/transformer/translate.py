@@ -174,7 +174,7 @@ class Translator:
             else:
                 found = beam_search(
                     self.model, src, src_mask, cfg.beam_size, cfg.length_penalty,
-                    cfg.max_len_a, cfg.max_len_b, cfg.n_best, self.constrain,
+                    cfg.max_len_a, cfg.max_len_b, cfg.n_best, self.constrain, cfg.stop,
                 )  # fmt: skip
                 hyps = [[(h.tokens, h.score) for h in nbest] for nbest in found]
             for i, nbest in zip(batch, hyps, strict=True):
@@ -187,6 +187,7 @@ class Translator:
         length_penalty: float | None = None,
         n_best: int | None = None,
         max_tokens: int | None = None,
+        stop: str | None = None,
     ) -> DecodeConfig:
         """This translator's DecodeConfig with the given (non-None) values changed; n_best is
         capped to a smaller beam. Invalid values raise ConfigError."""
@@ -195,6 +196,7 @@ class Translator:
             "length_penalty": length_penalty,
             "n_best": n_best,
             "max_tokens": max_tokens,
+            "stop": stop,
         }
         changes = {k: v for k, v in changes.items() if v is not None}
         if "beam_size" in changes and "n_best" not in changes:

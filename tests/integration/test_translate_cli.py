@@ -71,6 +71,7 @@ def test_evaluate_prints_sacrebleu_chrf_and_the_paper_metric(prepared, tmp_path)
     out = res.stdout.decode()
     assert "sacreBLEU" in out and "nrefs:1|case:mixed|eff:no|tok:13a" in out
     assert "chrF" in out and "tokenized BLEU, compounds split" in out
+    assert "search: beam_size 2, length_penalty 0.6, max_len_a 1.0, max_len_b 10, stop t2t" in out
     assert len(hyps.read_text(encoding="utf-8").split("\n")) == 21
     res = run_cli("evaluate", str(model), "--data", str(data), "--split", "nope")
     assert res.returncode == 2 and "no split 'nope'" in res.stderr.decode()
@@ -93,3 +94,58 @@ def test_evaluate_without_sacremoses_still_scores_and_says_how_to_get_the_paper_
     report = evaluate_module.evaluate(model, data, "test", beam_size=1, limit=5)
     assert "paper_bleu" not in report and "bleu" in report and "chrf" in report
     assert "transformer[paper-bleu]" in report["paper_bleu_missing"]
+
+
+def _with_test_refs(data: Path, tmp_path: Path, refs: list[str]) -> Path:
+    """A copy of the prepared directory whose test references are `refs`."""
+    import shutil
+
+    copy = tmp_path / "data"
+    shutil.copytree(data, copy)
+    (copy / "test.de.txt").write_text("\n".join(refs), encoding="utf-8")
+    return copy
+
+
+def _outputs(monkeypatch, texts: list[str]) -> None:
+    from transformer.translate import Translation, Translator
+
+    def translate(self, lines, **_):
+        return [[Translation(text=t, tokens=[5], score=0.0)] for t in texts[: len(lines)]]
+
+    monkeypatch.setattr(Translator, "translate", translate)
+
+
+def test_evaluate_refuses_tokenized_output_against_raw_references_and_the_reverse(
+    prepared, tmp_path, monkeypatch
+):
+    pytest.importorskip("sacremoses")
+    import gzip
+
+    from transformer import evaluate as evaluate_module
+    from transformer.errors import UserError
+
+    data, model = prepared
+    raw = (data / "test.de.txt").read_text(encoding="utf-8").split("\n")[:20]
+    # Tokenized German as a model trained on the Stanford release writes it (##AT##, &quot;).
+    with gzip.open(SHARED_DATA / "wmt14_en_de" / "newstest2013.de.gz", "rt") as f:
+        tokenized = f.read().split("\n")[:20]
+    _outputs(monkeypatch, tokenized)  # a model trained on tokenized text, raw references
+    with pytest.raises(UserError, match="its test output looks tokenized .* references does not"):
+        evaluate_module.evaluate(model, data, "test", limit=20)
+    _outputs(monkeypatch, raw)  # raw output, tokenized references
+    tok_data = _with_test_refs(data, tmp_path, tokenized + raw[20:])
+    with pytest.raises(UserError, match="test references looks tokenized .* output does not"):
+        evaluate_module.evaluate(model, tok_data, "test", limit=20)
+    # Raw references, output with a space before each final period but no Moses marks (an
+    # under-trained model can do that): scored, not refused.
+    _outputs(monkeypatch, [line.rstrip(".") + " ." for line in raw])
+    assert evaluate_module.evaluate(model, data, "test", limit=20)["sentences"] == 20
+    # Both tokenized (the Stanford release): scored after Moses detokenization, and said so.
+    _outputs(monkeypatch, tokenized)
+    report = evaluate_module.evaluate(model, tok_data, "test", limit=20)
+    assert report["bleu"] == pytest.approx(100.0) and "detokenized" in report
+    assert report["search"]["stop"] == "t2t" and report["search"]["beam_size"] == 4
+    report = evaluate_module.evaluate(model, tok_data, "test", 2, 1.0, limit=20, stop="fairseq")
+    assert report["search"] == {"beam_size": 2, "length_penalty": 1.0, "max_len_a": 1.0,
+                                "max_len_b": 10, "stop": "fairseq"}  # fmt: skip
+    assert report["paper_bleu"] == pytest.approx(100.0)

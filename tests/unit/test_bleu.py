@@ -5,11 +5,16 @@ import math
 import pytest
 
 from transformer.bleu import (
+    check_detokenized,
     corpus_bleu,
     corpus_chrf,
+    moses_tokenize,
     multi_bleu,
+    paper_bleu,
+    score_files,
     split_compounds,
     tokenized_bleu_compound_split,
+    tokenized_reason,
 )
 from transformer.errors import UserError
 
@@ -74,3 +79,86 @@ def test_sacrebleu_and_chrf_carry_signatures():
 def test_mismatched_lengths_are_a_user_error():
     with pytest.raises(UserError, match="2 hypotheses but 1 references"):
         corpus_bleu(["a", "b"], ["a"])
+
+
+# ---- the paper's metric for En-Fr, tokenized-text detection, `score` on files --------------
+
+
+def test_paper_bleu_splits_compounds_for_german_only():
+    pytest.importorskip("sacremoses")
+    hyp, ref = ["Der Mann spielt Computer-Spiele."], ["Ein Mann spielt Computer-Spiele."]
+    # de: 7 tokens each side, BLEU (3/7)^(1/4) (test_paper_bleu_known_example); fr: no split,
+    # 5 tokens each side, precisions 4/5, 3/4, 2/3, 1/2 -> (1/5)^(1/4) (worked by hand).
+    assert paper_bleu(hyp, ref, "de").score == pytest.approx(100 * (3 / 7) ** 0.25)
+    fr = paper_bleu(hyp, ref, "fr")
+    assert fr.score == pytest.approx(100 * 0.2**0.25)
+    assert "split" not in fr.signature and "moses-fr" in fr.signature
+
+
+def test_moses_tokenize_splits_the_period_of_a_lines_last_word_like_tokenizer_perl():
+    pytest.importorskip("sacremoses")
+    # "28" is a German non-breaking prefix; tokenizer.perl still splits the last word's period
+    # (newstest2014.de line 209; tests/integration/test_paper_bleu_perl.py runs the perl).
+    assert moses_tokenize(["am 27. und 28."], "de") == ["am 27. und 28 ."]
+    assert moses_tokenize(["am 28. Mai"], "de") == ["am 28. Mai"]
+
+
+def test_tokenized_reason_tells_moses_output_from_raw_text():
+    raw = ["Ein Mann spielt Computer-Spiele.", 'Er sagt: "Nein!"', "Wer ist das?"]
+    assert tokenized_reason(raw) is None
+    stanford = ["Ein Mann spielt Computer ##AT##-##AT## Spiele .", "Er sagt : &quot; Nein ! &quot;"]
+    assert "##AT##-##AT##" in tokenized_reason(stanford)
+    assert "split off by a space" in tokenized_reason(["Ein Mann spielt .", "Wer ist das ?"])
+    assert tokenized_reason(["Ein Mann spielt .", "Wer ist das ?"], punctuation=False) is None
+    assert tokenized_reason(stanford, punctuation=False) is not None
+
+
+def test_check_detokenized_refuses_tokenized_against_raw_either_way():
+    raw, tok = ["Ein Mann spielt Computer-Spiele."], ["Ein Mann spielt Computer-Spiele ."]
+    with pytest.raises(UserError, match=r"hyp\.txt looks tokenized .* but ref\.txt does not"):
+        check_detokenized(tok, raw, "hyp.txt", "ref.txt")
+    with pytest.raises(UserError, match=r"ref\.txt looks tokenized .* but hyp\.txt does not"):
+        check_detokenized(raw, tok, "hyp.txt", "ref.txt")
+    assert check_detokenized(raw, raw, "h", "r") is False
+    assert check_detokenized(tok, tok, "h", "r") is True
+
+
+def _write(path, data: bytes):
+    path.write_bytes(data)
+    return path
+
+
+def test_score_files_reports_every_metric(tmp_path):
+    pytest.importorskip("sacremoses")
+    hyp = _write(tmp_path / "hyp", b"Der Mann spielt Computer-Spiele.\n")
+    ref = _write(tmp_path / "ref", b"Ein Mann spielt Computer-Spiele.\n")
+    d = score_files(hyp, ref, "de").as_dict()
+    assert d["paper"]["score"] == pytest.approx(100 * (3 / 7) ** 0.25)
+    assert (
+        d["sacrebleu"]["score"]
+        == corpus_bleu([hyp.read_text().strip()], ["Ein Mann spielt Computer-Spiele."]).score
+    )
+    assert "tok:13a" in d["sacrebleu"]["signature"] and "nc:6" in d["chrf"]["signature"]
+    assert d["lines"] == 1
+
+
+@pytest.mark.parametrize(
+    ("hyp", "ref", "message"),
+    [
+        (b"a b c.\nd e f.\n", b"a b c.\n", r"hyp has 2 lines but .*ref has 1"),
+        (b"a b c.\n", b"ok.\n\xff\xfe bad\n", r"ref:2: invalid UTF-8 at byte 0"),
+        (b"", b"a b c.\n", r"hyp: empty file"),
+        (b"\n\n", b"a\nb\n", r"hyp: empty file"),
+        (b"Ein Mann spielt .\n", b"Ein Mann spielt.\n", r"hyp looks tokenized"),
+        (b"Ein Mann spielt .\n", b"Ein Mann spielt .\n", r"both look tokenized"),
+    ],
+)
+def test_score_files_bad_input_names_the_file(tmp_path, hyp, ref, message):
+    pytest.importorskip("sacremoses")
+    with pytest.raises(UserError, match=message):
+        score_files(_write(tmp_path / "hyp", hyp), _write(tmp_path / "ref", ref), "de")
+
+
+def test_score_files_missing_file(tmp_path):
+    with pytest.raises(UserError, match=r"nope: no such file"):
+        score_files(tmp_path / "nope", tmp_path / "nope", "de")

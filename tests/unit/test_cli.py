@@ -114,3 +114,26 @@ def test_translate_and_evaluate_bound_the_search_like_the_server(
     assert main(args) == 2
     err = capsys.readouterr().err
     assert err.startswith(f"transformer {command}: error: {needle}"), err
+
+
+def test_score_json_holds_sacrebleu_and_paper_scores(tmp_path, capsys) -> None:
+    pytest.importorskip("sacremoses")
+    (tmp_path / "hyp.de").write_text("Der Mann spielt Computer-Spiele.\n", encoding="utf-8")
+    (tmp_path / "ref.de").write_text("Ein Mann spielt Computer-Spiele.\n", encoding="utf-8")
+    argv = ["score", str(tmp_path / "hyp.de"), str(tmp_path / "ref.de"), "--lang", "de"]
+    assert main([*argv, "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["paper"]["score"] == pytest.approx(100 * (3 / 7) ** 0.25)  # test_bleu.py
+    assert 0 < report["sacrebleu"]["score"] < 100 and "tok:13a" in report["sacrebleu"]["signature"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "sacreBLEU" in out and "compounds split (paper) 80.91" in out
+
+
+def test_score_bad_input_is_one_line_naming_the_file(tmp_path, capsys) -> None:
+    (tmp_path / "hyp").write_text("a.\nb.\n", encoding="utf-8")
+    (tmp_path / "ref").write_text("a.\n", encoding="utf-8")
+    assert main(["score", str(tmp_path / "hyp"), str(tmp_path / "ref"), "--lang", "fr"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("transformer score: error: ") and "hyp has 2 lines" in err
+    assert "\n" not in err

@@ -25,6 +25,13 @@ def test_defaults_are_the_papers_base_model_and_recipe() -> None:
     assert (m.p_drop, m.share_embeddings, m.norm_first) == (0.1, True, False)
     assert (t.beta1, t.beta2, t.adam_eps, t.warmup_steps, t.eps_ls) == (0.9, 0.98, 1e-9, 4000, 0.1)
     assert (d.beam_size, d.length_penalty, d.max_len_a, d.max_len_b) == (4, 0.6, 1.0, 50)
+    assert d.stop == "t2t"  # §6.1 "terminating early when possible", tensor2tensor's rule
+
+
+def test_decode_stop_takes_only_the_two_rules() -> None:
+    assert DecodeConfig(stop="fairseq").stop == "fairseq"
+    with pytest.raises(ConfigError, match="decode.stop: must be 't2t' or 'fairseq'"):
+        DecodeConfig(stop="early")
 
 
 def test_table3_rows_change_only_their_columns() -> None:

@@ -88,4 +88,4 @@ def test_sgm_lines():
     sgm = (
         '<srcset>\n<doc docid="x">\n<seg id="1">Hello, world.</seg>\n<seg id="2"> A &amp; B</seg>\n'
     )
-    assert corpora.sgm_lines(sgm) == ["Hello, world.", " A &amp; B"]
+    assert corpora.sgm_lines(sgm) == ["Hello, world.", "A &amp; B"]  # stripped

@@ -9,6 +9,7 @@ import torch
 from transformer.config import ModelConfig
 from transformer.model import Transformer
 from transformer.search import (
+    STOP_RULES,
     ModelStepper,
     beam_search,
     beam_steps,
@@ -99,7 +100,10 @@ def test_beam_size_1_equals_greedy():
     model = tiny_model(scale=4.0)
     src, src_mask = random_batch(5, 20, [6, 9, 4, 7, 2])
     greedy = greedy_search(model, src, src_mask, max_len_a=1.0, max_len_b=5)
-    beams = beam_search(model, src, src_mask, beam_size=1, length_penalty=0.6, max_len_b=5)
+    # fairseq's stop (K = 1 finished) is greedy exactly; under §6.1's "t2t" rule a beam of 1
+    # may go on past greedy's EOS when a longer output could still score better (α > 0).
+    beams = beam_search(model, src, src_mask, beam_size=1, length_penalty=0.6, max_len_b=5,
+                        stop="fairseq")  # fmt: skip
     assert [h[0].tokens for h in beams] == greedy
     assert any(len(g) > 0 for g in greedy)
 
@@ -249,6 +253,59 @@ def test_scripted_early_termination_when_no_live_beam_can_win():
     stepper = ScriptedStepper(script)
     beam_steps(stepper, torch.tensor([10]), beam_size=2, alpha=1.0)
     assert stepper.calls > 2
+
+
+# Both EOS candidates of step 2 rank in the top 2, so K = 2 hypotheses finish at once; the
+# live "a a" (.27) is then one step from a better length-penalized score (worked by hand below).
+OVERTAKE = {
+    (): {A: 0.60, B_: 0.40},
+    (A,): {EOS_ID: 0.50, A: 0.45, B_: 0.05},
+    (B_,): {EOS_ID: 0.70, A: 0.30},
+    (A, A): {EOS_ID: 0.99, A: 0.01},
+}
+
+
+def test_scripted_t2t_stop_lets_a_longer_live_hypothesis_overtake_the_finished_ones():
+    # Step 2: a EOS .30 and b EOS .28 finish (top 2); a a .27, b a .12 stay live.
+    # fairseq stops (2 = K finished): best "a", log(.30) / (7/6) = -1.031977 (α = 1).
+    # t2t: the bound log(.27) / lp(10) = -0.523733 > -1.031977, so search goes on. Step 3:
+    # a a EOS = .6 * .45 * .99 = .2673 scores log(.2673) / (8/6) = -0.989538 and wins; the
+    # live a a a (.0027) bounds at log(.0027) / lp(10) = -2.365801 < -0.989538: stop.
+    fairseq, t2t = ScriptedStepper(OVERTAKE), ScriptedStepper(OVERTAKE)
+    f = beam_steps(fairseq, torch.tensor([10]), 2, 1.0, n_best=2, stop="fairseq")[0]
+    assert [h.tokens for h in f] == [[A], [B_]] and fairseq.calls == 2
+    assert f[0].score == pytest.approx(math.log(0.30) / (7 / 6), abs=1e-6)
+    assert f[0].score == pytest.approx(-1.031977, abs=1e-6)
+    h = beam_steps(t2t, torch.tensor([10]), 2, 1.0, n_best=2)[0]  # the default rule
+    assert [x.tokens for x in h] == [[A, A], [A]] and t2t.calls == 3
+    assert h[0].log_prob == pytest.approx(math.log(0.6 * 0.45 * 0.99), abs=1e-6)
+    assert h[0].score == pytest.approx(-0.989538, abs=1e-6)
+    # α = 0: no live beam can beat log(.30) after step 2, so both rules stop there with "a".
+    for stop in STOP_RULES:
+        stepper = ScriptedStepper(OVERTAKE)
+        hyps = beam_steps(stepper, torch.tensor([10]), 2, 0.0, stop=stop)[0]
+        assert [x.tokens for x in hyps] == [[A]] and stepper.calls == 2
+
+
+def test_scripted_t2t_finishes_eos_candidates_ranked_below_k():
+    # α = 0, beam 2, max length 3. Step 2 candidates: a a .399, a b .301, b EOS .201, b a .099:
+    # "b EOS" ranks 3rd. tensor2tensor's grow_finished keeps it (all 2K candidates); fairseq
+    # drops it. At step 3 only EOS is allowed: a a EOS .1596, a b EOS .1505.
+    script = {
+        (): {A: 0.70, B_: 0.30},
+        (A,): {A: 0.57, B_: 0.43},
+        (B_,): {EOS_ID: 0.67, A: 0.33},
+        (A, A): {EOS_ID: 0.40, A: 0.60},
+        (A, B_): {EOS_ID: 0.50, A: 0.50},
+    }
+    t2t = beam_steps(ScriptedStepper(script), torch.tensor([3]), 2, 0.0, n_best=2)[0]
+    assert [h.tokens for h in t2t] == [[B_], [A, A]]
+    assert t2t[0].log_prob == pytest.approx(math.log(0.3 * 0.67), abs=1e-6)
+    fairseq = beam_steps(ScriptedStepper(script), torch.tensor([3]), 2, 0.0, 2, stop="fairseq")
+    assert [h.tokens for h in fairseq[0]] == [[A, A], [A, B_]]
+    assert fairseq[0][0].log_prob == pytest.approx(math.log(0.7 * 0.57 * 0.4), abs=1e-6)
+    with pytest.raises(ValueError, match="stop must be one of"):
+        beam_steps(ScriptedStepper(script), torch.tensor([3]), 2, 0.0, stop="first")
 
 
 def test_scripted_max_length_forces_eos():

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from fixtures import SHARED_DATA, prepare_slice
-from transformer import checkpoint
+from transformer import checkpoint, rundir
 from transformer.batching import TokenBatchSampler
 from transformer.cli import main
 from transformer.config import build_config
@@ -180,7 +180,8 @@ def test_max_minutes_budget_stops(data_dir, tmp_path):
     # The budget is checked before each step and the step in flight completes: one step.
     state = train(data_dir, tmp_path / "run", _config("train.max_minutes=0"), progress=False)
     assert state.step == 1
-    assert checkpoint.latest_checkpoint(tmp_path / "run").name == "ckpt_1.pt"
+    # Step 1 is off the cadence (every 2 steps): resumable, never averaged.
+    assert checkpoint.latest_checkpoint(tmp_path / "run").name == "ckpt_1_end.pt"
 
 
 def test_cli_train_resume_average(data_dir, tmp_path):
@@ -221,7 +222,7 @@ def test_pairs_longer_than_the_model_or_a_batch_are_a_user_error_before_training
     assert not (tmp_path / "a" / "checkpoints").exists()
 
 
-# --- issue 18: run metadata written atomically, damaged checkpoints, leftovers, YAML errors --
+# --- run metadata written atomically, damaged checkpoints, leftovers, YAML errors ----------
 
 
 def test_a_failed_metadata_write_keeps_the_run_resumable_and_leftovers_are_removed(
@@ -284,6 +285,58 @@ def test_yaml_errors_in_overrides_and_the_runs_config_are_one_line(data_dir, tmp
     (run / "config.yaml").write_bytes(b"model:\n  d_model: \xff\n")
     assert main(["train", "--resume", str(run)]) == 2
     assert "config.yaml: cannot parse YAML" in capsys.readouterr().err
+
+
+def test_time_cadence_saves_at_exact_marks_of_the_run_clock(data_dir, tmp_path, monkeypatch):
+    # A fake clock: each step takes 0.6 minutes; save every minute, never by steps. The flag is
+    # read before a step: 1.2 >= 1 (step 3), 2.4 >= 2 (step 5), 3.0 >= 3 (step 6). "1 minute
+    # since the last save" would drift: steps 3 and 6 only (every 1.8 minutes). The run ends at
+    # step 6, on the cadence: no separate end checkpoint.
+    import types
+
+    from transformer import trainer as trainer_module
+
+    clock = {"s": 0.0}
+    fake = types.SimpleNamespace(monotonic=lambda: clock["s"], time=lambda: 0.0)
+    monkeypatch.setattr(trainer_module, "time", fake)
+    cfg = _config("train.max_steps=6", "train.save_every_steps=0", "train.save_every_minutes=1",
+                  "train.keep_last=10")  # fmt: skip
+    trainer = _trainer(data_dir, tmp_path / "run", cfg)
+    step = trainer.train_step
+
+    def timed_step(*args):
+        out = step(*args)
+        clock["s"] += 36.0
+        return out
+
+    trainer.train_step = timed_step
+    trainer.run()
+    names = [p.name for p in checkpoint.list_checkpoints(tmp_path / "run")]
+    assert names == ["ckpt_3.pt", "ckpt_5.pt", "ckpt_6.pt"]
+
+
+def test_end_of_run_checkpoint_resumes_but_is_never_averaged(data_dir, tmp_path):
+    run = tmp_path / "run"
+    train(data_dir, run, _config("train.max_steps=5", "train.keep_last=2"), progress=False)
+    # Saves every 2 steps (TINY): 2, 4 on the cadence; the end at step 5 is off it.
+    assert [p.name for p in checkpoint.list_checkpoints(run)] == [
+        "ckpt_2.pt", "ckpt_4.pt", "ckpt_5_end.pt"
+    ]  # fmt: skip
+    assert checkpoint.latest_checkpoint(run).name == "ckpt_5_end.pt"
+    out = rundir.average_run(run, last=2, out=tmp_path / "avg.safetensors")
+    want = checkpoint.average_checkpoints(
+        [checkpoint.load_checkpoint(run / "checkpoints" / f"ckpt_{s}.pt")["model"] for s in (2, 4)]
+    )
+    from transformer.modelfile import load_model
+
+    got = load_model(out).model.state_dict()
+    assert all(torch.equal(got[k], want[k]) for k in want)
+    with pytest.raises(checkpoint.CheckpointError, match="--last 3 asked, 2 checkpoints"):
+        rundir.average_run(run, last=3)
+    # Resuming from the end checkpoint continues the run; once the cadence passes it, it goes.
+    assert main(["train", "--resume", str(run), "--max-steps", "6"]) == 0
+    assert [p.name for p in checkpoint.list_checkpoints(run)] == ["ckpt_4.pt", "ckpt_6.pt"]
+    assert checkpoint.load_checkpoint(checkpoint.latest_checkpoint(run))["step"] == 6
 
 
 def test_thread_count_follows_threads_then_omp_num_threads(monkeypatch):

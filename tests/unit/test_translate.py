@@ -202,3 +202,20 @@ def test_cli_damaged_model_and_bad_inputs_are_one_line(model_file, tmp_path, cap
     assert "is a directory" in capsys.readouterr().err
     assert main(["translate", str(tmp_path), str(src)]) == 2  # a directory with no model
     assert capsys.readouterr().err.count("\n") == 1
+
+
+def test_the_stop_rule_reaches_the_search(model_file, monkeypatch):
+    import transformer.translate as translate_module
+
+    seen = []
+
+    def spy(*args):
+        seen.append(args[-1])  # beam_search(..., constrain, stop)
+        return beam_search(*args)
+
+    monkeypatch.setattr(translate_module, "beam_search", spy)
+    tr = Translator.from_path(model_file)
+    tr.translate(LINES)
+    tr.decode = tr.options(stop="fairseq")
+    tr.translate(LINES)
+    assert seen == ["t2t", "t2t", "fairseq", "fairseq"]  # two batches each (max_tokens=40)

@@ -123,7 +123,7 @@ def quickstart(
         train(data_dir, run_dir, config)
 
     with _stage("average", seconds):
-        last = min(config.train.keep_last, len(list_checkpoints(run_dir)))
+        last = min(config.train.keep_last, len(list_checkpoints(run_dir, cadence_only=True)))
         model_path = rundir.average_run(run_dir, last, out_dir / rundir.MODEL)
 
     translations = out_dir / f"test_2016_flickr.{tgt_lang}.hyp"
