@@ -471,7 +471,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     }
     limits = ServeLimits(**{k: v for k, v in given.items() if v is not None})
     print(f"serving {args.model} on http://{args.host}:{args.port}/ (Ctrl-C stops)")
-    serve(args.model, args.host, args.port, limits, args.dtype, args.threads)
+    serve(args.model, args.host, args.port, limits, args.dtype, args.threads, verify=args.verify)
     return 0
 
 
@@ -507,6 +507,7 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
         "--body-timeout", type=float, metavar="S",
         help="a request body must arrive within this from its head, else 408 (default 30 s)",
     )  # fmt: skip
+    _add_no_verify(p)
     p.set_defaults(func=_cmd_serve)
 
 

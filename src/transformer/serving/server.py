@@ -402,6 +402,7 @@ def serve(
     limits: ServeLimits | None = None,
     dtype: str = "fp32",
     threads: int | None = None,
+    verify: bool = True,
 ) -> None:
     """Load a model file (or run directory) and serve it until interrupted.
 
@@ -412,6 +413,7 @@ def serve(
         limits: request limits, timeouts and batching (ServeLimits defaults when None).
         dtype: "fp32", "bf16" or "int8" (see translate.Translator).
         threads: torch intra-op threads for decoding (None = torch's default).
+        verify: check the model file's checksum before serving it (`modelfile.load_model`).
     """
     try:
         import uvicorn
@@ -434,7 +436,7 @@ def serve(
     ensure_file_descriptors(limits.max_connections)
     if threads is not None:
         torch.set_num_threads(threads)
-    translator = Translator.from_path(model_path, dtype=dtype)
+    translator = Translator.from_path(model_path, dtype=dtype, verify=verify)
     app = create_app(translator, limits)
     protocol = guarded_protocol(
         limits.max_connections, limits.idle_timeout_s, limits.header_timeout_s

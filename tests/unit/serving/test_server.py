@@ -373,3 +373,22 @@ def test_serve_limits_must_be_positive(field, value):
 
     with pytest.raises(UserError, match=f"serve: {field} must be a positive number"):
         ServeLimits(**{field: value})
+
+
+def test_serve_checks_the_model_file_unless_no_verify(
+    tiny_model_file, tmp_path, monkeypatch, capsys
+):
+    import uvicorn
+
+    from transformer.cli import main
+
+    damaged = tmp_path / "damaged.safetensors"
+    data = bytearray(tiny_model_file.read_bytes())
+    data[-3] ^= 0x01  # one flipped bit in the tensor data
+    damaged.write_bytes(bytes(data))
+    served = []
+    monkeypatch.setattr(uvicorn, "run", lambda app, **kw: served.append(kw["port"]))
+    assert main(["serve", str(damaged), "--port", "8123"]) == 2
+    assert "the tensor data does not match" in capsys.readouterr().err and not served
+    assert main(["serve", str(damaged), "--port", "8123", "--no-verify"]) == 0
+    assert served == [8123]
