@@ -23,20 +23,21 @@ def _add_no_verify(p: argparse.ArgumentParser) -> None:
     )  # fmt: skip
 
 
+def _threads(value: str) -> int | str:
+    if value == "auto":
+        return value
+    try:
+        return int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"a number or auto, not {value!r}") from None
+
+
 def _add_threads(p: argparse.ArgumentParser) -> None:
     p.add_argument(
-        "--threads", type=int, help="CPU threads (default: OMP_NUM_THREADS if set, else all cores)"
-    )
-
-
-def _set_threads(threads: int | None) -> None:
-    """--threads for inference commands; torch itself already honours OMP_NUM_THREADS."""
-    if threads is not None:
-        if threads < 1:
-            raise UserError(f"--threads: must be at least 1, got {threads}")
-        import torch
-
-        torch.set_num_threads(threads)
+        "--threads", type=_threads, default="auto", metavar="N|auto",
+        help="CPU threads (default auto: OMP_NUM_THREADS if set, else tuned to the machine's "
+        "load as it runs)",
+    )  # fmt: skip
 
 
 def _cmd_presets(args: argparse.Namespace) -> int:
@@ -343,8 +344,9 @@ def _cmd_translate(args: argparse.Namespace) -> int:
     from transformer.data import open_binary
     from transformer.translate import Translator, translate_stream
 
-    _set_threads(args.threads)
-    translator = Translator.from_path(args.model, dtype=args.dtype, verify=args.verify)
+    translator = Translator.from_path(
+        args.model, dtype=args.dtype, verify=args.verify, threads=args.threads
+    )
     translator.decode = translator.options(
         args.beam, args.alpha, max_tokens=args.max_tokens, stop=args.stop
     )
@@ -383,10 +385,9 @@ def _add_stop(p: argparse.ArgumentParser) -> None:
 def _cmd_evaluate(args: argparse.Namespace) -> int:
     from transformer.evaluate import evaluate
 
-    _set_threads(args.threads)
     report = evaluate(
         args.model, args.data, args.split, args.beam, args.alpha, args.dtype, args.output,
-        args.limit, args.stop, verify=args.verify,
+        args.limit, args.stop, verify=args.verify, threads=args.threads,
     )  # fmt: skip
     if args.json:
         print(json.dumps(report, indent=2))

@@ -38,6 +38,7 @@ def evaluate(
     limit: int | None = None,
     stop: str | None = None,
     verify: bool = True,
+    threads: int | str | None = None,
 ) -> dict:
     """Translate `split` of a prepared data directory and score it against its references.
 
@@ -51,6 +52,7 @@ def evaluate(
         limit: translate only the first `limit` sentences (quick checks).
         stop: the beam search's stopping rule, "t2t" (§6.1) or "fairseq" (default: the model's).
         verify: check the model file's checksum (`modelfile.load_model`).
+        threads: CPU threads: a number, "auto" (tuned, threads.py) or None (untouched).
 
     Returns:
         {"split", "sentences", "search" (beam, α, max length, stop rule), "bleu",
@@ -63,7 +65,7 @@ def evaluate(
     """
     from transformer.data import load_prepared, write_output
 
-    translator = Translator.from_path(model_path, dtype=dtype, verify=verify)
+    translator = Translator.from_path(model_path, dtype=dtype, verify=verify, threads=threads)
     translator.decode = translator.options(beam_size, length_penalty, stop=stop)  # ConfigError
     data = load_prepared(data_dir)
     if split not in data.split_names:

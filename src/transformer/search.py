@@ -19,6 +19,7 @@ from typing import Protocol
 import torch
 
 from transformer.model import DecoderCache, Transformer
+from transformer.threads import ThreadTuner
 from transformer.tokenizer import BOS_ID, EOS_ID, PAD_ID
 
 NEG_INF = float("-inf")
@@ -97,10 +98,12 @@ class ModelStepper:
         src: torch.Tensor,
         src_mask: torch.Tensor,
         log_probs: bool = True,
+        tuner: ThreadTuner | None = None,
     ):
         """log_probs=False: `step` returns the raw logits (R, V) instead, which have the same
-        argmax: greedy search needs no log-softmax over V per row and step."""
-        self.model, self.log_probs = model, log_probs
+        argmax: greedy search needs no log-softmax over V per row and step. tuner: chooses the
+        CPU threads step by step (threads.py; a decoder step is the unit of work)."""
+        self.model, self.log_probs, self.tuner = model, log_probs, tuner
         self.src_mask = src_mask  # (R, S)
         self.memory = model.encode(src, src_mask)  # (B, S, D); read only by the first step
         self.cache: DecoderCache = model.new_cache()
@@ -108,8 +111,12 @@ class ModelStepper:
     def step(self, tokens: torch.Tensor) -> torch.Tensor:
         # From the second step on, cross-attention reads its keys/values from the cache, so
         # `memory` (still B rows) is not touched and needs no reordering.
+        if self.tuner is not None:
+            self.tuner.start()
         hidden = self.model.decode_hidden(tokens[:, None], self.memory, self.src_mask, self.cache)
         logits = self.model.project(hidden[:, -1])  # (R, V): only the new position
+        if self.tuner is not None:
+            self.tuner.stop(tokens.size(0))
         if not self.log_probs:
             return logits
         return torch.log_softmax(logits.float(), dim=-1)
@@ -150,6 +157,7 @@ def greedy_search(
     max_len_a: float = 1.0,
     max_len_b: int = 50,
     constrain: Constrain | None = None,
+    tuner: ThreadTuner | None = None,
 ) -> list[list[int]]:
     """Greedy decoding: the most probable token at each step, until EOS or the maximum length.
 
@@ -157,11 +165,12 @@ def greedy_search(
         src: (B, S) source ids ending in EOS, right-padded; src_mask: (B, S) True at real tokens.
         max_len_a, max_len_b: maximum output length = a * source length + b (EOS included).
         constrain: wraps the stepper to bar tokens (`Constrain`); None: every token allowed.
+        tuner: chooses the CPU thread count decoder step by step (threads.py), or None.
 
     Returns:
         B token lists, without BOS and EOS.
     """
-    stepper: Stepper = ModelStepper(model, src, src_mask, log_probs=False)  # argmax: no softmax
+    stepper: Stepper = ModelStepper(model, src, src_mask, log_probs=False, tuner=tuner)
     if constrain is not None:
         stepper = constrain(stepper, src, src_mask)
     max_lens = max_output_lengths(src_mask.sum(1), max_len_a, max_len_b, model.cfg.max_len)
@@ -206,6 +215,7 @@ def beam_search(
     n_best: int = 1,
     constrain: Constrain | None = None,
     stop: str = "t2t",
+    tuner: ThreadTuner | None = None,
 ) -> list[list[Hypothesis]]:
     """§6.1 batched beam search (beam 4, α 0.6, max length = source length + 50).
 
@@ -217,13 +227,14 @@ def beam_search(
         n_best: hypotheses returned per sentence, best first.
         constrain: wraps the stepper to bar tokens (`Constrain`); None: every token allowed.
         stop: when a sentence's search ends, one of `STOP_RULES` (default §6.1's "t2t").
+        tuner: chooses the CPU thread count decoder step by step (threads.py), or None.
 
     Returns:
         For each sentence, its `n_best` finished hypotheses sorted by score.
     """
     if not 1 <= n_best <= beam_size:
         raise ValueError(f"n_best must be in [1, beam_size={beam_size}], got {n_best}")
-    stepper: Stepper = ModelStepper(model, src, src_mask)
+    stepper: Stepper = ModelStepper(model, src, src_mask, tuner=tuner)
     if constrain is not None:
         stepper = constrain(stepper, src, src_mask)
     max_lens = max_output_lengths(src_mask.sum(1), max_len_a, max_len_b, model.cfg.max_len)

@@ -24,6 +24,7 @@ from transformer.errors import UserError
 from transformer.loss import chunked_label_smoothed_loss
 from transformer.model import DTYPES, Transformer
 from transformer.optim import MixedPrecisionAdam
+from transformer.threads import ThreadTuner
 from transformer.trainer import Trainer, TrainState
 
 logger = logging.getLogger(__name__)
@@ -47,22 +48,27 @@ def resolve_run(
     return data_dir, apply_overrides(saved, parse_overrides(overrides), "override")
 
 
-def _setup_torch(config: RunConfig, device: torch.device, threads: int | None = None) -> None:
-    """Determinism, the seed and the CPU thread count: `threads` if given, else 1 for a
-    deterministic run, else OMP_NUM_THREADS if set, else all cores shared by this node's ranks."""
-    if threads is not None and threads < 1:
+def _setup_torch(
+    config: RunConfig, device: torch.device, threads: int | str | None = None
+) -> ThreadTuner | None:
+    """Determinism, the seed and the CPU threads: `threads` if a number; else 1 for a
+    deterministic run; else OMP_NUM_THREADS if set; else tuned while training (threads.py)
+    among this node's share of the cores. Returns the tuner, if any."""
+    if isinstance(threads, int) and threads < 1:
         raise UserError(f"--threads: must be at least 1, got {threads}")
+    torch.manual_seed(config.train.seed)
     if config.train.deterministic:
         # Bit-exact runs: deterministic kernels and a fixed thread count (reductions split
         # work by thread count).
         torch.use_deterministic_algorithms(True)
-        torch.set_num_threads(threads or 1)
-    elif threads is not None:
+        torch.set_num_threads(threads if isinstance(threads, int) else 1)
+    elif isinstance(threads, int):
         torch.set_num_threads(threads)
     elif device.type == "cpu" and not os.environ.get("OMP_NUM_THREADS"):
-        local = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local))
-    torch.manual_seed(config.train.seed)
+        cores = max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
+        torch.set_num_threads(cores)
+        return ThreadTuner([cores, cores // 2, 1])
+    return None
 
 
 def _log_to_file(run_dir: Path) -> logging.Handler:
@@ -91,7 +97,7 @@ def train(
     overrides: Sequence[str] = (),
     device: str | None = None,
     progress: bool = True,
-    threads: int | None = None,
+    threads: int | str | None = None,
 ) -> TrainState:
     """Train (or resume) a run; returns the final counters. Launch with `torchrun` for DDP.
 
@@ -104,8 +110,8 @@ def train(
         overrides: `section.key=value` strings applied on top (e.g. a larger train.max_steps).
         device: "cpu", "cuda" ...; default CUDA when available.
         progress: show a progress bar.
-        threads: CPU threads (default: OMP_NUM_THREADS if set, else all cores; 1 when
-            train.deterministic).
+        threads: CPU threads (default: OMP_NUM_THREADS if set, else tuned to the machine's
+            load while training, threads.ThreadTuner; 1 when train.deterministic).
     """
     out_dir = Path(out_dir)
     data_dir, config = resolve_run(data_dir, out_dir, config, resume, overrides)
@@ -115,7 +121,7 @@ def train(
         dev = torch.device("cuda", info.local_rank)
         torch.cuda.set_device(dev)
     saved_torch = (torch.are_deterministic_algorithms_enabled(), torch.get_num_threads())
-    _setup_torch(config, dev, threads)
+    tuner = _setup_torch(config, dev, threads)
     data = load_prepared(data_dir)
     config = replace(config, model=replace(config.model, vocab_size=data.tokenizer.vocab_size))
     handler = None
@@ -126,7 +132,7 @@ def train(
             checkpoint.remove_stale(directory)  # temporary files of killed runs
         rundir.write_run_files(out_dir, config, data_dir)
     try:
-        return _run(data, out_dir, config, resume, info, dev, progress)
+        return _run(data, out_dir, config, resume, info, dev, progress, tuner)
     finally:
         if handler is not None:
             logging.getLogger("transformer").removeHandler(handler)
@@ -161,7 +167,7 @@ def _check_lengths(data, config: RunConfig) -> None:
                 )
 
 
-def _run(data, out_dir, config, resume, info, dev, progress) -> TrainState:
+def _run(data, out_dir, config, resume, info, dev, progress, tuner=None) -> TrainState:
     model = build_model(config, dev)
     distributed.broadcast_parameters(list(model.parameters()), info)
     optimizer = MixedPrecisionAdam(
@@ -202,7 +208,7 @@ def _run(data, out_dir, config, resume, info, dev, progress) -> TrainState:
     valid = data.split("valid") if "valid" in data.split_names else None
     trainer = Trainer(
         model, optimizer, chunked_label_smoothed_loss, sampler, train_split, valid,
-        data.tokenizer, config, out_dir, state, info, extra, forward, progress,
+        data.tokenizer, config, out_dir, state, info, extra, forward, progress, tuner,
     )  # fmt: skip
     return trainer.run()
 

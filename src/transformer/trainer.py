@@ -28,6 +28,7 @@ from transformer.data import Batch, ParallelSplit, collate
 from transformer.errors import UserError
 from transformer.loss import chunked_label_smoothed_loss
 from transformer.optim import MixedPrecisionAdam, learning_rate
+from transformer.threads import ThreadTuner
 from transformer.tokenizer import PAD_ID
 
 logger = logging.getLogger(__name__)
@@ -78,6 +79,7 @@ class Trainer:
         checkpoint_extra: plain values stored in every checkpoint (data/tokenizer info).
         forward: the module to call for training (a torch.compile'd model), default `model`.
         progress: show a tqdm progress bar (rank 0).
+        tuner: chooses the CPU thread count step by step (threads.py), or None.
     """
 
     def __init__(
@@ -96,6 +98,7 @@ class Trainer:
         checkpoint_extra: dict[str, Any] | None = None,
         forward: nn.Module | None = None,
         progress: bool = True,
+        tuner: ThreadTuner | None = None,
     ) -> None:
         self.model, self.optimizer, self.loss_fn = model, optimizer, loss_fn
         self.forward = forward or model
@@ -106,6 +109,7 @@ class Trainer:
         self.dist = dist_info or distributed.DistInfo()
         self.extra = checkpoint_extra or {}
         self.progress = progress and self.dist.is_main
+        self.tuner = tuner
         self.device = next(model.parameters()).device
         self._batches = iter(self.sampler)
         self._writer = None
@@ -192,7 +196,12 @@ class Trainer:
                 minutes = self._minutes = (time.monotonic() - start) / 60
                 time_up = self.cfg.max_minutes is not None and minutes >= self.cfg.max_minutes
                 save_due = minutes >= self._next_save_minutes
-                out = self.train_step(self._next_batches(), time_up, save_due)
+                batches = self._next_batches()
+                if self.tuner is not None:
+                    self.tuner.start()
+                out = self.train_step(batches, time_up, save_due)
+                if self.tuner is not None:
+                    self.tuner.stop(sum(b.n_tgt_tokens for b in batches))
                 if self._account(out, window):
                     self._update_bar(bar, out, window)
                     window = self._after_step(out, window)

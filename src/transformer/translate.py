@@ -28,6 +28,8 @@ from transformer.model import DTYPES as model_dtypes
 from transformer.modelfile import LoadedModel
 from transformer.rundir import resolve_model
 from transformer.search import Constrain, beam_search, greedy_search
+from transformer.threads import ThreadTuner
+from transformer.threads import resolve as resolve_threads
 from transformer.tokenizer import BOS_ID, EOS_ID, PAD_ID
 
 logger = logging.getLogger(__name__)
@@ -99,6 +101,7 @@ class Translator:
         self.model, self.dtype = model, dtype
         self.max_src_len = model.cfg.max_len
         self.constrain: Constrain | None = None  # a search constraint, e.g. parse's trees
+        self.tuner: ThreadTuner | None = None  # chooses the CPU threads batch by batch
 
     @classmethod
     def from_path(
@@ -108,9 +111,17 @@ class Translator:
         device: str | torch.device = "cpu",
         dtype: torch.dtype | str = torch.float32,
         verify: bool = True,
+        threads: int | str | None = None,
     ) -> Translator:
-        """A Translator for a model file or a run directory (see `resolve_model`)."""
-        return cls(resolve_model(path, device, verify), decode, device, dtype)
+        """A Translator for a model file or a run directory (see `resolve_model`).
+
+        threads: a CPU thread count, "auto" (tuned batch by batch to the machine's load unless
+        OMP_NUM_THREADS is set, threads.py), or None (torch's setting, untouched).
+        """
+        translator = cls(resolve_model(path, device, verify), decode, device, dtype)
+        if torch.device(device).type == "cpu":
+            translator.tuner = resolve_threads(threads)
+        return translator
 
     def encode(self, lines: Sequence[str]) -> list[list[int]]:
         """Subword ids + EOS per line; a line longer than the model's maximum is truncated to
@@ -168,13 +179,19 @@ class Translator:
             src, src_mask = self._collate([sources[i] for i in batch])
             if cfg.beam_size == 1:
                 outs = greedy_search(
-                    self.model, src, src_mask, cfg.max_len_a, cfg.max_len_b, self.constrain
+                    self.model,
+                    src,
+                    src_mask,
+                    cfg.max_len_a,
+                    cfg.max_len_b,
+                    self.constrain,
+                    self.tuner,
                 )
                 hyps = [[(tokens, 0.0)] for tokens in outs]
             else:
                 found = beam_search(
                     self.model, src, src_mask, cfg.beam_size, cfg.length_penalty,
-                    cfg.max_len_a, cfg.max_len_b, cfg.n_best, self.constrain, cfg.stop,
+                    cfg.max_len_a, cfg.max_len_b, cfg.n_best, self.constrain, cfg.stop, self.tuner,
                 )  # fmt: skip
                 hyps = [[(h.tokens, h.score) for h in nbest] for nbest in found]
             for i, nbest in zip(batch, hyps, strict=True):

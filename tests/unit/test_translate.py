@@ -210,7 +210,7 @@ def test_the_stop_rule_reaches_the_search(model_file, monkeypatch):
     seen = []
 
     def spy(*args):
-        seen.append(args[-1])  # beam_search(..., constrain, stop)
+        seen.append(args[-2])  # beam_search(..., constrain, stop, tuner)
         return beam_search(*args)
 
     monkeypatch.setattr(translate_module, "beam_search", spy)

@@ -130,7 +130,7 @@ def quickstart(
     with _stage("translate", seconds):
         report = evaluate(
             model_path, data_dir, "test", beam_size=4, length_penalty=0.6,
-            output=translations, limit=SMOKE_TEST_SENTENCES if smoke else None,
+            output=translations, limit=SMOKE_TEST_SENTENCES if smoke else None, threads="auto",
         )  # fmt: skip
     report["train_steps"], losses = _train_losses(run_dir)
     result = QuickstartResult(out_dir, model_path, translations, report, seconds, losses)

@@ -1,0 +1,119 @@
+"""Throughput alone and beside one busy process: training and translation, as a user runs them.
+
+A machine is often not idle: an editor, a second job, a test run. With one other busy process
+on 2 cores, PyTorch's default threading collapses (two threads that spin-wait for each other
+while the other process holds a core). This runs each workload in a fresh subprocess, exactly as
+the CLI runs it (same thread choice), first alone and then beside `python -c 'while True: pass'`,
+and prints tokens/s and the ratio, with the CPU model and ISA beside them.
+
+    .venv/bin/python benchmarks/bench_contention.py --data data/m30k --model MODEL
+    .venv/bin/python benchmarks/bench_contention.py --data data/m30k --model MODEL --threads 2
+
+--threads N passes `--threads N` to the CLI (the behaviour a fixed thread count gets); without it
+the CLI chooses (docs/performance.md, "A machine that is not idle").
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+
+def cpu_line() -> str:
+    """CPU model, core count and the matmul-relevant ISA flags of this machine."""
+    model, flags = platform.processor() or "?", set()
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+        model = re.search(r"model name\s*:\s*(.*)", text).group(1)
+        flags = set(re.search(r"flags\s*:\s*(.*)", text).group(1).split())
+    except (OSError, AttributeError):
+        pass
+    isa = [
+        f for f in ("avx512f", "avx512_bf16", "amx_bf16", "amx_int8", "avx512_vnni") if f in flags
+    ]
+    return f"{model}, {os.cpu_count()} cores, {' '.join(isa) or 'no AVX-512'}"
+
+
+def _cli(args: list[str], env: dict | None = None) -> tuple[float, str]:
+    start = time.perf_counter()
+    done = subprocess.run(
+        [sys.executable, "-m", "transformer", *args], capture_output=True, text=True,
+        env={**os.environ, **(env or {})},
+    )  # fmt: skip
+    if done.returncode != 0:
+        raise SystemExit(f"transformer {args[0]} failed:\n{done.stderr[-2000:]}")
+    return time.perf_counter() - start, done.stdout
+
+
+def train_rate(data: Path, steps: int, threads: list[str]) -> float:
+    """Target tokens/s of the quickstart preset over `steps` steps (the metrics' own rate)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        run = Path(tmp) / "run"
+        _cli(["train", str(data), "--preset", "quickstart", "--out", str(run), "--max-steps",
+              str(steps), "train.save_every_minutes=1000", "train.log_every_steps=10",
+              *threads])  # fmt: skip
+        records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+        train = [r for r in records if r.get("kind") == "train"][1:]  # the first window warms up
+        tokens = sum(r["tokens"] - p["tokens"] for p, r in zip(train, train[1:], strict=False))
+        seconds = sum(
+            (r["tokens"] - p["tokens"]) / r["tokens_per_s"]
+            for p, r in zip(train, train[1:], strict=False)
+        )
+        return tokens / seconds
+
+
+def translate_rate(model: Path, src: Path, lines: int, threads: list[str]) -> float:
+    """Output tokens/s of beam 4 over the first `lines` lines (wall time of the whole command
+    minus the time to load the model and read the input, measured with an empty input)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        part = Path(tmp) / "src.txt"
+        text = src.read_text(encoding="utf-8").splitlines()[:lines]
+        part.write_text("\n".join(text) + "\n", encoding="utf-8")
+        empty = Path(tmp) / "empty.txt"
+        empty.write_text("", encoding="utf-8")
+        overhead, _ = _cli(["translate", str(model), str(empty), *threads])
+        seconds, out = _cli(["translate", str(model), str(part), "--beam", "4", *threads])
+        words = sum(len(line.split()) for line in out.splitlines())
+        return words / max(seconds - overhead, 1e-6)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--data", type=Path, required=True, help="a prepared Multi30k directory")
+    p.add_argument("--model", type=Path, required=True, help="a trained en->de model file")
+    p.add_argument("--src", type=Path, default=Path("../shared/data/multi30k/val.en"))
+    p.add_argument("--steps", type=int, default=120)
+    p.add_argument("--lines", type=int, default=300)
+    p.add_argument("--threads", type=int, help="pass --threads N to the CLI")
+    args = p.parse_args()
+    threads = ["--threads", str(args.threads)] if args.threads else []
+    print(f"# {cpu_line()}; load average {os.getloadavg()[0]:.2f} at start")
+    print(f"# thread choice: {'--threads ' + str(args.threads) if threads else 'the CLI default'}")
+    results = {}
+    for name, run in (
+        ("train tok/s", lambda: train_rate(args.data, args.steps, threads)),
+        ("translate words/s", lambda: translate_rate(args.model, args.src, args.lines, threads)),
+    ):
+        alone = run()
+        busy = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+        try:
+            time.sleep(1.0)
+            beside = run()
+        finally:
+            busy.kill()
+            busy.wait()
+        results[name] = (alone, beside)
+        print(f"{name:>18}: alone {alone:8.0f}   beside a busy process {beside:8.0f}   "
+              f"kept {beside / alone:6.1%}", flush=True)  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()

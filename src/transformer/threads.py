@@ -1,0 +1,135 @@
+"""CPU threads: the count that runs fastest now, re-checked as the machine's load changes.
+
+Not in the paper. PyTorch uses every core by default; beside one other busy process on a 2-core
+machine its threads wait for each other while the other process holds a core, and a training
+step runs ~12x slower than alone (one thread keeps ~95% of its own speed). `ThreadTuner` times
+the work itself: it tries each candidate thread count on a few units of work (training steps,
+translation batches), keeps the fastest, and tries again when the rate falls by half (another
+process started) or, less and less often while nothing changes, on a schedule (it stopped).
+
+    tuner = ThreadTuner.for_this_machine()
+    for batch in batches:
+        tuner.start()
+        ...                      # one unit of work
+        tuner.stop(n_tokens)
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Callable, Sequence
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+AUTO = "auto"
+
+
+class ThreadTuner:
+    """Chooses torch's intra-op thread count among `candidates` by measured work per second.
+
+    Args:
+        candidates: thread counts to choose from (e.g. all cores and 1).
+        probe_units: units of work timed per candidate in a probe (the best one counts).
+        every_s: seconds between two scheduled probes; doubled (up to `max_every_s`) after
+            each probe that keeps the same choice, reset when the choice changes.
+        drop: re-probe at once when the recent rate falls below this fraction of the rate
+            the chosen count had in its probe.
+        clock: a monotonic clock (tests pass a fake one).
+    """
+
+    def __init__(
+        self,
+        candidates: Sequence[int],
+        probe_units: int = 2,
+        every_s: float = 30.0,
+        max_every_s: float = 480.0,
+        drop: float = 0.5,
+        clock: Callable[[], float] = time.perf_counter,
+    ) -> None:
+        self.candidates = sorted({max(1, int(c)) for c in candidates}, reverse=True)
+        self.probe_units, self.every_s, self.max_every_s = probe_units, every_s, max_every_s
+        self.base_every_s, self.drop, self.clock = every_s, drop, clock
+        self.best = self.candidates[0]
+        self.best_rate = 0.0
+        self.recent: list[float] = []
+        self._queue: list[int] = []
+        self._rates: dict[int, float] = {}
+        self._next_probe = clock()  # probe at the first unit
+        self._threads = self.best
+        self._start = 0.0
+        self._after_drop = False
+
+    @classmethod
+    def for_this_machine(cls, **kwargs) -> ThreadTuner:
+        """Candidates: every core, half of them, one."""
+        cores = os.cpu_count() or 1
+        return cls([cores, cores // 2, 1], **kwargs)
+
+    def start(self) -> None:
+        """Before a unit of work: set the thread count it runs with."""
+        now = self.clock()
+        if not self._queue and len(self.candidates) > 1 and now >= self._next_probe:
+            # After a drop the others come first (the way out); on schedule the current choice
+            # does, so that an other that is clearly slower is timed only once.
+            others = [c for c in self.candidates if c != self.best]
+            order = [*others, self.best] if self._after_drop else [self.best, *others]
+            self._queue = [c for c in order for _ in range(self.probe_units)]
+            self._rates = {}
+        self._threads = self._queue[0] if self._queue else self.best
+        if torch.get_num_threads() != self._threads:
+            torch.set_num_threads(self._threads)
+        self._start = self.clock()
+
+    def stop(self, work: float) -> None:
+        """After the unit: `work` done (tokens); updates the rates and the choice."""
+        rate = work / max(self.clock() - self._start, 1e-9)
+        if self._queue:
+            threads = self._queue.pop(0)
+            self._rates[threads] = max(self._rates.get(threads, 0.0), rate)
+            best_so_far = max(self._rates.values())
+            if rate < self.drop * best_so_far:  # clearly slower: no second unit of it
+                self._queue = [t for t in self._queue if t != threads]
+            if not self._queue:
+                self._choose()
+            return
+        self.recent = [*self.recent[-2:], rate]
+        if len(self.recent) == 3 and max(self.recent) < self.drop * self.best_rate:
+            logger.info("throughput fell to %.0f%%: timing the thread counts again",
+                        100 * max(self.recent) / self.best_rate)  # fmt: skip
+            self.every_s = self.base_every_s
+            self._next_probe = self.clock()
+            self._after_drop = True
+
+    def _choose(self) -> None:
+        best = max(self._rates, key=self._rates.get)
+        if best == self.best:
+            self.every_s = min(2 * self.every_s, self.max_every_s)
+        else:
+            logger.info("%d CPU threads run fastest now (%s)", best, ", ".join(
+                f"{t}: {r:.0f}/s" for t, r in sorted(self._rates.items())))  # fmt: skip
+            self.every_s = self.base_every_s
+        self.best, self.best_rate, self.recent = best, self._rates[best], []
+        self._after_drop = False
+        self._next_probe = self.clock() + self.every_s
+
+
+def resolve(threads: int | str | None) -> ThreadTuner | None:
+    """A `--threads` value -> the tuner to use (None: a fixed count, set here, or none at all).
+
+    An int fixes the count; AUTO tunes it, unless the user fixed it with OMP_NUM_THREADS (which
+    torch read at start); None leaves torch as it is.
+    """
+    if threads is None:
+        return None
+    if threads == AUTO:
+        return None if os.environ.get("OMP_NUM_THREADS") else ThreadTuner.for_this_machine()
+    if int(threads) < 1:
+        from transformer.errors import UserError
+
+        raise UserError(f"--threads: must be at least 1, got {threads}")
+    torch.set_num_threads(int(threads))
+    return None

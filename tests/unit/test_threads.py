@@ -1,0 +1,91 @@
+"""threads.py: the thread count that runs fastest now, on a scripted machine with a fake clock."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from transformer.errors import UserError
+from transformer.threads import AUTO, ThreadTuner, resolve
+
+
+class Machine:
+    """Seconds per unit of work by thread count, alone or beside a busy process (2 cores)."""
+
+    ALONE = {2: 1.0, 1: 1.6}
+    BUSY = {2: 12.0, 1: 1.7}
+
+    def __init__(self) -> None:
+        self.now, self.busy = 0.0, False
+
+    def clock(self) -> float:
+        return self.now
+
+    def work(self, tuner: ThreadTuner) -> int:
+        tuner.start()
+        threads = torch.get_num_threads()
+        self.now += (self.BUSY if self.busy else self.ALONE)[threads]
+        tuner.stop(1000)
+        return threads
+
+
+@pytest.fixture(autouse=True)
+def _restore_threads():
+    before = torch.get_num_threads()
+    yield
+    torch.set_num_threads(before)
+
+
+def test_alone_it_keeps_every_core_and_probes_less_and_less_often():
+    m = Machine()
+    tuner = ThreadTuner([2, 1], probe_units=2, every_s=30, max_every_s=120, clock=m.clock)
+    used = [m.work(tuner) for _ in range(400)]
+    assert used[:5] == [2, 2, 1, 1, 2] and tuner.best == 2
+    one = used.count(1)  # probes only: 2 units each, after 30, 60, 120, 120 ... s
+    assert one <= 2 * (1 + 400 * 1.0 / 30) and used[-1] == 2
+    assert tuner.every_s == 120  # doubled while the choice held, up to the cap
+    # Time lost to probing, against always using 2 threads: a few percent.
+    assert m.now / (400 * 1.0) < 1.04
+
+
+def test_beside_a_busy_process_it_moves_to_one_thread_within_a_few_units():
+    m = Machine()
+    tuner = ThreadTuner([2, 1], probe_units=2, every_s=30, max_every_s=480, clock=m.clock)
+    for _ in range(50):
+        m.work(tuner)
+    assert tuner.best == 2
+    m.busy = True
+    used = [m.work(tuner) for _ in range(300)]
+    # At most three slow units show the drop (or a scheduled probe comes first); the re-probe
+    # tries 1 thread first and 2 threads at most once more.
+    assert used.index(1) <= 4 and used[:6].count(2) <= 4 and tuner.best == 1
+    # Then one slow unit per scheduled probe, after 30, 60, 120, 240 s of 1-thread work.
+    assert used[6:].count(2) <= 4
+    # And back to both cores once the other process has stopped (at a scheduled probe).
+    m.busy = False
+    used = [m.work(tuner) for _ in range(600)]
+    assert tuner.best == 2 and used[-1] == 2
+
+
+def test_a_clearly_slower_count_is_timed_once_per_probe():
+    m = Machine()
+    m.busy = True
+    tuner = ThreadTuner([2, 1], probe_units=3, every_s=30, clock=m.clock)
+    used = [m.work(tuner) for _ in range(8)]
+    # The first probe times 2 threads first (three units: no other rate to compare with yet),
+    # then 1 thread; afterwards 1 thread only.
+    assert used == [2, 2, 2, 1, 1, 1, 1, 1] and tuner.best == 1
+    used = [m.work(tuner) for _ in range(40)]
+    # The next (scheduled) probe: 1 thread first, then 2 threads once: 7x slower, not again.
+    assert used.count(2) == 1 and tuner.best == 1
+
+
+def test_resolve_threads(monkeypatch):
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    assert isinstance(resolve(AUTO), ThreadTuner)
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    assert resolve(AUTO) is None  # the user's setting stands
+    assert resolve(None) is None
+    assert resolve(1) is None and torch.get_num_threads() == 1
+    with pytest.raises(UserError, match="--threads: must be at least 1"):
+        resolve(0)
