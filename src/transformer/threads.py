@@ -98,7 +98,7 @@ class ThreadTuner:
             return
         self.recent = [*self.recent[-2:], rate]
         if len(self.recent) == 3 and max(self.recent) < self.drop * self.best_rate:
-            logger.info("throughput fell to %.0f%%: timing the thread counts again",
+            logger.debug("throughput fell to %.0f%%: timing the thread counts again",
                         100 * max(self.recent) / self.best_rate)  # fmt: skip
             self.every_s = self.base_every_s
             self._next_probe = self.clock()
