@@ -131,10 +131,7 @@ class Trainer:
 
     def _batch_loss(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
         b = batch.to(self.device)
-        hidden = self.forward(b.src, b.src_mask, b.tgt_in)  # (B, T, D)
-        keep = b.tgt_out != PAD_ID  # (B, T): the loss projects only real target positions
-        weight = self.model.output_weight()
-        return self.loss_fn(hidden[keep], weight, b.tgt_out[keep], self.cfg.eps_ls)[:2]
+        return batch_loss(self.model, self.forward, self.loss_fn, b, self.cfg.eps_ls)
 
     def train_step(
         self, batches: list[Batch], time_up: bool = False, save_due: bool = False
@@ -358,16 +355,17 @@ class Trainer:
         from transformer.search import greedy_search
 
         split = self.valid_split
-        record: dict[str, Any] = evaluate_loss(
-            self.model, split, self.cfg.max_tokens, self.cfg.eps_ls, self.loss_fn, self.forward
-        )
-        self.model.eval()
         hyps: dict[int, str] = {}
-        for indices in _in_order(split, self.cfg.max_tokens):
-            b = collate(split, indices).to(self.device)
+
+        def decode(b: Batch) -> None:  # greedy, in the same pass as the loss
             for i, ids in zip(b.indices, greedy_search(self.model, b.src, b.src_mask), strict=True):
                 hyps[i] = self.tokenizer.decode(ids)
-        self.model.train()
+
+        record: dict[str, Any] = evaluate_loss(
+            self.model, split, self.cfg.max_tokens, self.cfg.eps_ls, self.loss_fn, self.forward,
+            each=decode,
+        )  # fmt: skip
+        del record["tokens"]  # a valid record's numbers are per token; "tokens" means training's
         refs = [split.tgt_text(i) for i in range(len(split))]
         result = corpus_bleu([hyps[i] for i in range(len(split))], refs)
         record["bleu"] = float(result.score)
@@ -413,8 +411,14 @@ class Trainer:
         )
 
 
-def _in_order(split: ParallelSplit, max_tokens: int) -> TokenBatchSampler:
-    return TokenBatchSampler(split.src_lens, split.tgt_lens, max_tokens, seed=0, shuffle=False)
+def batch_loss(
+    model: nn.Module, forward: nn.Module, loss_fn: LossFn, b: Batch, eps_ls: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(loss, nll) sums of one batch on the model's device; only real target positions are
+    projected to the vocabulary."""
+    hidden = forward(b.src, b.src_mask, b.tgt_in)  # (B, T, D)
+    keep = b.tgt_out != PAD_ID  # (B, T)
+    return loss_fn(hidden[keep], model.output_weight(), b.tgt_out[keep], eps_ls)[:2]
 
 
 @torch.no_grad()
@@ -425,19 +429,22 @@ def evaluate_loss(
     eps_ls: float = 0.0,
     loss_fn: LossFn = chunked_label_smoothed_loss,
     forward: nn.Module | None = None,
+    each: Callable[[Batch], None] | None = None,
 ) -> dict[str, float]:
     """Teacher-forced loss on a split, dropout off: {"loss" (label-smoothed with eps_ls), "nll",
-    per target token, "ppl" = exp(nll) (per subword, §6.2 Table 3's PPL), "tokens"}."""
+    per target token, "ppl" = exp(nll) (per subword, §6.2 Table 3's PPL), "tokens"}.
+    `each` is called with every batch (on the model's device), e.g. to decode it too."""
     was_training = model.training
     model.eval()
     device = next(model.parameters()).device
     loss = nll = 0.0
     tokens = 0
-    for indices in _in_order(split, max_tokens):
+    sampler = TokenBatchSampler(split.src_lens, split.tgt_lens, max_tokens, seed=0, shuffle=False)
+    for indices in sampler:
         b = collate(split, indices).to(device)
-        hidden = (forward or model)(b.src, b.src_mask, b.tgt_in)  # (B, T, D)
-        keep = b.tgt_out != PAD_ID  # (B, T): only real target positions are projected
-        out = loss_fn(hidden[keep], model.output_weight(), b.tgt_out[keep], eps_ls)
+        out = batch_loss(model, forward or model, loss_fn, b, eps_ls)
+        if each is not None:
+            each(b)
         loss, nll, tokens = loss + float(out[0]), nll + float(out[1]), tokens + b.n_tgt_tokens
     model.train(was_training)
     n = max(tokens, 1)
