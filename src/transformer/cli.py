@@ -374,9 +374,11 @@ def _add_translate(sub: argparse._SubParsersAction) -> None:
 
 
 def _add_stop(p: argparse.ArgumentParser) -> None:
+    from transformer.config import STOP_RULES
+
     p.add_argument(
         "--stop",
-        choices=["t2t", "fairseq"],
+        choices=STOP_RULES,
         help="when beam search ends a sentence: t2t = §6.1, when no live hypothesis can beat the "
         "best finished one; fairseq = once K have finished (default: the model's, t2t)",
     )

@@ -19,6 +19,13 @@ import yaml
 
 from transformer.errors import UserError
 
+# When a sentence's beam search stops (docs/decoding.md):
+#   "t2t":     §6.1 "terminating early when possible", tensor2tensor's rule (the paper's code):
+#              only when no live hypothesis can still beat the best finished one;
+#   "fairseq": as soon as K hypotheses have finished (fairseq's rule, faster, can miss a longer
+#              hypothesis that the length penalty would have preferred when α > 0).
+STOP_RULES = ("t2t", "fairseq")
+
 
 class ConfigError(UserError):
     """A configuration file or override is invalid; the message names the source and the key."""
@@ -149,8 +156,9 @@ class DecodeConfig:
         number("max_len_a", self.max_len_a, 0, MAX_LEN_A, integer=False)
         number("max_len_b", self.max_len_b, 0, MAX_LEN_B, integer=True)
         number("max_tokens", self.max_tokens, 1, MAX_DECODE_TOKENS, integer=True)
-        if self.stop not in ("t2t", "fairseq"):
-            raise ConfigError(f"decode.stop: must be 't2t' or 'fairseq', got {self.stop!r}")
+        if self.stop not in STOP_RULES:
+            rules = " or ".join(repr(r) for r in STOP_RULES)
+            raise ConfigError(f"decode.stop: must be {rules}, got {self.stop!r}")
 
 
 @dataclass(frozen=True)

@@ -18,17 +18,12 @@ from typing import Protocol
 
 import torch
 
+from transformer.config import STOP_RULES
 from transformer.model import DecoderCache, Transformer
 from transformer.threads import ThreadTuner
 from transformer.tokenizer import BOS_ID, EOS_ID, PAD_ID
 
 NEG_INF = float("-inf")
-# When a sentence's beam search stops (docs/decoding.md):
-#   "t2t":     §6.1 "terminating early when possible", tensor2tensor's rule (the paper's code):
-#              only when no live hypothesis can still beat the best finished one;
-#   "fairseq": as soon as K hypotheses have finished (fairseq's rule, faster, can miss a longer
-#              hypothesis that the length penalty would have preferred when α > 0).
-STOP_RULES = ("t2t", "fairseq")
 
 
 def length_penalty(length: int, alpha: float) -> float:
