@@ -130,11 +130,14 @@ def training_totals(run_dir: Path) -> dict[str, float]:
     return totals
 
 
-def model_from_checkpoint(state: dict[str, Any], source: Path) -> tuple[Transformer, RunConfig]:
-    """The model (fp32 masters) and config that a training checkpoint holds."""
+def model_from_checkpoint(
+    state: dict[str, Any], source: Path, weights: dict[str, torch.Tensor] | None = None
+) -> tuple[Transformer, RunConfig]:
+    """The model (fp32 masters, or `weights` given with the same config) and config that a
+    training checkpoint holds."""
     config = from_dict(state["config"], source=str(source))
     model = Transformer(config.model)
-    model.load_state_dict(state["model"])
+    model.load_state_dict(state["model"] if weights is None else weights)
     return model, config
 
 
@@ -176,8 +179,8 @@ def average_run(
         )
     chosen = paths[-last:]
     states = [checkpoint.load_checkpoint(p) for p in chosen]
-    model, config = model_from_checkpoint(states[-1], chosen[-1])
-    model.load_state_dict(checkpoint.average_checkpoints([s["model"] for s in states]))
+    averaged = checkpoint.average_checkpoints([s["model"] for s in states])
+    model, config = model_from_checkpoint(states[-1], chosen[-1], averaged)
     out = Path(out) if out is not None else run_dir / MODEL
     save_model(out, model, config, *_spm_of(states[-1]))
     logger.info("averaged %s into %s", ", ".join(p.name for p in chosen), out)

@@ -4,7 +4,7 @@ Not in the paper. PyTorch uses every core by default; beside one other busy proc
 machine its threads wait for each other while the other process holds a core, and a training
 step runs ~12x slower than alone (one thread keeps ~95% of its own speed). `ThreadTuner` times
 the work itself: it tries each candidate thread count on a few units of work (training steps,
-translation batches), keeps the fastest, and tries again when the rate falls by half (another
+decoder steps), keeps the fastest, and tries again when the rate falls by half (another
 process started) or, less and less often while nothing changes, on a schedule (it stopped).
 
     tuner = ThreadTuner.for_this_machine()
@@ -65,8 +65,10 @@ class ThreadTuner:
 
     @classmethod
     def for_this_machine(cls, **kwargs) -> ThreadTuner:
-        """Candidates: every core, half of them, one."""
-        cores = os.cpu_count() or 1
+        """Candidates: every core (this process's share of them under torchrun, whose
+        LOCAL_WORLD_SIZE ranks share the node), half of them, one."""
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+        cores = max(1, (os.cpu_count() or 1) // local)
         return cls([cores, cores // 2, 1], **kwargs)
 
     def start(self) -> None:

@@ -65,9 +65,9 @@ def _setup_torch(
     elif isinstance(threads, int):
         torch.set_num_threads(threads)
     elif device.type == "cpu" and not os.environ.get("OMP_NUM_THREADS"):
-        cores = max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
-        torch.set_num_threads(cores)
-        return ThreadTuner([cores, cores // 2, 1])
+        tuner = ThreadTuner.for_this_machine()
+        torch.set_num_threads(tuner.best)  # every core until the first step is timed
+        return tuner
     return None
 
 

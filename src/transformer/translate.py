@@ -101,7 +101,7 @@ class Translator:
         self.model, self.dtype = model, dtype
         self.max_src_len = model.cfg.max_len
         self.constrain: Constrain | None = None  # a search constraint, e.g. parse's trees
-        self.tuner: ThreadTuner | None = None  # chooses the CPU threads batch by batch
+        self.tuner: ThreadTuner | None = None  # chooses the CPU threads step by step
 
     @classmethod
     def from_path(
