@@ -52,12 +52,22 @@ def write_atomic(path: Path, write) -> None:
     """Write `path` by `write(binary file)` into `.NAME.tmp-PID`, fsync, rename: a reader (or a
     kill at any moment) sees the old file or the new one, never a part. The temporary file is
     removed if writing fails (disk full); a killed writer's is removed by `remove_stale`."""
+
+    def make(tmp: Path) -> None:
+        with open(tmp, "wb") as f:
+            write(f)
+
+    replace_atomic(path, make)
+
+
+def replace_atomic(path: Path, make) -> None:
+    """`write_atomic` for writers that need a file name: `make(tmp)` writes `.NAME.tmp-PID`,
+    which is then fsynced and renamed to `path`."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
-        with open(tmp, "wb") as f:
-            write(f)
-            f.flush()
+        make(tmp)
+        with open(tmp, "rb") as f:
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:

@@ -11,13 +11,13 @@ import binascii
 import hashlib
 import json
 import logging
-import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from transformer.checkpoint import replace_atomic
 from transformer.config import RunConfig, from_dict, to_dict
 from transformer.errors import UserError
 from transformer.model import Transformer
@@ -88,13 +88,10 @@ def save_model(
         "tgt_lang": tgt_lang,
         CHECKSUM: tensors_sha256(tensors),
     }
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        save_file(tensors, str(tmp), metadata=metadata)
-        os.replace(tmp, path)
+        replace_atomic(path, lambda tmp: save_file(tensors, str(tmp), metadata=metadata))
     except OSError as e:  # disk full, permission denied
-        tmp.unlink(missing_ok=True)
         raise UserError(f"{path}: cannot write the model file: {e.strerror or e}") from e
     return path
 

@@ -28,7 +28,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 from transformer import corpora
-from transformer.checkpoint import remove_stale
+from transformer.checkpoint import remove_stale, write_atomic
 from transformer.data import (
     FILTER_REASONS,
     FORMAT_VERSION,
@@ -282,9 +282,8 @@ def _read_sums(path: Path) -> dict[str, str]:
 
 
 def _write_sums(path: Path, sums: dict[str, str]) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text("".join(f"{v}  {k}\n" for k, v in sorted(sums.items())), encoding="utf-8")
-    os.replace(tmp, path)
+    text = "".join(f"{v}  {k}\n" for k, v in sorted(sums.items()))
+    write_atomic(path, lambda f: f.write(text.encode("utf-8")))
 
 
 def _text_sha256(path: Path) -> str:
