@@ -122,6 +122,11 @@ class TokenBatchSampler:
             return n // self.world_size
         return len(range(self.rank, n, self.world_size))
 
+    @property
+    def epochs_done(self) -> float:
+        """Epochs consumed so far, fractional (2.5 = half way through the third)."""
+        return self.epoch + self._position / max(len(self), 1)
+
     def set_epoch(self, epoch: int) -> None:
         """Start epoch `epoch` from its first batch."""
         self.epoch, self._position = epoch, 0

@@ -62,18 +62,21 @@ def _check(hyps: Sequence[str], refs: Sequence[str]) -> None:
         raise UserError(f"BLEU: {len(hyps)} hypotheses but {len(refs)} references")
 
 
-def corpus_bleu(hyps: Sequence[str], refs: Sequence[str], tokenize: str = "13a") -> BleuResult:
+def corpus_bleu(
+    hyps: Sequence[str], refs: Sequence[str], tokenize: str = "13a", lowercase: bool = False
+) -> BleuResult:
     """sacreBLEU on detokenized text (one reference per line), with its signature.
 
     Args:
         hyps: detokenized system outputs, one per line.
         refs: the references, aligned with `hyps`.
         tokenize: sacreBLEU's tokenizer ("13a" is its default, "intl", "none", ...).
+        lowercase: sacreBLEU's `-lc` (case-insensitive; the signature says `case:lc`).
     """
     from sacrebleu.metrics import BLEU
 
     _check(hyps, refs)
-    metric = BLEU(tokenize=tokenize)
+    metric = BLEU(tokenize=tokenize, lowercase=lowercase)
     res = metric.corpus_score(list(hyps), [list(refs)])
     return BleuResult(
         score=res.score,
@@ -83,6 +86,17 @@ def corpus_bleu(hyps: Sequence[str], refs: Sequence[str], tokenize: str = "13a")
         hyp_len=res.sys_len,
         ref_len=res.ref_len,
     )
+
+
+def tokenized_bleu_lc(hyps: Sequence[str], refs: Sequence[str], lang: str) -> BleuResult:
+    """The multimodal-translation literature's Multi30k metric: lowercase, Moses-tokenize both
+    sides (no compound splitting), multi-bleu.perl (e.g. Wu et al. 2021's text-only baselines)."""
+    _check(hyps, refs)
+    res = multi_bleu(moses_tokenize(hyps, lang), moses_tokenize(refs, lang), lowercase=True)
+    import sacremoses
+
+    res.signature = f"tok:moses-{lang}(sacremoses {sacremoses.__version__})|lc|multi-bleu.perl"
+    return res
 
 
 def corpus_chrf(hyps: Sequence[str], refs: Sequence[str]) -> ChrfResult:

@@ -116,6 +116,47 @@ def _add_quickstart(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_cmd_quickstart)
 
 
+def _cmd_recipe(args: argparse.Namespace) -> int:
+    from transformer.experiments.recipe import RECIPES, run_recipe
+
+    name, *overrides = args.name_and_overrides
+    if name not in RECIPES:
+        raise UserError(f"recipe: unknown recipe {name!r}; choose one of: {', '.join(RECIPES)}")
+    r = run_recipe(
+        name, args.out, args.minutes, args.data_from, resume=args.resume,
+        overrides=overrides,
+    )  # fmt: skip
+    train, test = r["train"], r["scores"]["test_2016_flickr"]
+    print(
+        f"{name}: {r['minutes']:.1f} min, {train['steps']} steps, "
+        f"{train['epochs'] or 0:.1f} epochs; val BLEU {r['scores']['val']['bleu']:.2f}"
+    )
+    print(f"  test_2016_flickr: BLEU {test['bleu']:.2f} ({test['bleu_signature']})")
+    print(f"  lowercased: BLEU {test['bleu_lc']:.2f} ({test['bleu_lc_signature']})")
+    if "tok_bleu_lc" in test:
+        print(f"  tokenized, lowercased: BLEU {test['tok_bleu_lc']:.2f} "
+              f"({test['tok_bleu_lc_signature']})")  # fmt: skip
+    print(f"  report: {args.out / 'recipe.json'}")
+    return 0
+
+
+def _add_recipe(sub: argparse._SubParsersAction) -> None:
+    from transformer.experiments.recipe import BUDGET_MINUTES, RECIPES
+
+    p = sub.add_parser(
+        "recipe", help="a published result end to end: Multi30k trained to convergence"
+    )
+    p.add_argument(
+        "name_and_overrides", nargs="+", metavar="NAME [key=value ...]",
+        help=f"the recipe ({', '.join(RECIPES)}), then section.key=value changes",
+    )  # fmt: skip
+    p.add_argument("--out", type=Path, default=Path("runs/multi30k-full"), help="output directory")
+    p.add_argument("--minutes", type=float, default=BUDGET_MINUTES, help="the whole job's budget")
+    p.add_argument("--data-from", type=Path, help="Multi30k's raw files (default: found on disk)")
+    p.add_argument("--resume", action="store_true", help="continue an interrupted run in OUT")
+    p.set_defaults(func=_cmd_recipe)
+
+
 PTB = "ptb"  # §6.3: `prepare ptb` builds the parsing corpus (parsing.corpus)
 
 
@@ -597,6 +638,7 @@ def _add_parse(sub: argparse._SubParsersAction) -> None:
 # Each entry adds one subcommand. Subcommands live here in the order a user meets them.
 _SUBCOMMANDS = [
     _add_quickstart,
+    _add_recipe,
     _add_prepare,
     _add_presets,
     _add_flops,

@@ -16,6 +16,7 @@ from transformer.bleu import (
     corpus_chrf,
     moses_detokenize,
     paper_bleu,
+    tokenized_bleu_lc,
 )
 from transformer.errors import UserError
 from transformer.translate import Translator
@@ -56,8 +57,10 @@ def evaluate(
 
     Returns:
         {"split", "sentences", "search" (beam, α, max length, stop rule), "bleu",
-        "bleu_signature", "chrf", "chrf_signature", ["paper_bleu", "paper_bleu_signature"]
-        (en→de, en→fr), ["detokenized"], "seconds", "sentences_per_s", "target_tokens_per_s"}.
+        "bleu_signature", "chrf", "chrf_signature", "bleu_lc" (sacreBLEU -lc),
+        ["paper_bleu", "paper_bleu_signature"] (en→de, en→fr), ["tok_bleu_lc" (Moses-tokenized,
+        lowercased; with sacremoses)], ["detokenized"], "seconds", "sentences_per_s",
+        "target_tokens_per_s"}.
 
     Raises:
         UserError: the translations look Moses-tokenized and the references do not, or the
@@ -102,6 +105,7 @@ def evaluate(
         refs = moses_detokenize(refs, data.tgt_lang)
         logger.warning("%s are tokenized: both sides scored after Moses detokenization", ref_name)
     bleu, chrf = corpus_bleu(hyps, refs), corpus_chrf(hyps, refs)
+    bleu_lc = corpus_bleu(hyps, refs, lowercase=True)
     report = {
         "split": split,
         "sentences": len(hyps),
@@ -111,6 +115,8 @@ def evaluate(
         "bleu_details": str(bleu),
         "chrf": chrf.score,
         "chrf_signature": chrf.signature,
+        "bleu_lc": bleu_lc.score,  # case-insensitive, as much of the literature reports
+        "bleu_lc_signature": bleu_lc.signature,
         "seconds": seconds,
         "sentences_per_s": len(hyps) / seconds if seconds > 0 else 0.0,
         "target_tokens_per_s": n_tokens / seconds if seconds > 0 else 0.0,
@@ -126,5 +132,9 @@ def evaluate(
             paper = paper_bleu(hyps, refs, lang=data.tgt_lang)
             report["paper_bleu"] = paper.score
             report["paper_bleu_signature"] = paper.signature
+    if importlib.util.find_spec("sacremoses") is not None:  # Multi30k papers: tokenized, lc
+        tok_lc = tokenized_bleu_lc(hyps, refs, data.tgt_lang)
+        report["tok_bleu_lc"] = tok_lc.score
+        report["tok_bleu_lc_signature"] = tok_lc.signature
     logger.info("%s: BLEU %.2f chrF %.2f", split, bleu.score, chrf.score)
     return report

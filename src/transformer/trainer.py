@@ -49,6 +49,10 @@ class TrainState:
     tokens: int = 0  # target tokens trained on, all ranks
     skipped: int = 0  # non-finite steps skipped in total
     nonfinite_in_row: int = 0
+    # early stopping (train.patience): the best validation so far and the validations since
+    best_metric: float | None = None
+    best_step: int = 0
+    bad_validations: int = 0
 
 
 @dataclass
@@ -114,6 +118,7 @@ class Trainer:
         self._batches = iter(self.sampler)
         self._writer = None
         self._saved_step: int | None = None  # the step of the last checkpoint written
+        self._stop_reason: str | None = None  # early stopping or the epoch cap, on this rank
 
     # ---------------------------------------------------------------- one step
 
@@ -186,12 +191,23 @@ class Trainer:
         self._next_save_minutes = self.cfg.save_every_minutes
         if self.state.step > 0:  # resumed: this state is already a checkpoint
             self._saved_step = self.state.step
+        if 0 < self.cfg.patience <= self.state.bad_validations:  # resumed an early-stopped run
+            self._stop_reason = "early stop: already decided before the resume"
         window = _Window()
         bar = self._progress_bar()
         try:
             while self.state.step < self.cfg.max_steps:
                 minutes = self._minutes = (time.monotonic() - start) / 60
                 time_up = self.cfg.max_minutes is not None and minutes >= self.cfg.max_minutes
+                cap = self.cfg.max_epochs
+                if cap is not None and self.sampler.epochs_done >= cap and not self._stop_reason:
+                    self._stop_reason = f"epoch cap of {cap} reached"
+                if self._stop_reason is not None and self.dist.world_size == 1:
+                    logger.info("%s", self._stop_reason)
+                    break
+                # Across ranks the early-stopping decision (made on rank 0, which validates)
+                # travels with the time flag, so every rank stops after the same step.
+                time_up = time_up or self._stop_reason is not None
                 save_due = minutes >= self._next_save_minutes
                 batches = self._next_batches()
                 if self.tuner is not None:
@@ -203,7 +219,8 @@ class Trainer:
                     self._update_bar(bar, out, window)
                     window = self._after_step(out, window)
                 if out["time_up"] > 0:  # the flag was raised before this step: it counts
-                    logger.info("time budget of %s minutes spent", self.cfg.max_minutes)
+                    reason = f"time budget of {self.cfg.max_minutes} minutes spent"
+                    logger.info("%s", self._stop_reason or reason)
                     break
         finally:
             if bar is not None:
@@ -304,6 +321,7 @@ class Trainer:
             "lr": lr,
             "tokens_per_s": window.tokens / elapsed,
             "tokens": self.state.tokens,
+            "epochs": self.sampler.epochs_done,
         }
         logger.info(
             "step %d | loss %.4f | ppl %.2f | lr %.3e | %.0f tok/s",
@@ -319,6 +337,8 @@ class Trainer:
         if not self.dist.is_main:
             return
         record = self.validate()
+        record["epochs"] = self.sampler.epochs_done
+        self._early_stopping(record)
         logger.info(
             "step %d | valid loss %.4f | valid ppl %.2f | valid BLEU %s",
             self.state.step,
@@ -327,6 +347,27 @@ class Trainer:
             record.get("bleu", "n/a"),
         )
         self._record("valid", record)
+
+    def _early_stopping(self, record: dict[str, Any]) -> None:
+        """Track the best validation; after `patience` validations without an improvement of
+        more than `min_delta`, ask the loop to stop (at the next step, on every rank)."""
+        if self.cfg.patience <= 0:
+            return
+        name = self.cfg.patience_metric
+        value = float(record[name])
+        best = self.state.best_metric
+        sign = -1.0 if name == "ppl" else 1.0  # higher is better after the sign
+        if best is None or sign * (value - best) > self.cfg.min_delta:
+            self.state.best_metric, self.state.best_step = value, self.state.step
+            self.state.bad_validations = 0
+        else:
+            self.state.bad_validations += 1
+        record["best_" + name], record["best_step"] = self.state.best_metric, self.state.best_step
+        if self.state.bad_validations >= self.cfg.patience:
+            self._stop_reason = (
+                f"early stop: valid {name} has not improved for {self.cfg.patience} validations "
+                f"(best {self.state.best_metric:.4g} at step {self.state.best_step})"
+            )
 
     def _record(self, kind: str, values: dict[str, Any]) -> None:
         """Append to metrics.jsonl (always) and TensorBoard (if installed)."""

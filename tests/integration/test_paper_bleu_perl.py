@@ -13,7 +13,13 @@ from pathlib import Path
 
 import pytest
 
-from transformer.bleu import moses_tokenize, paper_bleu, score_files, split_compounds
+from transformer.bleu import (
+    moses_tokenize,
+    paper_bleu,
+    score_files,
+    split_compounds,
+    tokenized_bleu_lc,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -116,3 +122,25 @@ def test_paper_bleu_equals_the_moses_perl_scripts(shared_data, moses, tmp_path, 
     report = score_files(hyp_path, ref_path, lang).as_dict()
     assert report["paper"]["score"] == ours.score
     assert report["lines"] == len(refs)
+
+
+def test_tokenized_lowercased_bleu_equals_multi_bleu_perl_lc(shared_data, moses, tmp_path):
+    """The Multi30k literature's metric (text lowercased by Moses' lowercase.perl, tokenized,
+    multi-bleu.perl), on Multi30k's German test set with a perturbed, partly upper-cased
+    hypothesis. (multi-bleu.perl's own -lc lowercases ASCII only: Ä, Ö, Ü would stay.)"""
+    refs = (shared_data / "multi30k" / "test_2016_flickr.de").read_text("utf-8").splitlines()
+    hyps = [h.upper() if i % 4 == 0 else h for i, h in enumerate(_perturb(refs))]
+    tokenizer = str(moses / "tokenizer" / "tokenizer.perl")
+    lowercase = ["-CSD", "-ne", "print lc"]  # the body of Moses' lowercase.perl
+
+    def tok_lc(lines: list[str]) -> str:
+        return _perl(moses, lowercase, _perl(moses, [tokenizer, "-l", "de", "-q"], "".join(
+            x + "\n" for x in lines)))  # fmt: skip
+
+    (tmp_path / "ref.tok").write_text(tok_lc(refs), encoding="utf-8")
+    multi_bleu = str(moses / "generic" / "multi-bleu.perl")
+    perl = _perl(moses, [multi_bleu, str(tmp_path / "ref.tok")], tok_lc(hyps))
+    ours = tokenized_bleu_lc(hyps, refs, "de")
+    assert f"BLEU = {ours.score:.2f}," in perl
+    assert 10.0 < ours.score < 90.0
+    assert "|lc|" in ours.signature

@@ -162,3 +162,14 @@ def test_score_files_bad_input_names_the_file(tmp_path, hyp, ref, message):
 def test_score_files_missing_file(tmp_path):
     with pytest.raises(UserError, match=r"nope: no such file"):
         score_files(tmp_path / "nope", tmp_path / "nope", "de")
+
+
+def test_lowercased_bleu_ignores_case_and_says_so():
+    from transformer.bleu import corpus_bleu, tokenized_bleu_lc
+
+    hyps, refs = ["Ein Mann fährt Rad ."], ["ein mann fährt rad ."]
+    assert corpus_bleu(hyps, refs).score < 100.0
+    lc = corpus_bleu(hyps, refs, lowercase=True)
+    assert lc.score == pytest.approx(100.0) and "case:lc" in lc.signature
+    tok = tokenized_bleu_lc(["Ein Mann fährt Rad."], ["ein mann fährt rad."], "de")
+    assert tok.score == pytest.approx(100.0) and "|lc|" in tok.signature

@@ -360,3 +360,52 @@ def test_thread_count_follows_threads_then_omp_num_threads(monkeypatch):
     finally:
         torch.set_num_threads(before)
         torch.use_deterministic_algorithms(False)
+
+
+def test_early_stopping_stops_after_patience_validations_without_improvement(
+    data_dir, tmp_path, monkeypatch
+):
+    # Validation scores scripted: ppl improves at the 1st and 2nd validations, then not again.
+    ppls = iter([50.0, 40.0, 41.0, 40.0, 39.99, 30.0])
+    monkeypatch.setattr(
+        Trainer, "validate", lambda self: {"loss": 1.0, "nll": 1.0, "ppl": next(ppls), "bleu": 1.0}
+    )
+    cfg = _config("train.valid_every_steps=2", "train.patience=2", "train.min_delta=0.05")
+    state = train(data_dir, tmp_path / "run", cfg, progress=False)
+    # Validations at steps 2, 4 (best 40.0), 6, 8 (no gain > 0.05): stop before step 9.
+    assert state.step == 8
+    assert (state.best_metric, state.best_step, state.bad_validations) == (40.0, 4, 2)
+    valid = [row for _, row in rundir.read_metrics(tmp_path / "run", "valid")]
+    assert [row["best_step"] for row in valid] == [2, 4, 4, 4]
+    assert all(0 < row["epochs"] for row in valid)
+    # Resumed, the decision stands: no further step is taken.
+    again = train(None, tmp_path / "run", resume=True, progress=False)
+    assert again.step == 8
+
+
+def test_early_stopping_on_bleu_keeps_the_highest(data_dir, tmp_path, monkeypatch):
+    bleus = iter([10.0, 12.0, 11.0, 30.0, 5.0])
+    monkeypatch.setattr(
+        Trainer, "validate", lambda self: {"loss": 1.0, "nll": 1.0, "ppl": 9.0, "bleu": next(bleus)}
+    )
+    cfg = _config("train.valid_every_steps=1", "train.patience=1", "train.patience_metric=bleu")
+    state = train(data_dir, tmp_path / "run", cfg, progress=False)
+    assert (state.step, state.best_metric, state.best_step) == (3, 12.0, 2)
+
+
+def test_epoch_cap_stops_at_the_epoch_boundary(data_dir, tmp_path):
+    cfg = _config("train.max_epochs=1", "train.save_every_steps=1000")
+    run = tmp_path / "run"
+    state = train(data_dir, run, cfg, progress=False)
+    per_epoch = len(load_prepared(data_dir).split("train").src_lens)  # an upper bound
+    assert 0 < state.step <= per_epoch
+    rows = [row for _, row in rundir.read_metrics(run, "train")]
+    assert rows[-1]["epochs"] == pytest.approx(1.0)
+
+
+@pytest.mark.parametrize(
+    "override", ["train.patience=-1", "train.patience_metric=loss", "train.max_epochs=0"]
+)
+def test_early_stopping_settings_are_checked(override):
+    with pytest.raises(UserError, match=override.split("=")[0]):
+        _config(override)

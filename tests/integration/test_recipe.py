@@ -1,0 +1,60 @@
+"""`transformer recipe multi30k-full`: the converged recipe's pipeline, on a tiny model for
+seconds (the real run takes 2 hours: docs/multi30k_converged.md)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from transformer import evaluate
+from transformer.cli import main
+from transformer.experiments import recipe
+
+pytestmark = pytest.mark.integration
+
+TINY = [
+    "model.n_layers=1", "model.d_model=32", "model.d_ff=64", "model.n_heads=2", "model.d_k=16",
+    "model.d_v=16", "train.valid_every_steps=10", "train.save_every_steps=5",
+    "train.max_steps=30", "train.patience=1", "train.patience_metric=ppl",
+]  # fmt: skip
+
+
+def test_recipe_trains_averages_and_scores_val_then_test_in_both_forms(
+    shared_data, tmp_path, monkeypatch, one_thread, capsys
+):
+    monkeypatch.setattr(recipe, "SCORING_MINUTES", 0.0)
+    # Beam search with an untrained model runs to the length cap: 50 sentences of each split.
+    full = evaluate.evaluate
+    monkeypatch.setattr(evaluate, "evaluate", lambda *a, **k: full(*a, **k, limit=50))
+    out = tmp_path / "r"
+    args = ["recipe", "multi30k-full", *TINY, "--out", str(out), "--minutes", "5"]
+    args += ["--data-from", str(shared_data / "multi30k")]
+    assert main(args) == 0
+    printed = capsys.readouterr().out
+    assert "case:mixed" in printed and "case:lc" in printed and "|lc|multi-bleu.perl" in printed
+    report = json.loads((out / "recipe.json").read_text())
+    assert set(report["scores"]) == {"val", "test_2016_flickr"}
+    test = report["scores"]["test_2016_flickr"]
+    assert test["sentences"] == 50 and test["search"]["beam_size"] == 4
+    for key in ("bleu", "bleu_lc", "tok_bleu_lc"):
+        assert 0.0 <= test[key] <= 100.0
+    assert test["bleu_lc"] >= test["bleu"]  # case-insensitive matching only adds matches
+    curve = report["valid_curve"]
+    assert curve and all(row["epochs"] > 0 and "bleu" in row for row in curve)
+    assert 0 < report["train"]["steps"] <= 30 and report["train"]["epochs"] > 0
+    assert report["averaged_checkpoints"] >= 1 and report["config"]["model"]["d_model"] == 32
+    hyps = (out / "test_2016_flickr.de.hyp").read_text(encoding="utf-8").splitlines()
+    assert len(hyps) == 50
+
+    # An earlier run is never overwritten; --resume continues it instead.
+    assert main(args) == 2
+    assert "--resume" in capsys.readouterr().err
+    assert main([*args, "--resume"]) == 0
+
+
+def test_recipe_rejects_an_unknown_name_and_a_budget_below_scoring(capsys):
+    assert main(["recipe", "wmt-in-a-minute"]) == 2
+    assert "multi30k-full" in capsys.readouterr().err
+    assert main(["recipe", "multi30k-full", "--minutes", "1"]) == 2
+    assert "budget" in capsys.readouterr().err
