@@ -192,41 +192,82 @@ class EncoderLayer(nn.Module):
         return self.res_ffn(self.res_attn(x, attend), self.ffn)
 
 
+# Self-attention keys/values of a new cache: room for this many positions, doubled when full.
+CACHE_CAPACITY = 32
+
+
 @dataclass
 class LayerCache:
-    """One decoder layer's keys and values: self-attention (grows by one step at a time) and
-    encoder-decoder attention (computed once per sentence)."""
+    """One decoder layer's share of the cache: views of its self-attention keys/values in
+    `DecoderCache.self_kv` (written in place), and its encoder-decoder keys/values (computed
+    once per sentence)."""
 
-    self_k: torch.Tensor | None = None  # (B, H, t, K)
-    self_v: torch.Tensor | None = None  # (B, H, t, Vd)
     cross_k: torch.Tensor | None = None  # (B, H, S, K)
     cross_v: torch.Tensor | None = None  # (B, H, S, Vd)
+    self_kv: torch.Tensor | None = None  # (capacity, B, H, K + Vd): per head, key then value
+    self_k: torch.Tensor | None = None  # (B, H, capacity, K): the same memory, permuted
+    self_v: torch.Tensor | None = None  # (B, H, capacity, Vd)
 
 
 @dataclass
 class DecoderCache:
-    """Incremental-decoding state for all decoder layers; `length` target positions so far."""
+    """Incremental-decoding state for all decoder layers; `length` target positions so far.
+
+    The self-attention keys and values of every layer share one preallocated buffer, written
+    in place at the new positions (no `torch.cat` of the whole prefix per step). It is
+    time-major, (capacity, N, B, H, K + Vd), so the filled prefix `[:length]` is contiguous:
+    a reorder is one `index_select` of the prefix for all layers, and attention reads a
+    layer's keys and values as strided views, without a copy. Full, its capacity doubles.
+    """
 
     layers: list[LayerCache] = field(default_factory=list)
     length: int = 0
+    self_kv: torch.Tensor | None = None  # (capacity, N, B, H, K + Vd)
+    d_k: int = 0
+
+    def _use(self, kv: torch.Tensor) -> None:
+        self.self_kv = kv
+        for i, layer in enumerate(self.layers):
+            layer.self_kv = kv[:, i]  # (capacity, B, H, K + Vd)
+            kv_i = layer.self_kv.permute(1, 2, 0, 3)  # (B, H, capacity, K + Vd)
+            layer.self_k, layer.self_v = kv_i[..., : self.d_k], kv_i[..., self.d_k :]
+
+    def reserve(self, n_new: int, shape: tuple[int, ...], d_k: int, like: torch.Tensor) -> None:
+        """Room for `n_new` more positions in a buffer of `shape` (N, B, H, K + Vd), with
+        `like`'s dtype and device."""
+        self.d_k, old, need = d_k, self.self_kv, self.length + n_new
+        if old is not None and old.size(0) >= need:
+            return
+        capacity = max(need, CACHE_CAPACITY if old is None else 2 * old.size(0))
+        kv = like.new_empty(capacity, *shape)  # (capacity, N, B, H, K + Vd)
+        if old is not None:
+            kv[: self.length] = old[: self.length]
+        self._use(kv)
 
     def reorder(self, index: torch.Tensor, cross: bool = True) -> DecoderCache:
         """Select batch rows (beam search: the surviving hypotheses' parents).
 
-        With cross=False the encoder-decoder keys/values are kept as they are: valid when
-        `index` maps every row to a row with the same source, as beams of one sentence do,
-        and it saves copying (R, H, S, K) per layer and step.
+        Only the filled prefix of the self-attention buffer is copied. With cross=False the
+        encoder-decoder keys/values are kept as they are: valid when `index` maps every row
+        to a row with the same source, as beams of one sentence do, and it saves copying
+        (R, H, S, K) per layer and step.
         """
 
-        def pick(t: torch.Tensor | None, rows: bool = True) -> torch.Tensor | None:
-            return t.index_select(0, index) if t is not None and rows else t
+        def pick(t: torch.Tensor | None) -> torch.Tensor | None:
+            return t.index_select(0, index) if t is not None and cross else t
 
-        caches = [(c.self_k, c.self_v, c.cross_k, c.cross_v) for c in self.layers]
-        layers = [
-            LayerCache(pick(k), pick(v), pick(ck, cross), pick(cv, cross))
-            for k, v, ck, cv in caches
-        ]
-        return DecoderCache(layers, self.length)
+        layers = [LayerCache(pick(c.cross_k), pick(c.cross_v)) for c in self.layers]
+        out = DecoderCache(layers, self.length, d_k=self.d_k)
+        if self.self_kv is not None:
+            capacity, n, _, h, e = self.self_kv.shape
+            kv = self.self_kv.new_empty(capacity, n, index.numel(), h, e)
+            prefix = self.self_kv[: self.length]  # (t, N, B, H, K + Vd), contiguous
+            if prefix.requires_grad:  # out= is not differentiable (decoding outside no_grad)
+                kv[: self.length] = prefix.index_select(2, index)
+            else:
+                torch.index_select(prefix, 2, index, out=kv[: self.length])
+            out._use(kv)
+        return out
 
 
 class DecoderLayer(nn.Module):
@@ -248,42 +289,64 @@ class DecoderLayer(nn.Module):
         x: torch.Tensor,
         memory: torch.Tensor,
         memory_mask: torch.Tensor | None,
-        cache: LayerCache | None = None,
         weights: dict[str, list] | None = None,
     ) -> torch.Tensor:
-        """x: (B, T, D) new target positions; memory: (B, S, D); memory_mask: (B, 1, 1, S)."""
+        """x: (B, T, D) target positions; memory: (B, S, D); memory_mask: (B, 1, 1, S)."""
 
         def self_attend(y: torch.Tensor) -> torch.Tensor:
             k, v = self.self_attn.project_kv(y)  # (B, H, T, K), (B, H, T, Vd)
-            if cache is not None:
-                if cache.self_k is not None:
-                    k = torch.cat([cache.self_k, k], dim=2)  # (B, H, t + T, K)
-                    v = torch.cat([cache.self_v, v], dim=2)
-                cache.self_k, cache.self_v = k, v
-            t_q, t_k = y.size(1), k.size(2)
-            w = None if weights is None else weights["decoder"]
-            # §3.2.3: no position attends to later positions. A single new query (cached
-            # decoding) may see every key in the cache, so it needs no mask.
-            if self.window is None:
-                return self.self_attn(y, k, v, None, causal=t_q > 1, weights=w)
-            return self.self_attn(y, k, v, causal_mask(t_q, t_k, y.device, self.window), weights=w)
+            return self._self_attention(y, k, v, None if weights is None else weights["decoder"])
 
         def cross_attend(y: torch.Tensor) -> torch.Tensor:
-            if cache is not None and cache.cross_k is not None:
-                k, v = cache.cross_k, cache.cross_v
-            else:
-                k, v = self.cross_attn.project_kv(memory)  # (B, H, S, K), (B, H, S, Vd)
-                if cache is not None:
-                    # Stored contiguous once, so that no decoding step has to copy them into
-                    # the batched matrix-product layout again (B * H, S, K).
-                    k, v = k.contiguous(), v.contiguous()
-                    cache.cross_k, cache.cross_v = k, v
+            k, v = self.cross_attn.project_kv(memory)  # (B, H, S, K), (B, H, S, Vd)
             w = None if weights is None else weights["cross"]
             return self.cross_attn(y, k, v, memory_mask, weights=w)
 
         x = self.res_self(x, self_attend)
         x = self.res_cross(x, cross_attend)
         return self.res_ffn(x, self.ffn)
+
+    def step(
+        self,
+        x: torch.Tensor,
+        memory: torch.Tensor,
+        memory_mask: torch.Tensor | None,
+        cache: LayerCache,
+        length: int,
+    ) -> torch.Tensor:
+        """Cached decoding: x (B, T, D) holds target positions length .. length + T - 1, whose
+        keys/values are written into `cache.self_kv` (room reserved); returns (B, T, D)."""
+        T, K = x.size(1), self.self_attn.d_k
+
+        def self_attend(y: torch.Tensor) -> torch.Tensor:
+            k, v = self.self_attn.project_kv(y)  # (B, H, T, K), (B, H, T, Vd)
+            new = cache.self_kv[length : length + T]  # (T, B, H, K + Vd)
+            new[..., :K] = k.permute(2, 0, 1, 3)
+            new[..., K:] = v.permute(2, 0, 1, 3)
+            k, v = cache.self_k[:, :, : length + T], cache.self_v[:, :, : length + T]
+            return self._self_attention(y, k, v, None)
+
+        def cross_attend(y: torch.Tensor) -> torch.Tensor:
+            if cache.cross_k is None:
+                k, v = self.cross_attn.project_kv(memory)  # (B, H, S, K), (B, H, S, Vd)
+                # Stored contiguous once, so that no decoding step has to copy them into the
+                # batched matrix-product layout again (B * H, S, K).
+                cache.cross_k, cache.cross_v = k.contiguous(), v.contiguous()
+            return self.cross_attn(y, cache.cross_k, cache.cross_v, memory_mask)
+
+        x = self.res_self(x, self_attend)
+        x = self.res_cross(x, cross_attend)
+        return self.res_ffn(x, self.ffn)
+
+    def _self_attention(self, y, k, v, weights: list | None) -> torch.Tensor:
+        """Queries y (B, T, D), the last T of the positions of k (B, H, t, K), v (B, H, t, Vd)."""
+        t_q, t_k = y.size(1), k.size(2)
+        # §3.2.3: no position attends to later positions. A single new query (cached
+        # decoding) may see every key in the cache, so it needs no mask.
+        if self.window is None:
+            return self.self_attn(y, k, v, None, causal=t_q > 1, weights=weights)
+        mask = causal_mask(t_q, t_k, y.device, self.window)
+        return self.self_attn(y, k, v, mask, weights=weights)
 
 
 class Transformer(nn.Module):
@@ -349,12 +412,18 @@ class Transformer(nn.Module):
         """
         offset = 0 if cache is None else cache.length
         x = self._embed(tgt, self.tgt_embed, self.tgt_pos, offset)
-        if cache is not None and not cache.layers:
-            cache.layers = [LayerCache() for _ in self.decoder_layers]
         memory_mask = src_mask[:, None, None, :]  # (B, 1, 1, S)
-        for i, layer in enumerate(self.decoder_layers):
-            x = layer(x, memory, memory_mask, None if cache is None else cache.layers[i], weights)
-        if cache is not None:
+        if cache is None:
+            for layer in self.decoder_layers:
+                x = layer(x, memory, memory_mask, weights)
+        else:
+            cfg = self.cfg
+            if not cache.layers:
+                cache.layers = [LayerCache() for _ in self.decoder_layers]
+            shape = (cfg.n_layers, x.size(0), cfg.n_heads, cfg.d_k + cfg.d_v)
+            cache.reserve(tgt.size(1), shape, cfg.d_k, x)
+            for layer, layer_cache in zip(self.decoder_layers, cache.layers, strict=True):
+                x = layer.step(x, memory, memory_mask, layer_cache, cache.length)
             cache.length += tgt.size(1)
         return x if self.decoder_norm is None else self.decoder_norm(x)
 
