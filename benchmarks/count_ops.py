@@ -11,7 +11,8 @@ dispatcher (below autograd, so `nn.Linear` counts as its `t` + `addmm`) is count
   log-softmax);
 * ``reorder``: `ModelStepper.reorder` (beam parents, finished rows dropped);
 * ``search``: everything else inside the search loop (masking, top-k, finalizing, bookkeeping);
-* ``encode``: the encoder, once per batch (not per step).
+* ``encode``: the encoder, once per batch (not per step);
+* ``setup``: collating a batch and its maximum lengths (not per step).
 
 Per step = the phase's ops over all batches / the number of `step` calls.
 
@@ -40,7 +41,8 @@ from transformer.search import (  # noqa: E402
 )
 from transformer.translate import Translator  # noqa: E402
 
-PHASES = ("step", "reorder", "search", "encode")
+PHASES = ("step", "reorder", "search", "encode", "setup")
+PER_STEP = ("step", "reorder", "search")
 
 
 class _OpCounter(TorchDispatchMode):
@@ -90,8 +92,8 @@ class OpCount:
         return sum(n for (p, _), n in self.ops.items() if p == phase) / max(self.steps, 1)
 
     def total_per_step(self) -> float:
-        """Ops per step of the whole search loop (step + reorder + search, not the encoder)."""
-        return sum(self.per_step(p) for p in PHASES if p != "encode")
+        """Ops per step of the whole search loop (step + reorder + search)."""
+        return sum(self.per_step(p) for p in PER_STEP)
 
 
 @torch.inference_mode()
@@ -105,13 +107,14 @@ def count_ops(translator: Translator, lines: list[str], beam: int) -> OpCount:
     outputs: list[list[int]] = [[] for _ in lines]
     with counter:
         for batch in translator.batches(sources):
+            counter.phase = "setup"
             src, src_mask = translator._collate([sources[i] for i in batch])
+            limit = translator.model.cfg.max_len
+            max_lens = max_output_lengths(src_mask.sum(1), cfg.max_len_a, cfg.max_len_b, limit)
             counter.phase = "encode"
             inner = ModelStepper(translator.model, src, src_mask, log_probs=beam > 1)
             counter.phase = "search"
             stepper = _PhaseStepper(inner, counter)
-            limit = translator.model.cfg.max_len
-            max_lens = max_output_lengths(src_mask.sum(1), cfg.max_len_a, cfg.max_len_b, limit)
             if beam == 1:
                 found = greedy_steps(stepper, max_lens)
             else:
@@ -153,10 +156,10 @@ def main() -> None:
         print(f"| {name} | {c.steps} | {c.per_step('step'):.1f} | {c.per_step('reorder'):.1f} "
               f"| {c.per_step('search'):.1f} | {c.total_per_step():.1f} | {enc:.0f} |")  # fmt: skip
     for beam, c in counts.items() if args.top else ():
-        print(f"\nbeam {beam}: the {args.top} most frequent ops per step (all phases but encode)")
+        print(f"\nbeam {beam}: the {args.top} most frequent ops per step (step, reorder, search)")
         per_op = Counter()
         for (phase, op), n in c.ops.items():
-            if phase != "encode":
+            if phase in PER_STEP:
                 per_op[f"{phase}:{op}"] += n
         for op, n in per_op.most_common(args.top):
             print(f"  {n / c.steps:7.2f}  {op}")
