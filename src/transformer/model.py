@@ -2,18 +2,19 @@
 
 Shapes: B batch, S source length, T target length, D d_model, H heads, K d_k, Vd d_v, V vocab.
 Masks are boolean and True where a position takes part (a real token), as in
-`F.scaled_dot_product_attention`. This module imports only torch and its own config.
+`F.scaled_dot_product_attention`. This module imports only torch, its own config and the
+decoder's incremental-decoding state (cache.py, torch only).
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from transformer.cache import DecoderCache, LayerCache, StepProjections, padding_bias
 from transformer.config import ModelConfig
 
 # The floating dtypes of a model's parameters, by their config name (train.dtype).
@@ -34,17 +35,20 @@ def attention(
     p_drop: float = 0.0,
     weights: list[torch.Tensor] | None = None,
     fused: bool | None = None,
+    prescaled: bool = False,
 ) -> torch.Tensor:
     """§3.2.1 eq. (1): softmax(Q K^T / sqrt(d_k)) V.
 
     Args:
         q: (B, H, Tq, K); k: (B, H, Tk, K); v: (B, H, Tk, Vd).
-        mask: bool, broadcastable to (B, H, Tq, Tk), True where attention is allowed.
+        mask: bool, broadcastable to (B, H, Tq, Tk), True where attention is allowed; or
+            float, added to the scores (0 allowed, -inf not; `DecoderCache.cross_bias`).
         causal: §3.2.3: query i (the last Tq of the Tk positions) sees only keys j <= i.
         p_drop: dropout on the attention weights (not in the paper; 0 by default).
         weights: a list to append the (B, H, Tq, Tk) attention weights to (Figures 3-5).
         fused: PyTorch's fused kernels (True) or eq. (1) written out (False); default the
             faster for this device and length. Asking for the weights writes it out.
+        prescaled: q is already multiplied by 1 / sqrt(d_k) (`_StepWeights`).
 
     Returns:
         The attended values (B, H, Tq, Vd).
@@ -59,11 +63,16 @@ def attention(
         mask, causal = (allowed if mask is None else mask & allowed), False
     if fused and weights is None:
         return F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, dropout_p=p_drop, is_causal=causal
-        )
-    scores = q @ k.transpose(-2, -1) / math.sqrt(q.size(-1))  # (B, H, Tq, Tk)
+            q, k, v, attn_mask=mask, dropout_p=p_drop, is_causal=causal,
+            scale=1.0 if prescaled else None,
+        )  # fmt: skip
+    scores = q @ k.transpose(-2, -1)  # (B, H, Tq, Tk)
+    if not prescaled:
+        scores = scores / math.sqrt(q.size(-1))
     if mask is None:
         w = scores.softmax(dim=-1)
+    elif mask.dtype != torch.bool:
+        w = (scores + mask).softmax(dim=-1)
     else:
         # §3.2.1: illegal connections are set to -inf before the softmax. A query with no legal
         # key at all (a padded position whose whole window is padding) gets zero weights, as in
@@ -102,12 +111,23 @@ class MultiHeadAttention(nn.Module):
 
         mask, causal, weights: as `attention`'s (the weights of every head are appended).
         """
-        B, Tq, _ = x.shape
-        q = self.w_q(x).view(B, Tq, self.n_heads, self.d_k).transpose(1, 2)  # (B, H, Tq, K)
+        return self.attend(self.split_heads(self.w_q(x)), k, v, mask, causal, weights)
+
+    def split_heads(self, q: torch.Tensor) -> torch.Tensor:
+        """Projected queries (B, Tq, H*K) -> (B, H, Tq, K)."""
+        B, Tq, _ = q.shape
+        if Tq == 1:  # a decoding step: the same memory layout, one op fewer
+            return q.view(B, self.n_heads, 1, self.d_k)  # (B, H, 1, K)
+        return q.view(B, Tq, self.n_heads, self.d_k).transpose(1, 2)  # (B, H, Tq, K)
+
+    def attend(self, q, k, v, mask, causal=False, weights=None, prescaled=False) -> torch.Tensor:
+        """Eq. (1) per head from projected queries q (B, H, Tq, K), then W^O; (B, Tq, D)."""
+        B, _, Tq, _ = q.shape
         p = self.p_attn_drop if self.training else 0.0
-        out = attention(q, k, v, mask, causal, p, weights)  # (B, H, Tq, Vd)
-        out = out.transpose(1, 2).reshape(B, Tq, self.n_heads * self.d_v)  # (B, Tq, H*Vd)
-        return self.w_o(out)
+        out = attention(q, k, v, mask, causal, p, weights, prescaled=prescaled)  # (B, H, Tq, Vd)
+        if Tq > 1:  # with one query, (B, H, 1, Vd) is already laid out as (B, 1, H, Vd)
+            out = out.transpose(1, 2)  # (B, Tq, H, Vd)
+        return self.w_o(out.reshape(B, Tq, self.n_heads * self.d_v))  # (B, Tq, H*Vd) inside
 
 
 class PositionwiseFeedForward(nn.Module):
@@ -192,84 +212,6 @@ class EncoderLayer(nn.Module):
         return self.res_ffn(self.res_attn(x, attend), self.ffn)
 
 
-# Self-attention keys/values of a new cache: room for this many positions, doubled when full.
-CACHE_CAPACITY = 32
-
-
-@dataclass
-class LayerCache:
-    """One decoder layer's share of the cache: views of its self-attention keys/values in
-    `DecoderCache.self_kv` (written in place), and its encoder-decoder keys/values (computed
-    once per sentence)."""
-
-    cross_k: torch.Tensor | None = None  # (B, H, S, K)
-    cross_v: torch.Tensor | None = None  # (B, H, S, Vd)
-    self_kv: torch.Tensor | None = None  # (capacity, B, H, K + Vd): per head, key then value
-    self_k: torch.Tensor | None = None  # (B, H, capacity, K): the same memory, permuted
-    self_v: torch.Tensor | None = None  # (B, H, capacity, Vd)
-
-
-@dataclass
-class DecoderCache:
-    """Incremental-decoding state for all decoder layers; `length` target positions so far.
-
-    The self-attention keys and values of every layer share one preallocated buffer, written
-    in place at the new positions (no `torch.cat` of the whole prefix per step). It is
-    time-major, (capacity, N, B, H, K + Vd), so the filled prefix `[:length]` is contiguous:
-    a reorder is one `index_select` of the prefix for all layers, and attention reads a
-    layer's keys and values as strided views, without a copy. Full, its capacity doubles.
-    """
-
-    layers: list[LayerCache] = field(default_factory=list)
-    length: int = 0
-    self_kv: torch.Tensor | None = None  # (capacity, N, B, H, K + Vd)
-    d_k: int = 0
-
-    def _use(self, kv: torch.Tensor) -> None:
-        self.self_kv = kv
-        for i, layer in enumerate(self.layers):
-            layer.self_kv = kv[:, i]  # (capacity, B, H, K + Vd)
-            kv_i = layer.self_kv.permute(1, 2, 0, 3)  # (B, H, capacity, K + Vd)
-            layer.self_k, layer.self_v = kv_i[..., : self.d_k], kv_i[..., self.d_k :]
-
-    def reserve(self, n_new: int, shape: tuple[int, ...], d_k: int, like: torch.Tensor) -> None:
-        """Room for `n_new` more positions in a buffer of `shape` (N, B, H, K + Vd), with
-        `like`'s dtype and device."""
-        self.d_k, old, need = d_k, self.self_kv, self.length + n_new
-        if old is not None and old.size(0) >= need:
-            return
-        capacity = max(need, CACHE_CAPACITY if old is None else 2 * old.size(0))
-        kv = like.new_empty(capacity, *shape)  # (capacity, N, B, H, K + Vd)
-        if old is not None:
-            kv[: self.length] = old[: self.length]
-        self._use(kv)
-
-    def reorder(self, index: torch.Tensor, cross: bool = True) -> DecoderCache:
-        """Select batch rows (beam search: the surviving hypotheses' parents).
-
-        Only the filled prefix of the self-attention buffer is copied. With cross=False the
-        encoder-decoder keys/values are kept as they are: valid when `index` maps every row
-        to a row with the same source, as beams of one sentence do, and it saves copying
-        (R, H, S, K) per layer and step.
-        """
-
-        def pick(t: torch.Tensor | None) -> torch.Tensor | None:
-            return t.index_select(0, index) if t is not None and cross else t
-
-        layers = [LayerCache(pick(c.cross_k), pick(c.cross_v)) for c in self.layers]
-        out = DecoderCache(layers, self.length, d_k=self.d_k)
-        if self.self_kv is not None:
-            capacity, n, _, h, e = self.self_kv.shape
-            kv = self.self_kv.new_empty(capacity, n, index.numel(), h, e)
-            prefix = self.self_kv[: self.length]  # (t, N, B, H, K + Vd), contiguous
-            if prefix.requires_grad:  # out= is not differentiable (decoding outside no_grad)
-                kv[: self.length] = prefix.index_select(2, index)
-            else:
-                torch.index_select(prefix, 2, index, out=kv[: self.length])
-            out._use(kv)
-        return out
-
-
 class DecoderLayer(nn.Module):
     """§3.1: masked self-attention, encoder-decoder attention, feed-forward network."""
 
@@ -295,7 +237,12 @@ class DecoderLayer(nn.Module):
 
         def self_attend(y: torch.Tensor) -> torch.Tensor:
             k, v = self.self_attn.project_kv(y)  # (B, H, T, K), (B, H, T, Vd)
-            return self._self_attention(y, k, v, None if weights is None else weights["decoder"])
+            w = None if weights is None else weights["decoder"]
+            # §3.2.3: no position attends to later positions.
+            if self.window is None:
+                return self.self_attn(y, k, v, None, causal=y.size(1) > 1, weights=w)
+            mask = causal_mask(y.size(1), y.size(1), y.device, self.window)
+            return self.self_attn(y, k, v, mask, weights=w)
 
         def cross_attend(y: torch.Tensor) -> torch.Tensor:
             k, v = self.cross_attn.project_kv(memory)  # (B, H, S, K), (B, H, S, Vd)
@@ -306,47 +253,50 @@ class DecoderLayer(nn.Module):
         x = self.res_cross(x, cross_attend)
         return self.res_ffn(x, self.ffn)
 
-    def step(
-        self,
-        x: torch.Tensor,
-        memory: torch.Tensor,
-        memory_mask: torch.Tensor | None,
-        cache: LayerCache,
-        length: int,
-    ) -> torch.Tensor:
-        """Cached decoding: x (B, T, D) holds target positions length .. length + T - 1, whose
-        keys/values are written into `cache.self_kv` (room reserved); returns (B, T, D)."""
-        T, K = x.size(1), self.self_attn.d_k
+    def step(self, x: torch.Tensor, memory: torch.Tensor, cache: DecoderCache, i: int):
+        """Cached decoding as layer i: x (B, T, D) holds target positions t .. t + T - 1
+        (t = cache.length), whose keys/values are written into the cache (room reserved)."""
+        lc, t, T = cache.layers[i], cache.length, x.size(1)
+        sa, ca = self.self_attn, self.cross_attn
+        prescaled = lc.proj is not None and lc.proj.prescaled
 
         def self_attend(y: torch.Tensor) -> torch.Tensor:
-            k, v = self.self_attn.project_kv(y)  # (B, H, T, K), (B, H, T, Vd)
-            new = cache.self_kv[length : length + T]  # (T, B, H, K + Vd)
-            new[..., :K] = k.permute(2, 0, 1, 3)
-            new[..., K:] = v.permute(2, 0, 1, 3)
-            k, v = cache.self_k[:, :, : length + T], cache.self_v[:, :, : length + T]
-            return self._self_attention(y, k, v, None)
+            q, kv = self._project_qkv(y, lc.proj)  # (B, H, T, K), (B, T, H, K + Vd)
+            lc.self_kv[t : t + T] = kv.transpose(0, 1)  # (T, B, H, K + Vd): in place
+            k, v = lc.self_k[:, :, : t + T], lc.self_v[:, :, : t + T]  # (B, H, t + T, .)
+            # §3.2.3: no position attends to later positions. A single new query may see
+            # every key in the cache, so it needs no mask.
+            if self.window is None:
+                return sa.attend(q, k, v, None, causal=T > 1, prescaled=prescaled)
+            mask = causal_mask(T, t + T, y.device, self.window)
+            return sa.attend(q, k, v, mask, prescaled=prescaled)
 
         def cross_attend(y: torch.Tensor) -> torch.Tensor:
-            if cache.cross_k is None:
-                k, v = self.cross_attn.project_kv(memory)  # (B, H, S, K), (B, H, S, Vd)
+            if lc.cross_k is None:
+                k, v = ca.project_kv(memory)  # (B, H, S, K), (B, H, S, Vd)
                 # Stored contiguous once, so that no decoding step has to copy them into the
                 # batched matrix-product layout again (B * H, S, K).
-                cache.cross_k, cache.cross_v = k.contiguous(), v.contiguous()
-            return self.cross_attn(y, cache.cross_k, cache.cross_v, memory_mask)
+                lc.cross_k, lc.cross_v = k.contiguous(), v.contiguous()
+            q = ca.split_heads(F.linear(y, *lc.proj.cross_q) if lc.proj else ca.w_q(y))
+            return ca.attend(q, lc.cross_k, lc.cross_v, cache.cross_bias, prescaled=prescaled)
 
         x = self.res_self(x, self_attend)
         x = self.res_cross(x, cross_attend)
         return self.res_ffn(x, self.ffn)
 
-    def _self_attention(self, y, k, v, weights: list | None) -> torch.Tensor:
-        """Queries y (B, T, D), the last T of the positions of k (B, H, t, K), v (B, H, t, Vd)."""
-        t_q, t_k = y.size(1), k.size(2)
-        # §3.2.3: no position attends to later positions. A single new query (cached
-        # decoding) may see every key in the cache, so it needs no mask.
-        if self.window is None:
-            return self.self_attn(y, k, v, None, causal=t_q > 1, weights=weights)
-        mask = causal_mask(t_q, t_k, y.device, self.window)
-        return self.self_attn(y, k, v, mask, weights=weights)
+    def _project_qkv(self, y: torch.Tensor, proj: StepProjections | None):
+        """Queries (B, H, T, K) and keys|values by head (B, T, H, K + Vd) of y (B, T, D)."""
+        sa = self.self_attn
+        B, T, _ = y.shape
+        HK = sa.n_heads * sa.d_k
+        if proj is not None:
+            qkv = F.linear(y, *proj.qkv)  # (B, T, H*K + H*(K + Vd)): one matrix product
+            q, kv = qkv[..., :HK], qkv[..., HK:]
+        else:
+            q, kv = sa.w_q(y), sa.w_kv(y)
+            k, v = kv[..., :HK], kv[..., HK:]
+            kv = torch.cat([k.view(B, T, sa.n_heads, -1), v.view(B, T, sa.n_heads, -1)], -1)
+        return sa.split_heads(q), kv.view(B, T, sa.n_heads, -1)
 
 
 class Transformer(nn.Module):
@@ -412,18 +362,19 @@ class Transformer(nn.Module):
         """
         offset = 0 if cache is None else cache.length
         x = self._embed(tgt, self.tgt_embed, self.tgt_pos, offset)
-        memory_mask = src_mask[:, None, None, :]  # (B, 1, 1, S)
         if cache is None:
+            memory_mask = src_mask[:, None, None, :]  # (B, 1, 1, S)
             for layer in self.decoder_layers:
                 x = layer(x, memory, memory_mask, weights)
         else:
             cfg = self.cfg
             if not cache.layers:
-                cache.layers = [LayerCache() for _ in self.decoder_layers]
+                cache.layers = [LayerCache(StepProjections.of(l)) for l in self.decoder_layers]
+                cache.cross_bias = padding_bias(src_mask, x.dtype)
             shape = (cfg.n_layers, x.size(0), cfg.n_heads, cfg.d_k + cfg.d_v)
             cache.reserve(tgt.size(1), shape, cfg.d_k, x)
-            for layer, layer_cache in zip(self.decoder_layers, cache.layers, strict=True):
-                x = layer.step(x, memory, memory_mask, layer_cache, cache.length)
+            for i, layer in enumerate(self.decoder_layers):
+                x = layer.step(x, memory, cache, i)
             cache.length += tgt.size(1)
         return x if self.decoder_norm is None else self.decoder_norm(x)
 

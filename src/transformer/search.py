@@ -18,8 +18,9 @@ from typing import Protocol
 
 import torch
 
+from transformer.cache import DecoderCache
 from transformer.config import STOP_RULES
-from transformer.model import DecoderCache, Transformer
+from transformer.model import Transformer
 from transformer.threads import ThreadTuner
 from transformer.tokenizer import BOS_ID, EOS_ID, PAD_ID
 
@@ -123,19 +124,23 @@ class ModelStepper:
         self.cache = self.cache.reorder(index, cross=not same_sentences)
 
 
-def _mask_specials(lprobs: torch.Tensor, force_eos: torch.Tensor, t: int) -> torch.Tensor:
+def _mask_specials(lprobs: torch.Tensor, force_eos: torch.Tensor | None, t: int) -> torch.Tensor:
     """Never emit PAD or BOS; rows with `force_eos` (R,) may emit only EOS (max length).
 
+    force_eos None: no row is at its maximum length (saves the check per step).
     EOS is also barred at the first step t = 1 (unless forced): an empty translation of a
     non-empty sentence is never right, yet an under-trained model can rank it first (~0.5% of
     Multi30k sentences, each then scoring zero). fairseq's `min_len=1` does the same; empty
     sources never reach the search (`translate` passes them through).
     """
-    lprobs[:, PAD_ID] = NEG_INF
-    lprobs[:, BOS_ID] = NEG_INF
+    assert PAD_ID + 1 == BOS_ID  # one slice bars both
+    lprobs[:, PAD_ID : BOS_ID + 1] = NEG_INF
     if t == 1:
-        lprobs[:, EOS_ID] = torch.where(force_eos, lprobs[:, EOS_ID], NEG_INF)
-    if bool(force_eos.any()):
+        if force_eos is None:
+            lprobs[:, EOS_ID] = NEG_INF
+        else:
+            lprobs[:, EOS_ID] = torch.where(force_eos, lprobs[:, EOS_ID], NEG_INF)
+    if force_eos is not None and bool(force_eos.any()):
         # A search constraint may have barred EOS (`Constrain`); at the maximum length the
         # output ends all the same, at no cost.
         eos = lprobs[:, EOS_ID].clone().nan_to_num(neginf=0.0)
@@ -182,10 +187,12 @@ def greedy_steps(stepper: Stepper, max_lens: torch.Tensor) -> list[list[int]]:
     out: list[list[int]] = [[] for _ in range(B)]
     alive = torch.arange(B, device=device)  # sentence of each live row
     last = torch.full((B,), BOS_ID, dtype=torch.long, device=device)
+    shortest = int(max_lens.min()) if B else 0  # before this step no row is forced to end
     t = 0
     while alive.numel() > 0:
         t += 1
-        lprobs = _mask_specials(stepper.step(last), max_lens[alive] <= t, t)
+        force_eos = max_lens[alive] <= t if t >= shortest else None
+        lprobs = _mask_specials(stepper.step(last), force_eos, t)
         last = lprobs.argmax(dim=-1)  # (R,)
         for row, token in zip(alive.tolist(), last.tolist(), strict=True):
             if token != EOS_ID:
@@ -272,18 +279,22 @@ def beam_steps(
         finished=[[] for _ in range(B)],
     )
     last = torch.full((B,), BOS_ID, dtype=torch.long, device=device)
+    shortest = int(max_lens.min()) if B else 0  # before this step no row is forced to end
+    max_lens_list = max_lens.tolist()
     t = 0
     while state.sentences.numel() > 0:
         t += 1
         k = state.scores.size(1)
-        force_eos = (max_lens[state.sentences] <= t).repeat_interleave(k)
+        force_eos = None
+        if t >= shortest:
+            force_eos = (max_lens[state.sentences] <= t).repeat_interleave(k)
         lprobs = _mask_specials(stepper.step(last), force_eos, t)  # (Ba * k, V)
         cand_scores, cand_beams, cand_tokens = _top_candidates(state.scores, lprobs, beam_size)
         ranks = cand_scores.size(1) if stop == "t2t" else beam_size
         _finalize(state, cand_scores, cand_beams, cand_tokens, ranks, t, alpha)
         scores, beams, tokens = _select_live(cand_scores, cand_beams, cand_tokens, beam_size)
         parents = beams + torch.arange(beams.size(0), device=device)[:, None] * k  # (Ba, K) rows
-        done = _is_done(state, scores, max_lens, t, beam_size, alpha, n_best, stop)
+        done = _is_done(state, scores, max_lens_list, t, beam_size, alpha, n_best, stop)
         keep = (~done).nonzero().squeeze(1)
         rows = parents[keep].reshape(-1)  # one reorder: beam parents of the kept sentences
         if rows.numel() > 0:
@@ -323,19 +334,24 @@ def _finalize(
     t: int,
     alpha: float,
 ) -> None:
-    """Move EOS candidates that rank within the top `ranks` into the finished lists."""
+    """Move EOS candidates that rank within the top `ranks` into the finished lists.
+
+    Tensors are read back with one `tolist` each, not element by element (an op per element).
+    """
     top = cand_tokens[:, :ranks] == EOS_ID
     ends = (top & (cand_scores[:, :ranks] > NEG_INF)).nonzero().tolist()
     if not ends:
         return
     k = state.scores.size(1)
     lp = length_penalty(t, alpha)  # §6.1: lp(Y) = ((5 + |Y|) / 6)^α, |Y| = t with the EOS
-    for b, c in ends:
-        log_prob = float(cand_scores[b, c])
-        row = b * k + int(cand_beams[b, c])
-        prefix = state.tokens[row].tolist()
+    scores, beams = cand_scores.tolist(), cand_beams.tolist()
+    sentences = state.sentences.tolist()
+    rows = [b * k + beams[b][c] for b, c in ends]
+    prefixes = state.tokens[rows].tolist()  # (len(ends), t - 1)
+    for (b, c), prefix in zip(ends, prefixes, strict=True):
+        log_prob = scores[b][c]
         hyp = Hypothesis(tokens=prefix, score=log_prob / lp, log_prob=log_prob)
-        state.finished[int(state.sentences[b])].append(hyp)
+        state.finished[sentences[b]].append(hyp)
 
 
 def _select_live(
@@ -362,7 +378,7 @@ def _select_live(
 def _is_done(
     state: _BeamState,
     scores: torch.Tensor,
-    max_lens: torch.Tensor,
+    max_lens: list[int],
     t: int,
     beam_size: int,
     alpha: float,
@@ -376,18 +392,18 @@ def _is_done(
     The bound: log-probs only fall as a hypothesis grows, so a live beam with log-prob s can
     score at most s / lp(L) at best over the lengths L still open to it.
     """
-    done = torch.zeros(scores.size(0), dtype=torch.bool, device=scores.device)
+    done = [False] * scores.size(0)
     best_live = scores.max(dim=1).values.tolist()
     for b, sentence in enumerate(state.sentences.tolist()):
         hyps = state.finished[sentence]
         if best_live[b] == NEG_INF or (stop == "fairseq" and len(hyps) >= beam_size):
             done[b] = True
         elif len(hyps) >= n_best:
-            max_len = int(max_lens[sentence])
+            max_len = max_lens[sentence]
             lp_best = max(length_penalty(t + 1, alpha), length_penalty(max_len, alpha))
             nth = sorted((h.score for h in hyps), reverse=True)[n_best - 1]
             done[b] = best_live[b] / lp_best <= nth
-    return done
+    return torch.tensor(done, dtype=torch.bool, device=scores.device)
 
 
 __all__ = [

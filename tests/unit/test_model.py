@@ -10,7 +10,6 @@ import torch
 
 from transformer.config import PRESETS, ModelConfig, build_config
 from transformer.model import (
-    CACHE_CAPACITY,
     PositionalEncoding,
     Transformer,
     attention,
@@ -152,24 +151,20 @@ def test_cached_decoding_equals_full_decoding(window: int | None) -> None:
     assert cache.length == tgt.size(1)
 
 
-def test_cache_writes_in_place_and_grows_past_its_capacity() -> None:
-    # Issue 19: one preallocated self-attention buffer written at position t, not a torch.cat of
-    # the prefix per step; past CACHE_CAPACITY positions it doubles, and decoding still equals
-    # full decoding.
-    model = Transformer(tiny(max_len=128)).eval()
-    src, src_mask, _ = batch()
-    tgt = torch.randint(4, V, (3, CACHE_CAPACITY + 5))
+@pytest.mark.parametrize("d_k", [8, 16])
+def test_cached_steps_with_fused_projections_equal_full_decoding(d_k: int) -> None:
+    # Cached steps use StepProjections: one W^Q|W^K|W^V product, keys and values by head.
+    # sqrt(16) = 4: W^Q is pre-scaled by 1/4 (exact); sqrt(8) is not a power of two: the step
+    # divides as eq. (1). d_v differs from d_k, so a wrong split of key|value would show.
+    model = Transformer(tiny(d_k=d_k, d_v=12)).eval()
+    src, src_mask, tgt = batch()
     with torch.no_grad():
         memory = model.encode(src, src_mask)
         full = model.decode(tgt, memory, src_mask)
         cache = model.new_cache()
-        steps, buffers = [], set()
-        for i in range(tgt.size(1)):
-            steps.append(model.decode(tgt[:, i : i + 1], memory, src_mask, cache))
-            buffers.add(cache.self_kv.data_ptr())
+        steps = [model.decode(tgt[:, i : i + 1], memory, src_mask, cache) for i in range(6)]
+    assert all(c.proj is not None and c.proj.prescaled == (d_k == 16) for c in cache.layers)
     torch.testing.assert_close(torch.cat(steps, dim=1), full, rtol=0, atol=1e-5)
-    assert len(buffers) == 2  # allocated once, grown once
-    assert cache.self_kv.shape == (2 * CACHE_CAPACITY, 2, 3, 4, 8 + 8)  # (cap, N, B, H, K + Vd)
 
 
 def test_cache_stores_cross_attention_keys_contiguous() -> None:

@@ -120,6 +120,11 @@ def test_bf16_and_int8(model_file):
     assert len(quantized) == 2 * 5 + 2 * 8  # encoder: 3 attn + 2 ffn; decoder: 6 attn + 2 ffn
     out = int8.translate_lines(LINES)
     assert out[1] == "" and len(out) == 4
+    # Quantized projections cannot be concatenated: cached steps use the layer's own modules.
+    cache = int8.model.new_cache()
+    src = torch.tensor([[5, 6, EOS_ID]])
+    int8.model.decode(torch.tensor([[BOS_ID]]), int8.model.encode(src, src > 0), src > 0, cache)
+    assert [c.proj for c in cache.layers] == [None] * len(cache.layers)
     assert fp32[1] == ""
     with pytest.raises(UserError, match="dtype"):
         Translator.from_path(model_file, dtype="fp8")
