@@ -32,7 +32,7 @@ from transformer.config import ModelConfig  # noqa: E402
 from transformer.model import Transformer  # noqa: E402
 from transformer.search import ModelStepper, beam_steps, greedy_steps  # noqa: E402
 from transformer.tokenizer import EOS_ID, PAD_ID  # noqa: E402
-from transformer.translate import quantize_int8  # noqa: E402
+from transformer.translate import auto_dtype, quantize_int8  # noqa: E402
 
 PEERS_DIR = "/work/shared/peers"
 
@@ -53,6 +53,9 @@ class ForcedLengthStepper(ModelStepper):
 
 
 def base_model(dtype: str) -> Transformer:
+    if dtype == "auto":  # what `transformer translate` picks here (bf16 with AMX, else fp32)
+        dtype = auto_dtype("cpu")[0]
+        print(f"# auto: {dtype}")
     torch.manual_seed(1)
     model = Transformer(ModelConfig(vocab_size=32000, max_len=256)).eval()
     if dtype == "bf16":
@@ -181,7 +184,7 @@ def main() -> None:
     ap.add_argument("--data", help="its prepared data directory")
     ap.add_argument("--split", default="test")
     ap.add_argument("--limit", type=int, help="first N sentences of the split")
-    ap.add_argument("--dtypes", default="fp32,bf16,int8")
+    ap.add_argument("--dtypes", default="fp32,bf16,int8", help="any of auto,fp32,bf16,int8")
     ap.add_argument("--beams", default="4,1")
     ap.add_argument("--peers", default="ct2:int8", help="e.g. ct2:int8,ct2:float32,hf:fp32")
     ap.add_argument("--out-len", type=int, default=50)

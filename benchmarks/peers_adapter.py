@@ -230,13 +230,18 @@ def forced_length_search(
 
 
 class Infer:
-    """`bench_infer.py --variants ext:peers_adapter:Infer:<fp32|bf16|int8>`.
+    """`bench_infer.py --variants ext:peers_adapter:Infer:<fp32|bf16|int8|auto>`.
 
     fp32: our model as loaded; bf16: all weights bf16; int8: `translate.quantize_int8`
-    (dynamic int8 nn.Linear; the tied projection stays fp32).
+    (dynamic int8 nn.Linear; the tied projection stays fp32); auto: what `transformer
+    translate` picks on this machine (`translate.auto_dtype`: bf16 with AMX, else fp32).
     """
 
     def __init__(self, variant: str, ctx: dict, model_cls: type = Transformer) -> None:
+        if variant == "auto":
+            from transformer.translate import auto_dtype
+
+            variant = auto_dtype("cpu")[0]
         model = load_marian(ctx["hf_dir"], model_cls)
         if variant == "bf16":
             model = model.to(torch.bfloat16)
@@ -245,7 +250,7 @@ class Infer:
 
             model = quantize_int8(model)
         elif variant != "fp32":
-            raise ValueError(f"variant must be fp32, bf16 or int8, got {variant!r}")
+            raise ValueError(f"variant must be fp32, bf16, int8 or auto, got {variant!r}")
         self.model, self.pad = model, model.cfg.vocab_size - 1
         self.note = f"transformer (ours) {variant}, forced-length search over ModelStepper"
 

@@ -27,6 +27,6 @@ for path in sorted(Path(sys.argv[1]).glob("ckpt_*.pt"), key=lambda p: int(p.stem
     print(f"{path.name}  parameters sha256 {h.hexdigest()}")
 PY
 $T average "$OUT/run" --last 3 --out "$OUT/average.safetensors" > "$OUT/average.log" 2>&1
-$T translate "$OUT/average.safetensors" --beam 4 --alpha 0.6 "$@" < "$M30K/test_2016_flickr.en" \
+$T translate "$OUT/average.safetensors" --beam 4 --alpha 0.6 --dtype fp32 "$@" < "$M30K/test_2016_flickr.en" \
   > "$OUT/test.hyp" 2> "$OUT/translate.log"
 echo "test_2016_flickr translations ($(wc -l < "$OUT/test.hyp") lines) sha256 $(sha256sum < "$OUT/test.hyp" | cut -c1-64)"

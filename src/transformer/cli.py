@@ -406,12 +406,24 @@ def _add_translate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("input", nargs="?", default="-", help="a UTF-8 text file (default: stdin)")
     p.add_argument("--beam", type=int, help="beam size (default: the model's, §6.1: 4; 1 = greedy)")
     p.add_argument("--alpha", type=float, help="length penalty α (default: the model's, 0.6)")
-    p.add_argument("--dtype", choices=["fp32", "bf16", "int8"], default="fp32")
+    _add_dtype(p)
     p.add_argument("--max-tokens", type=int, help="source tokens per batch (padding counted)")
     _add_stop(p)
     _add_threads(p)
     _add_no_verify(p)
     p.set_defaults(func=_cmd_translate)
+
+
+def _add_dtype(p: argparse.ArgumentParser, default: str = "auto") -> None:
+    from transformer.config import INFERENCE_DTYPES
+
+    p.add_argument(
+        "--dtype",
+        choices=INFERENCE_DTYPES,
+        default=default,
+        help=f"precision (default: {default}); auto = bf16 with CUDA or a CPU with AMX, else "
+        "fp32 (the choice is logged)",
+    )
 
 
 def _add_stop(p: argparse.ArgumentParser) -> None:
@@ -436,7 +448,8 @@ def _cmd_evaluate(args: argparse.Namespace) -> int:
         print(json.dumps(report, indent=2))
         return 0
     print(f"{report['split']}: {report['sentences']} sentences in {report['seconds']:.1f} s")
-    print("search: " + ", ".join(f"{k} {v}" for k, v in report["search"].items()))
+    print("search: " + ", ".join(f"{k} {v}" for k, v in report["search"].items())
+          + f", dtype {report['dtype']}")  # fmt: skip
     print(f"sacreBLEU {report['bleu']:.2f}  {report['bleu_signature']}")
     print(f"  {report['bleu_details']}")
     print(f"chrF {report['chrf']:.2f}  {report['chrf_signature']}")
@@ -455,7 +468,7 @@ def _add_evaluate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--split", default="test", help="split name (default: test)")
     p.add_argument("--beam", type=int, help="beam size (default: the model's, §6.1: 4)")
     p.add_argument("--alpha", type=float, help="length penalty α (default: the model's, 0.6)")
-    p.add_argument("--dtype", choices=["fp32", "bf16", "int8"], default="fp32")
+    _add_dtype(p)
     p.add_argument("--output", help="write the translations to this file")
     p.add_argument("--limit", type=int, help="only the first N sentences")
     _add_stop(p)
@@ -524,7 +537,7 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("model", help="a model file, or a run directory (its averaged/latest model)")
     p.add_argument("--host", default="127.0.0.1", help="interface (default: loopback only)")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--dtype", choices=["fp32", "bf16", "int8"], default="fp32")
+    _add_dtype(p)
     p.add_argument("--threads", type=int, help="torch threads for decoding")
     p.add_argument("--max-request-bytes", type=int, help="JSON body limit (default 262144)")
     p.add_argument("--max-sentences", type=int, help="sentences per request (default 64)")
@@ -618,7 +631,7 @@ def _add_parse(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--pos", help="POS tags, one line per sentence, for the trees (default XX)")
     p.add_argument("--beam", type=int, default=21, help="beam size (§6.3: 21)")
     p.add_argument("--alpha", type=float, default=0.3, help="length penalty α (§6.3: 0.3)")
-    p.add_argument("--dtype", choices=["fp32", "bf16", "int8"], default="fp32")
+    _add_dtype(p, default="fp32")
     p.add_argument("--output", help="write the trees to this file (default stdout)")
     p.add_argument(
         "--eval", metavar="GOLD", help="parse GOLD's sentences (a tree file or `prepare ptb` dir) "

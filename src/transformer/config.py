@@ -26,6 +26,10 @@ from transformer.errors import UserError
 #              hypothesis that the length penalty would have preferred when α > 0).
 STOP_RULES = ("t2t", "fairseq")
 
+# The precisions a model translates in (translate.py); "auto" picks one for the device it runs
+# on (`translate.auto_dtype`): bf16 with CUDA or a CPU with AMX, else fp32.
+INFERENCE_DTYPES = ("auto", "fp32", "bf16", "int8")
+
 
 class ConfigError(UserError):
     """A configuration file or override is invalid; the message names the source and the key."""

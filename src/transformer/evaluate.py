@@ -48,7 +48,8 @@ def evaluate(
         data_dir: a directory written by `transformer prepare`.
         split: "test", "valid", ...
         beam_size, length_penalty: override the model's decode config (§6.1: 4 and 0.6).
-        dtype: "fp32", "bf16" or "int8".
+        dtype: "fp32", "bf16", "int8" or "auto" (`translate.auto_dtype`: bf16 with CUDA or
+            AMX, else fp32); the report says which ran.
         output: if given, the translations are written there, one per line.
         limit: translate only the first `limit` sentences (quick checks).
         stop: the beam search's stopping rule, "t2t" (§6.1) or "fairseq" (default: the model's).
@@ -56,7 +57,7 @@ def evaluate(
         threads: CPU threads: a number, "auto" (tuned, threads.py) or None (untouched).
 
     Returns:
-        {"split", "sentences", "search" (beam, α, max length, stop rule), "bleu",
+        {"split", "sentences", "search" (beam, α, max length, stop rule), "dtype", "bleu",
         "bleu_signature", "chrf", "chrf_signature", "bleu_lc" (sacreBLEU -lc),
         ["paper_bleu", "paper_bleu_signature"] (en→de, en→fr), ["tok_bleu_lc" (Moses-tokenized,
         lowercased; with sacremoses)], ["detokenized"], "seconds", "sentences_per_s",
@@ -110,6 +111,7 @@ def evaluate(
         "split": split,
         "sentences": len(hyps),
         "search": {k: getattr(translator.decode, k) for k in SEARCH_FIELDS},
+        "dtype": translator.dtype_name,  # what ran: "auto" resolved to "fp32" or "bf16"
         "bleu": bleu.score,
         "bleu_signature": bleu.signature,
         "bleu_details": str(bleu),

@@ -145,6 +145,13 @@ def test_evaluate_refuses_tokenized_output_against_raw_references_and_the_revers
     report = evaluate_module.evaluate(model, tok_data, "test", limit=20)
     assert report["bleu"] == pytest.approx(100.0) and "detokenized" in report
     assert report["search"]["stop"] == "t2t" and report["search"]["beam_size"] == 4
+    assert report["dtype"] == "fp32"  # the library's default
+    info = tmp_path / "cpuinfo"  # a CPU with AMX: auto picks bf16, and the report says so
+    info.write_text("flags\t\t: fpu avx512f amx_bf16 amx_tile\n", encoding="utf-8")
+    monkeypatch.setattr("transformer.translate.CPUINFO", str(info))
+    assert (
+        evaluate_module.evaluate(model, tok_data, "test", limit=20, dtype="auto")["dtype"] == "bf16"
+    )
     report = evaluate_module.evaluate(model, tok_data, "test", 2, 1.0, limit=20, stop="fairseq")
     assert report["search"] == {"beam_size": 2, "length_penalty": 1.0, "max_len_a": 1.0,
                                 "max_len_b": 10, "stop": "fairseq"}  # fmt: skip

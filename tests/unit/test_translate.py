@@ -8,6 +8,7 @@ import pytest
 import sentencepiece as spm
 import torch
 
+import transformer.translate
 from transformer.cli import main
 from transformer.config import DecodeConfig, ModelConfig, RunConfig
 from transformer.data import read_lines
@@ -17,7 +18,7 @@ from transformer.modelfile import load_model, save_model
 from transformer.rundir import resolve_model
 from transformer.search import beam_search, greedy_search
 from transformer.tokenizer import BOS_ID, EOS_ID, PAD_ID, UNK_ID
-from transformer.translate import Translator
+from transformer.translate import Translator, auto_dtype, cpu_flags
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -130,6 +131,42 @@ def test_bf16_and_int8(model_file):
         Translator.from_path(model_file, dtype="fp8")
 
 
+CPUINFO_AMX = """processor\t: 0
+vendor_id\t: GenuineIntel
+flags\t\t: fpu sse2 avx2 avx512f avx512_bf16 avx512_vnni amx_bf16 amx_tile amx_int8
+bugs\t\t: spectre_v1
+
+processor\t: 1
+flags\t\t: fpu sse2
+"""
+CPUINFO_NO_AMX = "processor\t: 0\nflags\t\t: fpu sse2 avx2 avx512f avx512_bf16 avx512_vnni\n"
+
+
+def test_cpu_flags_reads_the_first_flags_line(tmp_path):
+    info = tmp_path / "cpuinfo"
+    info.write_text(CPUINFO_AMX, encoding="utf-8")
+    flags = cpu_flags(info)
+    assert {"amx_bf16", "amx_tile", "avx512_vnni", "fpu"} <= flags and "spectre_v1" not in flags
+    assert cpu_flags(tmp_path / "missing") == set()  # not Linux: no flags, no error
+    (tmp_path / "noflags").write_text("processor\t: 0\n", encoding="utf-8")
+    assert cpu_flags(tmp_path / "noflags") == set()
+
+
+@pytest.mark.parametrize(("cpuinfo", "expected"), [(CPUINFO_AMX, "bf16"), (CPUINFO_NO_AMX, "fp32")])
+def test_dtype_auto_is_bf16_with_amx_else_fp32(model_file, tmp_path, monkeypatch, caplog,
+                                               cpuinfo, expected):  # fmt: skip
+    info = tmp_path / "cpuinfo"
+    info.write_text(cpuinfo, encoding="utf-8")
+    monkeypatch.setattr(transformer.translate, "CPUINFO", str(info))
+    assert auto_dtype("cpu")[0] == expected
+    with caplog.at_level(logging.INFO, logger="transformer.translate"):
+        tr = Translator.from_path(model_file, dtype="auto")
+    assert tr.dtype_name == expected and f"dtype auto: {expected}" in caplog.text
+    want = {"bf16": torch.bfloat16, "fp32": torch.float32}[expected]
+    assert tr.model.output_weight().dtype == want
+    assert len(tr.translate_lines(LINES)) == 4
+
+
 def test_attention_has_pieces_and_per_layer_head_weights(model_file):
     tr = Translator.from_path(model_file)
     att = tr.attention("A man runs.")
@@ -160,7 +197,10 @@ def test_cli_translate_file_and_errors(model_file, tmp_path, capsys):
     assert main(["translate", str(model_file), str(src), "--beam", "2", "--alpha", "0.6"]) == 0
     out = capsys.readouterr().out.split("\n")
     assert len(out) == 5 and out[1] == "" and out[4] == ""  # 4 lines, the empty one kept
-    expected = Translator.from_path(model_file).translate(LINES, beam_size=2, length_penalty=0.6)
+    # The CLI's default precision is auto (bf16 on a CPU with AMX).
+    expected = Translator.from_path(model_file, dtype="auto").translate(
+        LINES, beam_size=2, length_penalty=0.6
+    )
     assert out[:4] == [n[0].text for n in expected]
     bad = tmp_path / "bad.txt"
     bad.write_bytes(b"A man.\n\xc3\x28 broken\n")
@@ -187,7 +227,8 @@ def test_input_lines_follow_the_corpus_line_model(model_file, tmp_path, capsys):
     src.write_bytes("\ufeff".encode() + b"A man runs.\r\nA\rcat.\n")
     assert main(["translate", str(model_file), str(src), "--beam", "1"]) == 0
     out = capsys.readouterr().out.split("\n")
-    expected = Translator.from_path(model_file).translate(["A man runs.", "A cat."], beam_size=1)
+    tr = Translator.from_path(model_file, dtype="auto")  # the CLI's default
+    expected = tr.translate(["A man runs.", "A cat."], beam_size=1)
     assert out == [expected[0][0].text, expected[1][0].text, ""]
 
 

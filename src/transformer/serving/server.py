@@ -411,7 +411,7 @@ def serve(
         host: interface to bind; loopback by default, use 0.0.0.0 deliberately.
         port: TCP port.
         limits: request limits, timeouts and batching (ServeLimits defaults when None).
-        dtype: "fp32", "bf16" or "int8" (see translate.Translator).
+        dtype: "fp32", "bf16", "int8" or "auto" (see translate.Translator, translate.auto_dtype).
         threads: torch intra-op threads for decoding (None = torch's default).
         verify: check the model file's checksum before serving it (`modelfile.load_model`).
     """
