@@ -4,9 +4,11 @@ decoding is tested in test_model.py and test_search.py."""
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import replace
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from transformer.cache import CACHE_CAPACITY, StepProjections, padding_bias
 from transformer.config import build_config
@@ -65,3 +67,41 @@ def test_padding_bias_is_minus_inf_at_padding_and_never_all_minus_inf() -> None:
     assert bias.shape == (2, 1, 1, 3)
     assert bias[0, 0, 0].tolist() == [0.0, 0.0, float("-inf")]
     assert bias[1, 0, 0].tolist() == [0.0, 0.0, 0.0]  # all padding: no NaN row
+
+
+class _CountOps(TorchDispatchMode):
+    """Counts the ATen ops dispatched while active, by name (as benchmarks/count_ops.py)."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops: Counter[str] = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops[func.overloadpacket.__name__] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _step_ops(n_layers: int) -> Counter[str]:
+    """Ops of one cached decoder step (the third) of a tiny model with d_k = 16."""
+    model = Transformer(tiny(n_layers=n_layers, d_k=16)).eval()
+    src, src_mask = batch()
+    tokens = torch.ones(3, 1, dtype=torch.long)
+    with torch.inference_mode():
+        memory, cache = model.encode(src, src_mask), model.new_cache()
+        for _ in range(2):
+            model.decode(tokens, memory, src_mask, cache)
+        with _CountOps() as counter:
+            model.decode(tokens, memory, src_mask, cache)
+    return counter.ops
+
+
+def test_a_cached_step_costs_34_ops_per_layer_and_copies_no_prefix():
+    # Issue 19: at sentence lengths a step's CPU time is largely per-op overhead. Golden counts
+    # from this test's model on torch 2.13: 43 ops per decoder layer before issue 19 (a
+    # torch.cat of the keys and of the values, separate W^Q and W^KV products, eq. (1)'s
+    # division, the padding mask applied with bitwise_not + masked_fill twice), 34 after.
+    two, four = _step_ops(2), _step_ops(4)
+    per_layer = (sum(four.values()) - sum(two.values())) / 2
+    assert per_layer <= 34
+    assert four["cat"] == 0 and four["index_select"] == 0  # written in place, nothing re-copied
+    assert four["linear"] == 6 * 4 + 1  # per layer: W^QKV, W^O, cross W^Q, W^O, FFN 2; output
