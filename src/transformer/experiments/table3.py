@@ -9,7 +9,10 @@ interrupted sweep continues where it stopped. The report goes to DIR/table3.md a
 
 `--scale` picks the base the rows are applied to: `base` is the paper's base model (the rows are
 then exactly the paper's, see `config.PRESETS`); `small` is the `cpu-small` preset, and each row's
-change is applied relatively (`scale_row`), so the sweep fits a CPU.
+change is applied relatively (`scale_row`), so the sweep fits a CPU; `mini` (`cpu-mini`) is the
+convergence sweep's base.
+
+`--converge` trains each row to convergence instead, with seeds: `table3_converge.py`.
 """
 
 from __future__ import annotations
@@ -50,7 +53,8 @@ PAPER_TABLE3: dict[str, tuple[float, float, float | None]] = {
     "E": (4.92, 25.7, None), "big": (4.33, 26.4, 213),
 }  # fmt: skip
 
-SCALES = {"base": "base", "small": "cpu-small"}  # --scale name -> the preset used as the base
+# --scale name -> the preset used as the base; "mini" is the convergence sweep's (--converge)
+SCALES = {"base": "base", "small": "cpu-small", "mini": "cpu-mini"}
 
 
 def row_config(row: str, base: RunConfig) -> RunConfig:
