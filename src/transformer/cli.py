@@ -346,7 +346,7 @@ def _add_sweep(sub: argparse._SubParsersAction) -> None:
     )  # fmt: skip
     conv.add_argument("--patience", type=int, help="validations without a better dev PPL (3)")
     conv.add_argument("--valid-every", type=int, help="steps between validations (half an epoch)")
-    conv.add_argument("--max-epochs", type=float, help="epoch cap per training (8)")
+    conv.add_argument("--max-epochs", type=float, help="epoch cap per training (10)")
     conv.add_argument(
         "--seeds", type=int,
         help="seeds for base and for rows within 2 std of it (3)",

@@ -32,6 +32,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from transformer import checkpoint
 from transformer.config import RunConfig, apply_overrides, build_config, parse_overrides
 from transformer.errors import UserError
 from transformer.experiments import table3_findings as tf
@@ -58,7 +59,7 @@ class ConvergeSettings:
     overrides: tuple[str, ...] = ()
     patience: int = 3  # validations without a better dev perplexity
     valid_every: int | None = None  # steps between validations; None = half an epoch
-    max_epochs: float = 8.0  # the cap: see docs/table3.md for the CPU-hour budget
+    max_epochs: float = 10.0  # the cap: see docs/table3.md for the CPU-hour budget
     seeds: int = 3
     beam_size: int = 4
     length_penalty: float = 0.6
@@ -108,34 +109,62 @@ class SeedResult:
     wall_minutes: float  # the last attempt's wall time, measurement included
 
 
-def prepare_sweep(out_dir: Path, settings: ConvergeSettings, resume: bool) -> None:
-    """Write DIR/sweep.json for a new sweep, or check it against `settings` on --resume."""
+def check_sweep(out_dir: Path, settings: ConvergeSettings, resume: bool) -> None:
+    """Refuse what cannot run: bad settings; on --resume a directory without DIR/sweep.json or
+    with other settings; otherwise a directory that already holds a sweep or anything else."""
     settings.check()
     path = Path(out_dir) / SETTINGS
-    wanted = json.loads(json.dumps(asdict(settings)))  # tuples as lists, as read back
-    if resume:
-        if not path.is_file():
-            raise UserError(f"{out_dir}: no sweep to resume ({SETTINGS} not found)")
-        try:
-            saved = json.loads(path.read_text(encoding="utf-8"))
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise UserError(f"{path}: cannot read the sweep's settings: {e}") from e
-        if not isinstance(saved, dict):
-            raise UserError(f"{path}: not a settings object")
-        diff = [k for k in sorted(set(saved) | set(wanted)) if saved.get(k) != wanted.get(k)]
-        if diff:
-            was = ", ".join(f"{k}={saved.get(k)!r}" for k in diff)
-            now = ", ".join(f"{k}={wanted.get(k)!r}" for k in diff)
-            raise UserError(f"{path}: the sweep was made with {was}; this command has {now}. "
-                            "Resume with the sweep's settings, or start a new --out")  # fmt: skip
+    if not resume:
+        if path.is_file():
+            raise UserError(f"{out_dir}: already holds a sweep ({SETTINGS}); pass --resume to "
+                            "continue it, or choose another --out")  # fmt: skip
+        if Path(out_dir).is_dir() and any(Path(out_dir).iterdir()):
+            raise UserError(f"{out_dir}: not empty and not a convergence sweep; choose another "
+                            "--out")  # fmt: skip
         return
-    if path.is_file():
-        raise UserError(f"{out_dir}: already holds a sweep ({SETTINGS}); pass --resume to "
-                        "continue it, or choose another --out")  # fmt: skip
-    if Path(out_dir).is_dir() and any(Path(out_dir).iterdir()):
-        raise UserError(f"{out_dir}: not empty and not a convergence sweep; choose another --out")
-    Path(out_dir).mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(wanted, indent=1) + "\n", encoding="utf-8")
+    if not path.is_file():
+        raise UserError(f"{out_dir}: no sweep to resume ({SETTINGS} not found)")
+    try:
+        saved = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise UserError(f"{path}: cannot read the sweep's settings: {e}") from e
+    if not isinstance(saved, dict):
+        raise UserError(f"{path}: not a settings object")
+    wanted = _as_json(settings)
+    diff = [k for k in sorted(set(saved) | set(wanted)) if saved.get(k) != wanted.get(k)]
+    if diff:
+        was = ", ".join(f"{k}={saved.get(k)!r}" for k in diff)
+        now = ", ".join(f"{k}={wanted.get(k)!r}" for k in diff)
+        raise UserError(f"{path}: the sweep was made with {was}; this command has {now}. "
+                        "Resume with the sweep's settings, or start a new --out")  # fmt: skip
+
+
+def _as_json(settings: ConvergeSettings) -> dict:
+    return json.loads(json.dumps(asdict(settings)))  # tuples as lists, as read back
+
+
+def prepare_sweep(out_dir: Path, settings: ConvergeSettings, resume: bool) -> None:
+    """`check_sweep`, then write DIR/sweep.json for a new sweep."""
+    check_sweep(out_dir, settings, resume)
+    if not resume:
+        Path(out_dir).mkdir(parents=True, exist_ok=True)
+        text = json.dumps(_as_json(settings), indent=1) + "\n"
+        (Path(out_dir) / SETTINGS).write_text(text, encoding="utf-8")
+
+
+def _read_result(path: Path) -> SeedResult:
+    try:
+        return SeedResult(**json.loads(path.read_text(encoding="utf-8")))
+    except (OSError, ValueError, TypeError) as e:  # JSONDecodeError is a ValueError
+        raise UserError(f"{path}: not a sweep result: {e}") from e
+
+
+def collect(out_dir: Path) -> list[SeedResult]:
+    """Every finished (row, seed) of a sweep directory, in Table 3's order, then by seed."""
+    found = []
+    for row in ROWS:
+        found += [_read_result(p) for p in (Path(out_dir) / row).glob(f"seed*/{RESULT}")]
+    return sorted(found, key=lambda r: (ROWS.index(r.row), r.seed))
 
 
 def sweep_base(settings: ConvergeSettings, batches_per_epoch: int | None = None) -> RunConfig:
@@ -173,7 +202,7 @@ def _stop_reason(state, cfg, epochs: float) -> str:
 def _train_seed(row: str, seed: int, config: RunConfig, data_dir: Path, run_dir: Path,
                 settings: ConvergeSettings, threads) -> SeedResult:  # fmt: skip
     """Train (or resume) one seed of one row to its stop, then measure its best checkpoint."""
-    from transformer import checkpoint, rundir
+    from transformer import rundir
     from transformer.data import load_prepared
     from transformer.evaluate import evaluate
     from transformer.train import train
@@ -215,8 +244,6 @@ def _train_seed(row: str, seed: int, config: RunConfig, data_dir: Path, run_dir:
 
 def _prune(run_dir: Path) -> None:
     """A measured run keeps its model file and its last checkpoint (to train it further)."""
-    from transformer import checkpoint
-
     for old in checkpoint.list_checkpoints(run_dir)[:-1]:
         old.unlink()
 
@@ -241,32 +268,33 @@ def run_converged(
         threads: CPU threads for training and decoding (a number, "auto" or None).
 
     Returns:
-        Every (row, seed) result of `rows`, in the order run.
+        Every finished (row, seed) of the sweep directory (`collect`), this call's and earlier
+        calls' (e.g. with other `rows`), in Table 3's order.
     """
     out_dir, data_dir = Path(out_dir), Path(data_dir)
     for row in rows:
         if row not in ROWS:
             raise UserError(f"unknown Table 3 row {row!r}; choose from {', '.join(ROWS)}")
+    check_sweep(out_dir, settings, resume)
+    per_epoch = _batches_per_epoch(data_dir, settings)  # reads the data: a bad --data fails here
     prepare_sweep(out_dir, settings, resume)
-    per_epoch = None if settings.valid_every else _batches_per_epoch(data_dir, settings)
     base = sweep_base(settings, per_epoch)
-    results: dict[tuple[str, int], SeedResult] = {}
 
     def run(row: str, seed: int) -> SeedResult:
         run_dir = out_dir / row / f"seed{seed}"
         done = run_dir / RESULT
         if done.is_file():
-            result = SeedResult(**json.loads(done.read_text(encoding="utf-8")))
+            result = _read_result(done)
         else:
             log.info("row %s seed %d: training to convergence", row, seed)
             config = apply_overrides(row_config(row, base), {"train.seed": seed}, "sweep seed")
             result = _train_seed(row, seed, config, data_dir, run_dir, settings, threads)
-            done.write_text(json.dumps(asdict(result), indent=1) + "\n", encoding="utf-8")
+            text = json.dumps(asdict(result), indent=1) + "\n"
+            checkpoint.write_atomic(done, lambda f: f.write(text.encode("utf-8")))
             _prune(run_dir)
             log.info("row %s seed %d: %s after %d steps (%.1f epochs); dev PPL %.2f, BLEU %.2f",
                      row, seed, result.stopped, result.steps, result.epochs, result.dev_ppl,
                      result.dev_bleu)  # fmt: skip
-        results[row, seed] = result
         return result
 
     base_ppl = [run("base", k).dev_ppl for k in range(1, settings.seeds + 1)]
@@ -276,9 +304,9 @@ def run_converged(
         if tf.needs_more_seeds(base_ppl, first[row].dev_ppl):
             for k in range(2, settings.seeds + 1):
                 run(row, k)
-    ordered = [results[key] for key in sorted(results, key=lambda k: (ROWS.index(k[0]), k[1]))]
-    write_converged_report(ordered, out_dir / "table3.md", out_dir / "table3.csv", settings)
-    return ordered
+    done = collect(out_dir)  # this run's rows and those of earlier runs with other --rows
+    write_converged_report(done, out_dir / "table3.md", out_dir / "table3.csv", settings)
+    return done
 
 
 def row_stats(results: Sequence[SeedResult]) -> dict[str, dict[str, tf.Stat]]:

@@ -28,7 +28,7 @@ def test_a_new_sweep_writes_its_settings_and_refuses_to_start_twice(tmp_path) ->
     out = tmp_path / "sweep"
     prepare_sweep(out, _settings(), resume=False)
     saved = json.loads((out / "sweep.json").read_text())
-    assert saved["patience"] == 3 and saved["overrides"] == [] and saved["max_epochs"] == 8.0
+    assert saved["patience"] == 3 and saved["overrides"] == [] and saved["max_epochs"] == 10.0
     with pytest.raises(UserError, match="already holds a sweep .*pass --resume"):
         prepare_sweep(out, _settings(), resume=False)
     prepare_sweep(out, _settings(), resume=True)  # the same settings: fine
@@ -85,11 +85,11 @@ def test_sweep_base_stops_on_dev_perplexity_and_keeps_the_best_checkpoint() -> N
     assert t.max_minutes is None and t.save_every_minutes >= 1e9
     assert sweep_base(_settings(valid_every=7), 300).train.valid_every_steps == 7
     mini = sweep_base(_settings(scale="mini")).model
-    assert (mini.n_layers, mini.d_model, mini.d_ff, mini.n_heads, mini.d_k) == (3, 64, 256, 4, 16)
+    assert (mini.n_layers, mini.d_model, mini.d_ff, mini.n_heads, mini.d_k) == (3, 128, 512, 4, 32)
 
 
 def _fake_result(row: str, seed: int, ppl: float) -> SeedResult:
-    return SeedResult(row, seed, 3, 64, 256, 4, 16, 16, 0.1, 0.1, "sinusoid", 862208, 900,
+    return SeedResult(row, seed, 3, 128, 512, 4, 32, 32, 0.1, 0.1, "sinusoid", 2412544, 900,
                       5.0, 720, "patience", ppl, 40 - 2 * ppl, ppl + 0.3, 3.0, 3.5)  # fmt: skip
 
 
@@ -107,6 +107,7 @@ def _fake_sweep(monkeypatch, calls: list) -> None:
         return _fake_result(row, seed, _PPL[row, seed])
 
     monkeypatch.setattr(tc, "_train_seed", fake)
+    monkeypatch.setattr(tc, "_batches_per_epoch", lambda data_dir, settings: 100)
 
 
 def test_seed_rule_base_first_then_every_first_seed_then_the_extra_seeds(
@@ -124,7 +125,7 @@ def test_seed_rule_base_first_then_every_first_seed_then_the_extra_seeds(
     assert json.loads((out / "E" / "seed2" / "result.json").read_text())["dev_ppl"] == 9.0
     md = (out / "table3.md").read_text()
     assert (
-        "| base | 3 | 64 | 256 | 4 | 16 | 16 | 0.1 | 0.1 | sinusoid | 0.86 | 11.00 ± 1.00 "
+        "| base | 3 | 128 | 512 | 4 | 32 | 32 | 0.1 | 0.1 | sinusoid | 2.41 | 11.00 ± 1.00 "
         "(n=3) | 18.00 ± 2.00 (n=3) | 900 | 5.0 | 720 | patience ×3 | 3.0 | 4.92 | 25.8 |" in md
     )
     assert "| B1 |" in md and "14.00 (n=1)" in md
@@ -152,3 +153,23 @@ def test_unknown_row_is_refused_before_anything_runs(tmp_path) -> None:
     with pytest.raises(UserError, match="unknown Table 3 row 'F'"):
         run_converged(tmp_path, tmp_path / "s", _settings(), rows=["base", "F"])
     assert not (tmp_path / "s").exists()
+
+
+def test_the_report_covers_rows_run_by_earlier_calls(tmp_path, monkeypatch) -> None:
+    calls: list = []
+    _fake_sweep(monkeypatch, calls)
+    out = tmp_path / "s"
+    run_converged(tmp_path, out, _settings(seeds=1), rows=["B1"])
+    done = run_converged(tmp_path, out, _settings(seeds=1), rows=["E"], resume=True)
+    assert calls == [("base", 1), ("B1", 1), ("E", 1)]
+    assert [r.row for r in done] == ["base", "B1", "E"]  # Table 3's order
+    assert "| B1 |" in (out / "table3.md").read_text()
+    (out / "E" / "seed1" / "result.json").write_text('{"row": "E"')  # damaged
+    with pytest.raises(UserError, match="E/seed1/result.json: not a sweep result"):
+        run_converged(tmp_path, out, _settings(seeds=1), rows=["E"], resume=True)
+
+
+def test_a_bad_data_directory_fails_before_the_sweep_is_created(tmp_path) -> None:
+    with pytest.raises(UserError, match="no-data"):
+        run_converged(tmp_path / "no-data", tmp_path / "s", _settings(), rows=["base"])
+    assert not (tmp_path / "s" / "sweep.json").exists()
