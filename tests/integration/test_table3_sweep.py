@@ -3,6 +3,7 @@ reported, and read back instead of retrained."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import asdict
 
@@ -90,8 +91,9 @@ def test_two_row_converge_sweep_resumes_after_an_interruption(shared_data, tmp_p
     md = (out / "table3.md").read_text()
     assert "## Findings" in md and "learned ≈ sinusoidal positions (E)" in md
 
-    # Interrupted: kill the base's first seed after its second checkpoint, then resume.
-    fresh = tmp_path / "again"
+    # Interrupted: kill the base's first seed after its second checkpoint, then resume. (One
+    # seed: the training of base seed 1 does not depend on how many seeds the sweep has.)
+    fresh, one = tmp_path / "again", dataclasses.replace(settings, seeds=1)
     original = Trainer.save
 
     def killed(self, on_cadence=True):
@@ -102,13 +104,16 @@ def test_two_row_converge_sweep_resumes_after_an_interruption(shared_data, tmp_p
 
     monkeypatch.setattr(Trainer, "save", killed)
     with pytest.raises(KeyboardInterrupt):
-        run_converged(data, fresh, settings, rows=["base"], threads=1)
+        run_converged(data, fresh, one, rows=["base"], threads=1)
     assert not (fresh / "base" / "seed1" / "result.json").exists() and results[0].steps > 4
     monkeypatch.setattr(Trainer, "save", original)
     with pytest.raises(UserError, match="already holds a sweep"):
-        run_converged(data, fresh, settings, rows=["base"], threads=1)
-    resumed = run_converged(data, fresh, settings, rows=["base"], resume=True, threads=1)
-    assert [(r.seed, r.steps, r.best_step) for r in resumed] == [
-        (r.seed, r.steps, r.best_step) for r in results[:2]
-    ]
+        run_converged(data, fresh, one, rows=["base"], threads=1)
+    with pytest.raises(
+        UserError, match="the sweep was made with seeds=1; this command has seeds=2"
+    ):
+        run_converged(data, fresh, settings, rows=["base"], resume=True, threads=1)
+    resumed = run_converged(data, fresh, one, rows=["base"], resume=True, threads=1)
+    got = [(r.seed, r.steps, r.best_step) for r in resumed]
+    assert got == [(1, results[0].steps, results[0].best_step)]
     assert resumed[0].dev_ppl == pytest.approx(results[0].dev_ppl, rel=1e-6)
