@@ -65,8 +65,8 @@ def row_config(row: str, base: RunConfig) -> RunConfig:
 
 
 @dataclass
-class RowResult:
-    """One row of the report."""
+class RowModel:
+    """A row's Table 3 columns: the model and ε_ls (`row_model` fills them from a config)."""
 
     row: str
     n_layers: int
@@ -78,6 +78,21 @@ class RowResult:
     p_drop: float
     eps_ls: float
     positions: str
+
+
+def row_model(row: str, config: RunConfig) -> dict[str, Any]:
+    """The `RowModel` fields of a row trained with `config`."""
+    m = config.model
+    return {"row": row, "n_layers": m.n_layers, "d_model": m.d_model, "d_ff": m.d_ff,
+            "n_heads": m.n_heads, "d_k": m.d_k, "d_v": m.d_v, "p_drop": m.p_drop,
+            "eps_ls": config.train.eps_ls,
+            "positions": "learned" if m.learned_pos else "sinusoid"}  # fmt: skip
+
+
+@dataclass
+class RowResult(RowModel):
+    """One row of the report."""
+
     steps: int
     params: int
     dev_ppl: float
@@ -109,11 +124,8 @@ def _train_row(row: str, config: RunConfig, data_dir: Path, run_dir: Path, args:
     ppl = evaluate_loss(loaded.model, valid, args["eval_max_tokens"])["ppl"]
     report = evaluate(run_dir, data_dir, "valid", args["beam"], args["alpha"],
                       limit=args["valid_limit"])  # fmt: skip
-    m = loaded.config.model
     return RowResult(
-        row=row, n_layers=m.n_layers, d_model=m.d_model, d_ff=m.d_ff, n_heads=m.n_heads,
-        d_k=m.d_k, d_v=m.d_v, p_drop=m.p_drop, eps_ls=loaded.config.train.eps_ls,
-        positions="learned" if m.learned_pos else "sinusoid", steps=state.step,
+        **row_model(row, loaded.config), steps=state.step,
         params=loaded.model.num_parameters(), dev_ppl=ppl, dev_bleu=float(report["bleu"]),
         tokens_per_s=totals["tgt_tokens"] / max(totals["elapsed_s"], 1e-9),
         train_minutes=totals["elapsed_s"] / 60, wall_minutes=wall / 60,
@@ -202,12 +214,17 @@ def write_report(results: Sequence[RowResult], md_path: Path, csv_path: Path, se
              "| " + " | ".join(_HEADER) + " |", "|" + "---|" * len(_HEADER)]  # fmt: skip
     lines += ["| " + " | ".join(_cells(r)) + " |" for r in results]
     Path(md_path).write_text("\n".join(lines) + "\n", encoding="utf-8")
-    with open(csv_path, "w", newline="", encoding="utf-8") as f:
+    write_csv(results, csv_path, _COLUMNS)
+
+
+def write_csv(results: Sequence[RowModel], path: Path, columns: Sequence[str]) -> None:
+    """One line per result: its `columns`, then the paper's dev PPL and BLEU for its row."""
+    with open(path, "w", newline="", encoding="utf-8") as f:
         writer = csv.writer(f)
-        writer.writerow(_COLUMNS + ["paper_ppl", "paper_bleu"])
+        writer.writerow([*columns, "paper_ppl", "paper_bleu"])
         for r in results:
             paper = PAPER_TABLE3.get(r.row, (None, None, None))
-            writer.writerow([getattr(r, c) for c in _COLUMNS] + [paper[0], paper[1]])
+            writer.writerow([getattr(r, c) for c in columns] + [paper[0], paper[1]])
 
 
 # ---------------------------------------------------------------- `transformer presets`

@@ -24,7 +24,6 @@ in training resumes from its last checkpoint; a sweep made with other settings i
 
 from __future__ import annotations
 
-import csv
 import json
 import logging
 import time
@@ -36,7 +35,15 @@ from transformer import checkpoint
 from transformer.config import RunConfig, apply_overrides, build_config, parse_overrides
 from transformer.errors import UserError
 from transformer.experiments import table3_findings as tf
-from transformer.experiments.table3 import PAPER_TABLE3, ROWS, SCALES, row_config
+from transformer.experiments.table3 import (
+    PAPER_TABLE3,
+    ROWS,
+    SCALES,
+    RowModel,
+    row_config,
+    row_model,
+    write_csv,
+)
 
 log = logging.getLogger(__name__)
 
@@ -83,20 +90,10 @@ class ConvergeSettings:
 
 
 @dataclass
-class SeedResult:
+class SeedResult(RowModel):
     """One (row, seed): the model, how its training ended, and the §6.2 measurements."""
 
-    row: str
     seed: int
-    n_layers: int
-    d_model: int
-    d_ff: int
-    n_heads: int
-    d_k: int
-    d_v: int
-    p_drop: float
-    eps_ls: float
-    positions: str
     params: int
     steps: int  # optimizer steps when training stopped
     epochs: float  # passes over the training data when it stopped
@@ -229,12 +226,9 @@ def _train_seed(row: str, seed: int, config: RunConfig, data_dir: Path, run_dir:
     ppl = evaluate_loss(loaded.model, valid, cfg.max_tokens)["ppl"]
     report = evaluate(run_dir, data_dir, "valid", settings.beam_size, settings.length_penalty,
                       limit=settings.valid_limit, threads=threads)  # fmt: skip
-    m = loaded.config.model
     return SeedResult(
-        row=row, seed=seed, n_layers=m.n_layers, d_model=m.d_model, d_ff=m.d_ff,
-        n_heads=m.n_heads, d_k=m.d_k, d_v=m.d_v, p_drop=m.p_drop, eps_ls=cfg.eps_ls,
-        positions="learned" if m.learned_pos else "sinusoid",
-        params=loaded.model.num_parameters(), steps=state.step, epochs=epochs,
+        **row_model(row, loaded.config), seed=seed, params=loaded.model.num_parameters(),
+        steps=state.step, epochs=epochs,
         best_step=state.best_step, stopped=_stop_reason(state, cfg, epochs), dev_ppl=ppl,
         dev_bleu=float(report["bleu"]), last_valid_ppl=float(valids[-1]["ppl"]),
         train_minutes=rundir.training_totals(run_dir)["elapsed_s"] / 60,
@@ -359,10 +353,4 @@ def write_converged_report(results: Sequence[SeedResult], md_path: Path, csv_pat
               "counts when it exceeds twice its standard error (table3_findings).", ""]  # fmt: skip
     lines += tf.render(tf.findings(stats))
     Path(md_path).write_text("\n".join(lines) + "\n", encoding="utf-8")
-    fields = list(SeedResult.__dataclass_fields__)
-    with open(csv_path, "w", newline="", encoding="utf-8") as f:
-        writer = csv.writer(f)
-        writer.writerow(fields + ["paper_ppl", "paper_bleu"])
-        for r in results:
-            paper = PAPER_TABLE3.get(r.row, (None, None, None))
-            writer.writerow([getattr(r, c) for c in fields] + [paper[0], paper[1]])
+    write_csv(results, csv_path, list(SeedResult.__dataclass_fields__))

@@ -89,8 +89,12 @@ def test_sweep_base_stops_on_dev_perplexity_and_keeps_the_best_checkpoint() -> N
 
 
 def _fake_result(row: str, seed: int, ppl: float) -> SeedResult:
-    return SeedResult(row, seed, 3, 128, 512, 4, 32, 32, 0.1, 0.1, "sinusoid", 2412544, 900,
-                      5.0, 720, "patience", ppl, 40 - 2 * ppl, ppl + 0.3, 3.0, 3.5)  # fmt: skip
+    return SeedResult(
+        row=row, n_layers=3, d_model=128, d_ff=512, n_heads=4, d_k=32, d_v=32, p_drop=0.1,
+        eps_ls=0.1, positions="sinusoid", seed=seed, params=2412544, steps=900, epochs=5.0,
+        best_step=720, stopped="patience", dev_ppl=ppl, dev_bleu=40 - 2 * ppl,
+        last_valid_ppl=ppl + 0.3, train_minutes=3.0, wall_minutes=3.5,
+    )  # fmt: skip
 
 
 # Synthetic first-seed dev PPL per row: base's seeds 10, 11, 12 (mean 11, std 1).
