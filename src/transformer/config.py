@@ -103,6 +103,7 @@ class TrainConfig:
     patience: int = 0
     patience_metric: str = "ppl"
     min_delta: float = 0.0
+    valid_bleu: bool = True  # greedy valid BLEU at each validation (off: perplexity only, faster)
     dtype: str = "bf16"  # "bf16" (fp32 master weights) or "fp32"
     compile: bool = False  # torch.compile the model
     seed: int = 1
@@ -127,6 +128,8 @@ class TrainConfig:
             raise ConfigError(
                 f"train.patience_metric: expected 'ppl' or 'bleu', got {self.patience_metric!r}"
             )
+        if self.patience_metric == "bleu" and not self.valid_bleu:
+            raise ConfigError("train.patience_metric=bleu needs train.valid_bleu=true")
         if self.max_epochs is not None and self.max_epochs <= 0:
             raise ConfigError(f"train.max_epochs: must be positive, got {self.max_epochs!r}")
 

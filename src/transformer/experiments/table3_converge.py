@@ -54,7 +54,7 @@ RESULT = "result.json"
 _CONTROLLED = ("train.patience", "train.patience_metric", "train.max_epochs",
                "train.max_steps", "train.max_minutes", "train.valid_every_steps",
                "train.save_every_steps", "train.save_every_minutes", "train.keep_last",
-               "train.seed")  # fmt: skip
+               "train.seed", "train.valid_bleu")  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -175,7 +175,9 @@ def sweep_base(settings: ConvergeSettings, batches_per_epoch: int | None = None)
             "train.max_epochs": settings.max_epochs, "train.max_steps": 10**9,
             "train.max_minutes": None, "train.valid_every_steps": every,
             "train.save_every_steps": every, "train.save_every_minutes": 1e9,
-            "train.keep_last": settings.patience + 1}  # fmt: skip
+            "train.keep_last": settings.patience + 1,
+            # only perplexity decides; the §6.2 BLEU is measured once, with beam 4, at the end
+            "train.valid_bleu": False}  # fmt: skip
     return apply_overrides(base, stop, source="sweep --converge")
 
 
