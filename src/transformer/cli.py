@@ -279,12 +279,42 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
     from transformer.experiments.table3 import ROWS, run_table3
 
     rows = [r.strip() for r in args.rows.split(",")] if args.rows else list(ROWS)
+    if args.converge:
+        return _sweep_converged(args, rows)
+    given = [f for f, v in (("--resume", args.resume), ("--seeds", args.seeds),
+             ("--patience", args.patience), ("--valid-every", args.valid_every),
+             ("--max-epochs", args.max_epochs), ("--threads", args.threads != "auto"))
+             if v not in (None, False)]  # fmt: skip
+    if given:
+        raise UserError(f"sweep: {', '.join(given)} only with --converge")
+    if args.budget_steps is None and args.budget_minutes is None:
+        raise UserError("sweep: give --budget-steps or --budget-minutes (or --converge)")
     results = run_table3(
-        args.data, args.out, rows, args.scale, args.budget_steps, args.budget_minutes,
+        args.data, args.out, rows, args.scale or "small", args.budget_steps, args.budget_minutes,
         args.set, args.beam, args.alpha, args.valid_limit,
     )  # fmt: skip
     print((args.out / "table3.md").read_text(encoding="utf-8"))
     print(f"{len(results)} rows; CSV: {args.out / 'table3.csv'}")
+    return 0
+
+
+def _sweep_converged(args: argparse.Namespace, rows: list[str]) -> int:
+    from transformer.experiments.table3_converge import ConvergeSettings, run_converged
+
+    if args.budget_steps is not None or args.budget_minutes is not None:
+        raise UserError("sweep: --converge trains to convergence; drop --budget-steps/-minutes")
+    defaults = ConvergeSettings(data="", scale="")
+    settings = ConvergeSettings(
+        data=str(args.data.resolve()), scale=args.scale or "mini", overrides=tuple(args.set),
+        patience=defaults.patience if args.patience is None else args.patience,
+        valid_every=args.valid_every,
+        max_epochs=defaults.max_epochs if args.max_epochs is None else args.max_epochs,
+        seeds=defaults.seeds if args.seeds is None else args.seeds,
+        beam_size=args.beam, length_penalty=args.alpha, valid_limit=args.valid_limit,
+    )  # fmt: skip
+    results = run_converged(args.data, args.out, settings, rows, args.resume, args.threads)
+    print((args.out / "table3.md").read_text(encoding="utf-8"))
+    print(f"{len(results)} trainings; CSV (one line per seed): {args.out / 'table3.csv'}")
     return 0
 
 
@@ -294,8 +324,12 @@ def _add_sweep(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--data", type=Path, required=True, help="a prepared-data directory")
     p.add_argument("--out", type=Path, default=Path("runs/table3"), help="sweep directory")
     p.add_argument("--rows", help="comma-separated Table 3 rows (default: all, base to big)")
-    p.add_argument("--scale", default="small", help="base, small (cpu-small) or a preset name")
-    budget = p.add_mutually_exclusive_group(required=True)
+    p.add_argument(
+        "--scale",
+        help="base, small (cpu-small), mini (cpu-mini) or a preset name (default: small; "
+        "mini with --converge)",
+    )  # fmt: skip
+    budget = p.add_mutually_exclusive_group()
     budget.add_argument("--budget-steps", type=int, help="training steps per row")
     budget.add_argument("--budget-minutes", type=float, help="training minutes per row")
     p.add_argument(
@@ -305,6 +339,23 @@ def _add_sweep(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--beam", type=int, default=4, help="dev BLEU beam size (§6.1: 4)")
     p.add_argument("--alpha", type=float, default=0.6, help="length penalty α (§6.1: 0.6)")
     p.add_argument("--valid-limit", type=int, help="dev BLEU on the first N sentences only")
+    conv = p.add_argument_group("convergence mode (docs/table3.md)")
+    conv.add_argument(
+        "--converge", action="store_true",
+        help="train each row until dev perplexity stops improving (or --max-epochs), with seeds",
+    )  # fmt: skip
+    conv.add_argument("--patience", type=int, help="validations without a better dev PPL (3)")
+    conv.add_argument("--valid-every", type=int, help="steps between validations (half an epoch)")
+    conv.add_argument("--max-epochs", type=float, help="epoch cap per training (10)")
+    conv.add_argument(
+        "--seeds", type=int,
+        help="seeds for base and for rows within 2 std of it (3)",
+    )  # fmt: skip
+    conv.add_argument(
+        "--resume", action="store_true",
+        help="continue the sweep in --out (same settings): finished seeds are kept",
+    )  # fmt: skip
+    _add_threads(conv)
     p.set_defaults(func=_cmd_sweep)
 
 

@@ -107,6 +107,7 @@ class TrainConfig:
     patience: int = 0
     patience_metric: str = "ppl"
     min_delta: float = 0.0
+    valid_bleu: bool = True  # greedy valid BLEU at each validation (off: perplexity only, faster)
     dtype: str = "bf16"  # "bf16" (fp32 master weights) or "fp32"
     compile: bool = False  # torch.compile the model
     seed: int = 1
@@ -131,6 +132,8 @@ class TrainConfig:
             raise ConfigError(
                 f"train.patience_metric: expected 'ppl' or 'bleu', got {self.patience_metric!r}"
             )
+        if self.patience_metric == "bleu" and not self.valid_bleu:
+            raise ConfigError("train.patience_metric=bleu needs train.valid_bleu=true")
         if self.max_epochs is not None and self.max_epochs <= 0:
             raise ConfigError(f"train.max_epochs: must be positive, got {self.max_epochs!r}")
 
@@ -284,6 +287,22 @@ PRESETS: dict[str, dict[str, Any]] = {
     # CPU-sized presets for the small corpora here (not in the paper).
     "tiny": {"n_layers": 2, "d_model": 32, "d_ff": 64, "n_heads": 4, "d_k": 8, "d_v": 8},
     "cpu-small": {**_CPU_SMALL, "train.max_tokens": 4000, "train.warmup_steps": 800},
+    # `transformer sweep table3 --converge --scale mini`: Table 3 trained to convergence on the
+    # CPU (docs/table3.md: the budget). The base of the 400-step sweep (docs/table3.md), whose
+    # 20 rows all trained stably with it: half cpu-small's width, 2.41M parameters (1.0M of them
+    # the shared 8,000 x 128 embedding), 1,500-token batches, eq. (3) x0.25 with warm-up 200
+    # (peak 1.56e-3). d_k = d_v = d_model / h as in the paper's base.
+    "cpu-mini": {
+        "n_layers": 3,
+        "d_model": 128,
+        "d_ff": 512,
+        "n_heads": 4,
+        "d_k": 32,
+        "d_v": 32,
+        "train.max_tokens": 1500,
+        "train.warmup_steps": 200,
+        "train.lr_scale": 0.25,
+    },
     "cpu-medium": {
         "n_layers": 4,
         "d_model": 384,

@@ -391,7 +391,8 @@ class Trainer:
 
     @torch.no_grad()
     def validate(self) -> dict[str, Any]:
-        """Validation loss, per-token perplexity and greedy BLEU on the valid split."""
+        """Validation loss, per-token perplexity and (train.valid_bleu) greedy BLEU on the valid
+        split."""
         from transformer.bleu import corpus_bleu
         from transformer.search import greedy_search
 
@@ -404,9 +405,11 @@ class Trainer:
 
         record: dict[str, Any] = evaluate_loss(
             self.model, split, self.cfg.max_tokens, self.cfg.eps_ls, self.loss_fn, self.forward,
-            each=decode,
+            each=decode if self.cfg.valid_bleu else None,
         )  # fmt: skip
         del record["tokens"]  # a valid record's numbers are per token; "tokens" means training's
+        if not self.cfg.valid_bleu:
+            return record
         refs = [split.tgt_text(i) for i in range(len(split))]
         result = corpus_bleu([hyps[i] for i in range(len(split))], refs)
         record["bleu"] = float(result.score)

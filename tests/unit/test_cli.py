@@ -137,3 +137,24 @@ def test_score_bad_input_is_one_line_naming_the_file(tmp_path, capsys) -> None:
     err = capsys.readouterr().err.strip()
     assert err.startswith("transformer score: error: ") and "hyp has 2 lines" in err
     assert "\n" not in err
+
+
+@pytest.mark.parametrize(
+    ("flags", "needle"),
+    [
+        ([], "sweep: give --budget-steps or --budget-minutes (or --converge)"),
+        (["--budget-steps", "5", "--resume"], "sweep: --resume only with --converge"),
+        (["--budget-steps", "5", "--seeds", "2", "--patience", "1"],
+         "sweep: --seeds, --patience only with --converge"),
+        (["--converge", "--budget-steps", "5"], "sweep: --converge trains to convergence"),
+        (["--converge", "--patience", "0"], "sweep --converge: --patience must be at least 1"),
+        (["--converge", "--resume"], "no sweep to resume (sweep.json not found)"),
+        (["--converge", "--set", "train.keep_last=2"], "--set train.keep_last is the sweep's"),
+    ],
+)  # fmt: skip
+def test_sweep_flags_are_checked_before_training(flags, needle, tmp_path, capsys) -> None:
+    args = ["sweep", "table3", "--data", str(tmp_path / "data"), "--out", str(tmp_path / "o")]
+    assert main([*args, *flags]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("transformer sweep: error: ") and needle in err, err
+    assert err.count("\n") == 1 and not (tmp_path / "o").exists()

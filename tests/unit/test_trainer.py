@@ -409,3 +409,16 @@ def test_epoch_cap_stops_at_the_epoch_boundary(data_dir, tmp_path):
 def test_early_stopping_settings_are_checked(override):
     with pytest.raises(UserError, match=override.split("=")[0]):
         _config(override)
+
+
+def test_validation_without_bleu_skips_the_decode(data_dir, tmp_path, monkeypatch):
+    import transformer.search as search
+
+    def no_decode(*args, **kwargs):
+        raise AssertionError("decoded although train.valid_bleu=false")
+
+    monkeypatch.setattr(search, "greedy_search", no_decode)
+    record = _trainer(data_dir, tmp_path / "run", _config("train.valid_bleu=false")).validate()
+    assert "bleu" not in record and record["ppl"] > 1.0
+    with pytest.raises(UserError, match="valid_bleu"):
+        _config("train.valid_bleu=false", "train.patience_metric=bleu")

@@ -9,7 +9,10 @@ interrupted sweep continues where it stopped. The report goes to DIR/table3.md a
 
 `--scale` picks the base the rows are applied to: `base` is the paper's base model (the rows are
 then exactly the paper's, see `config.PRESETS`); `small` is the `cpu-small` preset, and each row's
-change is applied relatively (`scale_row`), so the sweep fits a CPU.
+change is applied relatively (`scale_row`), so the sweep fits a CPU; `mini` (`cpu-mini`) is the
+convergence sweep's base.
+
+`--converge` trains each row to convergence instead, with seeds: `table3_converge.py`.
 """
 
 from __future__ import annotations
@@ -50,7 +53,8 @@ PAPER_TABLE3: dict[str, tuple[float, float, float | None]] = {
     "E": (4.92, 25.7, None), "big": (4.33, 26.4, 213),
 }  # fmt: skip
 
-SCALES = {"base": "base", "small": "cpu-small"}  # --scale name -> the preset used as the base
+# --scale name -> the preset used as the base; "mini" is the convergence sweep's (--converge)
+SCALES = {"base": "base", "small": "cpu-small", "mini": "cpu-mini"}
 
 
 def row_config(row: str, base: RunConfig) -> RunConfig:
@@ -61,8 +65,8 @@ def row_config(row: str, base: RunConfig) -> RunConfig:
 
 
 @dataclass
-class RowResult:
-    """One row of the report."""
+class RowModel:
+    """A row's Table 3 columns: the model and ε_ls (`row_model` fills them from a config)."""
 
     row: str
     n_layers: int
@@ -74,6 +78,21 @@ class RowResult:
     p_drop: float
     eps_ls: float
     positions: str
+
+
+def row_model(row: str, config: RunConfig) -> dict[str, Any]:
+    """The `RowModel` fields of a row trained with `config`."""
+    m = config.model
+    return {"row": row, "n_layers": m.n_layers, "d_model": m.d_model, "d_ff": m.d_ff,
+            "n_heads": m.n_heads, "d_k": m.d_k, "d_v": m.d_v, "p_drop": m.p_drop,
+            "eps_ls": config.train.eps_ls,
+            "positions": "learned" if m.learned_pos else "sinusoid"}  # fmt: skip
+
+
+@dataclass
+class RowResult(RowModel):
+    """One row of the report."""
+
     steps: int
     params: int
     dev_ppl: float
@@ -105,11 +124,8 @@ def _train_row(row: str, config: RunConfig, data_dir: Path, run_dir: Path, args:
     ppl = evaluate_loss(loaded.model, valid, args["eval_max_tokens"])["ppl"]
     report = evaluate(run_dir, data_dir, "valid", args["beam"], args["alpha"],
                       limit=args["valid_limit"])  # fmt: skip
-    m = loaded.config.model
     return RowResult(
-        row=row, n_layers=m.n_layers, d_model=m.d_model, d_ff=m.d_ff, n_heads=m.n_heads,
-        d_k=m.d_k, d_v=m.d_v, p_drop=m.p_drop, eps_ls=loaded.config.train.eps_ls,
-        positions="learned" if m.learned_pos else "sinusoid", steps=state.step,
+        **row_model(row, loaded.config), steps=state.step,
         params=loaded.model.num_parameters(), dev_ppl=ppl, dev_bleu=float(report["bleu"]),
         tokens_per_s=totals["tgt_tokens"] / max(totals["elapsed_s"], 1e-9),
         train_minutes=totals["elapsed_s"] / 60, wall_minutes=wall / 60,
@@ -198,12 +214,17 @@ def write_report(results: Sequence[RowResult], md_path: Path, csv_path: Path, se
              "| " + " | ".join(_HEADER) + " |", "|" + "---|" * len(_HEADER)]  # fmt: skip
     lines += ["| " + " | ".join(_cells(r)) + " |" for r in results]
     Path(md_path).write_text("\n".join(lines) + "\n", encoding="utf-8")
-    with open(csv_path, "w", newline="", encoding="utf-8") as f:
+    write_csv(results, csv_path, _COLUMNS)
+
+
+def write_csv(results: Sequence[RowModel], path: Path, columns: Sequence[str]) -> None:
+    """One line per result: its `columns`, then the paper's dev PPL and BLEU for its row."""
+    with open(path, "w", newline="", encoding="utf-8") as f:
         writer = csv.writer(f)
-        writer.writerow(_COLUMNS + ["paper_ppl", "paper_bleu"])
+        writer.writerow([*columns, "paper_ppl", "paper_bleu"])
         for r in results:
             paper = PAPER_TABLE3.get(r.row, (None, None, None))
-            writer.writerow([getattr(r, c) for c in _COLUMNS] + [paper[0], paper[1]])
+            writer.writerow([getattr(r, c) for c in columns] + [paper[0], paper[1]])
 
 
 # ---------------------------------------------------------------- `transformer presets`

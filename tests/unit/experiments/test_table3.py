@@ -11,6 +11,7 @@ from transformer.errors import UserError
 from transformer.experiments.table3 import (
     PAPER_TABLE3,
     ROWS,
+    SCALES,
     RowResult,
     row_config,
     run_table3,
@@ -119,3 +120,12 @@ def test_write_report(tmp_path) -> None:
     assert [r["row"] for r in rows] == ["base", "A1"]
     assert float(rows[1]["dev_ppl"]) == 10.5
     assert float(rows[1]["paper_bleu"]) == PAPER_TABLE3["A1"][1]
+
+
+def test_scale_mini_is_the_400_step_sweeps_base() -> None:
+    # docs/table3.md: the 400-step sweep ran --scale small with these --set flags; the
+    # convergence sweep's base (--scale mini, preset cpu-mini) is the same config.
+    flags = ["model.n_layers=3", "model.d_model=128", "model.d_ff=512", "model.d_k=32",
+             "model.d_v=32", "train.max_tokens=1500", "train.warmup_steps=200",
+             "train.lr_scale=0.25"]  # fmt: skip
+    assert build_config("cpu-small", overrides=flags) == build_config(SCALES["mini"])
