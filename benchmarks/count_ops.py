@@ -3,9 +3,10 @@
 
 A decoder step's CPU cost at sentence lengths is mostly per-op overhead (dispatch, Python, small
 kernels), so the number of ops per step is a load-independent proxy for its speed: it can be
-measured on a busy machine, where timings mean nothing. Every op that reaches the ATen
-dispatcher (below autograd, so `nn.Linear` counts as its `t` + `addmm`) is counted by a
-`TorchDispatchMode`, attributed to the phase it ran in:
+measured on a busy machine, where timings mean nothing. Every op called from Python is counted
+by a `TorchDispatchMode`; search runs under `torch.inference_mode`, where composite ops such
+as `linear` and `matmul` count once (what they call inside, `addmm`, `bmm` or a contiguous
+copy, does not). Each op is attributed to the phase it ran in:
 
 * ``step``: `ModelStepper.step` (embedding, the decoder layers, the output projection, the
   log-softmax);
@@ -14,7 +15,10 @@ dispatcher (below autograd, so `nn.Linear` counts as its `t` + `addmm`) is count
 * ``encode``: the encoder, once per batch (not per step);
 * ``setup``: collating a batch and its maximum lengths (not per step).
 
-Per step = the phase's ops over all batches / the number of `step` calls.
+Per step = the phase's ops over all batches / the number of `step` calls. `--copies` also
+counts, with torch.profiler (every level), the `clone` (a `contiguous` copy, e.g. inside a bf16
+`bmm` whose operand is neither contiguous nor transposed) and `cat` kernels per step of the
+whole translation, encoder included.
 
     python benchmarks/count_ops.py --model /work/models/multi30k_ende.safetensors \\
         --data /work/main/data/m30k --limit 100 --beams 1,4 [--top 20]
@@ -136,6 +140,7 @@ def main() -> None:
     ap.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "int8"])
     ap.add_argument("--max-tokens", type=int, help="source tokens per batch")
     ap.add_argument("--top", type=int, default=0, help="also list the N most frequent step ops")
+    ap.add_argument("--copies", action="store_true", help="clone and cat kernels per step")
     args = ap.parse_args()
     from transformer.data import load_prepared
 
@@ -155,6 +160,12 @@ def main() -> None:
         name = "greedy" if beam == 1 else f"beam {beam}"
         print(f"| {name} | {c.steps} | {c.per_step('step'):.1f} | {c.per_step('reorder'):.1f} "
               f"| {c.per_step('search'):.1f} | {c.total_per_step():.1f} | {enc:.0f} |")  # fmt: skip
+    for beam, c in counts.items() if args.copies else ():
+        with torch.profiler.profile() as prof:
+            translator.translate(lines, beam_size=beam)
+        n = Counter(e.name for e in prof.events() if e.name in ("aten::clone", "aten::cat"))
+        print(f"\nbeam {beam}: per step, clone {n['aten::clone'] / c.steps:.1f}, "
+              f"cat {n['aten::cat'] / c.steps:.1f} (all levels, encoder included)")  # fmt: skip
     for beam, c in counts.items() if args.top else ():
         print(f"\nbeam {beam}: the {args.top} most frequent ops per step (step, reorder, search)")
         per_op = Counter()

@@ -4,7 +4,7 @@
 extends a `DecoderCache` in place; beam search reorders it with `DecoderCache.reorder`. What is
 cached, and why it is laid out as it is (docs/decoding.md, "Incremental decoding"):
 
-* self-attention keys/values of every layer in one preallocated buffer, written in place;
+* self-attention keys/values of every layer in preallocated buffers, written in place;
 * encoder-decoder keys/values, computed once per sentence, and the source padding as an
   additive bias;
 * each layer's `StepProjections`: W^Q, W^K, W^V as one matrix, built from the parameters when
@@ -30,11 +30,11 @@ CACHE_CAPACITY = 32
 class StepProjections:
     """A decoder layer's projections for cached decoding, built from its parameters when a
     cache is made (model files and training are unchanged): self-attention's W^Q, W^K, W^V as
-    one matrix, rows [Q heads | head 1 key, value | head 2 key, value | ...] (the cache's
-    layout), and both attentions' W^Q times 1/sqrt(d_k) where that is exact (sqrt(d_k) a power
-    of two: 64 -> 1/8), which is eq. (1)'s scaling done once instead of per step."""
+    one matrix (rows [W^Q | W^K | W^V]), and both attentions' W^Q times 1/sqrt(d_k) where that
+    is exact (sqrt(d_k) a power of two: 64 -> 1/8), which is eq. (1)'s scaling done once
+    instead of per step."""
 
-    qkv: tuple[torch.Tensor, torch.Tensor]  # weight (H*K + H*(K+Vd), D), bias
+    qkv: tuple[torch.Tensor, torch.Tensor]  # weight (H*K + H*K + H*Vd, D), bias
     cross_q: tuple[torch.Tensor, torch.Tensor]  # weight (H*K, D), bias
     prescaled: bool
 
@@ -48,31 +48,23 @@ class StepProjections:
         root = math.sqrt(sa.d_k)
         prescaled = root == 2.0 ** round(math.log2(root))  # scaling by a power of 2 is exact
         scale = 1.0 / root if prescaled else 1.0
-        H, K, Vd, D = sa.n_heads, sa.d_k, sa.d_v, sa.w_q.in_features
-
-        def kv_by_head(t: torch.Tensor) -> torch.Tensor:  # (H*K + H*Vd, ...) -> per head k|v
-            k, v = t[: H * K].view(H, K, -1), t[H * K :].view(H, Vd, -1)
-            return torch.cat([k, v], dim=1).view(H * (K + Vd), *t.shape[1:])
-
         with torch.no_grad():
-            w = torch.cat([sa.w_q.weight * scale, kv_by_head(sa.w_kv.weight)])  # (., D)
-            b = torch.cat([sa.w_q.bias * scale, kv_by_head(sa.w_kv.bias[:, None])[:, 0]])
+            w = torch.cat([sa.w_q.weight * scale, sa.w_kv.weight])  # (H*K + H*(K + Vd), D)
+            b = torch.cat([sa.w_q.bias * scale, sa.w_kv.bias])
             cross_q = (ca.w_q.weight * scale, ca.w_q.bias * scale)
-        assert w.shape == (H * K + H * (K + Vd), D)
         return StepProjections((w, b), cross_q, prescaled)
 
 
 @dataclass
 class LayerCache:
     """One decoder layer's share of the cache: views of its self-attention keys/values in
-    `DecoderCache.self_kv` (written in place), and its encoder-decoder keys/values (computed
-    once per sentence)."""
+    `DecoderCache.self_k` / `self_v` (written in place), and its encoder-decoder keys/values
+    (computed once per sentence)."""
 
     proj: StepProjections | None = None  # None: the layer's own modules (int8)
     cross_k: torch.Tensor | None = None  # (B, H, S, K)
     cross_v: torch.Tensor | None = None  # (B, H, S, Vd)
-    self_kv: torch.Tensor | None = None  # (capacity, B, H, K + Vd): per head, key then value
-    self_k: torch.Tensor | None = None  # (B, H, capacity, K): the same memory, permuted
+    self_k: torch.Tensor | None = None  # (B, H, capacity, K): positions [:length] filled
     self_v: torch.Tensor | None = None  # (B, H, capacity, Vd)
 
 
@@ -80,44 +72,52 @@ class LayerCache:
 class DecoderCache:
     """Incremental-decoding state for all decoder layers; `length` target positions so far.
 
-    The self-attention keys and values of every layer share one preallocated buffer, written
-    in place at the new positions (no `torch.cat` of the whole prefix per step). It is
-    time-major, (capacity, N, B, H, K + Vd), so the filled prefix `[:length]` is contiguous:
-    a reorder is one `index_select` of the prefix for all layers, and attention reads a
-    layer's keys and values as strided views, without a copy. Full, its capacity doubles.
-    The encoder-decoder attention's padding mask is kept as an additive bias (one add per
-    step instead of masking twice).
+    The self-attention keys and values of every layer live in two preallocated buffers,
+    (N, B, H, capacity, K) and (N, B, H, capacity, Vd), written in place at the new positions
+    (no `torch.cat` of the whole prefix per step). A reorder (beam search: every step) is one
+    `index_select` of the filled prefix per buffer, for all layers at once, into a buffer with
+    room for exactly one more position: the next step's keys and values then fill it, so
+    attention reads them contiguous (a bf16 batched product through oneDNN copies any other
+    layout first). Full, the capacity doubles (greedy search: rows are dropped, rarely
+    reordered). The encoder-decoder attention's padding mask is kept as an additive bias (one
+    add per step instead of masking twice).
     """
 
     layers: list[LayerCache] = field(default_factory=list)
     length: int = 0
-    self_kv: torch.Tensor | None = None  # (capacity, N, B, H, K + Vd)
-    d_k: int = 0
+    self_k: torch.Tensor | None = None  # (N, B, H, capacity, K)
+    self_v: torch.Tensor | None = None  # (N, B, H, capacity, Vd)
     cross_bias: torch.Tensor | None = None  # (B, 1, 1, S): 0 at real source tokens, else -inf
 
-    def _use(self, kv: torch.Tensor) -> None:
-        self.self_kv = kv
+    def _use(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        self.self_k, self.self_v = k, v
         for i, layer in enumerate(self.layers):
-            layer.self_kv = kv[:, i]  # (capacity, B, H, K + Vd)
-            kv_i = layer.self_kv.permute(1, 2, 0, 3)  # (B, H, capacity, K + Vd)
-            layer.self_k, layer.self_v = kv_i[..., : self.d_k], kv_i[..., self.d_k :]
+            layer.self_k, layer.self_v = k[i], v[i]  # (B, H, capacity, K), (B, H, capacity, Vd)
 
-    def reserve(self, n_new: int, shape: tuple[int, ...], d_k: int, like: torch.Tensor) -> None:
-        """Room for `n_new` more positions in a buffer of `shape` (N, B, H, K + Vd), with
-        `like`'s dtype and device."""
-        self.d_k, old, need = d_k, self.self_kv, self.length + n_new
-        if old is not None and old.size(0) >= need:
-            return
-        capacity = max(need, CACHE_CAPACITY if old is None else 2 * old.size(0))
-        kv = like.new_empty(capacity, *shape)  # (capacity, N, B, H, K + Vd)
-        if old is not None:
-            kv[: self.length] = old[: self.length]
-        self._use(kv)
+    def _new_buffers(self, rows: int, capacity: int) -> tuple[torch.Tensor, torch.Tensor]:
+        N, _, H, _, K = self.self_k.shape
+        return (self.self_k.new_empty(N, rows, H, capacity, K),
+                self.self_v.new_empty(N, rows, H, capacity, self.self_v.size(-1)))  # fmt: skip
+
+    def reserve(
+        self, n_new: int, shape: tuple[int, int, int], d_k: int, d_v: int, like: torch.Tensor
+    ) -> None:
+        """Room for `n_new` more positions in buffers of `shape` (N, B, H) x (., K) and
+        (., Vd), with `like`'s dtype and device."""
+        need = self.length + n_new
+        if self.self_k is None:
+            capacity = max(need, CACHE_CAPACITY)
+            self._use(like.new_empty(*shape, capacity, d_k), like.new_empty(*shape, capacity, d_v))
+        elif self.self_k.size(3) < need:
+            k, v = self._new_buffers(self.self_k.size(1), max(need, 2 * self.self_k.size(3)))
+            t = self.length
+            k[:, :, :, :t], v[:, :, :, :t] = self.self_k[:, :, :, :t], self.self_v[:, :, :, :t]
+            self._use(k, v)
 
     def reorder(self, index: torch.Tensor, cross: bool = True) -> DecoderCache:
         """Select batch rows (beam search: the surviving hypotheses' parents).
 
-        Only the filled prefix of the self-attention buffer is copied. With cross=False the
+        Only the filled prefix of the self-attention buffers is copied. With cross=False the
         encoder-decoder keys/values are kept as they are: valid when `index` maps every row
         to a row with the same source, as beams of one sentence do, and it saves copying
         (R, H, S, K) per layer and step.
@@ -127,16 +127,18 @@ class DecoderCache:
             return t.index_select(0, index) if t is not None and cross else t
 
         layers = [LayerCache(c.proj, pick(c.cross_k), pick(c.cross_v)) for c in self.layers]
-        out = DecoderCache(layers, self.length, d_k=self.d_k, cross_bias=pick(self.cross_bias))
-        if self.self_kv is not None:
-            capacity, n, _, h, e = self.self_kv.shape
-            kv = self.self_kv.new_empty(capacity, n, index.numel(), h, e)
-            prefix = self.self_kv[: self.length]  # (t, N, B, H, K + Vd), contiguous
+        out = DecoderCache(layers, self.length, cross_bias=pick(self.cross_bias))
+        if self.self_k is None:
+            return out
+        t = self.length
+        k, v = self._new_buffers(index.numel(), t + 1)  # room for the next step exactly
+        for old, new in ((self.self_k, k), (self.self_v, v)):
+            prefix = old[:, :, :, :t]  # (N, B, H, t, .)
             if prefix.requires_grad:  # out= is not differentiable (decoding outside no_grad)
-                kv[: self.length] = prefix.index_select(2, index)
+                new[:, :, :, :t] = prefix.index_select(1, index)
             else:
-                torch.index_select(prefix, 2, index, out=kv[: self.length])
-            out._use(kv)
+                torch.index_select(prefix, 1, index, out=new[:, :, :, :t])
+        out._use(k, v)
         return out
 
 

@@ -113,12 +113,13 @@ class MultiHeadAttention(nn.Module):
         """
         return self.attend(self.split_heads(self.w_q(x)), k, v, mask, causal, weights)
 
-    def split_heads(self, q: torch.Tensor) -> torch.Tensor:
-        """Projected queries (B, Tq, H*K) -> (B, H, Tq, K)."""
-        B, Tq, _ = q.shape
-        if Tq == 1:  # a decoding step: the same memory layout, one op fewer
-            return q.view(B, self.n_heads, 1, self.d_k)  # (B, H, 1, K)
-        return q.view(B, Tq, self.n_heads, self.d_k).transpose(1, 2)  # (B, H, Tq, K)
+    def split_heads(self, x: torch.Tensor, size: int | None = None) -> torch.Tensor:
+        """Projected queries (or keys, values: size d_v) (B, T, H*K) -> (B, H, T, K)."""
+        B, T, _ = x.shape
+        size = self.d_k if size is None else size
+        if T == 1:  # a decoding step: the same memory layout, one op fewer
+            return x.view(B, self.n_heads, 1, size)  # (B, H, 1, K)
+        return x.view(B, T, self.n_heads, size).transpose(1, 2)  # (B, H, T, K)
 
     def attend(self, q, k, v, mask, causal=False, weights=None, prescaled=False) -> torch.Tensor:
         """Eq. (1) per head from projected queries q (B, H, Tq, K), then W^O; (B, Tq, D)."""
@@ -261,8 +262,9 @@ class DecoderLayer(nn.Module):
         prescaled = lc.proj is not None and lc.proj.prescaled
 
         def self_attend(y: torch.Tensor) -> torch.Tensor:
-            q, kv = self._project_qkv(y, lc.proj)  # (B, H, T, K), (B, T, H, K + Vd)
-            lc.self_kv[t : t + T] = kv.transpose(0, 1)  # (T, B, H, K + Vd): in place
+            q, k, v = self._project_qkv(y, lc.proj)  # (B, H, T, K), (B, H, T, K), (B, H, T, Vd)
+            lc.self_k[:, :, t : t + T] = k  # in place
+            lc.self_v[:, :, t : t + T] = v
             k, v = lc.self_k[:, :, : t + T], lc.self_v[:, :, : t + T]  # (B, H, t + T, .)
             # §3.2.3: no position attends to later positions. A single new query may see
             # every key in the cache, so it needs no mask.
@@ -285,18 +287,16 @@ class DecoderLayer(nn.Module):
         return self.res_ffn(x, self.ffn)
 
     def _project_qkv(self, y: torch.Tensor, proj: StepProjections | None):
-        """Queries (B, H, T, K) and keys|values by head (B, T, H, K + Vd) of y (B, T, D)."""
+        """Queries (B, H, T, K), keys (B, H, T, K) and values (B, H, T, Vd) of y (B, T, D)."""
         sa = self.self_attn
-        B, T, _ = y.shape
         HK = sa.n_heads * sa.d_k
         if proj is not None:
-            qkv = F.linear(y, *proj.qkv)  # (B, T, H*K + H*(K + Vd)): one matrix product
-            q, kv = qkv[..., :HK], qkv[..., HK:]
+            qkv = F.linear(y, *proj.qkv)  # (B, T, H*K + H*K + H*Vd): one matrix product
+            q, k, v = qkv[..., :HK], qkv[..., HK : 2 * HK], qkv[..., 2 * HK :]
         else:
             q, kv = sa.w_q(y), sa.w_kv(y)
             k, v = kv[..., :HK], kv[..., HK:]
-            kv = torch.cat([k.view(B, T, sa.n_heads, -1), v.view(B, T, sa.n_heads, -1)], -1)
-        return sa.split_heads(q), kv.view(B, T, sa.n_heads, -1)
+        return sa.split_heads(q), sa.split_heads(k), sa.split_heads(v, sa.d_v)
 
 
 class Transformer(nn.Module):
@@ -371,8 +371,8 @@ class Transformer(nn.Module):
             if not cache.layers:
                 cache.layers = [LayerCache(StepProjections.of(l)) for l in self.decoder_layers]
                 cache.cross_bias = padding_bias(src_mask, x.dtype)
-            shape = (cfg.n_layers, x.size(0), cfg.n_heads, cfg.d_k + cfg.d_v)
-            cache.reserve(tgt.size(1), shape, cfg.d_k, x)
+            shape = (cfg.n_layers, x.size(0), cfg.n_heads)
+            cache.reserve(tgt.size(1), shape, cfg.d_k, cfg.d_v, x)
             for i, layer in enumerate(self.decoder_layers):
                 x = layer.step(x, memory, cache, i)
             cache.length += tgt.size(1)
