@@ -49,7 +49,7 @@ class StepProjections:
         prescaled = root == 2.0 ** round(math.log2(root))  # scaling by a power of 2 is exact
         scale = 1.0 / root if prescaled else 1.0
         with torch.no_grad():
-            w = torch.cat([sa.w_q.weight * scale, sa.w_kv.weight])  # (H*K + H*(K + Vd), D)
+            w = torch.cat([sa.w_q.weight * scale, sa.w_kv.weight])  # (H*K + H*K + H*Vd, D)
             b = torch.cat([sa.w_q.bias * scale, sa.w_kv.bias])
             cross_q = (ca.w_q.weight * scale, ca.w_q.bias * scale)
         return StepProjections((w, b), cross_q, prescaled)

@@ -58,7 +58,7 @@ def _reference(tr: Translator, lines: list[str], beam: int) -> list[list[int]]:
 @pytest.fixture(scope="module")
 def translator(tmp_path_factory) -> Translator:
     # d_k = 16: sqrt(d_k) = 4, so the step pre-scales W^Q (the quickstart and base presets'
-    # d_k = 64 do too); d_v != d_k checks the cache's per-head key|value layout.
+    # d_k = 64 do too); d_v != d_k checks that keys and values are split where they should.
     path = make_model_file(
         tmp_path_factory.mktemp("exact"), d_model=64, d_ff=128, n_heads=4, d_k=16, d_v=8
     )

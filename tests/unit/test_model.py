@@ -153,9 +153,9 @@ def test_cached_decoding_equals_full_decoding(window: int | None) -> None:
 
 @pytest.mark.parametrize("d_k", [8, 16])
 def test_cached_steps_with_fused_projections_equal_full_decoding(d_k: int) -> None:
-    # Cached steps use StepProjections: one W^Q|W^K|W^V product, keys and values by head.
+    # Cached steps use StepProjections: one W^Q|W^K|W^V product.
     # sqrt(16) = 4: W^Q is pre-scaled by 1/4 (exact); sqrt(8) is not a power of two: the step
-    # divides as eq. (1). d_v differs from d_k, so a wrong split of key|value would show.
+    # divides as eq. (1). d_v differs from d_k, so a wrong split of keys and values would show.
     model = Transformer(tiny(d_k=d_k, d_v=12)).eval()
     src, src_mask, tgt = batch()
     with torch.no_grad():
