@@ -13,7 +13,6 @@ import torch
 
 from fixtures import make_model_file, multi30k_lines
 from transformer import model as model_module
-from transformer.search import beam_steps, greedy_steps, max_output_lengths
 from transformer.translate import Translator
 
 pytestmark = pytest.mark.integration
@@ -37,22 +36,12 @@ class _FullStepper:
         self.src_mask = self.src_mask[index]
 
 
-@torch.inference_mode()
-def _reference(tr: Translator, lines: list[str], beam: int) -> list[list[int]]:
-    cfg, sources = tr.options(beam_size=beam), tr.encode(lines)
-    out: list[list[int]] = [[] for _ in lines]
-    for batch in tr.batches(sources):  # the translator's batches: the same matrix shapes
-        src, src_mask = tr._collate([sources[i] for i in batch])
-        stepper = _FullStepper(tr.model, src, src_mask, log_probs=beam > 1)
-        max_lens = max_output_lengths(src_mask.sum(1), cfg.max_len_a, cfg.max_len_b, 256)
-        if beam == 1:
-            found = greedy_steps(stepper, max_lens)
-        else:
-            hyps = beam_steps(stepper, max_lens, beam, cfg.length_penalty, 1, cfg.stop)
-            found = [h[0].tokens for h in hyps]
-        for i, tokens in zip(batch, found, strict=True):
-            out[i] = tokens
-    return out
+def _reference(tr: Translator, lines: list[str], beam: int, monkeypatch) -> list[list[int]]:
+    """The translator's own loop (its batches, length limits and search), with every batch's
+    cached stepper replaced by `_FullStepper` through the search's `constrain` hook."""
+    with monkeypatch.context() as m:
+        m.setattr(tr, "constrain", lambda _, src, mask: _FullStepper(tr.model, src, mask, beam > 1))
+        return [nbest[0].tokens for nbest in tr.translate(lines, beam_size=beam)]
 
 
 @pytest.fixture(scope="module")
@@ -69,10 +58,12 @@ def translator(tmp_path_factory) -> Translator:
 
 
 @pytest.mark.parametrize("beam", [1, 4])
-def test_cached_fused_search_equals_uncached_reference_on_real_sentences(translator, beam):
+def test_cached_fused_search_equals_uncached_reference_on_real_sentences(
+    translator, beam, monkeypatch
+):
     lines = multi30k_lines("test_2016_flickr", "en", 100)
     got = [nbest[0].tokens for nbest in translator.translate(lines, beam_size=beam)]
-    assert got == _reference(translator, lines, beam)
+    assert got == _reference(translator, lines, beam, monkeypatch)
     assert sum(len(t) for t in got) > 500  # real outputs, not empty ones
 
 
