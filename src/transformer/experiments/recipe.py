@@ -64,8 +64,9 @@ def run_recipe(
         manifest = prepare_corpus("multi30k", "en", "de", data_dir, from_dir=from_dir)
     spent = (time.monotonic() - start) / 60
     train_minutes = minutes - SCORING_MINUTES - spent
-    if resume:  # the budget left is what the interrupted run did not use
-        train_minutes -= _trained_minutes(run_dir)
+    # An interrupted run's minutes count against the budget (and in the report), once.
+    earlier = _trained_minutes(run_dir) if resume else 0.0
+    train_minutes -= earlier
     budget = [f"train.max_minutes={max(train_minutes, 0.01):.2f}"]
     config = build_config(
         name, overrides=[*budget, *(overrides or [])], vocab_size=manifest.vocab_size
@@ -91,7 +92,7 @@ def run_recipe(
         "recipe": name,
         "config": to_dict(config),
         "averaged_checkpoints": last,
-        "minutes": (time.monotonic() - start) / 60 + (_trained_minutes(run_dir) if resume else 0),
+        "minutes": (time.monotonic() - start) / 60 + earlier,
         "stage_seconds": seconds,
         "train": _summary(run_dir),
         "valid_curve": [row for _, row in rundir.read_metrics(run_dir, "valid")],
