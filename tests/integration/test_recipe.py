@@ -58,3 +58,9 @@ def test_recipe_rejects_an_unknown_name_and_a_budget_below_scoring(capsys):
     assert "multi30k-full" in capsys.readouterr().err
     assert main(["recipe", "multi30k-full", "--minutes", "1"]) == 2
     assert "budget" in capsys.readouterr().err
+
+
+def test_recipe_resume_without_an_earlier_run_is_a_one_line_error(shared_data, tmp_path, capsys):
+    args = ["recipe", "multi30k-full", "--out", str(tmp_path / "r"), "--resume"]
+    assert main([*args, "--data-from", str(shared_data / "multi30k")]) == 2
+    assert "run/config.yaml: not found" in capsys.readouterr().err
