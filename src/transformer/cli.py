@@ -129,6 +129,9 @@ def _cmd_recipe(args: argparse.Namespace) -> int:
         f"{name}: {r['minutes']:.1f} min, {train['steps']} steps, "
         f"{train['epochs'] or 0:.1f} epochs; val BLEU {r['scores']['val']['bleu']:.2f}"
     )
+    steps = r["averaged_checkpoints"]
+    print(f"  chosen on val: checkpoints {steps[0]}-{steps[-1]} ({len(steps)}) averaged, "
+          f"α {r['alpha']}")  # fmt: skip
     print(f"  test_2016_flickr: BLEU {test['bleu']:.2f} ({test['bleu_signature']})")
     print(f"  lowercased: BLEU {test['bleu_lc']:.2f} ({test['bleu_lc_signature']})")
     if "tok_bleu_lc" in test:

@@ -348,7 +348,9 @@ PRESETS: dict[str, dict[str, Any]] = {
         "train.patience_metric": "bleu",
         "train.save_every_steps": 250,
         "train.save_every_minutes": 1.0e9,
-        "train.keep_last": 5,
+        # Enough to average 10 up to a best validation that patience (5 x 500 steps) has run
+        # past: valchoice.py picks the window on val.
+        "train.keep_last": 20,
         "train.log_every_steps": 100,
     },
     "parsing-cpu": {

@@ -9,7 +9,7 @@ import pytest
 
 from transformer import evaluate
 from transformer.cli import main
-from transformer.experiments import recipe
+from transformer.experiments import recipe, valchoice
 
 pytestmark = pytest.mark.integration
 
@@ -24,6 +24,7 @@ def test_recipe_trains_averages_and_scores_val_then_test_in_both_forms(
     shared_data, tmp_path, monkeypatch, one_thread, capsys
 ):
     monkeypatch.setattr(recipe, "SCORING_MINUTES", 0.0)
+    monkeypatch.setattr(valchoice, "ALPHAS", (0.6, 1.0, 1.4))
     # Beam search with an untrained model runs to the length cap: 50 sentences of each split.
     full = evaluate.evaluate
     monkeypatch.setattr(evaluate, "evaluate", lambda *a, **k: full(*a, **k, limit=50))
@@ -43,7 +44,18 @@ def test_recipe_trains_averages_and_scores_val_then_test_in_both_forms(
     curve = report["valid_curve"]
     assert curve and all(row["epochs"] > 0 and "bleu" in row for row in curve)
     assert 0 < report["train"]["steps"] <= 30 and report["train"]["epochs"] > 0
-    assert report["averaged_checkpoints"] >= 1 and report["config"]["model"]["d_model"] == 32
+    assert report["config"]["model"]["d_model"] == 32
+    # Chosen on val: the window among the candidates, α on it; test decoded with both.
+    chosen = report["chosen_on_val"]
+    assert report["averaged_checkpoints"] in [w["steps"] for w in chosen["windows"]]
+    assert chosen["alphas"][str(report["alpha"])] == max(chosen["alphas"].values())
+    assert (
+        test["search"]["length_penalty"]
+        == report["alpha"]
+        == report["scores"]["val"]["search"]["length_penalty"]
+    )
+    assert "chosen on val: checkpoints" in printed
+    assert not (out / "candidates").exists()
     hyps = (out / "test_2016_flickr.de.hyp").read_text(encoding="utf-8").splitlines()
     assert len(hyps) == 50
 

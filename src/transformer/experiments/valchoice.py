@@ -1,0 +1,122 @@
+"""What a recipe chooses on val once training has ended: the checkpoints to average and α.
+
+§6.1: the beam size and length penalty "were chosen after experimentation on the development
+set", and the averaged checkpoints are the last ones written. A run that has trained past its
+best validation (early stopping waits `train.patience` validations) has its best checkpoints
+behind the last ones, so the candidates are windows of the newest checkpoints ending at the last
+checkpoint and at the best validation's step (fairseq's `--checkpoint-upper-bound`). The search
+is coordinate-wise: the windows are compared at one α, then α on the chosen average. Every
+candidate is scored with the same beam search on val, never on test; ties keep the earlier
+candidate (the last-N window, the smaller α: the paper's 0.6 first).
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from transformer.errors import UserError
+
+logger = logging.getLogger(__name__)
+
+WINDOWS = (5, 10)  # how many checkpoints are averaged (§6.1 averages 5 for base)
+ALPHAS = (0.6, 0.8, 1.0, 1.2, 1.4, 1.6, 1.8)  # §6.1 chose 0.6 on its dev set
+WINDOW_ALPHA = 1.0  # α at which the windows are compared (the middle of ALPHAS)
+
+# score(model file, α) -> an `evaluate` report of val (at least "bleu").
+Scorer = Callable[[Path, float], dict]
+
+
+def best_valid_step(valid_rows: Sequence[dict], metric: str = "ppl") -> int | None:
+    """The step of the best validation record (lowest "ppl", or highest "bleu"); first on ties."""
+    rows = [r for r in valid_rows if r.get(metric) is not None]
+    if not rows:
+        return None
+    sign = -1.0 if metric == "ppl" else 1.0
+    return max(rows, key=lambda r: (sign * r[metric], -r["step"]))["step"]
+
+
+def candidate_windows(
+    steps: Sequence[int], best_step: int | None, windows: Sequence[int] = WINDOWS
+) -> list[tuple[int, ...]]:
+    """Distinct sets of checkpoint steps to average: for each window size N, the last N
+    checkpoints, and the last N up to `best_step`; a window larger than what is there shrinks
+    to what is there (a short run still has one candidate)."""
+    steps = sorted(steps)
+    if not steps:
+        raise UserError("no checkpoints on the save cadence to average")
+    bounds = [steps]
+    if best_step is not None:
+        upto = [s for s in steps if s <= best_step]
+        if upto and upto != steps:
+            bounds.append(upto)
+    found: list[tuple[int, ...]] = []
+    for n in windows:
+        for have in bounds:
+            chosen = tuple(have[-n:])
+            if chosen not in found:
+                found.append(chosen)
+    return found
+
+
+def choose_on_val(
+    run_dir: Path,
+    out_dir: Path,
+    score: Scorer,
+    metric: str = "ppl",
+    windows: Sequence[int] | None = None,
+    alphas: Sequence[float] | None = None,
+    window_alpha: float | None = None,
+) -> dict:
+    """Average each candidate window, score it on val, then α on the best one.
+
+    Args:
+        run_dir: the trained run (its checkpoints on the save cadence and its valid records).
+        out_dir: the chosen average is written to OUT/model.safetensors.
+        score: val scorer, e.g. `evaluate(model, data, "valid", beam_size=4, length_penalty=α)`.
+        metric: what "best validation" means ("ppl" or "bleu", the run's patience metric).
+        windows, alphas, window_alpha: default WINDOWS, ALPHAS, WINDOW_ALPHA.
+
+    Returns:
+        {"model", "alpha", "averaged" (checkpoint steps), "best_valid_step", "windows" (each
+        candidate's steps and val BLEU), "alphas" (α → val BLEU)}.
+    """
+    from transformer import checkpoint, rundir
+
+    run_dir, out_dir = Path(run_dir), Path(out_dir)
+    windows = WINDOWS if windows is None else windows
+    alphas = ALPHAS if alphas is None else alphas
+    window_alpha = WINDOW_ALPHA if window_alpha is None else window_alpha
+    steps = [checkpoint.step_of(p) for p in checkpoint.list_checkpoints(run_dir, cadence_only=True)]
+    best = best_valid_step([row for _, row in rundir.read_metrics(run_dir, "valid")], metric)
+    staging = out_dir / "candidates"
+    staging.mkdir(parents=True, exist_ok=True)
+    tried = []
+    for chosen in candidate_windows(steps, best, windows):
+        path = staging / f"avg_{chosen[0]}-{chosen[-1]}.safetensors"
+        rundir.average_run(run_dir, len(chosen), path, upper_bound=chosen[-1])
+        bleu = score(path, window_alpha)["bleu"]
+        logger.info("val: checkpoints %s … %s (%d), α %s: BLEU %.2f",
+                    chosen[0], chosen[-1], len(chosen), window_alpha, bleu)  # fmt: skip
+        tried.append({"steps": list(chosen), "path": path, "bleu": bleu})
+    pick = max(tried, key=lambda t: t["bleu"])  # max keeps the first of equals
+    by_alpha = {}
+    for alpha in alphas:
+        by_alpha[alpha] = (
+            pick["bleu"] if alpha == window_alpha else score(pick["path"], alpha)["bleu"]
+        )
+        logger.info("val: α %s: BLEU %.2f", alpha, by_alpha[alpha])
+    alpha = max(by_alpha, key=by_alpha.__getitem__)
+    model = out_dir / rundir.MODEL
+    shutil.move(pick["path"], model)
+    shutil.rmtree(staging)
+    return {
+        "model": str(model),
+        "alpha": alpha,
+        "averaged": pick["steps"],
+        "best_valid_step": best,
+        "windows": [{"steps": t["steps"], "bleu": t["bleu"]} for t in tried],
+        "alphas": {str(a): b for a, b in by_alpha.items()},
+    }

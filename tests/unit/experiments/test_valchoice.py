@@ -1,0 +1,94 @@
+"""valchoice.py: the checkpoints to average and α, chosen on val after training."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from transformer import checkpoint, rundir
+from transformer.config import ModelConfig, RunConfig, to_dict
+from transformer.errors import UserError
+from transformer.experiments.valchoice import best_valid_step, candidate_windows, choose_on_val
+from transformer.model import Transformer
+from transformer.modelfile import load_model
+
+TINY = RunConfig(model=ModelConfig(vocab_size=20, n_layers=1, d_model=8, d_ff=16, n_heads=2,
+                                   d_k=4, d_v=4))  # fmt: skip
+
+
+def test_best_valid_step_lowest_ppl_or_highest_bleu_first_of_equals():
+    rows = [
+        {"step": 500, "ppl": 6.0, "bleu": 30.0},
+        {"step": 1000, "ppl": 5.0, "bleu": 31.0},
+        {"step": 1500, "ppl": 5.0, "bleu": 29.0},
+        {"step": 2000, "ppl": 5.5, "bleu": 31.0},
+    ]
+    assert best_valid_step(rows, "ppl") == 1000
+    assert best_valid_step(rows, "bleu") == 1000
+    assert best_valid_step([{"step": 5, "ppl": 3.0}], "bleu") is None  # validated without BLEU
+    assert best_valid_step([], "ppl") is None
+
+
+def test_candidate_windows_end_at_the_last_checkpoint_and_at_the_best_validation():
+    steps = list(range(250, 5001, 250))  # 20 checkpoints
+    assert candidate_windows(steps, 4000, (5, 10)) == [
+        (4000, 4250, 4500, 4750, 5000),
+        (3000, 3250, 3500, 3750, 4000),
+        tuple(range(2750, 5001, 250)),
+        tuple(range(1750, 4001, 250)),
+    ]
+    # best = last: the two bounds coincide; a short run shrinks the window to what is there
+    assert candidate_windows(steps[-3:], 5000, (5, 10)) == [(4500, 4750, 5000)]
+    # a best validation before the first kept checkpoint cannot bound anything
+    assert candidate_windows(steps[-3:], 1000, (2,)) == [(4750, 5000)]
+    with pytest.raises(UserError, match="no checkpoints"):
+        candidate_windows([], None)
+
+
+def _run(tmp_path, steps, valid):
+    run = tmp_path / "run"
+    for step in steps:
+        torch.manual_seed(step)
+        spm = torch.tensor([1], dtype=torch.uint8)
+        data = {"spm_proto": spm, "src": "en", "tgt": "de"}
+        state = {"step": step, "model": Transformer(TINY.model).state_dict(),
+                 "config": to_dict(TINY), "data": data}  # fmt: skip
+        checkpoint.save_checkpoint(run, step, state, keep_last=20)
+    with open(run / rundir.METRICS, "w") as f:
+        for row in valid:
+            f.write(json.dumps({"kind": "valid", **row}) + "\n")
+    return run
+
+
+def test_choose_on_val_picks_the_window_then_alpha_and_never_scores_test(tmp_path):
+    run = _run(tmp_path, range(1, 9), [{"step": 4, "ppl": 5.0}, {"step": 8, "ppl": 6.0}])
+    calls = []
+
+    def score(model, alpha):
+        calls.append((model.name, alpha))
+        # the window up to the best validation wins at α 1; α 1.4 wins on it; 1.8 ties 1.4
+        table = {"avg_1-4.safetensors": 30.0, "avg_7-8.safetensors": 29.0}
+        bonus = {0.6: 0.0, 1.0: 0.5, 1.4: 0.9, 1.8: 0.9}[alpha]
+        return {"bleu": table.get(model.name, 20.0) + bonus}
+
+    out = tmp_path / "out"
+    choice = choose_on_val(
+        run, out, score, metric="ppl", windows=(2, 4), alphas=(0.6, 1.0, 1.4, 1.8)
+    )
+    assert [w["steps"] for w in choice["windows"]] == [[7, 8], [3, 4], [5, 6, 7, 8], [1, 2, 3, 4]]
+    assert choice["averaged"] == [1, 2, 3, 4] and choice["best_valid_step"] == 4
+    assert choice["alpha"] == 1.4  # the first of the equal best
+    assert choice["alphas"] == {"0.6": 30.0, "1.0": 30.5, "1.4": 30.9, "1.8": 30.9}
+    # the windows at α 1.0; α 1.0 on the chosen one is not decoded twice
+    assert calls[:4] == [
+        (f"avg_{a}-{b}.safetensors", 1.0) for a, b in ((7, 8), (3, 4), (5, 8), (1, 4))
+    ]
+    assert [a for _, a in calls[4:]] == [0.6, 1.4, 1.8]
+    # the chosen file is the average of checkpoints 1-4; the other candidates are gone
+    model = load_model(choice["model"]).model.state_dict()
+    states = [checkpoint.load_checkpoint(p)["model"] for p in checkpoint.list_checkpoints(run)[:4]]
+    key = "encoder_layers.0.ffn.w_1.weight"
+    torch.testing.assert_close(model[key], sum(s[key] for s in states) / 4)
+    assert sorted(p.name for p in out.iterdir()) == [rundir.MODEL]
