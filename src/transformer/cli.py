@@ -84,7 +84,8 @@ def _cmd_quickstart(args: argparse.Namespace) -> int:
     print()
     print(
         f"Multi30k {args.src}→{args.tgt}, test_2016_flickr ({rep['sentences']} sentences), "
-        f"beam 4, α 0.6, {rep['train_steps']} training steps"
+        f"beam 4, α {rep['search']['length_penalty']} (chosen on val), "
+        f"{rep['train_steps']} training steps"
     )
     print(f"  sacreBLEU {rep['bleu']:.2f}   {rep['bleu_signature']}")
     print(f"  chrF      {rep['chrf']:.2f}   {rep['chrf_signature']}")

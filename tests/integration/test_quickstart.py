@@ -23,8 +23,14 @@ def test_quickstart_smoke_runs_the_whole_pipeline_and_the_loss_falls(shared_data
     assert "wall time" in proc.stdout
     report = json.loads((out / "quickstart.json").read_text())
     assert report["sentences"] == 50 and set(report["stage_seconds"]) == {
-        "prepare", "train", "average", "translate",
+        "prepare", "train", "average, α on val", "translate",
     }  # fmt: skip
+    # α chosen on val (50 sentences in a smoke run), test translated with it
+    chosen = report["chosen_on_val"]
+    assert set(chosen["alphas"]) == {"0.6", "1.0", "1.4"} and chosen["averaged"] == [30, 40]
+    assert report["search"]["length_penalty"] == chosen["alpha"]
+    assert chosen["alphas"][str(chosen["alpha"])] == max(chosen["alphas"].values())
+    assert f"α {chosen['alpha']} (chosen on val)" in proc.stdout
     assert report["train_steps"] == 40
     hyps = (out / "test_2016_flickr.de.hyp").read_text(encoding="utf-8").splitlines()
     assert len(hyps) == 50
