@@ -27,7 +27,7 @@ def test_recipe_trains_averages_and_scores_val_then_test_in_both_forms(
     monkeypatch.setattr(valchoice, "ALPHAS", (0.6, 1.0, 1.4))
     # Beam search with an untrained model runs to the length cap: 50 sentences of each split.
     full = evaluate.evaluate
-    monkeypatch.setattr(evaluate, "evaluate", lambda *a, **k: full(*a, **k, limit=50))
+    monkeypatch.setattr(evaluate, "evaluate", lambda *a, **k: full(*a, **{**k, "limit": 50}))
     out = tmp_path / "r"
     args = ["recipe", "multi30k-full", *TINY, "--out", str(out), "--minutes", "5"]
     args += ["--data-from", str(shared_data / "multi30k")]

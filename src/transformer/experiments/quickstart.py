@@ -90,8 +90,7 @@ def quickstart(
     """
     from transformer import rundir
     from transformer.config import build_config
-    from transformer.evaluate import evaluate
-    from transformer.experiments.valchoice import choose_on_val
+    from transformer.experiments.valchoice import beam4_scorer, choose_on_val
     from transformer.prepare import prepare_corpus
     from transformer.train import train
 
@@ -127,14 +126,7 @@ def quickstart(
             _clear_run(run_dir)
         train(data_dir, run_dir, config)
 
-    limit = SMOKE_TEST_SENTENCES if smoke else None
-
-    def score(model: Path, alpha: float, split: str = "valid", output: Path | None = None):
-        return evaluate(
-            model, data_dir, split, beam_size=4, length_penalty=alpha, dtype="auto",
-            output=output, limit=limit, threads="auto", verify=False,
-        )  # fmt: skip
-
+    score = beam4_scorer(data_dir, limit=SMOKE_TEST_SENTENCES if smoke else None)
     with _stage("average, α on val", seconds):  # the last 5 (§6.1), then α on val
         alphas = ALPHAS[::2] if smoke else ALPHAS
         choice = choose_on_val(run_dir, out_dir, score, windows=(config.train.keep_last,),

@@ -47,8 +47,7 @@ def run_recipe(
     """
     from transformer import rundir
     from transformer.config import build_config, to_dict
-    from transformer.evaluate import evaluate
-    from transformer.experiments.valchoice import choose_on_val
+    from transformer.experiments.valchoice import beam4_scorer, choose_on_val
     from transformer.prepare import prepare_corpus
     from transformer.train import train
 
@@ -79,13 +78,7 @@ def run_recipe(
             raise UserError(f"{run_dir} holds an earlier run: pass --resume, or another --out")
         else:
             train(data_dir, run_dir, config)
-
-    def score(model: Path, alpha: float, split: str = "valid", output: Path | None = None):
-        return evaluate(
-            model, data_dir, split, beam_size=4, length_penalty=alpha, dtype="auto",
-            output=output, threads="auto", verify=False,
-        )  # fmt: skip
-
+    score = beam4_scorer(data_dir)
     with _stage("choose on val", seconds):
         choice = choose_on_val(run_dir, out_dir, score, metric=config.train.patience_metric)
     model_path, alpha = Path(choice["model"]), choice["alpha"]

@@ -29,6 +29,23 @@ WINDOW_ALPHA = 1.0  # α at which the windows are compared (the middle of ALPHAS
 Scorer = Callable[[Path, float], dict]
 
 
+def beam4_scorer(data_dir: Path, limit: int | None = None) -> Callable[..., dict]:
+    """score(model, α, split="valid", output=None): `evaluate` of a prepared split with beam 4
+    (§6.1), the CPU's own dtype (`--dtype auto`) and tuned threads, without the checksum (the
+    recipes have just written the model file). The one decode setting a recipe's val choices
+    and its test pass share."""
+
+    def score(model: Path, alpha: float, split: str = "valid", output: Path | None = None):
+        from transformer.evaluate import evaluate
+
+        return evaluate(
+            model, data_dir, split, beam_size=4, length_penalty=alpha, dtype="auto",
+            output=output, limit=limit, threads="auto", verify=False,
+        )  # fmt: skip
+
+    return score
+
+
 def best_valid_step(valid_rows: Sequence[dict], metric: str = "ppl") -> int | None:
     """The step of the best validation record (lowest "ppl", or highest "bleu"); first on ties."""
     rows = [r for r in valid_rows if r.get(metric) is not None]

@@ -10,7 +10,12 @@ import torch
 from transformer import checkpoint, rundir
 from transformer.config import ModelConfig, RunConfig, to_dict
 from transformer.errors import UserError
-from transformer.experiments.valchoice import best_valid_step, candidate_windows, choose_on_val
+from transformer.experiments.valchoice import (
+    beam4_scorer,
+    best_valid_step,
+    candidate_windows,
+    choose_on_val,
+)
 from transformer.model import Transformer
 from transformer.modelfile import load_model
 
@@ -92,3 +97,18 @@ def test_choose_on_val_picks_the_window_then_alpha_and_never_scores_test(tmp_pat
     key = "encoder_layers.0.ffn.w_1.weight"
     torch.testing.assert_close(model[key], sum(s[key] for s in states) / 4)
     assert sorted(p.name for p in out.iterdir()) == [rundir.MODEL]
+
+
+def test_beam4_scorer_decodes_the_split_with_beam_4_and_the_given_alpha(monkeypatch, tmp_path):
+    from transformer import evaluate
+
+    seen = []
+    monkeypatch.setattr(evaluate, "evaluate", lambda *a, **k: seen.append((a, k)) or {"bleu": 1})
+    score = beam4_scorer(tmp_path / "data", limit=7)
+    assert score(tmp_path / "m.safetensors", 1.2) == {"bleu": 1}
+    score(tmp_path / "m.safetensors", 0.6, "test", tmp_path / "hyp")
+    (a1, k1), (a2, k2) = seen
+    assert a1 == (tmp_path / "m.safetensors", tmp_path / "data", "valid") and a2[2] == "test"
+    assert k1["beam_size"] == 4 and k1["length_penalty"] == 1.2 and k1["limit"] == 7
+    assert k1["output"] is None and k2["output"] == tmp_path / "hyp"
+    assert k1["dtype"] == "auto" and k2["length_penalty"] == 0.6
