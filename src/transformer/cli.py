@@ -285,7 +285,8 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
         return _sweep_converged(args, rows)
     given = [f for f, v in (("--resume", args.resume), ("--seeds", args.seeds),
              ("--patience", args.patience), ("--valid-every", args.valid_every),
-             ("--max-epochs", args.max_epochs), ("--threads", args.threads != "auto"))
+             ("--max-epochs", args.max_epochs), ("--threads", args.threads != "auto"),
+             ("--jobs", args.jobs))
              if v not in (None, False)]  # fmt: skip
     if given:
         raise UserError(f"sweep: {', '.join(given)} only with --converge")
@@ -314,7 +315,8 @@ def _sweep_converged(args: argparse.Namespace, rows: list[str]) -> int:
         seeds=defaults.seeds if args.seeds is None else args.seeds,
         beam_size=args.beam, length_penalty=args.alpha, valid_limit=args.valid_limit,
     )  # fmt: skip
-    results = run_converged(args.data, args.out, settings, rows, args.resume, args.threads)
+    jobs = 1 if args.jobs is None else args.jobs
+    results = run_converged(args.data, args.out, settings, rows, args.resume, args.threads, jobs)
     print((args.out / "table3.md").read_text(encoding="utf-8"))
     print(f"{len(results)} trainings; CSV (one line per seed): {args.out / 'table3.csv'}")
     return 0
@@ -356,6 +358,11 @@ def _add_sweep(sub: argparse._SubParsersAction) -> None:
     conv.add_argument(
         "--resume", action="store_true",
         help="continue the sweep in --out (same settings): finished seeds are kept",
+    )  # fmt: skip
+    conv.add_argument(
+        "--jobs", type=int, metavar="N",
+        help="trainings at once, each in its own process (1; a GPU takes ~12 small ones); "
+        "with N > 1 each training gets one CPU thread unless --threads says otherwise",
     )  # fmt: skip
     _add_threads(conv)
     p.set_defaults(func=_cmd_sweep)

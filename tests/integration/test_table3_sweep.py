@@ -71,7 +71,8 @@ def test_two_row_converge_sweep_resumes_after_an_interruption(shared_data, tmp_p
                                   "train.warmup_steps=4", "train.deterministic=true"),
     )  # fmt: skip
     out = tmp_path / "sweep"
-    results = run_converged(data, out, settings, rows=["base", "E"], threads=1)
+    # two trainings at a time, each in a spawned process (the interrupted run below: in-process)
+    results = run_converged(data, out, settings, rows=["base", "E"], threads=1, jobs=2)
     assert [(r.row, r.seed) for r in results][:2] == [("base", 1), ("base", 2)]
     for r in results:
         assert r.stopped in ("patience", "epoch cap") and 0 < r.steps and r.epochs > 0

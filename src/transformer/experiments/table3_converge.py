@@ -26,9 +26,12 @@ from __future__ import annotations
 
 import json
 import logging
+import multiprocessing
 import time
 from collections.abc import Sequence
+from concurrent.futures import Executor, ProcessPoolExecutor, as_completed
 from dataclasses import asdict, dataclass
+from functools import partial
 from pathlib import Path
 
 from transformer import checkpoint
@@ -244,6 +247,57 @@ def _prune(run_dir: Path) -> None:
         old.unlink()
 
 
+def _run_seed(out_dir: Path, data_dir: Path, settings: ConvergeSettings, base: RunConfig,
+              threads, row: str, seed: int) -> SeedResult:  # fmt: skip
+    """One (row, seed) of the sweep: read back if finished, else train, measure and record it.
+    Module-level (not a closure) so that `jobs > 1` can run it in a worker process."""
+    run_dir = out_dir / row / f"seed{seed}"
+    done = run_dir / RESULT
+    if done.is_file():
+        return _read_result(done)
+    log.info("row %s seed %d: training to convergence", row, seed)
+    config = apply_overrides(row_config(row, base), {"train.seed": seed}, "sweep seed")
+    result = _train_seed(row, seed, config, data_dir, run_dir, settings, threads)
+    text = json.dumps(asdict(result), indent=1) + "\n"
+    checkpoint.write_atomic(done, lambda f: f.write(text.encode("utf-8")))
+    _prune(run_dir)
+    log.info("row %s seed %d: %s after %d steps (%.1f epochs); dev PPL %.2f, BLEU %.2f",
+             row, seed, result.stopped, result.steps, result.epochs, result.dev_ppl,
+             result.dev_bleu)  # fmt: skip
+    return result
+
+
+def _worker_logging(level: int) -> None:
+    """A worker process (spawned: it inherits no logging set-up) logs as the sweep does, with
+    its process id, since several trainings interleave their lines."""
+    logging.basicConfig(level=level, format="%(asctime)s [%(process)d] %(message)s",
+                        datefmt="%H:%M:%S")  # fmt: skip
+
+
+def _executor(jobs: int) -> Executor:
+    """Worker processes for `jobs > 1`, started with "spawn": each initialises its own CUDA
+    context and thread pools (a forked CUDA context is unusable, forked OpenMP pools hang)."""
+    return ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn"),
+                               initializer=_worker_logging,
+                               initargs=(logging.getLogger().getEffectiveLevel(),))  # fmt: skip
+
+
+def _run_all(run, tasks: Sequence[tuple[str, int]], jobs: int) -> dict[tuple[str, int], SeedResult]:
+    """Run (row, seed) tasks, `jobs` at a time; the first failure cancels what has not started
+    and is raised once the running trainings have stopped (each keeps its checkpoints)."""
+    if jobs <= 1:
+        return {task: run(*task) for task in tasks}
+    with _executor(jobs) as pool:
+        futures = {pool.submit(run, *task): task for task in tasks}
+        try:
+            for future in as_completed(futures):
+                future.result()
+        except BaseException:
+            pool.shutdown(wait=True, cancel_futures=True)
+            raise
+    return {task: future.result() for future, task in futures.items()}
+
+
 def run_converged(
     data_dir: Path,
     out_dir: Path,
@@ -251,6 +305,7 @@ def run_converged(
     rows: Sequence[str] = ROWS,
     resume: bool = False,
     threads: int | str | None = None,
+    jobs: int = 1,
 ) -> list[SeedResult]:
     """`transformer sweep table3 --converge`: train every row to convergence with the seed rule;
     write DIR/table3.md (with the findings) and DIR/table3.csv.
@@ -261,7 +316,12 @@ def run_converged(
         settings: the sweep's settings (`settings.data` is recorded; `data_dir` is read).
         rows: the rows to run this time; base is always run first (the seed rule needs it).
         resume: continue the sweep in `out_dir` (made with the same settings).
-        threads: CPU threads for training and decoding (a number, "auto" or None).
+        threads: CPU threads for training and decoding (a number, "auto" or None); with
+            `jobs > 1`, "auto" and None mean one thread per training.
+        jobs: trainings run at once, each in its own process (a GPU, or a CPU with cores to
+            spare). With more than one, the base's seeds and every row's first seed run
+            together, then the extra seeds: the seed rule and the results are those of
+            `jobs=1`, only the order in which trainings start differs.
 
     Returns:
         Every finished (row, seed) of the sweep directory (`collect`), this call's and earlier
@@ -271,35 +331,28 @@ def run_converged(
     for row in rows:
         if row not in ROWS:
             raise UserError(f"unknown Table 3 row {row!r}; choose from {', '.join(ROWS)}")
+    if jobs < 1:
+        raise UserError(f"sweep: --jobs must be at least 1, got {jobs}")
     check_sweep(out_dir, settings, resume)
     per_epoch = _batches_per_epoch(data_dir, settings)  # reads the data: a bad --data fails here
     prepare_sweep(out_dir, settings, resume)
     base = sweep_base(settings, per_epoch)
+    if jobs > 1 and threads in (None, "auto"):
+        threads = 1  # the trainings share the cores: one thread each (issue 20)
+    run = partial(_run_seed, out_dir, data_dir, settings, base, threads)
 
-    def run(row: str, seed: int) -> SeedResult:
-        run_dir = out_dir / row / f"seed{seed}"
-        done = run_dir / RESULT
-        if done.is_file():
-            result = _read_result(done)
-        else:
-            log.info("row %s seed %d: training to convergence", row, seed)
-            config = apply_overrides(row_config(row, base), {"train.seed": seed}, "sweep seed")
-            result = _train_seed(row, seed, config, data_dir, run_dir, settings, threads)
-            text = json.dumps(asdict(result), indent=1) + "\n"
-            checkpoint.write_atomic(done, lambda f: f.write(text.encode("utf-8")))
-            _prune(run_dir)
-            log.info("row %s seed %d: %s after %d steps (%.1f epochs); dev PPL %.2f, BLEU %.2f",
-                     row, seed, result.stopped, result.steps, result.epochs, result.dev_ppl,
-                     result.dev_bleu)  # fmt: skip
-        return result
-
-    base_ppl = [run("base", k).dev_ppl for k in range(1, settings.seeds + 1)]
+    base_seeds = [("base", k) for k in range(1, settings.seeds + 1)]
     others = [r for r in dict.fromkeys(rows) if r != "base"]
-    first = {row: run(row, 1) for row in others}
-    for row in others:  # the seed rule, once every row has its first seed
-        if tf.needs_more_seeds(base_ppl, first[row].dev_ppl):
-            for k in range(2, settings.seeds + 1):
-                run(row, k)
+    if jobs > 1:  # the first seeds need not wait for the base: only the extra seeds do
+        first = _run_all(run, base_seeds + [(row, 1) for row in others], jobs)
+    else:
+        first = _run_all(run, base_seeds, jobs)
+        first.update(_run_all(run, [(row, 1) for row in others], jobs))
+    base_ppl = [first[task].dev_ppl for task in base_seeds]
+    # the seed rule, once every row has its first seed
+    extra = [(row, k) for row in others if tf.needs_more_seeds(base_ppl, first[row, 1].dev_ppl)
+             for k in range(2, settings.seeds + 1)]  # fmt: skip
+    _run_all(run, extra, jobs)
     done = collect(out_dir)  # this run's rows and those of earlier runs with other --rows
     write_converged_report(done, out_dir / "table3.md", out_dir / "table3.csv", settings)
     return done

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import csv
 import json
+import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -177,3 +179,63 @@ def test_a_bad_data_directory_fails_before_the_sweep_is_created(tmp_path) -> Non
     with pytest.raises(UserError, match="no-data"):
         run_converged(tmp_path / "no-data", tmp_path / "s", _settings(), rows=["base"])
     assert not (tmp_path / "s" / "sweep.json").exists()
+
+
+def _threaded(monkeypatch) -> None:
+    """`jobs > 1` with threads for processes: the fake training is visible to the workers."""
+    monkeypatch.setattr(tc, "_executor", lambda jobs: ThreadPoolExecutor(jobs))
+
+
+def test_jobs_run_the_first_seeds_together_then_the_extra_seeds(tmp_path, monkeypatch) -> None:
+    calls: list = []
+    _fake_sweep(monkeypatch, calls)
+    _threaded(monkeypatch)
+    out = tmp_path / "sweep"
+    results = run_converged(tmp_path, out, _settings(), rows=["E", "A1", "B1"], jobs=4)
+    # the same trainings as jobs=1 (test above); the first seeds need not wait for the base
+    assert set(calls[:6]) == {("base", 1), ("base", 2), ("base", 3), ("E", 1), ("A1", 1),
+                              ("B1", 1)}  # fmt: skip
+    assert set(calls[6:]) == {("E", 2), ("E", 3), ("A1", 2), ("A1", 3)} and len(calls) == 10
+    sequential = run_converged(tmp_path, tmp_path / "seq", _settings(), rows=["E", "A1", "B1"])
+    assert results == sequential  # same results, same order in the report
+
+
+def test_jobs_hand_each_training_one_thread_unless_told(tmp_path, monkeypatch) -> None:
+    seen: list = []
+
+    def fake(row, seed, config, data_dir, run_dir, settings, threads):
+        seen.append(threads)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        return _fake_result(row, seed, _PPL[row, seed])
+
+    monkeypatch.setattr(tc, "_train_seed", fake)
+    monkeypatch.setattr(tc, "_batches_per_epoch", lambda data_dir, settings: 100)
+    _threaded(monkeypatch)
+    run_converged(tmp_path, tmp_path / "a", _settings(seeds=1), rows=["E"], jobs=2)
+    run_converged(tmp_path, tmp_path / "b", _settings(seeds=1), rows=["E"], jobs=2, threads=3)
+    run_converged(tmp_path, tmp_path / "c", _settings(seeds=1), rows=["E"], threads="auto")
+    assert seen == [1, 1, 3, 3, "auto", "auto"]
+    with pytest.raises(UserError, match="--jobs must be at least 1, got 0"):
+        run_converged(tmp_path, tmp_path / "d", _settings(), rows=["E"], jobs=0)
+
+
+def test_a_failed_job_stops_the_sweep_and_keeps_what_finished(tmp_path, monkeypatch) -> None:
+    started, lock = [], threading.Lock()
+
+    def fake(row, seed, config, data_dir, run_dir, settings, threads):
+        with lock:
+            started.append((row, seed))
+        if (row, seed) == ("A1", 1):
+            raise UserError(f"{run_dir}: diverged")
+        run_dir.mkdir(parents=True, exist_ok=True)
+        return _fake_result(row, seed, _PPL[row, seed])
+
+    monkeypatch.setattr(tc, "_train_seed", fake)
+    monkeypatch.setattr(tc, "_batches_per_epoch", lambda data_dir, settings: 100)
+    _threaded(monkeypatch)
+    out = tmp_path / "sweep"
+    with pytest.raises(UserError, match="A1/seed1: diverged"):
+        run_converged(tmp_path, out, _settings(), rows=["E", "A1", "B1"], jobs=1 + 1)
+    assert ("E", 2) not in started  # no extra seed after a failure
+    assert not (out / "A1" / "seed1" / "result.json").exists()
+    assert (out / "base" / "seed1" / "result.json").is_file()  # what finished is kept
