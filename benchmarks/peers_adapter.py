@@ -34,6 +34,7 @@ import os
 
 import torch
 
+from transformer.allocator import keep_large_blocks
 from transformer.config import build_config
 from transformer.loss import chunked_label_smoothed_loss
 from transformer.model import DTYPES, Transformer
@@ -63,6 +64,7 @@ class OurTrain:
     def __init__(self, cfg: dict, model_cls: type = Transformer, loss_fn=None) -> None:
         self.cfg, self.model_cls = cfg, model_cls
         self.loss_fn = loss_fn or chunked_label_smoothed_loss
+        keep_large_blocks()  # as `transformer train` sets up its process (train._setup_torch)
         self.runs: dict[str, tuple[Transformer, MixedPrecisionAdam]] = {}
         self.notes = (
             "transformer (ours): bf16 params + fp32 master Adam (fused), chunked non-pad "

@@ -81,13 +81,20 @@ class DecoderCache:
     layout first). Full, the capacity doubles (greedy search: rows are dropped, rarely
     reordered). The encoder-decoder attention's padding mask is kept as an additive bias (one
     add per step instead of masking twice).
+
+    The encoder-decoder keys and values are kept once per source, not once per row: `group`
+    consecutive rows share one source (the beams of a sentence), row r reading cross row
+    r // group. Their queries are then attended together, `group` queries against one copy of
+    the keys (the step reads 1/group of the bytes a per-row copy would), and expanding a
+    sentence to K beams copies nothing.
     """
 
     layers: list[LayerCache] = field(default_factory=list)
     length: int = 0
     self_k: torch.Tensor | None = None  # (N, B, H, capacity, K)
     self_v: torch.Tensor | None = None  # (N, B, H, capacity, Vd)
-    cross_bias: torch.Tensor | None = None  # (B, 1, 1, S): 0 at real source tokens, else -inf
+    cross_bias: torch.Tensor | None = None  # (C, 1, 1, S): 0 at real source tokens, else -inf
+    group: int = 1  # consecutive rows sharing one cross row (C = rows / group)
 
     def _use(self, k: torch.Tensor, v: torch.Tensor) -> None:
         self.self_k, self.self_v = k, v
@@ -119,15 +126,22 @@ class DecoderCache:
 
         Only the filled prefix of the self-attention buffers is copied. With cross=False the
         encoder-decoder keys/values are kept as they are: valid when `index` maps every row
-        to a row with the same source, as beams of one sentence do, and it saves copying
-        (R, H, S, K) per layer and step.
+        to a row with the same source, as beams of one sentence do. With cross=True the new
+        rows' sources are regrouped (`_cross_rows`): only the cross rows that change are
+        copied, once per source.
         """
+        if not cross:
+            rows, group = None, self.group
+        elif self.cross_bias is None:  # before the first step: nothing to regroup yet
+            rows, group = None, 1
+        else:
+            rows, group = _cross_rows(index, self.group, self.cross_bias.size(0))
 
         def pick(t: torch.Tensor | None) -> torch.Tensor | None:
-            return t.index_select(0, index) if t is not None and cross else t
+            return t if t is None or rows is None else t.index_select(0, rows)
 
         layers = [LayerCache(c.proj, pick(c.cross_k), pick(c.cross_v)) for c in self.layers]
-        out = DecoderCache(layers, self.length, cross_bias=pick(self.cross_bias))
+        out = DecoderCache(layers, self.length, cross_bias=pick(self.cross_bias), group=group)
         if self.self_k is None:
             return out
         t = self.length
@@ -140,6 +154,32 @@ class DecoderCache:
                 torch.index_select(prefix, 1, index, out=new[:, :, :, :t])
         out._use(k, v)
         return out
+
+
+def _cross_rows(index: torch.Tensor, group: int, n_cross: int) -> tuple[torch.Tensor | None, int]:
+    """The cross rows to keep after selecting rows `index`, and the new group size.
+
+    New row j reads old cross row index[j] // group. When those come in equal runs of one
+    length g (K beams per sentence, sentence after sentence), the new cache keeps one cross row
+    per run, group g; otherwise one per row, group 1. Returns None for the rows when they are
+    all the old ones in order (no copy), e.g. when each sentence is expanded to its K beams.
+    """
+    src = index if group == 1 else torch.div(index, group, rounding_mode="floor")
+    n = src.numel()
+    if n == 0:
+        return src, 1
+    g = int((src == src[0]).cumprod(0).sum())  # the first run's length
+    if g > 1 and n % g == 0:
+        runs = src.view(-1, g)
+        if bool((runs == runs[:, :1]).all()):
+            src = runs[:, 0]
+        else:
+            g = 1
+    else:
+        g = 1
+    if src.numel() == n_cross and bool((src == torch.arange(n_cross, device=src.device)).all()):
+        return None, g
+    return src, g
 
 
 def padding_bias(src_mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -130,6 +130,18 @@ class MultiHeadAttention(nn.Module):
             out = out.transpose(1, 2)  # (B, Tq, H, Vd)
         return self.w_o(out.reshape(B, Tq, self.n_heads * self.d_v))  # (B, Tq, H*Vd) inside
 
+    def attend_grouped(self, q, k, v, mask, group: int, prescaled=False) -> torch.Tensor:
+        """`attend` for rows that share keys in runs of `group` (the beams of one sentence,
+        `DecoderCache.group`): q (R, H, Tq, K) against k (R / group, H, S, K), v and mask likewise
+        per run. The run's queries are attended together, one matrix product per head and
+        source instead of `group` (each reads the keys and values once); (R, Tq, D)."""
+        R, H, Tq, K = q.shape
+        C = R // group
+        q = q.view(C, group, H, Tq, K).transpose(1, 2).reshape(C, H, group * Tq, K)
+        out = attention(q, k, v, mask, prescaled=prescaled)  # (C, H, group * Tq, Vd)
+        out = out.view(C, H, group, Tq, self.d_v).permute(0, 2, 3, 1, 4)  # (C, group, Tq, H, Vd)
+        return self.w_o(out.reshape(R, Tq, H * self.d_v))
+
 
 class PositionwiseFeedForward(nn.Module):
     """§3.3 eq. (2): FFN(x) = max(0, x W1 + b1) W2 + b2."""
@@ -280,7 +292,10 @@ class DecoderLayer(nn.Module):
                 # batched matrix-product layout again (B * H, S, K).
                 lc.cross_k, lc.cross_v = k.contiguous(), v.contiguous()
             q = ca.split_heads(F.linear(y, *lc.proj.cross_q) if lc.proj else ca.w_q(y))
-            return ca.attend(q, lc.cross_k, lc.cross_v, cache.cross_bias, prescaled=prescaled)
+            if cache.group == 1:
+                return ca.attend(q, lc.cross_k, lc.cross_v, cache.cross_bias, prescaled=prescaled)
+            return ca.attend_grouped(q, lc.cross_k, lc.cross_v, cache.cross_bias, cache.group,
+                                     prescaled=prescaled)  # fmt: skip
 
         x = self.res_self(x, self_attend)
         x = self.res_cross(x, cross_attend)

@@ -18,6 +18,7 @@ from typing import Protocol
 
 import torch
 
+from transformer.allocator import keep_large_blocks
 from transformer.cache import DecoderCache
 from transformer.config import STOP_RULES
 from transformer.model import Transformer
@@ -99,6 +100,7 @@ class ModelStepper:
         """log_probs=False: `step` returns the raw logits (R, V) instead, which have the same
         argmax: greedy search needs no log-softmax over V per row and step. tuner: chooses the
         CPU threads step by step (threads.py; a decoder step is the unit of work)."""
+        keep_large_blocks()  # per-step tensors of tens of MiB: reuse their pages (allocator.py)
         self.model, self.log_probs, self.tuner = model, log_probs, tuner
         self.src_mask = src_mask  # (R, S)
         self.memory = model.encode(src, src_mask)  # (B, S, D); read only by the first step

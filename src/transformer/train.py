@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from transformer import checkpoint, distributed, rundir
+from transformer.allocator import keep_large_blocks
 from transformer.batching import TokenBatchSampler
 from transformer.config import RunConfig, apply_overrides, parse_overrides
 from transformer.data import load_prepared
@@ -53,9 +54,12 @@ def _setup_torch(
 ) -> ThreadTuner | None:
     """Determinism, the seed and the CPU threads: `threads` if a number; else 1 for a
     deterministic run; else OMP_NUM_THREADS if set; else tuned while training (threads.py)
-    among this node's share of the cores. Returns the tuner, if any."""
+    among this node's share of the cores. Returns the tuner, if any. Large freed blocks stay
+    in the heap for the next step's tensors (allocator.py)."""
     if isinstance(threads, int) and threads < 1:
         raise UserError(f"--threads: must be at least 1, got {threads}")
+    if device.type == "cpu":
+        keep_large_blocks()
     torch.manual_seed(config.train.seed)
     if config.train.deterministic:
         # Bit-exact runs: deterministic kernels and a fixed thread count (reductions split

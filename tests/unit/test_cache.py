@@ -124,3 +124,42 @@ def test_a_cached_step_costs_37_ops_per_layer_and_copies_no_prefix():
     assert per_layer <= 37
     assert four["cat"] == 0 and four["index_select"] == 0  # written in place, nothing re-copied
     assert four["linear"] == 6 * 4 + 1  # per layer: W^QKV, W^O, cross W^Q, W^O, FFN 2; output
+
+
+def test_cross_rows_keep_one_source_per_run_of_beams() -> None:
+    from transformer.cache import _cross_rows
+
+    expand = torch.arange(3).repeat_interleave(4)  # 3 sentences to 4 beams each
+    assert _cross_rows(expand, 1, 3) == (None, 4)  # nothing copied: the sources as they were
+    rows, g = _cross_rows(torch.tensor([0, 1, 2, 3, 8, 9, 10, 11]), 4, 3)  # sentence 1 done
+    assert rows.tolist() == [0, 2] and g == 4
+    rows, g = _cross_rows(torch.tensor([0, 0, 1]), 1, 2)  # runs of unequal length: per row
+    assert rows.tolist() == [0, 0, 1] and g == 1
+    rows, g = _cross_rows(torch.tensor([0, 0, 1, 2]), 1, 3)
+    assert rows.tolist() == [0, 0, 1, 2] and g == 1
+    assert _cross_rows(torch.tensor([2, 0, 1]), 1, 3)[0].tolist() == [2, 0, 1]
+    assert _cross_rows(torch.tensor([0, 1, 2]), 1, 3) == (None, 1)  # the identity: no copy
+
+
+def test_grouped_cross_attention_equals_one_copy_per_row() -> None:
+    # Issue 19: beams of one sentence share one copy of its encoder keys/values and attend to
+    # it together; the step's output is that of a cache with a copy per beam.
+    model = Transformer(tiny()).eval()
+    src, src_mask = batch()
+    with torch.no_grad():
+        memory = model.encode(src, src_mask)
+        cache = model.new_cache()
+        model.decode(torch.full((3, 1), 1), memory, src_mask, cache)
+        index = torch.tensor([0, 0, 1, 1, 2, 2])  # two beams per sentence
+        grouped = cache.reorder(index)
+        per_row = cache.reorder(index)
+        per_row.group = 1
+        for layer in per_row.layers:
+            layer.cross_k, layer.cross_v = (layer.cross_k[index], layer.cross_v[index])
+        per_row.cross_bias = per_row.cross_bias[index]
+        assert grouped.group == 2 and grouped.layers[0].cross_k.size(0) == 3
+        tgt = torch.randint(4, V, (6, 1))
+        got = model.decode(tgt, memory, src_mask, grouped)
+        want = model.decode(tgt, memory, src_mask, per_row)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+    assert not torch.equal(got[0], got[2])  # different sentences, different outputs

@@ -1,0 +1,48 @@
+"""allocator.py: large per-step tensors come from the heap, not from a fresh mmap each time."""
+
+from __future__ import annotations
+
+import ctypes
+import sys
+
+import pytest
+import torch
+
+import transformer.allocator as allocator
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt")
+
+
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in (
+        "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks",
+        "fordblks", "keepcost")]  # fmt: skip
+
+
+def _mmapped_blocks() -> int:
+    mallinfo2 = ctypes.CDLL(None).mallinfo2
+    mallinfo2.restype = _MallInfo2
+    return mallinfo2().hblks
+
+
+def test_a_64_mib_tensor_comes_from_the_heap_once_applied() -> None:
+    assert allocator.keep_large_blocks() is True
+    assert allocator.keep_large_blocks() is True  # idempotent
+    before = _mmapped_blocks()
+    x = torch.empty(64 << 20, dtype=torch.uint8)  # glibc's default: above 32 MiB, an mmap
+    x.fill_(1)
+    assert _mmapped_blocks() == before
+    del x
+
+
+@pytest.mark.parametrize("env", [{"TRANSFORMER_MALLOC": "system"},
+                                 {"MALLOC_MMAP_THRESHOLD_": "65536"},
+                                 {"MALLOC_TRIM_THRESHOLD_": "0"}])  # fmt: skip
+def test_the_users_choice_is_left_alone(monkeypatch, env) -> None:
+    calls = []
+    monkeypatch.setattr(allocator.ctypes, "CDLL", lambda name: calls.append(name))
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.setattr(allocator, "_applied", None)
+    assert allocator.keep_large_blocks() is False
+    assert calls == []  # mallopt never looked up
