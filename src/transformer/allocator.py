@@ -1,4 +1,5 @@
-"""The C allocator's handling of large blocks, for the tensors a CPU decoder makes every step.
+"""The C allocator's handling of large blocks, for the tensors CPU decoding and training make
+every step.
 
 Not in the paper. PyTorch's CPU tensors come from malloc. glibc serves a block larger than its
 mmap threshold (dynamic, at most 32 MiB) with a fresh `mmap` and returns it with `munmap` when
@@ -10,13 +11,14 @@ already mapped (Intel Xeon with AMX, 2 threads).
 
 `keep_large_blocks` raises the mmap threshold to 1 GiB and the trim threshold likewise, so
 that a freed block stays in the heap and the next step's tensor of the same size reuses its
-pages. Measured on the peers' W2 beam workload (docs/performance.md): +30-40% tokens/s. The
-cost is that memory freed by decoding is kept by the process for reuse rather than returned to
-the system (what jemalloc and tcmalloc do too); peak memory is unchanged.
+pages. Measured on the peers' harness (docs/performance.md): beam 4 +21%, training +30% and
+more, greedy unchanged. The cost is that freed memory is kept by the process for reuse rather
+than returned to the system (what jemalloc and tcmalloc do too); peak memory of a training step
+changed by -0.1% at ~4k tokens and +2.7% at ~16k (W3).
 
-Applied once per process, on Linux with glibc, by every decoder (`search.ModelStepper`). Not
-applied where the user chose: `MALLOC_MMAP_THRESHOLD_` or `MALLOC_TRIM_THRESHOLD_` set, or
-`TRANSFORMER_MALLOC=system`.
+Applied once per process, on Linux with glibc, by every decoder (`search.ModelStepper`) and by
+CPU training (`train._setup_torch`). Not applied where the user chose: `MALLOC_MMAP_THRESHOLD_`
+or `MALLOC_TRIM_THRESHOLD_` set, or `TRANSFORMER_MALLOC=system`.
 """
 
 from __future__ import annotations
