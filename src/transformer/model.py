@@ -336,6 +336,9 @@ class Transformer(nn.Module):
         self.encoder_norm = nn.LayerNorm(d) if cfg.norm_first else None
         self.decoder_norm = nn.LayerNorm(d) if cfg.norm_first else None
         self.embed_scale = math.sqrt(d)  # §3.4: embeddings are multiplied by sqrt(d_model)
+        # An inference-only stand-in for the tied projection (translate.quantize_int8's int8
+        # copy of the embedding); None: F.linear with the embedding itself.
+        self.projection: nn.Module | None = None
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -399,6 +402,8 @@ class Transformer(nn.Module):
 
     def project(self, hidden: torch.Tensor) -> torch.Tensor:
         """(..., D) -> logits (..., V)."""
+        if self.projection is not None:
+            return self.projection(hidden)
         return F.linear(hidden, self.output_weight())
 
     def decode(self, tgt, memory, src_mask, cache: DecoderCache | None = None) -> torch.Tensor:

@@ -117,7 +117,9 @@ class ModelStepper:
             self.tuner.stop(tokens.size(0))
         if not self.log_probs:
             return logits
-        return torch.log_softmax(logits.float(), dim=-1)
+        # fp32 log-softmax read straight from bf16 logits: the same values as `.float()`
+        # first, without a (R, V) fp32 copy.
+        return torch.log_softmax(logits, dim=-1, dtype=torch.float32)
 
     def reorder(self, index: torch.Tensor, same_sentences: bool = False) -> None:
         if not same_sentences:
@@ -195,7 +197,7 @@ def greedy_steps(stepper: Stepper, max_lens: torch.Tensor) -> list[list[int]]:
         t += 1
         force_eos = max_lens[alive] <= t if t >= shortest else None
         lprobs = _mask_specials(stepper.step(last), force_eos, t)
-        last = lprobs.argmax(dim=-1)  # (R,)
+        last = lprobs.float().argmax(dim=-1)  # (R,); bf16's argmax kernel is ~3x slower
         for row, token in zip(alive.tolist(), last.tolist(), strict=True):
             if token != EOS_ID:
                 out[row].append(token)
@@ -322,9 +324,42 @@ def _top_candidates(
     """
     Ba, k = scores.shape
     V = lprobs.size(-1)
-    total = (scores[:, :, None] + lprobs.view(Ba, k, V)).view(Ba, k * V)  # (Ba, k * V)
-    cand_scores, flat = total.topk(min(2 * beam_size, k * V), dim=1)  # (Ba, C)
-    return cand_scores, flat // V, flat % V
+    n = min(2 * beam_size, V)
+    # A sentence's best 2K (beam, token) pairs are among each beam's own best 2K tokens: rank
+    # k * 2K pairs, not k * V.
+    ids = _row_top(lprobs, n)  # (Ba * k, n) token ids
+    total = scores[:, :, None] + lprobs.gather(1, ids).view(Ba, k, n)
+    cand_scores, flat = total.view(Ba, k * n).topk(min(2 * beam_size, k * n), dim=1)  # (Ba, C)
+    return cand_scores, flat // n, ids.view(Ba, k * n).gather(1, flat)
+
+
+# Columns per block of `_row_top`; rows shorter than _BLOCK * _MIN_BLOCKS use a plain topk.
+_BLOCK, _MIN_BLOCKS = 16, 64
+
+
+def _row_top(x: torch.Tensor, n: int) -> torch.Tensor:
+    """Column indices (R, n) of the n largest values of each row of x (R, V), in no set order.
+
+    `topk` over V = 32,000 is a partial sort of every row; a max over blocks is one vectorized
+    pass. The n largest values lie in the n blocks with the largest maxima (each of them is at
+    most its block's maximum, and a block that holds one has a maximum among the n largest), so
+    only those n blocks are ranked. Block j holds the columns j, j + nb, j + 2nb, ... (a strided
+    reduction, which vectorizes along the row); the last V mod _BLOCK columns are always kept.
+    Ties may pick other columns of equal value than `topk` would.
+    """
+    R, V = x.shape
+    nb = V // _BLOCK
+    if nb < _MIN_BLOCKS:
+        return x.topk(n, dim=1).indices
+    maxima = x[:, : nb * _BLOCK].view(R, _BLOCK, nb).amax(1)  # (R, nb)
+    blocks = maxima.topk(n, dim=1).indices  # (R, n)
+    starts = torch.arange(0, nb * _BLOCK, nb, device=x.device)  # (_BLOCK,) offsets in a block
+    cols = (blocks[:, None, :] + starts[None, :, None]).view(R, -1)  # (R, _BLOCK * n)
+    if V > nb * _BLOCK:
+        tail = torch.arange(nb * _BLOCK, V, device=x.device).expand(R, -1)
+        cols = torch.cat([cols, tail], dim=1)
+    best = x.gather(1, cols).topk(n, dim=1).indices
+    return cols.gather(1, best)
 
 
 def _finalize(

@@ -3,13 +3,13 @@
 `Translator` wraps a loaded model file (or a run directory's averaged / latest model) with its
 tokenizer and decoding options. Lines are batched by source tokens, longest first, and the
 outputs are returned in input order. Precision: fp32, bf16 (the model is cast to bfloat16),
-int8 (dynamic quantization of every `nn.Linear`; the tied output projection and the embeddings
-stay fp32, see docs/decoding.md), or auto (`auto_dtype`: bf16 where the hardware multiplies
-bf16 matrices natively, else fp32).
+int8 (`quantize_int8`: int8 weights in every `nn.Linear` and in the tied output projection,
+inputs quantized per call; see docs/decoding.md), or auto (`auto_dtype`).
 """
 
 from __future__ import annotations
 
+import copy
 import logging
 import warnings
 from collections.abc import Iterator, Sequence
@@ -96,15 +96,57 @@ class SentenceAttention:
     weights: dict[str, list[torch.Tensor]]  # encoder/decoder/cross -> N layers of (H, Tq, Tk)
 
 
-def quantize_int8(model: nn.Module) -> nn.Module:
-    """Dynamic int8 quantization of every nn.Linear (attention W^Q, W^KV, W^O and the FFN).
+class Int8Linear(nn.Module):
+    """y = x W^T + b with W in int8, one scale per output row (symmetric), and x quantized to
+    8 bits per call from its own range (dynamic quantization; fbgemm's int8 kernels).
 
-    Not covered: embeddings and the tied pre-softmax projection (`F.linear` on the shared
-    embedding, §3.4), which stay fp32.
+    reduce_range: quantize x to 7 bits, which CPUs without VNNI need (their 8-bit products
+    saturate int16 sums; torch's own dynamic Linear always does it). x may be fp32 or bf16; the
+    output has x's dtype, or `out_dtype`.
     """
-    with warnings.catch_warnings():  # torch.ao.quantization is deprecated but still works
-        warnings.simplefilter("ignore")
-        return torch.ao.quantization.quantize_dynamic(model, {nn.Linear}, dtype=torch.qint8)
+
+    def __init__(
+        self,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        reduce_range: bool,
+        out_dtype: torch.dtype | None = None,
+    ):
+        super().__init__()
+        w = weight.detach().float()
+        scales = (w.abs().amax(dim=1) / 127.0).clamp(min=1e-12).double()
+        zeros = torch.zeros(w.size(0), dtype=torch.long)
+        with warnings.catch_warnings():  # quantized tensors are deprecated (torch 2.13) but work
+            warnings.simplefilter("ignore")
+            qweight = torch.quantize_per_channel(w, scales, zeros, axis=0, dtype=torch.qint8)
+        b = None if bias is None else bias.detach().float()
+        self.packed = torch.ops.quantized.linear_prepack(qweight, b)
+        self.in_features, self.out_features = w.size(1), w.size(0)
+        self.reduce_range, self.out_dtype = reduce_range, out_dtype
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.ops.quantized.linear_dynamic(x.float(), self.packed, self.reduce_range)
+        return y.to(self.out_dtype or x.dtype)
+
+    def extra_repr(self) -> str:
+        return f"in={self.in_features}, out={self.out_features}, reduce_range={self.reduce_range}"
+
+
+def quantize_int8(model: nn.Module, activations: torch.dtype = torch.float32) -> nn.Module:
+    """A copy of `model` with int8 weights in every nn.Linear (attention W^Q, W^KV, W^O and the
+    FFN) and in the pre-softmax projection (an int8 copy of the tied embedding, §3.4), as
+    `Int8Linear`; the rest (embeddings, LayerNorm, attention's products, the cache) in
+    `activations` (fp32, or bf16 where the CPU multiplies it natively). The logits are fp32.
+    """
+    model = copy.deepcopy(model)
+    reduce_range = not ({"avx512_vnni", "avx_vnni", "amx_int8"} & cpu_flags())
+    linears = [(n, m) for n, m in model.named_modules() if type(m) is nn.Linear]
+    for name, linear in linears:
+        parent, _, attr = name.rpartition(".")
+        q = Int8Linear(linear.weight, linear.bias, reduce_range)
+        setattr(model.get_submodule(parent) if parent else model, attr, q)
+    model.projection = Int8Linear(model.output_weight(), None, reduce_range, torch.float32)
+    return model.to(activations)
 
 
 class Translator:

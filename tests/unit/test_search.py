@@ -6,11 +6,15 @@ import math
 import pytest
 import torch
 
+from transformer import search
 from transformer.config import ModelConfig
 from transformer.model import Transformer
 from transformer.search import (
+    NEG_INF,
     STOP_RULES,
     ModelStepper,
+    _row_top,
+    _top_candidates,
     beam_search,
     beam_steps,
     greedy_search,
@@ -356,3 +360,56 @@ def test_reorder_within_sentences_keeps_cross_attention_and_equals_full_decoding
         memory = model.encode(src[rows], src_mask[rows])
         want = model.decode(tgt[swap], memory, src_mask[rows]).log_softmax(-1)[:, 2:]
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def _top_candidates_over_all_pairs(scores, lprobs, beam_size):
+    """The reference: rank every (beam, token) pair of a sentence (k * V of them)."""
+    Ba, k = scores.shape
+    V = lprobs.size(-1)
+    total = (scores[:, :, None] + lprobs.view(Ba, k, V)).view(Ba, k * V)
+    cand_scores, flat = total.topk(min(2 * beam_size, k * V), dim=1)
+    return cand_scores, flat // V, flat % V
+
+
+@pytest.mark.parametrize("V", [5, 1000, 1024, 1039, 32000])
+def test_row_top_finds_each_rows_largest_values(V):
+    g = torch.Generator().manual_seed(V)
+    x = torch.randn(37, V, generator=g)
+    x[3] = NEG_INF  # a row with no finite value
+    x[4, 7:] = NEG_INF  # fewer finite values than n
+    x[5, : V // 2] = 9.0  # ties at the top
+    x[6, -1] = 50.0  # the largest value in the tail beyond the last full block
+    for n in (1, 3, 8):
+        n = min(n, V)
+        ids = _row_top(x, n)
+        assert ids.shape == (37, n)
+        assert all(len(set(row)) == n for row in ids.tolist())  # no column twice
+        got = x.gather(1, ids).sort(dim=1, descending=True).values
+        assert torch.equal(got, x.topk(n, dim=1).values)
+
+
+def test_top_candidates_equal_ranking_every_pair():
+    g = torch.Generator().manual_seed(0)
+    for k, V in ((1, 32000), (4, 32000), (4, 3000), (3, 7)):
+        scores = torch.randn(6, k, generator=g) * 3
+        scores[1, 1:] = NEG_INF  # empty beam slots
+        lprobs = torch.log_softmax(torch.randn(6 * k, V, generator=g) * 4, dim=-1)
+        lprobs[:, PAD_ID : BOS_ID + 1] = NEG_INF
+        got = _top_candidates(scores, lprobs, beam_size=4)
+        want = _top_candidates_over_all_pairs(scores, lprobs, beam_size=4)
+        assert torch.equal(got[0], want[0])  # the same scores, best first
+        for c in (got, want):  # pairs scored -inf (empty slots, barred tokens) tie: any will do
+            c[1][c[0] == NEG_INF], c[2][c[0] == NEG_INF] = -1, -1
+        assert torch.equal(got[1], want[1]) and torch.equal(got[2], want[2])  # no other ties
+
+
+def test_beam_search_with_a_large_vocabulary_equals_ranking_every_pair(monkeypatch):
+    torch.manual_seed(0)
+    model = tiny_model(vocab=3000, scale=30.0)
+    src, src_mask = random_batch(3, 3000, [5, 9, 7])
+    got = beam_search(model, src, src_mask, beam_size=4, n_best=4)
+    monkeypatch.setattr(search, "_top_candidates", _top_candidates_over_all_pairs)
+    want = beam_search(model, src, src_mask, beam_size=4, n_best=4)
+    assert [[h.tokens for h in s] for s in got] == [[h.tokens for h in s] for s in want]
+    for s, t in zip(got, want, strict=True):
+        assert [h.score for h in s] == pytest.approx([h.score for h in t], abs=0, rel=0)

@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 import sentencepiece as spm
 import torch
+from torch import nn
 
 import transformer.translate
 from transformer.cli import main
@@ -18,7 +19,7 @@ from transformer.modelfile import load_model, save_model
 from transformer.rundir import resolve_model
 from transformer.search import beam_search, greedy_search
 from transformer.tokenizer import BOS_ID, EOS_ID, PAD_ID, UNK_ID
-from transformer.translate import Translator, auto_dtype, cpu_flags
+from transformer.translate import Int8Linear, Translator, auto_dtype, cpu_flags, quantize_int8
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -116,9 +117,10 @@ def test_bf16_and_int8(model_file):
     assert bf16.model.output_weight().dtype == torch.bfloat16
     assert len(bf16.translate_lines(LINES)) == 4
     int8 = Translator.from_path(model_file, dtype="int8")
-    dynamic_linear = torch.ao.nn.quantized.dynamic.Linear
-    quantized = [m for m in int8.model.modules() if isinstance(m, dynamic_linear)]
-    assert len(quantized) == 2 * 5 + 2 * 8  # encoder: 3 attn + 2 ffn; decoder: 6 attn + 2 ffn
+    quantized = [m for m in int8.model.modules() if isinstance(m, Int8Linear)]
+    # encoder: 3 attn + 2 ffn; decoder: 6 attn + 2 ffn; and the pre-softmax projection
+    assert len(quantized) == 2 * 5 + 2 * 8 + 1
+    assert not [m for m in int8.model.modules() if type(m) is nn.Linear]
     out = int8.translate_lines(LINES)
     assert out[1] == "" and len(out) == 4
     # Quantized projections cannot be concatenated: cached steps use the layer's own modules.
@@ -265,3 +267,36 @@ def test_the_stop_rule_reaches_the_search(model_file, monkeypatch):
     tr.decode = tr.options(stop="fairseq")
     tr.translate(LINES)
     assert seen == ["t2t", "t2t", "fairseq", "fairseq"]  # two batches each (max_tokens=40)
+
+
+@pytest.mark.parametrize("reduce_range", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int8_linear_is_close_to_the_fp32_product(reduce_range, dtype):
+    g = torch.Generator().manual_seed(0)
+    linear = nn.Linear(64, 48)
+    with torch.no_grad():
+        linear.weight.copy_(torch.randn(48, 64, generator=g) * torch.rand(48, 1, generator=g))
+    x = torch.randn(5, 7, 64, generator=g)
+    q = Int8Linear(linear.weight, linear.bias, reduce_range)
+    got = q(x.to(dtype))
+    assert got.dtype == dtype and got.shape == (5, 7, 48)
+    want = linear(x).detach()
+    rel = (got.float() - want).norm() / want.norm()
+    assert rel < (0.03 if reduce_range else 0.02), rel  # 8-bit weights per row, 7-8-bit inputs
+    assert Int8Linear(linear.weight, None, reduce_range, torch.float32)(x.to(dtype)).dtype == (
+        torch.float32
+    )
+
+
+def test_quantize_int8_leaves_the_model_unchanged(model_file):
+    loaded = Translator.from_path(model_file).loaded
+    before = {k: v.clone() for k, v in loaded.model.state_dict().items()}
+    q = quantize_int8(loaded.model, torch.bfloat16)
+    assert all(torch.equal(v, before[k]) for k, v in loaded.model.state_dict().items())
+    assert [type(m) for m in loaded.model.modules()].count(nn.Linear) == 2 * 5 + 2 * 8
+    assert q.src_embed.weight.dtype == torch.bfloat16 and loaded.model.projection is None
+    src = torch.tensor([[5, 6, EOS_ID]])
+    logits = q.decode(torch.tensor([[BOS_ID]]), q.encode(src, src > 0), src > 0)
+    assert logits.dtype == torch.float32  # the projection's output, for the log-softmax
+    want = loaded.model.decode(torch.tensor([[BOS_ID]]), loaded.model.encode(src, src > 0), src > 0)
+    assert (logits - want).norm() / want.norm() < 0.05
