@@ -235,7 +235,7 @@ class Infer:
     """`bench_infer.py --variants ext:peers_adapter:Infer:<fp32|bf16|int8|auto>`.
 
     fp32: our model as loaded; bf16: all weights bf16; int8: `translate.quantize_int8`
-    (dynamic int8 nn.Linear; the tied projection stays fp32); auto: what `transformer
+    (int8 weights in every nn.Linear and the tied projection); auto: what `transformer
     translate` picks on this machine (`translate.auto_dtype`: bf16 with AMX, else fp32).
     """
 
