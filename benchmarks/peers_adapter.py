@@ -232,11 +232,13 @@ def forced_length_search(
 
 
 class Infer:
-    """`bench_infer.py --variants ext:peers_adapter:Infer:<fp32|bf16|int8|auto>`.
+    """`bench_infer.py --variants ext:peers_adapter:Infer:<fp32|bf16|int8|int8-bf16|auto>`.
 
     fp32: our model as loaded; bf16: all weights bf16; int8: `translate.quantize_int8`
-    (int8 weights in every nn.Linear and the tied projection); auto: what `transformer
-    translate` picks on this machine (`translate.auto_dtype`: bf16 with AMX, else fp32).
+    (int8 weights in every nn.Linear and the tied projection, fp32 activations); int8-bf16: the
+    same with bf16 activations (embeddings, LayerNorm, attention, cache); auto: what
+    `transformer translate` picks on this machine (`translate.auto_dtype`: bf16 with AMX, int8
+    with VNNI, else fp32).
     """
 
     def __init__(self, variant: str, ctx: dict, model_cls: type = Transformer) -> None:
@@ -251,8 +253,13 @@ class Infer:
             from transformer.translate import quantize_int8
 
             model = quantize_int8(model)
+        elif variant == "int8-bf16":
+            from transformer.translate import quantize_int8
+
+            model = quantize_int8(model, activations=torch.bfloat16)
         elif variant != "fp32":
-            raise ValueError(f"variant must be fp32, bf16, int8 or auto, got {variant!r}")
+            choices = "fp32, bf16, int8, int8-bf16 or auto"
+            raise ValueError(f"variant must be {choices}, got {variant!r}")
         self.model, self.pad = model, model.cfg.vocab_size - 1
         self.note = f"transformer (ours) {variant}, forced-length search over ModelStepper"
 

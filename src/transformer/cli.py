@@ -481,8 +481,8 @@ def _add_dtype(p: argparse.ArgumentParser, default: str = "auto") -> None:
         "--dtype",
         choices=INFERENCE_DTYPES,
         default=default,
-        help=f"precision (default: {default}); auto = bf16 with CUDA or a CPU with AMX, else "
-        "fp32 (the choice is logged)",
+        help=f"precision (default: {default}); auto = bf16 with CUDA or a CPU with AMX, "
+        "int8 on a CPU with VNNI and no AMX, else fp32 (the choice is logged)",
     )
 
 

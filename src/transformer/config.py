@@ -27,7 +27,8 @@ from transformer.errors import UserError
 STOP_RULES = ("t2t", "fairseq")
 
 # The precisions a model translates in (translate.py); "auto" picks one for the device it runs
-# on (`translate.auto_dtype`): bf16 with CUDA or a CPU with AMX, else fp32.
+# on (`translate.auto_dtype`): bf16 with CUDA or a CPU with AMX, int8 on a CPU with VNNI and no
+# AMX, else fp32.
 INFERENCE_DTYPES = ("auto", "fp32", "bf16", "int8")
 
 

@@ -49,7 +49,7 @@ def evaluate(
         split: "test", "valid", ...
         beam_size, length_penalty: override the model's decode config (§6.1: 4 and 0.6).
         dtype: "fp32", "bf16", "int8" or "auto" (`translate.auto_dtype`: bf16 with CUDA or
-            AMX, else fp32); the report says which ran.
+            AMX, int8 with VNNI and no AMX, else fp32); the report says which ran.
         output: if given, the translations are written there, one per line.
         limit: translate only the first `limit` sentences (quick checks).
         stop: the beam search's stopping rule, "t2t" (§6.1) or "fairseq" (default: the model's).

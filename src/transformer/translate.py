@@ -39,6 +39,8 @@ DTYPES = {**model_dtypes, "int8": "int8"}  # int8: dynamic quantization of the n
 AUTO = "auto"
 assert (AUTO, *DTYPES) == INFERENCE_DTYPES
 CPUINFO = "/proc/cpuinfo"
+# 8-bit dot products (u8 x s8 summed in int32): fbgemm's int8 kernels then take full 8-bit inputs.
+VNNI_FLAGS = frozenset({"avx512_vnni", "avx_vnni", "amx_int8"})
 
 
 def cpu_flags(path: str | Path | None = None) -> set[str]:
@@ -59,21 +61,28 @@ def auto_dtype(device: str | torch.device) -> tuple[str, str]:
     """`--dtype auto`: the precision to translate in on this device, and why.
 
     bf16 on CUDA (where supported) and on CPUs with AMX (`amx_bf16`: oneDNN multiplies bf16
-    matrices on the tile unit, several times fp32's rate); fp32 elsewhere, where bf16 gains
-    little (about 2x a product without AMX, less after the casts) and costs accuracy. On the
-    Multi30k model, bf16's sacreBLEU is within 0.1 of fp32 (docs/decoding.md, "Precision").
-    int8 is never chosen: it is not yet shown to be faster at that accuracy on one machine.
+    matrices on the tile unit, several times fp32's rate). int8 (`quantize_int8`) on CPUs
+    without AMX that have 8-bit dot products (VNNI: `avx512_vnni` or `avx_vnni`), where it
+    decodes faster than bf16 and fp32 (docs/performance.md, measured on AMD Zen 4). fp32
+    elsewhere. On the Multi30k quickstart model, bf16's and int8's sacreBLEU are within 0.1
+    of fp32 for beam 4 and greedy search (docs/decoding.md, "Precision").
     """
     device = torch.device(device)
     if device.type == "cuda":
         if torch.cuda.is_bf16_supported():
             return "bf16", "CUDA with bf16"
         return "fp32", "CUDA without bf16"
-    if device.type == "cpu" and "amx_bf16" in cpu_flags():
+    if device.type != "cpu":
+        return "fp32", f"a {device.type.upper()} device"
+    flags = cpu_flags()
+    if "amx_bf16" in flags:
         if torch.backends.mkldnn.is_available():
             return "bf16", "the CPU has amx_bf16"
         return "fp32", "the CPU has AMX but this torch has no oneDNN"
-    return "fp32", f"no AMX on this {device.type.upper()}"
+    vnni = sorted(VNNI_FLAGS & flags)
+    if vnni and torch.backends.quantized.engine in {"fbgemm", "x86"}:
+        return "int8", f"the CPU has {vnni[0]} and no AMX"
+    return "fp32", "the CPU has neither AMX nor VNNI"
 
 
 @dataclass
@@ -139,7 +148,7 @@ def quantize_int8(model: nn.Module, activations: torch.dtype = torch.float32) ->
     `activations` (fp32, or bf16 where the CPU multiplies it natively). The logits are fp32.
     """
     model = copy.deepcopy(model)
-    reduce_range = not ({"avx512_vnni", "avx_vnni", "amx_int8"} & cpu_flags())
+    reduce_range = not (VNNI_FLAGS & cpu_flags())
     linears = [(n, m) for n, m in model.named_modules() if type(m) is nn.Linear]
     for name, linear in linears:
         parent, _, attr = name.rpartition(".")

@@ -142,6 +142,8 @@ processor\t: 1
 flags\t\t: fpu sse2
 """
 CPUINFO_NO_AMX = "processor\t: 0\nflags\t\t: fpu sse2 avx2 avx512f avx512_bf16 avx512_vnni\n"
+CPUINFO_AVX2_VNNI = "processor\t: 0\nflags\t\t: fpu sse2 avx2 avx_vnni\n"
+CPUINFO_AVX2 = "processor\t: 0\nflags\t\t: fpu sse2 avx2 fma\n"
 
 
 def test_cpu_flags_reads_the_first_flags_line(tmp_path):
@@ -154,9 +156,14 @@ def test_cpu_flags_reads_the_first_flags_line(tmp_path):
     assert cpu_flags(tmp_path / "noflags") == set()
 
 
-@pytest.mark.parametrize(("cpuinfo", "expected"), [(CPUINFO_AMX, "bf16"), (CPUINFO_NO_AMX, "fp32")])
-def test_dtype_auto_is_bf16_with_amx_else_fp32(model_file, tmp_path, monkeypatch, caplog,
-                                               cpuinfo, expected):  # fmt: skip
+@pytest.mark.parametrize(
+    ("cpuinfo", "expected"),
+    [(CPUINFO_AMX, "bf16"), (CPUINFO_NO_AMX, "int8"), (CPUINFO_AVX2_VNNI, "int8"),
+     (CPUINFO_AVX2, "fp32"), ("processor\t: 0\n", "fp32")],
+)  # fmt: skip
+def test_dtype_auto_is_bf16_with_amx_int8_with_vnni_else_fp32(
+    model_file, tmp_path, monkeypatch, caplog, cpuinfo, expected
+):
     info = tmp_path / "cpuinfo"
     info.write_text(cpuinfo, encoding="utf-8")
     monkeypatch.setattr(transformer.translate, "CPUINFO", str(info))
@@ -164,8 +171,12 @@ def test_dtype_auto_is_bf16_with_amx_else_fp32(model_file, tmp_path, monkeypatch
     with caplog.at_level(logging.INFO, logger="transformer.translate"):
         tr = Translator.from_path(model_file, dtype="auto")
     assert tr.dtype_name == expected and f"dtype auto: {expected}" in caplog.text
-    want = {"bf16": torch.bfloat16, "fp32": torch.float32}[expected]
-    assert tr.model.output_weight().dtype == want
+    if expected == "int8":  # every linear and the tied projection are int8, 8-bit inputs (VNNI)
+        assert isinstance(tr.model.projection, Int8Linear) and not tr.model.projection.reduce_range
+        assert not any(type(m) is torch.nn.Linear for m in tr.model.modules())
+    else:
+        want = {"bf16": torch.bfloat16, "fp32": torch.float32}[expected]
+        assert tr.model.output_weight().dtype == want and tr.model.projection is None
     assert len(tr.translate_lines(LINES)) == 4
 
 
