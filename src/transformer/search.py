@@ -77,6 +77,9 @@ class Stepper(Protocol):
         ...
 
 
+# Decoder steps per unit of work timed by the thread tuner (`ModelStepper.step`).
+TUNER_STEPS = 8
+
 # Wraps a decoder's stepper given the batch's (src, src_mask): a constraint on what may be
 # emitted next (e.g. `parse.TreeConstraint`), applied by masking the stepper's scores.
 Constrain = Callable[["Stepper", torch.Tensor, torch.Tensor], "Stepper"]
@@ -105,16 +108,28 @@ class ModelStepper:
         self.src_mask = src_mask  # (R, S)
         self.memory = model.encode(src, src_mask)  # (B, S, D); read only by the first step
         self.cache: DecoderCache = model.new_cache()
+        self.steps = 0  # decoder steps so far
+        self._unit_steps = self._unit_rows = 0  # the tuner's current unit of work
 
     def step(self, tokens: torch.Tensor) -> torch.Tensor:
         # From the second step on, cross-attention reads its keys/values from the cache, so
         # `memory` (still B rows) is not touched and needs no reordering.
-        if self.tuner is not None:
+        # The tuner's unit of work is TUNER_STEPS decoder steps (one step's time varies too much
+        # from step to step for a probe to compare thread counts on it), from the second step
+        # on: the first also computes the encoder-decoder keys and values, and under beam
+        # search has B rows against the others' K*B. A unit still open when the search ends
+        # is dropped (the next search's first unit restarts its clock).
+        tune = self.tuner is not None and self.steps > 0
+        if tune and self._unit_steps == 0:
             self.tuner.start()
         hidden = self.model.decode_hidden(tokens[:, None], self.memory, self.src_mask, self.cache)
         logits = self.model.project(hidden[:, -1])  # (R, V): only the new position
-        if self.tuner is not None:
-            self.tuner.stop(tokens.size(0))
+        if tune:
+            self._unit_steps, self._unit_rows = self._unit_steps + 1, self._unit_rows + len(tokens)
+            if self._unit_steps == TUNER_STEPS:
+                self.tuner.stop(self._unit_rows)
+                self._unit_steps = self._unit_rows = 0
+        self.steps += 1
         if not self.log_probs:
             return logits
         # fp32 log-softmax read straight from bf16 logits: the same values as `.float()`

@@ -413,3 +413,42 @@ def test_beam_search_with_a_large_vocabulary_equals_ranking_every_pair(monkeypat
     assert [[h.tokens for h in s] for s in got] == [[h.tokens for h in s] for s in want]
     for s, t in zip(got, want, strict=True):
         assert [h.score for h in s] == pytest.approx([h.score for h in t], abs=0, rel=0)
+
+
+class RecordingTuner:
+    """A thread tuner that records the work of each unit it was given."""
+
+    def __init__(self) -> None:
+        self.units: list[int] = []
+        self.open = False
+
+    def start(self) -> None:
+        self.open = True
+
+    def stop(self, work: float) -> None:
+        assert self.open
+        self.units.append(int(work))
+        self.open = False
+
+
+def test_stepper_times_units_of_several_steps_after_the_first():
+    # One decoder step's time varies too much to compare thread counts on, and the first step
+    # (cross keys/values, B rows) is unlike the rest: the tuner gets TUNER_STEPS-step units.
+    model = tiny_model()
+    src, src_mask = random_batch(3, 20, [5, 7, 4])
+    tuner = RecordingTuner()
+    stepper = ModelStepper(model, src, src_mask, tuner=tuner)
+    tokens = torch.full((3,), BOS_ID)
+    with torch.inference_mode():
+        for n in range(1 + 2 * search.TUNER_STEPS + 3):
+            if n == 1 + 2 * search.TUNER_STEPS:  # the first step, then two whole units
+                assert tuner.units == [3 * search.TUNER_STEPS] * 2 and not tuner.open
+            stepper.step(tokens)
+            tokens = torch.randint(4, 20, (3,))
+    assert len(tuner.units) == 2 and tuner.open  # a partial unit stays open (dropped)
+    # A search without a tuner is unchanged by one: the same scores step by step.
+    plain = ModelStepper(model, src, src_mask)
+    timed = ModelStepper(model, src, src_mask, tuner=RecordingTuner())
+    with torch.inference_mode():
+        for tok in (torch.full((3,), BOS_ID), torch.tensor([5, 6, 7])):
+            assert torch.equal(plain.step(tok), timed.step(tok))
