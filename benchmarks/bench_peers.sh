@@ -15,7 +15,7 @@ REPS=${REPS:-3}
 export PYTHONPATH=$PWD/benchmarks${PYTHONPATH:+:$PYTHONPATH}
 mkdir -p "$OUT"
 OURS_TRAIN=ext:peers_adapter:make_train
-OURS_INFER=${OURS_INFER:-ext:peers_adapter:Infer:fp32,ext:peers_adapter:Infer:bf16}
+OURS_INFER=${OURS_INFER:-ext:peers_adapter:Infer:fp32,ext:peers_adapter:Infer:bf16,ext:peers_adapter:Infer:int8}
 # Peers per workload (RESULTS.md measured hf:fp32/hf:bf16/ct2:int16 too; they are slower than
 # ct2:int8, the target, and take minutes per round). Override to run them all.
 BEAM_PEERS=${BEAM_PEERS:-ct2:float32,ct2:int8}
