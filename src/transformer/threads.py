@@ -119,16 +119,17 @@ class ThreadTuner:
         self._next_probe = self.clock() + self.every_s
 
 
-def resolve(threads: int | str | None) -> ThreadTuner | None:
+def resolve(threads: int | str | None, **tuner: int | float) -> ThreadTuner | None:
     """A `--threads` value -> the tuner to use (None: a fixed count, set here, or none at all).
 
-    An int fixes the count; AUTO tunes it, unless the user fixed it with OMP_NUM_THREADS (which
-    torch read at start); None leaves torch as it is.
+    An int fixes the count; AUTO tunes it (`tuner`: ThreadTuner's keyword arguments), unless
+    the user fixed it with OMP_NUM_THREADS (which torch read at start); None leaves torch as it
+    is.
     """
     if threads is None:
         return None
     if threads == AUTO:
-        return None if os.environ.get("OMP_NUM_THREADS") else ThreadTuner.for_this_machine()
+        return None if os.environ.get("OMP_NUM_THREADS") else ThreadTuner.for_this_machine(**tuner)
     if int(threads) < 1:
         from transformer.errors import UserError
 

@@ -217,7 +217,9 @@ class Translator:
         """
         translator = cls(resolve_model(path, device, verify), decode, device, dtype)
         if torch.device(device).type == "cpu":
-            translator.tuner = resolve_threads(threads)
+            # One unit per thread count in a probe: a unit is already several decoder steps
+            # (search.TUNER_STEPS), and a translation job is often short.
+            translator.tuner = resolve_threads(threads, probe_units=1)
         return translator
 
     def encode(self, lines: Sequence[str]) -> list[list[int]]:

@@ -82,7 +82,8 @@ def test_a_clearly_slower_count_is_timed_once_per_probe():
 
 def test_resolve_threads(monkeypatch):
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
-    assert isinstance(resolve(AUTO), ThreadTuner)
+    assert isinstance(resolve(AUTO), ThreadTuner) and resolve(AUTO).probe_units == 2
+    assert resolve(AUTO, probe_units=1).probe_units == 1  # the translator's choice
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     assert resolve(AUTO) is None  # the user's setting stands
     assert resolve(None) is None

@@ -156,6 +156,17 @@ def test_cpu_flags_reads_the_first_flags_line(tmp_path):
     assert cpu_flags(tmp_path / "noflags") == set()
 
 
+def test_translator_tuner_probes_one_unit_per_thread_count(model_file, monkeypatch):
+    # A decoding unit is already search.TUNER_STEPS steps; translation jobs are often short.
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    before = torch.get_num_threads()
+    try:
+        tr = Translator.from_path(model_file, threads="auto")
+        assert tr.tuner is not None and tr.tuner.probe_units == 1
+    finally:
+        torch.set_num_threads(before)
+
+
 @pytest.mark.parametrize(
     ("cpuinfo", "expected"),
     [(CPUINFO_AMX, "bf16"), (CPUINFO_NO_AMX, "int8"), (CPUINFO_AVX2_VNNI, "int8"),
