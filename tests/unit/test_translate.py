@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import io
 import logging
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -9,6 +10,7 @@ import sentencepiece as spm
 import torch
 from torch import nn
 
+import transformer.threads
 import transformer.translate
 from transformer.cli import main
 from transformer.config import DecodeConfig, ModelConfig, RunConfig
@@ -154,6 +156,35 @@ def test_cpu_flags_reads_the_first_flags_line(tmp_path):
     assert cpu_flags(tmp_path / "missing") == set()  # not Linux: no flags, no error
     (tmp_path / "noflags").write_text("processor\t: 0\n", encoding="utf-8")
     assert cpu_flags(tmp_path / "noflags") == set()
+
+
+def test_streams_decode_batches_side_by_side_with_the_same_output(model_file, monkeypatch):
+    # threads="auto" on >= 2 cores: jobs of >= 4 batches are decoded two batches at a time,
+    # each search in its own thread; outputs and their order are those of one search at a time.
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(transformer.threads.os, "cpu_count", lambda: 2)
+    before = torch.get_num_threads()
+    lines = [f"{w} {v} runs." for w in ("A man", "Two dogs", "The child") for v in LINES] * 2
+    try:
+        seq = Translator.from_path(model_file, threads=2)
+        par = Translator.from_path(model_file, threads="auto")
+        assert seq.streams == 1 and par.streams == 2
+        for tr in (seq, par):
+            tr.decode = replace(tr.decode, max_tokens=24)  # several small batches
+        assert len(list(par.batches(par.encode(lines)))) >= 4
+        used = []
+        monkeypatch.setattr(par, "_decode_streams", lambda *a: used.append(1) or
+                            Translator._decode_streams(par, *a))  # fmt: skip
+        for beam in (4, 1):
+            want = seq.translate(lines, beam_size=beam)
+            torch.set_num_threads(2)
+            assert par.translate(lines, beam_size=beam) == want
+            assert torch.get_num_threads() == 2  # restored after the streams
+        assert len(used) == 2
+        assert par.translate(lines[:2]) == seq.translate(lines[:2])  # one batch: no streams
+        assert len(used) == 2
+    finally:
+        torch.set_num_threads(before)
 
 
 def test_translator_tuner_probes_one_unit_per_thread_count(model_file, monkeypatch):
