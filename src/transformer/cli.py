@@ -36,7 +36,8 @@ def _add_threads(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--threads", type=_threads, default="auto", metavar="N|auto",
         help="CPU threads (default auto: OMP_NUM_THREADS if set, else tuned to the machine's "
-        "load as it runs)",
+        "load as it runs; decoding jobs of 4+ batches then run two batches at once, one "
+        "thread each)",
     )  # fmt: skip
 
 
