@@ -337,10 +337,11 @@ class Translator:
             with torch.inference_mode():  # thread-local: the caller's does not reach here
                 return self._decode(batch, sources, cfg, None)
 
+        pool = ThreadPoolExecutor(self.streams, thread_name_prefix="decode")
         try:
-            with ThreadPoolExecutor(self.streams, thread_name_prefix="decode") as pool:
-                return list(pool.map(work, batches))
-        finally:
+            return list(pool.map(work, batches))
+        finally:  # on an error or Ctrl-C, the batches not yet started are dropped, not run
+            pool.shutdown(wait=True, cancel_futures=True)
             torch.set_num_threads(before)
 
     def options(

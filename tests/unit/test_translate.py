@@ -187,6 +187,30 @@ def test_streams_decode_batches_side_by_side_with_the_same_output(model_file, mo
         torch.set_num_threads(before)
 
 
+def test_a_failing_stream_stops_the_job_and_restores_the_threads(model_file, monkeypatch):
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(transformer.threads.os, "cpu_count", lambda: 2)
+    before = torch.get_num_threads()
+    lines = [f"A man number {i} runs to the red house." for i in range(40)]
+    try:
+        par = Translator.from_path(model_file, threads="auto")
+        par.decode = replace(par.decode, max_tokens=24)
+        n_batches = len(list(par.batches(par.encode(lines))))
+        calls = []
+
+        def fail(*args):
+            calls.append(1)
+            raise RuntimeError("out of memory")
+
+        monkeypatch.setattr(par, "_decode", fail)
+        torch.set_num_threads(2)
+        with pytest.raises(RuntimeError, match="out of memory"):
+            par.translate(lines)
+        assert torch.get_num_threads() == 2 and len(calls) < n_batches  # the rest not run
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_translator_tuner_probes_one_unit_per_thread_count(model_file, monkeypatch):
     # A decoding unit is already search.TUNER_STEPS steps; translation jobs are often short.
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
