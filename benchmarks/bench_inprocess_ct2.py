@@ -43,7 +43,7 @@ def main() -> None:
     p.add_argument("--peers", default=PEERS)
     args = p.parse_args()
     sys.path.insert(0, args.peers)
-    from bench_infer import M_EOS, make_src  # the harness's batch: 64 sentences, 26-34 tokens
+    from bench_infer import CT2Infer, make_src  # the harness's batch and CTranslate2 adapter
 
     import peers_adapter
 
@@ -64,17 +64,8 @@ def main() -> None:
         print(f"{label:34s} {n / seconds:7.0f} tok/s   CPU ticks per busy thread: {busy}")
 
     timed("ours, no CTranslate2 yet")
-    import ctranslate2
-
-    ct2 = ctranslate2.Translator(ctx["ct2_dir"], device="cpu", compute_type="int8",
-                                 inter_threads=1, intra_threads=2)  # fmt: skip
-    tokens = [
-        [f"w{i}" for i in row[: n - 1].tolist()] + ["</s>"]
-        for row, n in zip(src, lens, strict=True)
-    ]
-    assert M_EOS == 0
-    ct2.translate_batch(tokens, beam_size=args.beam, max_decoding_length=50,
-                        min_decoding_length=50)  # fmt: skip
+    ct2 = CT2Infer("int8", ctx)  # as the harness builds it: its own threads, alive until del
+    ct2.run(ct2.prepare(src, lens), args.beam, 50)
     timed("ours, CTranslate2 alive (idle)")
     timed("ours, CTranslate2 alive (again)")
     del ct2

@@ -249,14 +249,11 @@ class Infer:
         model = load_marian(ctx["hf_dir"], model_cls)
         if variant == "bf16":
             model = model.to(torch.bfloat16)
-        elif variant == "int8":
+        elif variant in ("int8", "int8-bf16"):
             from transformer.translate import quantize_int8
 
-            model = quantize_int8(model)
-        elif variant == "int8-bf16":
-            from transformer.translate import quantize_int8
-
-            model = quantize_int8(model, activations=torch.bfloat16)
+            activations = torch.bfloat16 if variant == "int8-bf16" else torch.float32
+            model = quantize_int8(model, activations=activations)
         elif variant != "fp32":
             choices = "fp32, bf16, int8, int8-bf16 or auto"
             raise ValueError(f"variant must be {choices}, got {variant!r}")
