@@ -99,6 +99,10 @@ class TrainConfig:
     adam_eps: float = 1e-9  # §5.3
     eps_ls: float = 0.1  # §5.4 label smoothing
     clip_norm: float = 0.0  # not in the paper: gradient-norm clipping, 0 = off
+    # Not in the paper: over the last `cooldown` fraction of the budget (max_steps, or
+    # max_minutes when set, whichever is nearer its end) eq. (3) is scaled down linearly to 0,
+    # for runs that a budget ends rather than convergence. 0 = off (the paper's schedule).
+    cooldown: float = 0.0
     max_steps: int = 100000  # §5.2: base 100K steps, big 300K
     max_minutes: float | None = None  # wall-clock budget
     max_epochs: float | None = None  # passes over the training data (fractional allowed)
@@ -127,6 +131,8 @@ class TrainConfig:
                 raise ConfigError(f"train.{name}: must be positive, got {getattr(self, name)!r}")
         if not 0.0 <= self.eps_ls < 1.0:
             raise ConfigError(f"train.eps_ls: must be in [0, 1), got {self.eps_ls!r}")
+        if not 0.0 <= self.cooldown <= 1.0:
+            raise ConfigError(f"train.cooldown: must be in [0, 1], got {self.cooldown!r}")
         if self.patience < 0 or self.min_delta < 0:
             raise ConfigError("train.patience and train.min_delta: must be >= 0")
         if self.patience_metric not in ("ppl", "bleu"):

@@ -30,6 +30,14 @@ def learning_rate(step: int, d_model: int, warmup: int, scale: float = 1.0) -> f
     return scale * d_model**-0.5 * min(step**-0.5, step * warmup**-1.5)
 
 
+def cooldown_factor(progress: float, cooldown: float) -> float:
+    """The multiplier on eq. (3) at `progress` (0 to 1: the spent fraction of the run's budget)
+    with a linear fall to 0 over the last `cooldown` of it (train.cooldown; 0 = always 1)."""
+    if cooldown <= 0.0:
+        return 1.0
+    return min(1.0, max(0.0, (1.0 - progress) / cooldown))
+
+
 class MixedPrecisionAdam:
     """§5.3 Adam over fp32 master weights of (possibly bf16) model parameters.
 

@@ -27,7 +27,7 @@ from transformer.config import RunConfig, to_dict
 from transformer.data import Batch, ParallelSplit, collate
 from transformer.errors import UserError
 from transformer.loss import chunked_label_smoothed_loss
-from transformer.optim import MixedPrecisionAdam, learning_rate
+from transformer.optim import MixedPrecisionAdam, cooldown_factor, learning_rate
 from transformer.threads import ThreadTuner
 from transformer.tokenizer import PAD_ID
 
@@ -63,6 +63,7 @@ class _Window:
     nll: float = 0.0
     tokens: int = 0
     steps: int = 0
+    lr: float = 0.0  # of the last step taken
     start: float = field(default_factory=time.monotonic)
 
 
@@ -119,6 +120,7 @@ class Trainer:
         self._writer = None
         self._saved_step: int | None = None  # the step of the last checkpoint written
         self._stop_reason: str | None = None  # early stopping or the epoch cap, on this rank
+        self._minutes = 0.0  # of this run, at the start of the current step
 
     # ---------------------------------------------------------------- one step
 
@@ -159,13 +161,15 @@ class Trainer:
             nll_sum += nll.detach().float().cpu()
         tokens = sum(b.n_tgt_tokens for b in batches)
         flags = [float(time_up), float(save_due)]
-        stats = torch.tensor([loss_sum, nll_sum, tokens, *flags], dtype=torch.float32)
-        stats = stats.to(self.device)
+        # The minutes travel with the gradients: every rank takes their mean, so every rank
+        # computes the same learning rate (train.cooldown).
+        stats = [loss_sum, nll_sum, tokens, *flags, self._minutes]
+        stats = torch.tensor(stats, dtype=torch.float32).to(self.device)
         distributed.all_reduce_sum([*self.optimizer.master_grads(), stats], self.dist)
-        loss_g, nll_g, tokens_g, time_g, save_g = stats.tolist()
+        loss_g, nll_g, tokens_g, time_g, save_g, minutes_g = stats.tolist()
         lr = learning_rate(
             self.state.step + 1, self.config.model.d_model, self.cfg.warmup_steps, self.cfg.lr_scale
-        )
+        ) * cooldown_factor(self._progress(minutes_g / self.dist.world_size), self.cfg.cooldown)
         norm = math.nan
         if math.isfinite(loss_g):
             norm = self.optimizer.step(lr, 1.0 / max(tokens_g, 1.0), self.cfg.clip_norm)
@@ -182,6 +186,14 @@ class Trainer:
             "time_up": time_g,
             "save_due": save_g,
         }
+
+    def _progress(self, minutes: float) -> float:
+        """The spent fraction of the run's budget at this step: steps, or minutes if nearer."""
+        spent = self.state.step / self.cfg.max_steps
+        budget = self.cfg.max_minutes
+        if budget is not None:
+            spent = max(spent, minutes / budget if budget > 0 else 1.0)
+        return spent
 
     # ---------------------------------------------------------------- the loop
 
@@ -260,6 +272,7 @@ class Trainer:
             window.nll += out["nll"]
             window.tokens += int(out["tokens"])
             window.steps += 1
+            window.lr = out["lr"]
             return True
         self.state.skipped += 1
         self.state.nonfinite_in_row += 1
@@ -311,9 +324,7 @@ class Trainer:
             return
         elapsed = max(time.monotonic() - window.start, 1e-9)
         tokens = max(window.tokens, 1)
-        lr = learning_rate(
-            self.state.step, self.config.model.d_model, self.cfg.warmup_steps, self.cfg.lr_scale
-        )
+        lr = window.lr
         record = {
             "loss": window.loss / tokens,
             "nll": window.nll / tokens,

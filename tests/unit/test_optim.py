@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from transformer.optim import MixedPrecisionAdam, learning_rate
+from transformer.optim import MixedPrecisionAdam, cooldown_factor, learning_rate
 
 
 def test_lr_at_warmup_end_for_base():
@@ -22,6 +22,14 @@ def test_lr_warmup_is_linear_then_inverse_sqrt():
     assert learning_rate(2000, d, w) == pytest.approx(learning_rate(4000, d, w) / 2)
     assert learning_rate(16000, d, w) == pytest.approx(learning_rate(4000, d, w) / 2)
     assert learning_rate(0, d, w) == learning_rate(1, d, w)
+
+
+def test_cooldown_falls_linearly_to_zero_over_the_last_fraction():
+    assert [cooldown_factor(p, 0.2) for p in (0.0, 0.8, 0.9, 0.95, 1.0, 1.3)] == pytest.approx(
+        [1.0, 1.0, 0.5, 0.25, 0.0, 0.0]
+    )
+    assert cooldown_factor(0.999, 0.0) == 1.0  # off: eq. (3) as it is
+    assert cooldown_factor(0.25, 1.0) == pytest.approx(0.75)
 
 
 def test_lr_scale_multiplies():

@@ -19,7 +19,7 @@ from transformer.config import build_config
 from transformer.data import collate, load_prepared
 from transformer.errors import UserError
 from transformer.loss import chunked_label_smoothed_loss
-from transformer.optim import MixedPrecisionAdam
+from transformer.optim import MixedPrecisionAdam, learning_rate
 from transformer.train import build_model, train
 from transformer.trainer import MAX_NONFINITE_IN_ROW, Trainer, TrainingError
 
@@ -143,6 +143,25 @@ def test_accumulation_equals_one_big_batch(data_dir, tmp_path):
     for g, h in zip(grads_small[0], grads_big[0], strict=True):
         torch.testing.assert_close(g, h, rtol=1e-4, atol=1e-6)
     assert max(g.abs().max().item() for g in grads_big[0]) > 1e-3  # not trivially zero
+
+
+@pytest.mark.parametrize(
+    ("overrides", "step", "minutes", "factor"),
+    [
+        (["train.max_steps=10", "train.cooldown=0.5"], 7, 0.0, 0.6),  # by steps: 1 - 0.7 / 0.5
+        (["train.max_steps=10", "train.cooldown=0.5"], 2, 0.0, 1.0),  # before the cool-down
+        (["train.max_minutes=10", "train.cooldown=0.2"], 1, 9.0, 0.5),  # by minutes, nearer
+        (["train.max_steps=10"], 9, 0.0, 1.0),  # off by default: eq. (3) as it is
+        (["train.max_minutes=0", "train.cooldown=0.2"], 0, 0.0, 0.0),  # a spent budget
+    ],
+)
+def test_cooldown_scales_the_learning_rate(data_dir, tmp_path, overrides, step, minutes, factor):
+    cfg = _config(*overrides)
+    trainer = _trainer(data_dir, tmp_path / "run", cfg)
+    trainer.state.step, trainer._minutes = step, minutes
+    out = trainer.train_step(trainer._next_batches())
+    eq3 = learning_rate(step + 1, cfg.model.d_model, cfg.train.warmup_steps, cfg.train.lr_scale)
+    assert out["lr"] == pytest.approx(eq3 * factor, rel=1e-6)
 
 
 def test_nonfinite_losses_skip_then_stop_with_checkpoint(data_dir, tmp_path):
