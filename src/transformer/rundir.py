@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -177,13 +177,17 @@ def average_run(
         raise checkpoint.CheckpointError(
             f"{ckpt_dir}: --last {last} asked, {len(paths)} checkpoints present{bound}"
         )
-    chosen = paths[-last:]
-    states = [checkpoint.load_checkpoint(p) for p in chosen]
+    return average_files(paths[-last:], Path(out) if out is not None else run_dir / MODEL)
+
+
+def average_files(paths: Sequence[Path], out: Path) -> Path:
+    """Average these checkpoint files (§6.1) into the model file `out`; the newest (last) one
+    gives the config and the tokenizer. Returns `out`."""
+    states = [checkpoint.load_checkpoint(p) for p in paths]
     averaged = checkpoint.average_checkpoints([s["model"] for s in states])
-    model, config = model_from_checkpoint(states[-1], chosen[-1], averaged)
-    out = Path(out) if out is not None else run_dir / MODEL
+    model, config = model_from_checkpoint(states[-1], paths[-1], averaged)
     save_model(out, model, config, *_spm_of(states[-1]))
-    logger.info("averaged %s into %s", ", ".join(p.name for p in chosen), out)
+    logger.info("averaged %s into %s", ", ".join(p.name for p in paths), out)
     return out
 
 

@@ -24,7 +24,7 @@ LANGUAGES = ("en", "de", "fr", "cs")
 QUICKSTART_PRESET = "quickstart"
 # Training budget: the whole job (prepare + train + average + α on val + translate + score)
 # fits in 20 minutes on the 2-core CPU this project is developed on; the other stages take
-# ~80 s (val decoded once per α, ~11 s each with bf16).
+# ~100 s (val decoded once per averaging window and per α, ~12-15 s each).
 TRAIN_MINUTES = 17.5
 # α candidates, chosen on val: on the 18.5-minute model, val BLEU 36.02 at 0.6, 36.46 at 1.0,
 # 36.31 at 1.4, 35.06 at 1.6 (docs/quickstart.md).

@@ -87,7 +87,9 @@ def choose_on_val(
     alphas: Sequence[float] | None = None,
     window_alpha: float | None = None,
 ) -> dict:
-    """Average each candidate window, score it on val, then α on the best one.
+    """Average each candidate window, score it on val, then α on the best one. The windows:
+    `candidate_windows` of the cadence checkpoints, and, when the run ended off the cadence,
+    the last N ending with its end checkpoint.
 
     Args:
         run_dir: the trained run (its checkpoints on the save cadence and its valid records).
@@ -106,14 +108,28 @@ def choose_on_val(
     windows = WINDOWS if windows is None else windows
     alphas = ALPHAS if alphas is None else alphas
     window_alpha = WINDOW_ALPHA if window_alpha is None else window_alpha
-    steps = [checkpoint.step_of(p) for p in checkpoint.list_checkpoints(run_dir, cadence_only=True)]
+    checkpoint.remove_stale(run_dir)  # e.g. the .tmp file of a killed average
+    cadence = checkpoint.list_checkpoints(run_dir, cadence_only=True)
+    files = {checkpoint.step_of(p): p for p in cadence}
+    steps = sorted(files)
     best = best_valid_step([row for _, row in rundir.read_metrics(run_dir, "valid")], metric)
+    candidates = candidate_windows(steps, best, windows)
+    # A budget that ends between two cadence points leaves a newer off-cadence checkpoint
+    # (checkpoint.save_checkpoint's `_end`), up to one interval of training that the cadence
+    # windows leave out: the last N ending with it are candidates too, and val decides.
+    ends = [p for p in checkpoint.list_checkpoints(run_dir) if p not in cadence]
+    if ends and steps and checkpoint.step_of(ends[-1]) > steps[-1]:
+        files[checkpoint.step_of(ends[-1])] = ends[-1]
+        for n in windows:
+            chosen = tuple(sorted(files)[-n:])
+            if chosen not in candidates:
+                candidates.append(chosen)
     staging = out_dir / "candidates"
     staging.mkdir(parents=True, exist_ok=True)
     tried = []
-    for chosen in candidate_windows(steps, best, windows):
+    for chosen in candidates:
         path = staging / f"avg_{chosen[0]}-{chosen[-1]}.safetensors"
-        rundir.average_run(run_dir, len(chosen), path, upper_bound=chosen[-1])
+        rundir.average_files([files[s] for s in chosen], path)
         bleu = score(path, window_alpha)["bleu"]
         logger.info("val: checkpoints %s … %s (%d), α %s: BLEU %.2f",
                     chosen[0], chosen[-1], len(chosen), window_alpha, bleu)  # fmt: skip

@@ -99,6 +99,33 @@ def test_choose_on_val_picks_the_window_then_alpha_and_never_scores_test(tmp_pat
     assert sorted(p.name for p in out.iterdir()) == [rundir.MODEL]
 
 
+def test_choose_on_val_offers_the_windows_ending_at_an_off_cadence_end(tmp_path):
+    run = _run(tmp_path, range(1, 6), [])
+    torch.manual_seed(99)
+    state = {
+        "step": 7,
+        "model": Transformer(TINY.model).state_dict(),
+        "config": to_dict(TINY),
+        "data": {"spm_proto": torch.tensor([1], dtype=torch.uint8), "src": "en", "tgt": "de"},
+    }
+    checkpoint.save_checkpoint(run, 7, state, keep_last=20, on_cadence=False)  # ckpt_7_end.pt
+
+    def score(model, alpha):  # the window with the end wins
+        return {"bleu": 31.0 if model.name == "avg_4-7.safetensors" else 30.0}
+
+    choice = choose_on_val(run, tmp_path / "out", score, windows=(2, 3), alphas=(1.0,))
+    assert [w["steps"] for w in choice["windows"]] == [[4, 5], [3, 4, 5], [5, 7], [4, 5, 7]]
+    assert choice["averaged"] == [4, 5, 7]
+    model = load_model(choice["model"]).model.state_dict()
+    paths = checkpoint.list_checkpoints(run)
+    assert [p.name for p in paths[-3:]] == ["ckpt_4.pt", "ckpt_5.pt", "ckpt_7_end.pt"]
+    states = [checkpoint.load_checkpoint(p)["model"] for p in paths[-3:]]
+    key = "encoder_layers.0.ffn.w_1.weight"
+    torch.testing.assert_close(model[key], sum(s[key] for s in states) / 3)
+    # `transformer average` (§6.1) still averages the cadence checkpoints only
+    assert checkpoint.list_checkpoints(run, cadence_only=True)[-1].name == "ckpt_5.pt"
+
+
 def test_beam4_scorer_decodes_the_split_with_beam_4_and_the_given_alpha(monkeypatch, tmp_path):
     from transformer import evaluate
 
