@@ -39,6 +39,9 @@ class ThreadTuner:
         drop: re-probe at once when the recent rate falls below this fraction of the rate
             the chosen count had in its probe.
         clock: a monotonic clock (tests pass a fake one).
+        warmup_units: units run with the first candidate and not timed before the first probe
+            (a training run's first steps allocate and fill caches: timed, they made the count
+            tried first look slower than it is).
     """
 
     def __init__(
@@ -49,6 +52,7 @@ class ThreadTuner:
         max_every_s: float = 480.0,
         drop: float = 0.5,
         clock: Callable[[], float] = time.perf_counter,
+        warmup_units: int = 0,
     ) -> None:
         self.candidates = sorted({max(1, int(c)) for c in candidates}, reverse=True)
         self.probe_units, self.every_s, self.max_every_s = probe_units, every_s, max_every_s
@@ -62,6 +66,8 @@ class ThreadTuner:
         self._threads = self.best
         self._start = 0.0
         self._after_drop = False
+        self._warmup = warmup_units
+        self._timed = True  # whether the current unit counts
 
     @classmethod
     def for_this_machine(cls, **kwargs) -> ThreadTuner:
@@ -74,7 +80,10 @@ class ThreadTuner:
     def start(self) -> None:
         """Before a unit of work: set the thread count it runs with."""
         now = self.clock()
-        if not self._queue and len(self.candidates) > 1 and now >= self._next_probe:
+        self._timed = self._warmup <= 0
+        if not self._timed:
+            self._warmup -= 1
+        elif not self._queue and len(self.candidates) > 1 and now >= self._next_probe:
             # After a drop the others come first (the way out); on schedule the current choice
             # does, so that an other that is clearly slower is timed only once.
             others = [c for c in self.candidates if c != self.best]
@@ -88,6 +97,8 @@ class ThreadTuner:
 
     def stop(self, work: float) -> None:
         """After the unit: `work` done (tokens); updates the rates and the choice."""
+        if not self._timed:
+            return
         rate = work / max(self.clock() - self._start, 1e-9)
         if self._queue:
             threads = self._queue.pop(0)

@@ -49,6 +49,10 @@ def resolve_run(
     return data_dir, apply_overrides(saved, parse_overrides(overrides), "override")
 
 
+# Training steps before the thread tuner's first probe (threads.ThreadTuner's warmup_units).
+TUNER_WARMUP_STEPS = 4
+
+
 def _setup_torch(
     config: RunConfig, device: torch.device, threads: int | str | None = None
 ) -> ThreadTuner | None:
@@ -69,7 +73,7 @@ def _setup_torch(
     elif isinstance(threads, int):
         torch.set_num_threads(threads)
     elif device.type == "cpu" and not os.environ.get("OMP_NUM_THREADS"):
-        tuner = ThreadTuner.for_this_machine()
+        tuner = ThreadTuner.for_this_machine(warmup_units=TUNER_WARMUP_STEPS)
         torch.set_num_threads(tuner.best)  # every core until the first step is timed
         return tuner
     return None

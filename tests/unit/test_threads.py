@@ -48,6 +48,22 @@ def test_alone_it_keeps_every_core_and_probes_less_and_less_often():
     assert m.now / (400 * 1.0) < 1.04
 
 
+@pytest.mark.parametrize(("warmup", "chosen"), [(0, 1), (3, 2)])
+def test_warmup_units_are_not_timed(warmup, chosen):
+    # The first 3 units are slow whatever the thread count (a run's first steps allocate):
+    # timed, they make every core look slower than one thread.
+    m = Machine()
+    tuner = ThreadTuner([2, 1], probe_units=2, every_s=30, clock=m.clock, warmup_units=warmup)
+    used = []
+    for unit in range(12):
+        tuner.start()
+        used.append(torch.get_num_threads())
+        m.now += 2.5 if unit < 3 else Machine.ALONE[used[-1]]
+        tuner.stop(1000)
+    assert tuner.best == chosen
+    assert used[:warmup] == [2] * warmup  # every core while warming up
+
+
 def test_beside_a_busy_process_it_moves_to_one_thread_within_a_few_units():
     m = Machine()
     tuner = ThreadTuner([2, 1], probe_units=2, every_s=30, max_every_s=480, clock=m.clock)
