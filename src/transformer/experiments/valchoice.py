@@ -120,10 +120,8 @@ def choose_on_val(
     ends = [p for p in checkpoint.list_checkpoints(run_dir) if p not in cadence]
     if ends and steps and checkpoint.step_of(ends[-1]) > steps[-1]:
         files[checkpoint.step_of(ends[-1])] = ends[-1]
-        for n in windows:
-            chosen = tuple(sorted(files)[-n:])
-            if chosen not in candidates:
-                candidates.append(chosen)
+        with_end = candidate_windows(sorted(files), None, windows)
+        candidates += [chosen for chosen in with_end if chosen not in candidates]
     staging = out_dir / "candidates"
     staging.mkdir(parents=True, exist_ok=True)
     tried = []
