@@ -140,7 +140,12 @@ def running_server(model: Path, *flags: str, timeout_s: float = 90.0, log_path: 
 
 
 def prepare_slice(
-    out: Path, multi30k: Path, n_train: int = 200, n_valid: int = 20, vocab_size: int = 400
+    out: Path,
+    multi30k: Path,
+    n_train: int = 200,
+    n_valid: int = 20,
+    vocab_size: int = 400,
+    lowercase: bool = False,
 ) -> Path:
     """A prepared-data directory from the first lines of Multi30k en-de; its path."""
     from transformer.prepare import prepare_corpus
@@ -157,5 +162,6 @@ def prepare_slice(
     prepare_corpus(
         "custom", "en", "de", out / "prepared", vocab_size=vocab_size,
         train_files=files["train"], valid_files=files["valid"], num_threads=1,
+        lowercase=lowercase,
     )  # fmt: skip
     return out / "prepared"

@@ -55,6 +55,9 @@ class ModelConfig:
     norm_first: bool = False  # not in the paper: pre-norm with a final LayerNorm per stack
     p_attn_drop: float = 0.0  # not in the paper (tensor2tensor): dropout on attention weights
     attn_window: int | None = None  # §4 Table 1: restricted self-attention, r neighbours each side
+    # Not in the paper: the model reads and writes lowercased text. Set from the prepared data
+    # (`transformer prepare --lowercase`), never by hand; its tokenizer lowercases any input.
+    lowercase: bool = False
 
     def __post_init__(self) -> None:
         checks = {

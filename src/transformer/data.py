@@ -288,7 +288,9 @@ class PreparedData:
             raise DataError(manifest_path, f"format_version is not {FORMAT_VERSION}; re-prepare")
         self.src_lang: str = self.manifest["src_lang"]
         self.tgt_lang: str = self.manifest["tgt_lang"]
-        self.tokenizer = Tokenizer(self.path / self.manifest["spm_model"])
+        settings = self.manifest.get("settings", {})
+        self.lowercase = bool(settings.get("lowercase", False))  # `prepare --lowercase`
+        self.tokenizer = Tokenizer(self.path / self.manifest["spm_model"], lowercase=self.lowercase)
         self._splits: dict[str, ParallelSplit] = {}
 
     @property

@@ -80,6 +80,13 @@ def evaluate(
             f"{model_path}: translates {pair[0]}→{pair[1]} but {data_dir} is "
             f"{data.src_lang}→{data.tgt_lang}"
         )
+    model_lc = translator.loaded.config.model.lowercase
+    if model_lc != data.lowercase:  # a mismatch scores, but the cased figures mean little
+        logger.warning(
+            "%s was trained on %s text but %s is %s: read the lowercased scores",
+            model_path, "lowercased" if model_lc else "cased", data_dir,
+            "lowercased" if data.lowercase else "cased",
+        )  # fmt: skip
     parallel = data.split(split)
     sources, refs = parallel.text(data.src_lang), parallel.text(data.tgt_lang)
     if limit is not None:
@@ -112,6 +119,7 @@ def evaluate(
         "sentences": len(hyps),
         "search": {k: getattr(translator.decode, k) for k in SEARCH_FIELDS},
         "dtype": translator.dtype_name,  # what ran: "auto" resolved to "fp32" or "bf16"
+        "lowercase": model_lc,  # trained on lowercased text: its output is lowercased
         "bleu": bleu.score,
         "bleu_signature": bleu.signature,
         "bleu_details": str(bleu),

@@ -42,10 +42,11 @@ class LoadedModel:
     path: Path
 
     def tokenizer(self):
-        """The sentencepiece tokenizer stored in the file."""
+        """The sentencepiece tokenizer stored in the file (lowercasing its input when the model
+        was trained on lowercased text)."""
         from transformer.tokenizer import Tokenizer
 
-        return Tokenizer.from_proto(self.spm_proto)
+        return Tokenizer.from_proto(self.spm_proto, lowercase=self.config.model.lowercase)
 
 
 def _unique_state(model: Transformer, keep_vars: bool = False) -> dict[str, torch.Tensor]:

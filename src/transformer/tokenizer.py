@@ -34,10 +34,21 @@ class Tokenizer:
 
     Args:
         model_path: path to a sentencepiece `.model` file trained by `Tokenizer.train`.
+        proto: the model's bytes instead of a path (as stored in a model file).
+        lowercase: lowercase every text before encoding: the model was trained on lowercased
+            text (`transformer prepare --lowercase`, the Multi30k literature's preprocessing), so
+            its input is lowercased as its training data was, and it writes lowercased text.
     """
 
-    def __init__(self, model_path: str | Path | None = None, *, proto: bytes | None = None) -> None:
+    def __init__(
+        self,
+        model_path: str | Path | None = None,
+        *,
+        proto: bytes | None = None,
+        lowercase: bool = False,
+    ) -> None:
         self.model_path = Path(model_path) if model_path is not None else None
+        self.lowercase = lowercase
         source = (
             str(self.model_path) if self.model_path is not None else "the model file's tokenizer"
         )
@@ -56,9 +67,9 @@ class Tokenizer:
             )
 
     @classmethod
-    def from_proto(cls, proto: bytes) -> Tokenizer:
+    def from_proto(cls, proto: bytes, lowercase: bool = False) -> Tokenizer:
         """The tokenizer from a serialized sentencepiece model (as stored in a model file)."""
-        return cls(proto=proto)
+        return cls(proto=proto, lowercase=lowercase)
 
     @classmethod
     def train(
@@ -134,11 +145,12 @@ class Tokenizer:
 
     def encode(self, text: str) -> list[int]:
         """Subword ids of one sentence, without BOS/EOS."""
-        return self._sp.encode(text, out_type=int)
+        return self._sp.encode(text.lower() if self.lowercase else text, out_type=int)
 
     def encode_batch(self, texts: Sequence[str], num_threads: int = 1) -> list[list[int]]:
         """Subword ids of many sentences, without BOS/EOS."""
-        return self._sp.encode(list(texts), out_type=int, num_threads=num_threads)
+        texts = [t.lower() for t in texts] if self.lowercase else list(texts)
+        return self._sp.encode(texts, out_type=int, num_threads=num_threads)
 
     def decode(self, ids: Sequence[int]) -> str:
         """Text of a sequence of ids; special ids (pad, bos, eos, unk) are dropped."""

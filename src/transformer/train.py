@@ -131,7 +131,12 @@ def train(
     saved_torch = (torch.are_deterministic_algorithms_enabled(), torch.get_num_threads())
     tuner = _setup_torch(config, dev, threads)
     data = load_prepared(data_dir)
-    config = replace(config, model=replace(config.model, vocab_size=data.tokenizer.vocab_size))
+    config = replace(
+        config,
+        model=replace(
+            config.model, vocab_size=data.tokenizer.vocab_size, lowercase=data.tokenizer.lowercase
+        ),
+    )
     handler = None
     if info.is_main:
         out_dir.mkdir(parents=True, exist_ok=True)

@@ -63,6 +63,9 @@ def test_recipe_trains_averages_and_scores_val_then_test_in_both_forms(
     assert main(args) == 2
     assert "--resume" in capsys.readouterr().err
     assert main([*args, "--resume"]) == 0
+    capsys.readouterr()
+    assert main([*args, "--resume", "--lowercase"]) == 2  # its data stays cased
+    assert "started without --lowercase: resume it the same way" in capsys.readouterr().err
 
 
 def test_recipe_rejects_an_unknown_name_and_a_budget_below_scoring(capsys):
@@ -76,3 +79,26 @@ def test_recipe_resume_without_an_earlier_run_is_a_one_line_error(shared_data, t
     args = ["recipe", "multi30k-full", "--out", str(tmp_path / "r"), "--resume"]
     assert main([*args, "--data-from", str(shared_data / "multi30k")]) == 2
     assert "run/config.yaml: not found" in capsys.readouterr().err
+
+
+def test_recipe_lowercase_trains_and_scores_lowercased_text(
+    shared_data, tmp_path, monkeypatch, one_thread, capsys
+):
+    monkeypatch.setattr(recipe, "SCORING_MINUTES", 0.0)
+    monkeypatch.setattr(valchoice, "ALPHAS", (1.0,))
+    full = evaluate.evaluate
+    monkeypatch.setattr(evaluate, "evaluate", lambda *a, **k: full(*a, **{**k, "limit": 20}))
+    out = tmp_path / "r"
+    args = ["recipe", "multi30k-full", *TINY, "train.max_steps=10", "--out", str(out)]
+    args += ["--minutes", "5", "--data-from", str(shared_data / "multi30k"), "--lowercase"]
+    assert main(args) == 0
+    printed = capsys.readouterr().out
+    assert "no cased BLEU" in printed and "case:mixed" not in printed and "case:lc" in printed
+    report = json.loads((out / "recipe.json").read_text())
+    assert report["lowercase"] is True and report["config"]["model"]["lowercase"] is True
+    test = report["scores"]["test_2016_flickr"]
+    assert test["lowercase"] is True and test["bleu"] == test["bleu_lc"]  # references lowercased
+    hyps = (out / "test_2016_flickr.de.hyp").read_text(encoding="utf-8")
+    assert hyps.strip() and hyps == hyps.lower()
+    assert main([*args[:-1], "--resume"]) == 2  # without --lowercase: refused, data unchanged
+    assert "started with --lowercase" in capsys.readouterr().err

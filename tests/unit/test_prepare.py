@@ -120,6 +120,33 @@ def test_same_inputs_reuse_and_other_settings_need_force(corpus, tmp_path):
     assert rebuilt.settings["max_len"] == 1000 and rebuilt.filters["train"]["too_long"] == 0
 
 
+def test_lowercase_prepares_lowercased_text_and_records_it(corpus, tmp_path):
+    files, train, valid, test = corpus
+    cased = _prepare(files, tmp_path / "cased")
+    assert "lowercase" not in cased.settings  # manifests written before the option stay reusable
+    assert not load_prepared(tmp_path / "cased").lowercase
+    out = tmp_path / "lc"
+    argv = ["custom", "--src", "en", "--tgt", "de", "--out", str(out), "--threads", "1"]
+    argv += ["--train", *map(str, files["train"]), "--valid", *map(str, files["valid"])]
+    argv += ["--test", *map(str, files["test"])]
+    argv += ["--vocab-size", "300", "--max-len", "100", "--max-ratio", "4"]
+    assert _prepare_cli([*argv, "--lowercase"]) == 0
+    data = load_prepared(out)
+    assert data.manifest["settings"]["lowercase"] is True
+    assert data.lowercase and data.tokenizer.lowercase
+    kept = [p for p in train if p not in BAD_TRAIN]
+    assert any(c.isupper() for p in kept for c in p[1])  # the corpus has capitals to lose
+    assert data.split("train").text("de") == [p[1].lower() for p in kept]
+    assert data.split("valid").text("de") == [p[1].lower() for p in valid]  # references too
+    assert data.split("test").text("en") == [p[0].lower() for p in test]
+    pieces = [data.tokenizer.id_to_piece(i) for i in range(300)]
+    words = [p for p in pieces if not p.startswith("<")]  # not <unk>, <0xC3> (byte fallback)
+    assert words and not any(c.isupper() for c in "".join(words))
+    assert data.tokenizer.encode("Der Hund") == data.tokenizer.encode("der hund")
+    with pytest.raises(DataError, match="other inputs or settings; pass --force"):
+        _prepare_cli(argv)  # the cased preparation never silently reuses the lowercased one
+
+
 def test_misaligned_corpus_never_produces_output(corpus, tmp_path):
     files, train, *_ = corpus
     _write(files["train"][0], [p[0] for p in train[:-1]])

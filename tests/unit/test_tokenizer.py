@@ -150,3 +150,15 @@ def test_the_model_keeps_no_path_of_the_machine_it_was_trained_on(tokenizer, tmp
         spm.SentencePieceProcessor(model_proto=old).encode("a dog.")
     )
     assert strip_build_paths(b"\x00not a model") == b"\x00not a model"
+
+
+def test_lowercase_tokenizer_lowercases_every_input(tokenizer):
+    """A model trained on lowercased text (`prepare --lowercase`) reads its input lowercased."""
+    lc = Tokenizer(tokenizer.model_path, lowercase=True)
+    text = "Der MANN läuft im Park. ÄÖÜ"
+    assert tokenizer.encode(text) != tokenizer.encode(text.lower())  # the case is seen...
+    assert lc.encode(text) == tokenizer.encode(text.lower())  # ...unless the model is lowercase
+    assert lc.encode_batch([text, "A Dog."]) == tokenizer.encode_batch([text.lower(), "a dog."])
+    proto = tokenizer.model_path.read_bytes()
+    assert Tokenizer.from_proto(proto, lowercase=True).encode(text) == lc.encode(text)
+    assert not Tokenizer.from_proto(proto).lowercase

@@ -68,6 +68,31 @@ def test_run_writes_run_directory(data_dir, tmp_path):
         train(data_dir, run, _config("train.max_steps=4"), progress=False)
 
 
+def test_lowercased_data_gives_a_model_that_lowercases_its_input(data_dir, tmp_path, caplog):
+    from transformer.evaluate import evaluate
+    from transformer.translate import Translator
+
+    lc_data = prepare_slice(tmp_path / "lc", SHARED_DATA / "multi30k", lowercase=True)
+    for data, lowercase in ((data_dir, False), (lc_data, True)):
+        run = tmp_path / f"run-{lowercase}"
+        train(data, run, _config("train.max_steps=2", "train.keep_last=1"), progress=False)
+        assert rundir.read_config(run).model.lowercase is lowercase  # from the data, not by hand
+        model = rundir.average_files(checkpoint.list_checkpoints(run), tmp_path / f"{lowercase}.st")
+        translator = Translator.from_path(model)
+        assert translator.loaded.config.model.lowercase is lowercase
+        cased, lower = (
+            translator.encode(["A Man In A Red Shirt."]),
+            translator.encode(["a man in a red shirt."]),
+        )
+        assert (cased == lower) is lowercase
+        for other in (data_dir, lc_data):  # a model scored on the other kind of data: warned
+            caplog.clear()
+            report = evaluate(model, other, split="valid", beam_size=1, limit=2)
+            assert report["lowercase"] is lowercase
+            warned = "read the lowercased scores" in caplog.text
+            assert warned is (other != data), caplog.text
+
+
 def test_tensorboard_scalars_are_written(data_dir, tmp_path):
     pytest.importorskip("tensorboard")
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator

@@ -34,6 +34,7 @@ def run_recipe(
     data_from: Path | None = None,
     resume: bool = False,
     overrides: list[str] | None = None,
+    lowercase: bool = False,
 ) -> dict:
     """Run recipe `name` end to end; returns (and writes to OUT/recipe.json) its report.
 
@@ -44,6 +45,9 @@ def run_recipe(
         data_from: Multi30k's files (default: found on disk as the quickstart finds them).
         resume: continue an interrupted run in OUT/run from its last checkpoint.
         overrides: extra `section.key=value` settings (documented deviations only).
+        lowercase: prepare lowercased text (`prepare --lowercase`), as the literature's Multi30k
+            files are (`*.lc.norm.tok`): the model writes lowercased text, val and test are
+            scored against the lowercased references, and no cased score exists.
     """
     from transformer import rundir
     from transformer.config import build_config, to_dict
@@ -60,8 +64,15 @@ def run_recipe(
     data_dir, run_dir = out_dir / "data", out_dir / "run"
     start = time.monotonic()
     from_dir = data_from if data_from is not None else find_multi30k()
+    if resume:  # the data of an interrupted run stays what it was
+        started_lc = _prepared_lowercase(data_dir)
+        if started_lc is not None and started_lc != lowercase:
+            flag = "with" if started_lc else "without"
+            raise UserError(f"{out_dir} was started {flag} --lowercase: resume it the same way")
     with _stage("prepare", seconds):
-        manifest = prepare_corpus("multi30k", "en", "de", data_dir, from_dir=from_dir)
+        manifest = prepare_corpus(
+            "multi30k", "en", "de", data_dir, from_dir=from_dir, lowercase=lowercase
+        )
     spent = (time.monotonic() - start) / 60
     train_minutes = minutes - SCORING_MINUTES - spent
     # An interrupted run's minutes count against the budget (and in the report), once.
@@ -88,7 +99,8 @@ def run_recipe(
             scores[file] = score(model_path, alpha, split, out_dir / f"{file}.de.hyp")
     report = {
         "recipe": name,
-        "config": to_dict(config),
+        "lowercase": lowercase,
+        "config": to_dict(rundir.read_config(run_dir)),  # what trained (resume: the run's own)
         "averaged_checkpoints": choice["averaged"],
         "alpha": alpha,
         "chosen_on_val": choice,
@@ -126,3 +138,12 @@ def _trained_minutes(run_dir: Path) -> float:
         return _summary(run_dir)["minutes"]
     except UserError:  # no metrics yet
         return 0.0
+
+
+def _prepared_lowercase(data_dir: Path) -> bool | None:
+    """Whether `data_dir` holds lowercased data (None: no readable manifest)."""
+    try:
+        manifest = json.loads((data_dir / "manifest.json").read_text(encoding="utf-8"))
+        return bool(manifest["settings"].get("lowercase", False))
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None

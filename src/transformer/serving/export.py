@@ -189,4 +189,10 @@ def export_ctranslate2(
     spec.save(str(out_dir))
     (out_dir / "spm.model").write_bytes(loaded.spm_proto)  # to tokenize inputs for CT2
     logger.info("exported %s to CTranslate2 model %s (%s)", model_path, out_dir, quantization)
+    if loaded.config.model.lowercase:  # our tokenizer lowercases; CTranslate2 + spm.model do not
+        logger.warning(
+            "%s was trained on lowercased text (prepare --lowercase): lowercase the inputs "
+            "before tokenizing them with %s for CTranslate2",
+            model_path, out_dir / "spm.model",
+        )  # fmt: skip
     return out_dir
