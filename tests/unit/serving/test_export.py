@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 import numpy as np
 import pytest
 import torch
@@ -152,3 +154,12 @@ def test_cli_export_writes_the_model_and_reports_errors_cleanly(exported, tmp_pa
     assert (out / "model.bin").is_file()
     assert main(["export", str(tmp_path / "missing"), "--to", "ctranslate2", str(out)]) == 2
     assert "no such model file" in capsys.readouterr().err
+
+
+def test_a_lowercase_model_exports_with_a_warning_to_lowercase_inputs(tmp_path, caplog):
+    for lowercase in (False, True):
+        path = make_model_file(tmp_path / f"model-{lowercase}", lowercase=lowercase)
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="transformer.serving.export"):
+            export_ctranslate2(path, tmp_path / f"ct2-{lowercase}")
+        assert ("trained on lowercased text" in caplog.text) is lowercase
