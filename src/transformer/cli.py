@@ -245,8 +245,8 @@ def _add_prepare(sub: argparse._SubParsersAction) -> None:
     )  # fmt: skip
     p.add_argument(
         "--lowercase", action="store_true",
-        help="lowercase every split (the Multi30k literature's text); the models trained on it "
-        "lowercase their input and write lowercased text",
+        help="lowercase every split (the lowercasing step of the Multi30k literature's text); "
+        "models trained on it lowercase their input and write lowercased text",
     )  # fmt: skip
     p.add_argument("--force", action="store_true", help="rebuild OUT even if it exists")
     p.set_defaults(func=_cmd_prepare)
@@ -528,6 +528,10 @@ def _cmd_evaluate(args: argparse.Namespace) -> int:
     print(f"sacreBLEU {report['bleu']:.2f}  {report['bleu_signature']}")
     print(f"  {report['bleu_details']}")
     print(f"chrF {report['chrf']:.2f}  {report['chrf_signature']}")
+    print(f"sacreBLEU, lowercased {report['bleu_lc']:.2f}  {report['bleu_lc_signature']}")
+    if "tok_bleu_lc" in report:  # the Multi30k literature's form
+        print(f"tokenized BLEU, lowercased {report['tok_bleu_lc']:.2f}  "
+              f"{report['tok_bleu_lc_signature']}")  # fmt: skip
     if "paper_bleu" in report:
         print(f"tokenized BLEU, compounds split (paper) {report['paper_bleu']:.2f}  "
               f"{report['paper_bleu_signature']}")  # fmt: skip

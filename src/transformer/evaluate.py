@@ -60,7 +60,8 @@ def evaluate(
         {"split", "sentences", "search" (beam, α, max length, stop rule), "dtype", "bleu",
         "bleu_signature", "chrf", "chrf_signature", "bleu_lc" (sacreBLEU -lc),
         ["paper_bleu", "paper_bleu_signature"] (en→de, en→fr), ["tok_bleu_lc" (Moses-tokenized,
-        lowercased; with sacremoses)], ["detokenized"], "seconds", "sentences_per_s",
+        lowercased; with sacremoses)], ["detokenized"], "lowercase" (the model writes lowercased
+        text: `prepare --lowercase`), "seconds", "sentences_per_s",
         "target_tokens_per_s"}.
 
     Raises:

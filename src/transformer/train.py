@@ -131,6 +131,15 @@ def train(
     saved_torch = (torch.are_deterministic_algorithms_enabled(), torch.get_num_threads())
     tuner = _setup_torch(config, dev, threads)
     data = load_prepared(data_dir)
+    if config.model.lowercase != data.lowercase and (resume or config.model.lowercase):
+        # model.lowercase follows the data; a run never changes case midway, nor is it set by hand
+        want = "lowercased" if config.model.lowercase else "cased"
+        have = "lowercased" if data.lowercase else "cased"
+        whose = f"{out_dir} was trained on" if resume else "model.lowercase asks for"
+        raise UserError(
+            f"{data_dir}: holds {have} text, but {whose} {want} text "
+            "(model.lowercase follows the data: transformer prepare --lowercase)"
+        )
     config = replace(
         config,
         model=replace(

@@ -65,7 +65,7 @@ def test_recipe_trains_averages_and_scores_val_then_test_in_both_forms(
     assert main([*args, "--resume"]) == 0
     capsys.readouterr()
     assert main([*args, "--resume", "--lowercase"]) == 2  # its data stays cased
-    assert "started without --lowercase: resume it the same way" in capsys.readouterr().err
+    assert "prepared without --lowercase: resume it the same way" in capsys.readouterr().err
 
 
 def test_recipe_rejects_an_unknown_name_and_a_budget_below_scoring(capsys):
@@ -101,4 +101,6 @@ def test_recipe_lowercase_trains_and_scores_lowercased_text(
     hyps = (out / "test_2016_flickr.de.hyp").read_text(encoding="utf-8")
     assert hyps.strip() and hyps == hyps.lower()
     assert main([*args[:-1], "--resume"]) == 2  # without --lowercase: refused, data unchanged
-    assert "started with --lowercase" in capsys.readouterr().err
+    assert "prepared with --lowercase: resume it the same way" in capsys.readouterr().err
+    assert main(args[:-1]) == 2  # a new cased run in the same --out
+    assert "prepared with --lowercase: choose another --out" in capsys.readouterr().err

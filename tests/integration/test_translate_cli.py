@@ -71,6 +71,8 @@ def test_evaluate_prints_sacrebleu_chrf_and_the_paper_metric(prepared, tmp_path)
     out = res.stdout.decode()
     assert "sacreBLEU" in out and "nrefs:1|case:mixed|eff:no|tok:13a" in out
     assert "chrF" in out and "tokenized BLEU, compounds split" in out
+    assert "sacreBLEU, lowercased" in out and "case:lc" in out
+    assert "tokenized BLEU, lowercased" in out and "|lc|multi-bleu.perl" in out
     assert "search: beam_size 2, length_penalty 0.6, max_len_a 1.0, max_len_b 10, stop t2t" in out
     assert len(hyps.read_text(encoding="utf-8").split("\n")) == 21
     res = run_cli("evaluate", str(model), "--data", str(data), "--split", "nope")

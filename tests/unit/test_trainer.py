@@ -85,12 +85,23 @@ def test_lowercased_data_gives_a_model_that_lowercases_its_input(data_dir, tmp_p
             translator.encode(["a man in a red shirt."]),
         )
         assert (cased == lower) is lowercase
+        other = data_dir if lowercase else lc_data
+        with pytest.raises(UserError, match=f"{other}: holds .* but {run} was trained on"):
+            train(other, run, resume=True, overrides=["train.max_steps=4"], progress=False)
         for other in (data_dir, lc_data):  # a model scored on the other kind of data: warned
             caplog.clear()
             report = evaluate(model, other, split="valid", beam_size=1, limit=2)
             assert report["lowercase"] is lowercase
             warned = "read the lowercased scores" in caplog.text
             assert warned is (other != data), caplog.text
+
+
+def test_model_lowercase_is_not_set_by_hand(data_dir, tmp_path):
+    config = _config("train.max_steps=2", "model.lowercase=true")
+    with pytest.raises(
+        UserError, match="holds cased text, but model.lowercase asks for lowercased"
+    ):
+        train(data_dir, tmp_path / "run", config, progress=False)
 
 
 def test_tensorboard_scalars_are_written(data_dir, tmp_path):

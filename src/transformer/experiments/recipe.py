@@ -4,8 +4,9 @@ prepare (joint subwords) → train the `multi30k-full` preset with early stoppin
 BLEU, inside a wall-clock budget → choose on val, beam 4, the checkpoints to average and the
 length penalty α (`valchoice.py`, §6.1) → test_2016_flickr scored once with them: cased
 detokenized sacreBLEU with its signature, and lowercased (sacreBLEU -lc, and Moses-tokenized
-multi-bleu as the multimodal-translation literature reports it). The val curve and every figure
-go to recipe.json.
+multi-bleu as the multimodal-translation literature reports it). With `lowercase`, the text is
+lowercased before anything else, as the literature's is, and only the lowercased forms exist.
+The val curve and every figure go to recipe.json.
 """
 
 from __future__ import annotations
@@ -45,9 +46,9 @@ def run_recipe(
         data_from: Multi30k's files (default: found on disk as the quickstart finds them).
         resume: continue an interrupted run in OUT/run from its last checkpoint.
         overrides: extra `section.key=value` settings (documented deviations only).
-        lowercase: prepare lowercased text (`prepare --lowercase`), as the literature's Multi30k
-            files are (`*.lc.norm.tok`): the model writes lowercased text, val and test are
-            scored against the lowercased references, and no cased score exists.
+        lowercase: prepare lowercased text (`prepare --lowercase`: the lowercasing step of the
+            literature's Multi30k files, `*.lc.norm.tok`): the model writes lowercased text, val
+            and test are scored against the lowercased references, and no cased score exists.
     """
     from transformer import rundir
     from transformer.config import build_config, to_dict
@@ -64,11 +65,11 @@ def run_recipe(
     data_dir, run_dir = out_dir / "data", out_dir / "run"
     start = time.monotonic()
     from_dir = data_from if data_from is not None else find_multi30k()
-    if resume:  # the data of an interrupted run stays what it was
-        started_lc = _prepared_lowercase(data_dir)
-        if started_lc is not None and started_lc != lowercase:
-            flag = "with" if started_lc else "without"
-            raise UserError(f"{out_dir} was started {flag} --lowercase: resume it the same way")
+    prepared_lc = _prepared_lowercase(data_dir)  # the data of an earlier run stays as it was
+    if prepared_lc is not None and prepared_lc != lowercase:
+        flag = "with" if prepared_lc else "without"
+        then = "resume it the same way" if resume else "choose another --out"
+        raise UserError(f"{out_dir} was prepared {flag} --lowercase: {then}")
     with _stage("prepare", seconds):
         manifest = prepare_corpus(
             "multi30k", "en", "de", data_dir, from_dir=from_dir, lowercase=lowercase
@@ -89,6 +90,7 @@ def run_recipe(
             raise UserError(f"{run_dir} holds an earlier run: pass --resume, or another --out")
         else:
             train(data_dir, run_dir, config)
+    config = rundir.read_config(run_dir)  # what trained (on resume: the run's own)
     score = beam4_scorer(data_dir)
     with _stage("choose on val", seconds):
         choice = choose_on_val(run_dir, out_dir, score, metric=config.train.patience_metric)
@@ -100,7 +102,7 @@ def run_recipe(
     report = {
         "recipe": name,
         "lowercase": lowercase,
-        "config": to_dict(rundir.read_config(run_dir)),  # what trained (resume: the run's own)
+        "config": to_dict(config),
         "averaged_checkpoints": choice["averaged"],
         "alpha": alpha,
         "chosen_on_val": choice,
