@@ -142,9 +142,7 @@ def train(
         )
     config = replace(
         config,
-        model=replace(
-            config.model, vocab_size=data.tokenizer.vocab_size, lowercase=data.tokenizer.lowercase
-        ),
+        model=replace(config.model, vocab_size=data.tokenizer.vocab_size, lowercase=data.lowercase),
     )
     handler = None
     if info.is_main:

@@ -143,9 +143,11 @@ def _trained_minutes(run_dir: Path) -> float:
 
 
 def _prepared_lowercase(data_dir: Path) -> bool | None:
-    """Whether `data_dir` holds lowercased data (None: no readable manifest)."""
+    """Whether `data_dir` holds lowercased data, as `PreparedData` reads it (None: nothing
+    readable there yet; `prepare_corpus` then builds it, or says what is wrong with it)."""
+    from transformer.data import load_prepared
+
     try:
-        manifest = json.loads((data_dir / "manifest.json").read_text(encoding="utf-8"))
-        return bool(manifest["settings"].get("lowercase", False))
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return load_prepared(data_dir).lowercase
+    except (UserError, KeyError):
         return None
