@@ -30,6 +30,7 @@ the same length, so a length penalty changes nothing). It drives our cached deco
 
 from __future__ import annotations
 
+import inspect
 import os
 
 import torch
@@ -64,6 +65,7 @@ class OurTrain:
     def __init__(self, cfg: dict, model_cls: type = Transformer, loss_fn=None) -> None:
         self.cfg, self.model_cls = cfg, model_cls
         self.loss_fn = loss_fn or chunked_label_smoothed_loss
+        self.packed = "tgt_mask" in inspect.signature(model_cls.forward).parameters
         keep_large_blocks()  # as `transformer train` sets up its process (train._setup_torch)
         self.runs: dict[str, tuple[Transformer, MixedPrecisionAdam]] = {}
         self.notes = (
@@ -109,9 +111,12 @@ class OurTrain:
     def step(self, p: dict, amp: torch.dtype | None) -> float:
         model, opt = self._run("fp32" if amp is None else "bf16")
         model.train()
-        hidden = model(p["src"], p["src_mask"], p["tgt_in"])  # (B, T, D)
+        if self.packed:  # the real tokens only (model.Packing), as `transformer train`
+            hidden = model(p["src"], p["src_mask"], p["tgt_in"], p["keep"])  # (N, D)
+        else:  # an earlier revision's model (bench_before_after.py)
+            hidden = model(p["src"], p["src_mask"], p["tgt_in"])[p["keep"]]
         loss, _ = self.loss_fn(
-            hidden[p["keep"]], model.output_weight(), p["target"], self.cfg["label_smoothing"]
+            hidden, model.output_weight(), p["target"], self.cfg["label_smoothing"]
         )
         loss.backward()
         opt.collect_grads()

@@ -26,6 +26,97 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 CPU_EXPLICIT_MAX_KEYS = 256
 
 
+class Packing:
+    """The real positions of a right-padded (B, T) batch, for the packed training path.
+
+    Packed, a batch's N real tokens are rows (N, ...) in row-major (b, t) order, as
+    `x[mask]` gives them: the position-wise work (embeddings, the W^Q, W^K, W^V, W^O and FFN
+    products, LayerNorm, dropout, residuals) then skips the padding, which the length-sorted
+    batches of §5.1 still carry on the source side (13-20% of the source tokens of Multi30k at
+    4,000-8,192 tokens a batch). Only eq. (1) needs the padded layout: `to_heads` puts projected
+    rows into (B, H, T, K), and `from_heads` takes the attended values back. At the padding,
+    `to_heads` leaves a copy of the first real row: as a key it is masked out (weight exactly
+    0), as a query its output is never taken back, so neither its value nor its gradient (0)
+    matters, and no zero-filled tensor is made. Each move is one row gather forward and one
+    backward (`_Gather`), no scatter-add.
+    """
+
+    def __init__(self, mask: torch.Tensor):
+        """mask: (B, T) bool, True at real tokens, each row's real tokens first."""
+        self.B, self.T = mask.shape
+        flat = mask.reshape(-1)
+        self.rows = flat.nonzero().squeeze(1)  # (N,) flat indices into B * T
+        self.n = self.rows.numel()
+        if self.n == 0:
+            raise ValueError("a packed batch needs at least one real token")
+        self.t = self.rows % self.T  # (N,) position of each packed row
+        # (B * T,) packed row of each position; N (past the last) at the padding.
+        self.slots = torch.full_like(flat, self.n, dtype=torch.long)
+        self.slots[self.rows] = torch.arange(self.n, device=mask.device)
+        self._heads: dict[tuple[int, int], tuple[torch.Tensor, ...]] = {}
+
+    def _head_index(self, n_heads: int, parts: int = 1) -> tuple[torch.Tensor, ...]:
+        """For packed rows (N, parts, H) and padded ones (parts, B, H, T), both flattened:
+        where each packed row lies padded; which packed row each padded one holds, N * parts
+        * H (past the last) at the padding; the same with row 0 at the padding. parts = 2:
+        keys and values from one projection (W^K | W^V)."""
+        key = (n_heads, parts)
+        if key not in self._heads:
+            B, T, n, dev = self.B, self.T, self.n, self.rows.device
+            ph = parts * n_heads
+            part_head = torch.arange(ph, device=dev)  # part * H + h
+            part, h = part_head // n_heads, part_head % n_heads
+            b = self.rows // T
+            rows = ((part * B + b[:, None]) * n_heads + h) * T + self.t[:, None]  # (N, PH)
+            slots = self.slots.view(1, B, 1, T) * ph + (part * n_heads + h).view(parts, 1, -1, 1)
+            pad = (self.slots == n).view(1, B, 1, T)
+            self._heads[key] = (
+                rows.reshape(-1),
+                slots.masked_fill(pad, n * ph).reshape(-1),
+                slots.masked_fill(pad, 0).reshape(-1),
+            )
+        return self._heads[key]
+
+    def pack(self, x: torch.Tensor) -> torch.Tensor:
+        """(B, T, ...) -> (N, ...): the rows of the real positions."""
+        return x.reshape(self.B * self.T, *x.shape[2:]).index_select(0, self.rows)
+
+    def to_heads(self, y: torch.Tensor, n_heads: int, size: int, parts: int = 1) -> torch.Tensor:
+        """Packed projections (N, parts*H*size) -> (parts, B, H, T, size); the padding holds a
+        copy of a real row (parts = 2: keys and values of one (N, 2*H*K) projection)."""
+        rows, _, slots_any = self._head_index(n_heads, parts)
+        out = _Gather.apply(y.reshape(-1, size), slots_any, rows, False)
+        return out.view(parts, self.B, n_heads, self.T, size)  # (parts * B * H * T, size) inside
+
+    def from_heads(self, x: torch.Tensor) -> torch.Tensor:
+        """(B, H, T, Vd) -> packed (N, H*Vd): the real queries' attended values."""
+        B, H, T, size = x.shape
+        rows, slots, _ = self._head_index(H)
+        return _Gather.apply(x.reshape(B * H * T, size), rows, slots, True).view(self.n, H * size)
+
+
+class _Gather(torch.autograd.Function):
+    """out = x.index_select(0, index); the gradient is the gather of the incoming gradient
+    with `back`, the inverse map on the real rows (a bijection), where back == len(grad)
+    reads a row of zeros when zero_back. Both directions are row copies, where autograd's own
+    backward of an indexing is a scatter-add into a zeroed tensor (several times slower here)."""
+
+    @staticmethod
+    def forward(ctx, x, index, back, zero_back):  # noqa: D102
+        ctx.save_for_backward(back)
+        ctx.zero_back = zero_back
+        return x.index_select(0, index)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad: torch.Tensor):  # noqa: D102
+        (back,) = ctx.saved_tensors
+        grad = grad.contiguous()
+        if ctx.zero_back:
+            grad = torch.cat([grad, grad.new_zeros(1, *grad.shape[1:])])
+        return grad.index_select(0, back), None, None, None
+
+
 def attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -142,6 +233,23 @@ class MultiHeadAttention(nn.Module):
         out = out.view(C, H, group, Tq, self.d_v).permute(0, 2, 3, 1, 4)  # (C, group, Tq, H, Vd)
         return self.w_o(out.reshape(R, Tq, H * self.d_v))
 
+    def attend_packed(
+        self, x: torch.Tensor, xs: Packing, kv: torch.Tensor, kvs: Packing, mask, causal=False
+    ) -> torch.Tensor:
+        """The packed path's sub-layer: queries from packed x (Nq, D) laid out by xs, keys and
+        values from packed kv (Nk, D) laid out by kvs; mask and causal as `attention`'s;
+        returns packed (Nq, D). Equal to `forward` on the padded tensors at the real rows."""
+        H, K = self.n_heads, self.d_k
+        q = xs.to_heads(self.w_q(x), H, K)[0]  # (B, H, Tq, K)
+        if K == self.d_v:  # keys and values in one gather
+            k, v = kvs.to_heads(self.w_kv(kv), H, K, parts=2)  # (B, H, Tk, K) each
+        else:
+            k, v = self.w_kv(kv).split([H * K, H * self.d_v], dim=-1)  # (Nk, H*K), (Nk, H*Vd)
+            k, v = kvs.to_heads(k, H, K)[0], kvs.to_heads(v, H, self.d_v)[0]
+        p = self.p_attn_drop if self.training else 0.0
+        out = attention(q, k, v, mask, causal, p)  # (B, H, Tq, Vd)
+        return self.w_o(xs.from_heads(out))  # (Nq, D)
+
 
 class PositionwiseFeedForward(nn.Module):
     """§3.3 eq. (2): FFN(x) = max(0, x W1 + b1) W2 + b2."""
@@ -215,10 +323,19 @@ class EncoderLayer(nn.Module):
         self.res_attn = _Residual(cfg.d_model, cfg.p_drop, cfg.norm_first)
         self.res_ffn = _Residual(cfg.d_model, cfg.p_drop, cfg.norm_first)
 
-    def forward(self, x: torch.Tensor, mask: torch.Tensor | None, weights: list | None = None):
-        """x: (B, S, D); mask: broadcastable to (B, H, S, S)."""
+    def forward(
+        self,
+        x: torch.Tensor,
+        mask: torch.Tensor | None,
+        weights: list | None = None,
+        packing: Packing | None = None,
+    ):
+        """x: (B, S, D), or packed (N, D) laid out by `packing`; mask: broadcastable to
+        (B, H, S, S)."""
 
         def attend(y: torch.Tensor) -> torch.Tensor:
+            if packing is not None:
+                return self.self_attn.attend_packed(y, packing, y, packing, mask)
             k, v = self.self_attn.project_kv(y)
             return self.self_attn(y, k, v, mask, weights=weights)
 
@@ -245,19 +362,28 @@ class DecoderLayer(nn.Module):
         memory: torch.Tensor,
         memory_mask: torch.Tensor | None,
         weights: dict[str, list] | None = None,
+        packings: tuple[Packing, Packing] | None = None,
     ) -> torch.Tensor:
-        """x: (B, T, D) target positions; memory: (B, S, D); memory_mask: (B, 1, 1, S)."""
+        """x: (B, T, D) target positions; memory: (B, S, D); memory_mask: (B, 1, 1, S).
+        Packed: x (Nt, D) and memory (Ns, D), laid out by packings = (target, source)."""
+        T = x.size(1) if packings is None else packings[0].T
 
         def self_attend(y: torch.Tensor) -> torch.Tensor:
+            # §3.2.3: no position attends to later positions.
+            mask = None if self.window is None else causal_mask(T, T, y.device, self.window)
+            causal = self.window is None and T > 1
+            if packings is not None:
+                # Right padding: a real position's earlier positions are all real.
+                tp = packings[0]
+                return self.self_attn.attend_packed(y, tp, y, tp, mask, causal)
             k, v = self.self_attn.project_kv(y)  # (B, H, T, K), (B, H, T, Vd)
             w = None if weights is None else weights["decoder"]
-            # §3.2.3: no position attends to later positions.
-            if self.window is None:
-                return self.self_attn(y, k, v, None, causal=y.size(1) > 1, weights=w)
-            mask = causal_mask(y.size(1), y.size(1), y.device, self.window)
-            return self.self_attn(y, k, v, mask, weights=w)
+            return self.self_attn(y, k, v, mask, causal=causal, weights=w)
 
         def cross_attend(y: torch.Tensor) -> torch.Tensor:
+            if packings is not None:
+                tp, sp = packings
+                return self.cross_attn.attend_packed(y, tp, memory, sp, memory_mask)
             k, v = self.cross_attn.project_kv(memory)  # (B, H, S, K), (B, H, S, Vd)
             w = None if weights is None else weights["cross"]
             return self.cross_attn(y, k, v, memory_mask, weights=w)
@@ -419,13 +545,42 @@ class Transformer(nn.Module):
     def new_cache() -> DecoderCache:
         return DecoderCache()
 
-    def forward(self, src: torch.Tensor, src_mask: torch.Tensor, tgt: torch.Tensor) -> torch.Tensor:
-        """Training: decoder hidden states (B, T, D) for teacher-forced targets.
+    def forward(
+        self,
+        src: torch.Tensor,
+        src_mask: torch.Tensor,
+        tgt: torch.Tensor,
+        tgt_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Training: decoder hidden states for teacher-forced targets.
 
-        The loss projects only the non-pad positions (see `project`), which saves the
-        vocabulary-sized work on padding.
+        Without tgt_mask: (B, T, D) at every position. With tgt_mask (B, T) bool (True at the
+        real target positions, each row's first; right padding): the packed path, (N, D) in
+        `hidden[tgt_mask]`'s order, computed on the real source and target tokens only (see
+        `Packing`): the same values up to rounding, without the position-wise work on padding.
+        The loss projects only those rows, which saves the vocabulary-sized work on padding too.
         """
-        return self.decode_hidden(tgt, self.encode(src, src_mask), src_mask)
+        if tgt_mask is None:
+            return self.decode_hidden(tgt, self.encode(src, src_mask), src_mask)
+        sp, tp = Packing(src_mask), Packing(tgt_mask)
+        x = self._embed_packed(src, self.src_embed, self.src_pos, sp)
+        mask = src_mask[:, None, None, :]  # (B, 1, 1, S), as `encode`
+        if self.cfg.attn_window is not None:
+            mask = mask & window_mask(src.size(1), self.cfg.attn_window, src.device)
+        for layer in self.encoder_layers:
+            x = layer(x, mask, packing=sp)
+        memory = x if self.encoder_norm is None else self.encoder_norm(x)  # (Ns, D)
+        x = self._embed_packed(tgt, self.tgt_embed, self.tgt_pos, tp)
+        memory_mask = src_mask[:, None, None, :]
+        for layer in self.decoder_layers:
+            x = layer(x, memory, memory_mask, packings=(tp, sp))
+        return x if self.decoder_norm is None else self.decoder_norm(x)  # (Nt, D)
+
+    def _embed_packed(self, tokens, embed: nn.Embedding, pos: PositionalEncoding, p: Packing):
+        """`_embed` at the real positions only: (N, D)."""
+        table = pos(tokens.size(1)).index_select(0, p.t).to(embed.weight.dtype)  # (N, D)
+        x = embed(p.pack(tokens)) * self.embed_scale + table
+        return dropout(x, self.cfg.p_drop, self.training)  # §5.4: dropout on the sums
 
     @torch.no_grad()
     def attention_weights(
@@ -480,5 +635,6 @@ def dropout(x: torch.Tensor, p: float, training: bool) -> torch.Tensor:
     n = x.numel()
     bits = torch.empty((n + 3) // 4, dtype=torch.int64).random_(-(2**63), 2**63 - 1)
     uniform16 = bits.view(torch.int16)[:n].view(x.shape)  # uniform over [-2^15, 2^15)
-    keep = uniform16 >= round(p * 65536) - 32768  # P(keep) = 1 - p (to 2^-16)
-    return x * keep * (1.0 / (1.0 - p))
+    drop = uniform16 < round(p * 65536) - 32768  # P(drop) = p (to 2^-16)
+    # x * keep * scale would first convert the bool mask to x's dtype (in backward too).
+    return (x * (1.0 / (1.0 - p))).masked_fill_(drop, 0.0)

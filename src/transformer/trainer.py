@@ -471,9 +471,9 @@ def batch_loss(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(loss, nll) sums of one batch on the model's device; only real target positions are
     projected to the vocabulary."""
-    hidden = forward(b.src, b.src_mask, b.tgt_in)  # (B, T, D)
-    keep = b.tgt_out != PAD_ID  # (B, T)
-    return loss_fn(hidden[keep], model.output_weight(), b.tgt_out[keep], eps_ls)[:2]
+    keep = b.tgt_out != PAD_ID  # (B, T): the positions of tgt_in too (right padding)
+    hidden = forward(b.src, b.src_mask, b.tgt_in, keep)  # (N, D): real tokens only (Packing)
+    return loss_fn(hidden, model.output_weight(), b.tgt_out[keep], eps_ls)[:2]
 
 
 @torch.no_grad()

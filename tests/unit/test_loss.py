@@ -79,7 +79,7 @@ def _reference(hidden, weight, target, eps):
     return label_smoothed_cross_entropy(hidden @ weight.t(), target, eps, ignore_index=-1)
 
 
-@pytest.mark.parametrize("chunk_rows", [3, 4, 1024])
+@pytest.mark.parametrize("chunk_rows", [3, 4, 7, 1024])
 def test_chunked_equals_reference_with_gradients(chunk_rows):
     torch.manual_seed(0)
     hidden = torch.randn(10, 8, dtype=torch.float64, requires_grad=True)

@@ -10,6 +10,7 @@ import torch
 
 from transformer.config import PRESETS, ModelConfig, build_config
 from transformer.model import (
+    Packing,
     PositionalEncoding,
     Transformer,
     attention,
@@ -137,6 +138,84 @@ def test_padding_never_changes_real_positions() -> None:
     memory2 = model.encode(padded_src.masked_fill(~padded_mask, 7), padded_mask)
     torch.testing.assert_close(model.decode(padded_tgt, memory2, padded_mask)[:, :4], ref,
                                rtol=0, atol=1e-5)  # fmt: skip
+
+
+def ragged_batch(v: int = V):
+    """Right-padded sources and targets of different lengths (a row with one token each)."""
+    src_lens, tgt_lens = torch.tensor([9, 3, 5, 1, 7]), torch.tensor([7, 2, 7, 4, 1])
+    src, tgt = torch.randint(4, v, (5, 9)), torch.randint(4, v, (5, 7))
+    src_mask = torch.arange(9)[None] < src_lens[:, None]
+    tgt_mask = torch.arange(7)[None] < tgt_lens[:, None]
+    return src.masked_fill(~src_mask, 0), src_mask, tgt.masked_fill(~tgt_mask, 0), tgt_mask
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        {},
+        {"norm_first": True},
+        {"attn_window": 1},
+        {"learned_pos": True},
+        {"share_embeddings": False},
+        {"d_k": 4, "d_v": 12},
+    ],  # fmt: skip
+)
+def test_packed_forward_equals_padded_forward_at_real_positions(kw: dict) -> None:
+    """The packed path (model.Packing) computes the real tokens only: the same hidden states
+    and the same parameter gradients as the padded path, in fp64 to rounding."""
+    torch.manual_seed(0)
+    model = Transformer(tiny(p_drop=0.0, **kw)).double().train()
+    src, src_mask, tgt, tgt_mask = ragged_batch()
+    params = list(model.parameters())
+    padded = model(src, src_mask, tgt)[tgt_mask]
+    packed = model(src, src_mask, tgt, tgt_mask)
+    assert packed.shape == (int(tgt_mask.sum()), model.cfg.d_model)
+    torch.testing.assert_close(packed, padded, rtol=0, atol=1e-12)
+    g_padded = torch.autograd.grad(padded.square().sum(), params)
+    g_packed = torch.autograd.grad(model(src, src_mask, tgt, tgt_mask).square().sum(), params)
+    for a, b in zip(g_packed, g_padded, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-10)
+
+
+def test_packed_forward_without_padding_and_with_dropout() -> None:
+    torch.manual_seed(0)
+    model = Transformer(tiny(p_drop=0.3, p_attn_drop=0.2)).double()
+    src, _, tgt, _ = ragged_batch()
+    full_s, full_t = torch.ones_like(src, dtype=torch.bool), torch.ones_like(tgt, dtype=torch.bool)
+    model.eval()  # no padding at all: the same as the padded path, reshaped
+    padded = model(src, full_s, tgt).flatten(0, 1)
+    torch.testing.assert_close(model(src, full_s, tgt, full_t), padded)
+    model.train()  # dropout: the same seed gives the same result, another seed another
+    src, src_mask, tgt, tgt_mask = ragged_batch()
+    torch.manual_seed(5)
+    a = model(src, src_mask, tgt, tgt_mask)
+    torch.manual_seed(5)
+    b = model(src, src_mask, tgt, tgt_mask)
+    assert torch.equal(a, b) and not torch.allclose(a, model(src, src_mask, tgt, tgt_mask))
+
+
+def test_packing_moves_rows_and_their_gradients_exactly() -> None:
+    mask = torch.tensor([[True, True, False], [True, False, False]])
+    p = Packing(mask)
+    x = torch.arange(2 * 3 * 4, dtype=torch.float64).view(2, 3, 4)
+    torch.testing.assert_close(p.pack(x), x[mask])
+    y = torch.randn(3, 2 * 2, dtype=torch.float64, requires_grad=True)  # N = 3, H = 2, size 2
+    heads = p.to_heads(y, n_heads=2, size=2)[0]  # (B, H, T, size)
+    for n, (b, t) in enumerate([(0, 0), (0, 1), (1, 0)]):
+        torch.testing.assert_close(heads[b, :, t], y[n].view(2, 2))
+    back = p.from_heads(heads)  # the round trip gives the rows back
+    torch.testing.assert_close(back, y)
+    # from_heads takes the real positions only: the padding gets a zero gradient
+    h = heads.detach().requires_grad_()
+    (g,) = torch.autograd.grad(p.from_heads(h).sum(), [h])
+    real = mask[:, None, :, None].expand_as(g)
+    assert torch.equal(g[real], torch.ones(12, dtype=torch.float64))
+    assert torch.equal(g[~real], torch.zeros(12, dtype=torch.float64))
+    # to_heads: each packed row gets the gradient of its own position only
+    (gy,) = torch.autograd.grad((p.to_heads(y, 2, 2)[0] * torch.ones(2, 2, 3, 2)).sum(), [y])
+    assert torch.equal(gy, torch.ones_like(y))
+    with pytest.raises(ValueError, match="at least one real token"):
+        Packing(torch.zeros(2, 3, dtype=torch.bool))
 
 
 @pytest.mark.parametrize("window", [None, 1])
