@@ -70,6 +70,20 @@ def label_smoothed_cross_entropy(
     return loss, nll
 
 
+def _chunks(n_rows: int, chunk_rows: int, align: int = 4) -> list[tuple[int, int]]:
+    """Row ranges of at most max(chunk_rows, align) rows, as equal as can be in multiples of
+    `align`, then the n_rows % align rows left over on their own. On CPU the (n, V) products
+    of a chunk whose row count is not a multiple of 4 ran 7-20% slower (3,826 rows: 4 x 956 +
+    2, not 3 x 1,024 + 754 or 4 x 957)."""
+    body = n_rows - n_rows % align
+    size = chunk_rows
+    if body:
+        n_chunks = -(-body // max(chunk_rows, align))
+        size = max(align, -(-body // n_chunks // align) * align)
+    bounds = [(a, min(a + size, body)) for a in range(0, body, size)]
+    return bounds + ([(body, n_rows)] if body < n_rows else [])
+
+
 class _ChunkedProjectionLoss(torch.autograd.Function):
     """Projection + log-softmax + §5.4 loss, chunk by chunk, with the gradient computed in the
     forward pass, so no (N, V) tensor is ever stored for backward (only (N, D) and (V, D))."""
@@ -86,12 +100,9 @@ class _ChunkedProjectionLoss(torch.autograd.Function):
         on_target = 1.0 - eps - eps_other  # q at the target minus the eps_other every class has
         w_sum = weight.float().sum(0)  # (D,): sum over classes of the logits = h . w_sum
         h_sum = torch.zeros(hidden.size(1), dtype=torch.float32, device=hidden.device)
-        # Chunks of equal size (3,826 rows: 4 x 957, not 3 x 1,024 + 754): a short last chunk
-        # ran its (n, V) products at ~70% of the full chunks' rate.
-        chunk_rows = max(1, -(-n_rows // max(1, -(-n_rows // chunk_rows))))
-        for start in range(0, n_rows, chunk_rows):
-            h = hidden[start : start + chunk_rows]  # (n, D)
-            t = target[start : start + chunk_rows]  # (n,)
+        for start, stop in _chunks(n_rows, chunk_rows):
+            h = hidden[start:stop]  # (n, D)
+            t = target[start:stop]  # (n,)
             logits = F.linear(h, weight)  # (n, V), in the parameters' dtype (bf16 matmul)
             # The softmax is the one (n, V) result kept, in the parameters' dtype (fp32 inside
             # the kernel): it gives the gradient, and with two per-row numbers the loss.
@@ -117,7 +128,7 @@ class _ChunkedProjectionLoss(torch.autograd.Function):
             # is applied to the (n, D) and (V, D) products below instead of to the logits.
             g_h = (probs @ weight).float()  # (n, D)
             g_h -= eps_other * w_sum + on_target * weight.index_select(0, t).float()
-            grad_hidden[start : start + chunk_rows] = g_h
+            grad_hidden[start:stop] = g_h
             grad_weight.add_(probs.t() @ h)  # (V, D) fp32 += bf16 in one pass
             grad_weight.index_add_(0, t, h.float(), alpha=-on_target)
             h_sum += h.float().sum(0)

@@ -196,7 +196,7 @@ def test_packed_forward_without_padding_and_with_dropout() -> None:
 
 def test_packing_moves_rows_and_their_gradients_exactly() -> None:
     mask = torch.tensor([[True, True, False], [True, False, False]])
-    p = Packing(mask)
+    p = Packing(mask, align=1)
     x = torch.arange(2 * 3 * 4, dtype=torch.float64).view(2, 3, 4)
     torch.testing.assert_close(p.pack(x), x[mask])
     y = torch.randn(3, 2 * 2, dtype=torch.float64, requires_grad=True)  # N = 3, H = 2, size 2
@@ -216,6 +216,19 @@ def test_packing_moves_rows_and_their_gradients_exactly() -> None:
     assert torch.equal(gy, torch.ones_like(y))
     with pytest.raises(ValueError, match="at least one real token"):
         Packing(torch.zeros(2, 3, dtype=torch.bool))
+
+
+def test_packing_aligns_its_rows_with_padding_positions_when_it_can() -> None:
+    mask = torch.tensor([[True, True, False], [True, False, False]])  # 3 real tokens
+    p = Packing(mask)  # align 4: the first padding position (0, 2) comes in
+    assert p.n == 4 and p.rows.tolist() == [0, 1, 2, 3]
+    x = torch.randn(4, 5, dtype=torch.float64, requires_grad=True)
+    real = p.real_rows(x)
+    torch.testing.assert_close(real, x[[0, 1, 3]])
+    (g,) = torch.autograd.grad(real.sum(), [x])
+    assert g[2].abs().sum() == 0 and torch.equal(g[[0, 1, 3]], torch.ones(3, 5).double())
+    full = Packing(torch.ones(1, 3, dtype=torch.bool))  # no padding to take: 3 rows stay 3
+    assert full.n == 3 and full.real is None
 
 
 @pytest.mark.parametrize("window", [None, 1])
