@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 import types
 import typing
 from collections.abc import Callable, Sequence
@@ -476,6 +477,11 @@ def apply_overrides(cfg: RunConfig, values: dict[str, Any], source: str) -> RunC
     return cfg
 
 
+# A number in exponent notation without a decimal point, which YAML 1.2 and Python read as a
+# float and YAML 1.1 (PyYAML) as a string.
+_EXPONENT_FLOAT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+")
+
+
 def _coerce(value: Any, hint: Any, where: str) -> Any:
     """Check `value` against a field's type hint; ints are accepted for floats."""
     options = typing.get_args(hint) if isinstance(hint, types.UnionType) else (hint,)
@@ -488,6 +494,8 @@ def _coerce(value: Any, hint: Any, where: str) -> Any:
             return value
         if t is float and isinstance(value, int | float) and not isinstance(value, bool):
             return float(value)
+        if t is float and isinstance(value, str) and _EXPONENT_FLOAT.fullmatch(value.strip()):
+            return float(value)  # 1e-4, 5E3: YAML 1.1 (PyYAML) reads them as strings
         if t is str and isinstance(value, str):
             return value
     names = " or ".join(getattr(t, "__name__", str(t)) for t in options)

@@ -85,6 +85,19 @@ def test_bad_overrides_name_the_key(override: str, message: str) -> None:
     assert "override" in str(err.value)
 
 
+def test_floats_in_exponent_notation_are_floats(tmp_path: Path) -> None:
+    """PyYAML (YAML 1.1) reads 1e-4 as a string; a float field takes it as the number."""
+    cfg = build_config(overrides=["train.lr_scale=5e-1", "train.max_minutes=1E3"])
+    assert cfg.train.lr_scale == 0.5 and cfg.train.max_minutes == 1000.0
+    path = tmp_path / "c.yaml"
+    path.write_text("train:\n  save_every_minutes: 2e1\n")
+    assert build_config(yaml_path=path).train.save_every_minutes == 20.0
+    with pytest.raises(ConfigError, match="expected int"):  # not an int field's value
+        build_config(overrides=["train.max_steps=1e3"])
+    with pytest.raises(ConfigError, match="expected float"):
+        build_config(overrides=["train.lr_scale=e5"])
+
+
 def test_bad_yaml_names_the_file(tmp_path: Path) -> None:
     path = tmp_path / "bad.yaml"
     path.write_text("model:\n  n_heads: eight\n")
