@@ -7,11 +7,19 @@ decoding of 64 sentences forced to 50 tokens with the shared Marian weights.
 
     .venv/bin/python benchmarks/bench_before_after.py --rev 9c19587
     .venv/bin/python benchmarks/bench_before_after.py --rev 9c19587 --what decode --reps 3
+    .venv/bin/python benchmarks/bench_before_after.py --rev 242feec --what real \
+        --data QS/data --preset quickstart --batches 40
+
+`--what real`: training steps on the first batches of a prepared training split (the preset's
+batch size, length-sorted as `transformer train` makes them, bf16 with fp32-master Adam), the
+two versions alternating batch by batch; the median of the per-batch speed-ups is robust to a
+host whose speed drifts.
 """
 
 from __future__ import annotations
 
 import argparse
+import inspect
 import os
 import statistics
 import subprocess
@@ -61,6 +69,9 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--variants", default="bf16,fp32", help="decoding dtypes")
     p.add_argument("--beams", default="1,4")
+    p.add_argument("--data", help="prepared data directory (--what real)")
+    p.add_argument("--preset", default="quickstart", help="model preset (--what real)")
+    p.add_argument("--batches", type=int, default=40, help="training batches (--what real)")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     old_model = module_at(args.rev, "src/transformer/model.py", "before_model")
@@ -88,6 +99,8 @@ def main() -> None:
         for k, s in med.items():
             print(f"train base bf16 {k:>6}: {s:6.2f} s/step  {n / s:6.0f} tgt tok/s")
         print(f"train speed-up after/before: {med['before'] / med['after']:.2f}x")
+    if "real" in args.what:
+        real_batches(args, old_model, old_loss)
     if "decode" in args.what:
         sys.path.insert(0, PEERS)
         from bench_infer import build_marian_dir, make_src
@@ -108,6 +121,69 @@ def main() -> None:
                 for k, s in med.items():
                     print(f"decode {variant} beam {beam} {k:>6}: {3200 / s:6.0f} tgt tok/s")
                 print(f"decode {variant} beam {beam} speed-up: {med['before'] / med['after']:.2f}x")
+
+
+def real_batches(args, old_model: types.ModuleType, old_loss: types.ModuleType) -> None:
+    """Before/after training steps on real batches, alternating batch by batch."""
+    from transformer.allocator import keep_large_blocks
+    from transformer.batching import TokenBatchSampler
+    from transformer.config import build_config
+    from transformer.data import collate, load_prepared
+    from transformer.optim import MixedPrecisionAdam
+    from transformer.tokenizer import PAD_ID
+
+    keep_large_blocks()  # as `transformer train`
+    data = load_prepared(args.data)
+    split = data.split("train")
+    config = build_config(args.preset, None, [], vocab_size=data.tokenizer.vocab_size)
+    sampler = TokenBatchSampler(split.src_lens, split.tgt_lens, config.train.max_tokens, seed=1)
+    batches = [collate(split, idx) for _, idx in zip(range(args.batches), sampler, strict=False)]
+
+    def trainer(model_cls: type, loss_fn, packed: bool):
+        torch.manual_seed(0)
+        model = model_cls(config.model).train()
+        for p in model.parameters():
+            p.data = p.data.to(torch.bfloat16)
+        opt = MixedPrecisionAdam(model.parameters(), (0.9, 0.98), 1e-9)
+
+        def step(b) -> None:
+            keep = b.tgt_out != PAD_ID
+            if packed:
+                hidden = model(b.src, b.src_mask, b.tgt_in, keep)
+            else:
+                hidden = model(b.src, b.src_mask, b.tgt_in)[keep]
+            loss, _ = loss_fn(hidden, model.output_weight(), b.tgt_out[keep], 0.1)
+            loss.backward()
+            opt.collect_grads()
+            opt.step(1e-4, 1.0 / int(keep.sum()))
+
+        return step
+
+    old_packed = "tgt_mask" in inspect.signature(old_model.Transformer.forward).parameters
+    steps = {
+        "before": trainer(old_model.Transformer, old_loss.chunked_label_smoothed_loss, old_packed),
+        "after": trainer(Transformer, chunked_label_smoothed_loss, True),
+    }
+    for step in steps.values():  # warm-up
+        for b in batches[:3]:
+            step(b)
+    seconds = {k: 0.0 for k in steps}
+    ratios = []
+    for _ in range(args.reps):
+        for b in batches:
+            took = {}
+            for k, step in steps.items():
+                start = time.perf_counter()
+                step(b)
+                took[k] = time.perf_counter() - start
+                seconds[k] += took[k]
+            ratios.append(took["before"] / took["after"])
+    tokens = args.reps * sum(int((b.tgt_out != PAD_ID).sum()) for b in batches)
+    for k, s in seconds.items():
+        print(f"train {args.preset} real batches {k:>6}: {tokens / s:7.0f} tgt tok/s")
+    q1, _, q3 = statistics.quantiles(ratios, n=4)
+    print(f"train {args.preset} speed-up after/before: median {statistics.median(ratios):.3f} per "
+          f"batch (quartiles {q1:.3f}-{q3:.3f}, {len(ratios)} batches)")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -31,16 +31,16 @@ ROW_ALIGN = 4
 class Packing:
     """The real positions of a right-padded (B, T) batch, for the packed training path.
 
-    Packed, a batch's N real tokens are rows (N, ...) in row-major (b, t) order, as
-    `x[mask]` gives them: the position-wise work (embeddings, the W^Q, W^K, W^V, W^O and FFN
-    products, LayerNorm, dropout, residuals) then skips the padding, which the length-sorted
-    batches of §5.1 still carry on the source side (13-20% of the source tokens of Multi30k at
-    4,000-8,192 tokens a batch). Only eq. (1) needs the padded layout: `to_heads` puts projected
-    rows into (B, H, T, K), and `from_heads` takes the attended values back. At the padding,
-    `to_heads` leaves a copy of the first real row: as a key it is masked out (weight exactly
-    0), as a query its output is never taken back, so neither its value nor its gradient (0)
-    matters, and no zero-filled tensor is made. Each move is one row gather forward and one
-    backward (`_Gather`), no scatter-add.
+    Packed, a batch's real tokens are rows (N, ...) in row-major (b, t) order, as `x[mask]`
+    gives them: the position-wise work (embeddings, the W^Q, W^K, W^V, W^O and FFN products,
+    LayerNorm, dropout, residuals) then skips the padding, which the length-sorted batches of
+    §5.1 still carry on the source side (13-20% of the source tokens of Multi30k at 4,000-8,192
+    tokens a batch). Only eq. (1) needs the padded layout: `to_heads` puts projected rows into
+    (B, H, T, K), and `from_heads` takes the attended values back. At the padding, `to_heads`
+    leaves a copy of packed row 0: as a key it is masked out (weight exactly 0), as a query its
+    output is never taken back, so neither its value nor its gradient (0) matters, and no
+    zero-filled tensor is made. Each move is one row gather forward and one backward
+    (`_Gather`), no scatter-add.
     """
 
     def __init__(self, mask: torch.Tensor, align: int = ROW_ALIGN):
@@ -49,8 +49,8 @@ class Packing:
         align: the packed rows are made a multiple of it by taking in the first few padding
         positions too (when there are enough): computed like tokens, they are padding to
         attention (masked as keys: the source mask, or after every real query of their row
-        under §3.2.3's causal mask), and `real` drops them at the end. CPU matrix products
-        over a row count that is not a multiple of 4 ran 7-20% slower here.
+        under §3.2.3's causal mask), and `real_rows` drops them at the end. CPU matrix
+        products over a row count that is not a multiple of 4 ran 7-20% slower here.
         """
         self.B, self.T = mask.shape
         flat = mask.reshape(-1)
@@ -78,7 +78,8 @@ class Packing:
     def _head_index(self, n_heads: int, parts: int = 1) -> tuple[torch.Tensor, ...]:
         """For packed rows (N, parts, H) and padded ones (parts, B, H, T), both flattened:
         where each packed row lies padded; which packed row each padded one holds, N * parts
-        * H (past the last) at the padding; the same with row 0 at the padding. parts = 2:
+        * H (a zero row past the last) at the padding; the same with row 0 at the padding
+        instead. parts = 2:
         keys and values from one projection (W^K | W^V)."""
         key = (n_heads, parts)
         if key not in self._heads:
