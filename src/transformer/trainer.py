@@ -106,7 +106,7 @@ class Trainer:
         tuner: ThreadTuner | None = None,
     ) -> None:
         self.model, self.optimizer, self.loss_fn = model, optimizer, loss_fn
-        self.forward = forward or model
+        self.forward = model if forward is None else forward
         self.sampler, self.train_split, self.valid_split = sampler, train_split, valid_split
         self.tokenizer, self.config, self.cfg = tokenizer, config, config.train
         self.run_dir = Path(run_dir)
@@ -497,7 +497,7 @@ def evaluate_loss(
     sampler = TokenBatchSampler(split.src_lens, split.tgt_lens, max_tokens, seed=0, shuffle=False)
     for indices in sampler:
         b = collate(split, indices).to(device)
-        out = batch_loss(model, forward or model, loss_fn, b, eps_ls)
+        out = batch_loss(model, model if forward is None else forward, loss_fn, b, eps_ls)
         if each is not None:
             each(b)
         loss, nll, tokens = loss + float(out[0]), nll + float(out[1]), tokens + b.n_tgt_tokens

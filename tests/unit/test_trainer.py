@@ -477,3 +477,34 @@ def test_validation_without_bleu_skips_the_decode(data_dir, tmp_path, monkeypatc
     assert "bleu" not in record and record["ppl"] > 1.0
     with pytest.raises(UserError, match="valid_bleu"):
         _config("train.valid_bleu=false", "train.patience_metric=bleu")
+
+
+class _NoTruth:
+    """A module wrapper that, like `torch.compile`'s, cannot be truth-tested (its __len__
+    raises); calls go to the model."""
+
+    def __init__(self, model) -> None:
+        self.model, self.calls = model, 0
+
+    def __len__(self) -> int:
+        raise TypeError("does not support len()")
+
+    def __call__(self, *args):
+        self.calls += 1
+        return self.model(*args)
+
+
+def test_a_compiled_forward_is_used_not_truth_tested(data_dir: Path, tmp_path: Path) -> None:
+    """train.compile hands the trainer a compiled module; `forward or model` raised TypeError."""
+    trainer = _trainer(data_dir, tmp_path / "run", _config())
+    wrapper = _NoTruth(trainer.model)
+    trainer = Trainer(trainer.model, trainer.optimizer, trainer.loss_fn, trainer.sampler,
+                      trainer.train_split, trainer.valid_split, trainer.tokenizer, trainer.config,
+                      trainer.run_dir, progress=False, forward=wrapper)  # fmt: skip
+    assert trainer.forward is wrapper
+    loss, _ = trainer._batch_loss(collate(trainer.train_split, next(iter(trainer.sampler))))
+    assert wrapper.calls == 1 and math.isfinite(float(loss.detach()))
+    from transformer.trainer import evaluate_loss
+
+    out = evaluate_loss(trainer.model, trainer.valid_split, 2000, forward=wrapper)
+    assert wrapper.calls > 0 and math.isfinite(out["loss"])
