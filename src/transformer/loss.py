@@ -73,9 +73,8 @@ def label_smoothed_cross_entropy(
 def _chunks(n_rows: int, chunk_rows: int, align: int = 4) -> list[tuple[int, int]]:
     """Row ranges of about chunk_rows rows (at most chunk_rows rounded up to a multiple of
     `align`), as equal as can be in multiples of `align`, then the n_rows % align rows left
-    over on their own. On CPU the (n, V) products
-    of a chunk whose row count is not a multiple of 4 ran 7-20% slower (3,826 rows: 4 x 956 +
-    2, not 3 x 1,024 + 754 or 4 x 957)."""
+    over on their own. On CPU the (n, V) products of a chunk whose row count is not a multiple
+    of 4 ran 7-20% slower (3,826 rows: 4 x 956 + 2, not 3 x 1,024 + 754 or 4 x 957)."""
     body = n_rows - n_rows % align
     size = chunk_rows
     if body:

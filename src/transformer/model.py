@@ -79,8 +79,7 @@ class Packing:
         """For packed rows (N, parts, H) and padded ones (parts, B, H, T), both flattened:
         where each packed row lies padded; which packed row each padded one holds, N * parts
         * H (a zero row past the last) at the padding; the same with row 0 at the padding
-        instead. parts = 2:
-        keys and values from one projection (W^K | W^V)."""
+        instead. parts = 2: keys and values from one projection (W^K | W^V)."""
         key = (n_heads, parts)
         if key not in self._heads:
             B, T, n, dev = self.B, self.T, self.n, self.rows.device
@@ -509,14 +508,24 @@ class Transformer(nn.Module):
         x = embed(tokens) * self.embed_scale + pos(tokens.size(1), offset).to(embed.weight.dtype)
         return dropout(x, self.cfg.p_drop, self.training)  # §5.4: dropout on the sums
 
-    def encode(self, src: torch.Tensor, src_mask: torch.Tensor, weights: list | None = None):
-        """Encoder stack: src (B, S) ids, src_mask (B, S) bool True at real tokens -> (B, S, D)."""
-        x = self._embed(src, self.src_embed, self.src_pos, 0)
+    def encode(
+        self,
+        src: torch.Tensor,
+        src_mask: torch.Tensor,
+        weights: list | None = None,
+        packing: Packing | None = None,
+    ):
+        """Encoder stack: src (B, S) ids, src_mask (B, S) bool True at real tokens -> (B, S, D),
+        or with `packing` (of src_mask) the packed rows (N, D) of the real tokens only."""
+        if packing is None:
+            x = self._embed(src, self.src_embed, self.src_pos, 0)
+        else:
+            x = self._embed_packed(src, self.src_embed, self.src_pos, packing)
         mask = src_mask[:, None, None, :]  # (B, 1, 1, S): keys that are real tokens
         if self.cfg.attn_window is not None:
             mask = mask & window_mask(src.size(1), self.cfg.attn_window, src.device)
         for layer in self.encoder_layers:
-            x = layer(x, mask, weights)
+            x = layer(x, mask, weights, packing)
         return x if self.encoder_norm is None else self.encoder_norm(x)
 
     def decode_hidden(
@@ -590,13 +599,7 @@ class Transformer(nn.Module):
         if tgt_mask is None:
             return self.decode_hidden(tgt, self.encode(src, src_mask), src_mask)
         sp, tp = Packing(src_mask), Packing(tgt_mask)
-        x = self._embed_packed(src, self.src_embed, self.src_pos, sp)
-        mask = src_mask[:, None, None, :]  # (B, 1, 1, S), as `encode`
-        if self.cfg.attn_window is not None:
-            mask = mask & window_mask(src.size(1), self.cfg.attn_window, src.device)
-        for layer in self.encoder_layers:
-            x = layer(x, mask, packing=sp)
-        memory = x if self.encoder_norm is None else self.encoder_norm(x)  # (Ns, D)
+        memory = self.encode(src, src_mask, packing=sp)  # (Ns, D)
         x = self._embed_packed(tgt, self.tgt_embed, self.tgt_pos, tp)
         memory_mask = src_mask[:, None, None, :]
         for layer in self.decoder_layers:
