@@ -73,6 +73,8 @@ def main() -> None:
     p.add_argument("--preset", default="quickstart", help="model preset (--what real)")
     p.add_argument("--batches", type=int, default=40, help="training batches (--what real)")
     args = p.parse_args()
+    if "real" in args.what and not args.data:
+        p.error("--what real needs --data DIR (a prepared-data directory)")
     torch.set_num_threads(args.threads)
     old_model = module_at(args.rev, "src/transformer/model.py", "before_model")
     old_loss = module_at(args.rev, "src/transformer/loss.py", "before_loss")
@@ -100,7 +102,12 @@ def main() -> None:
             print(f"train base bf16 {k:>6}: {s:6.2f} s/step  {n / s:6.0f} tgt tok/s")
         print(f"train speed-up after/before: {med['before'] / med['after']:.2f}x")
     if "real" in args.what:
-        real_batches(args, old_model, old_loss)
+        from transformer.errors import UserError
+
+        try:
+            real_batches(args, old_model, old_loss)
+        except UserError as e:  # unreadable data: one line, no traceback
+            sys.exit(f"bench_before_after.py: {e}")
     if "decode" in args.what:
         sys.path.insert(0, PEERS)
         from bench_infer import build_marian_dir, make_src
