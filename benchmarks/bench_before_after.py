@@ -19,7 +19,6 @@ host whose speed drifts.
 from __future__ import annotations
 
 import argparse
-import inspect
 import os
 import statistics
 import subprocess
@@ -30,7 +29,7 @@ import types
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from peers_adapter import Infer, OurTrain  # noqa: E402
+from peers_adapter import Infer, OurTrain, train_step  # noqa: E402
 from transformer.loss import chunked_label_smoothed_loss  # noqa: E402
 from transformer.model import Transformer  # noqa: E402
 
@@ -146,7 +145,7 @@ def real_batches(args, old_model: types.ModuleType, old_loss: types.ModuleType) 
     sampler = TokenBatchSampler(split.src_lens, split.tgt_lens, config.train.max_tokens, seed=1)
     batches = [collate(split, idx) for _, idx in zip(range(args.batches), sampler, strict=False)]
 
-    def trainer(model_cls: type, loss_fn, packed: bool):
+    def trainer(model_cls: type, loss_fn):
         torch.manual_seed(0)
         model = model_cls(config.model).train()
         for p in model.parameters():
@@ -155,21 +154,15 @@ def real_batches(args, old_model: types.ModuleType, old_loss: types.ModuleType) 
 
         def step(b) -> None:
             keep = b.tgt_out != PAD_ID
-            if packed:
-                hidden = model(b.src, b.src_mask, b.tgt_in, keep)
-            else:
-                hidden = model(b.src, b.src_mask, b.tgt_in)[keep]
-            loss, _ = loss_fn(hidden, model.output_weight(), b.tgt_out[keep], 0.1)
-            loss.backward()
-            opt.collect_grads()
-            opt.step(1e-4, 1.0 / int(keep.sum()))
+            batch = {"src": b.src, "src_mask": b.src_mask, "tgt_in": b.tgt_in, "keep": keep,
+                     "target": b.tgt_out[keep]}  # fmt: skip
+            train_step(model, opt, loss_fn, batch, 0.1, 1e-4)
 
         return step
 
-    old_packed = "tgt_mask" in inspect.signature(old_model.Transformer.forward).parameters
     steps = {
-        "before": trainer(old_model.Transformer, old_loss.chunked_label_smoothed_loss, old_packed),
-        "after": trainer(Transformer, chunked_label_smoothed_loss, True),
+        "before": trainer(old_model.Transformer, old_loss.chunked_label_smoothed_loss),
+        "after": trainer(Transformer, chunked_label_smoothed_loss),
     }
     for step in steps.values():  # warm-up
         for b in batches[:3]:

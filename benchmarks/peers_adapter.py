@@ -30,6 +30,7 @@ the same length, so a length penalty changes nothing). It drives our cached deco
 
 from __future__ import annotations
 
+import functools
 import inspect
 import os
 
@@ -49,6 +50,31 @@ PEER_BOS, PEER_PAD = 0, 1
 MARIAN_EOS = 0
 
 
+@functools.cache
+def has_packed_path(model_cls: type) -> bool:
+    """Whether a Transformer class (this tree's, or an earlier revision's loaded by
+    bench_before_after.py) takes the packed training path's tgt_mask."""
+    return "tgt_mask" in inspect.signature(model_cls.forward).parameters
+
+
+def train_step(model, opt: MixedPrecisionAdam, loss_fn, batch: dict, eps: float, lr: float):
+    """One training step as `transformer train` takes it: the real tokens only when the model
+    has the packed path (model.Packing), the chunked §5.4 loss, the fp32-master Adam step.
+
+    batch: src, src_mask, tgt_in (B, T) and keep (B, T) bool, True at the real targets, whose
+    ids are target (N,). Returns the summed loss (a scalar tensor).
+    """
+    if has_packed_path(type(model)):
+        hidden = model(batch["src"], batch["src_mask"], batch["tgt_in"], batch["keep"])  # (N, D)
+    else:  # an earlier revision's model
+        hidden = model(batch["src"], batch["src_mask"], batch["tgt_in"])[batch["keep"]]
+    loss, _ = loss_fn(hidden, model.output_weight(), batch["target"], eps)
+    loss.backward()
+    opt.collect_grads()
+    opt.step(lr, grad_scale=1.0 / batch["target"].numel())
+    return loss
+
+
 def _to_our_ids(ids: torch.Tensor) -> torch.Tensor:
     """Swap the peers' BOS (0) and PAD (1) so that padding is our PAD_ID (0)."""
     out = ids.clone()
@@ -65,7 +91,6 @@ class OurTrain:
     def __init__(self, cfg: dict, model_cls: type = Transformer, loss_fn=None) -> None:
         self.cfg, self.model_cls = cfg, model_cls
         self.loss_fn = loss_fn or chunked_label_smoothed_loss
-        self.packed = "tgt_mask" in inspect.signature(model_cls.forward).parameters
         keep_large_blocks()  # as `transformer train` sets up its process (train._setup_torch)
         self.runs: dict[str, tuple[Transformer, MixedPrecisionAdam]] = {}
         self.notes = (
@@ -111,16 +136,7 @@ class OurTrain:
     def step(self, p: dict, amp: torch.dtype | None) -> float:
         model, opt = self._run("fp32" if amp is None else "bf16")
         model.train()
-        if self.packed:  # the real tokens only (model.Packing), as `transformer train`
-            hidden = model(p["src"], p["src_mask"], p["tgt_in"], p["keep"])  # (N, D)
-        else:  # an earlier revision's model (bench_before_after.py)
-            hidden = model(p["src"], p["src_mask"], p["tgt_in"])[p["keep"]]
-        loss, _ = self.loss_fn(
-            hidden, model.output_weight(), p["target"], self.cfg["label_smoothing"]
-        )
-        loss.backward()
-        opt.collect_grads()
-        opt.step(self.cfg["lr"], grad_scale=1.0 / p["ntokens"])
+        loss = train_step(model, opt, self.loss_fn, p, self.cfg["label_smoothing"], self.cfg["lr"])
         return float(loss.detach()) / p["ntokens"]
 
     @property

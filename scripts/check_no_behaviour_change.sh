@@ -14,7 +14,8 @@ T=.venv/bin/transformer
 rm -rf "$OUT" && mkdir -p "$OUT"
 $T prepare multi30k --src en --tgt de --from "$M30K" --out "$OUT/data" > "$OUT/prepare.log" 2>&1
 $T train "$OUT/data" --preset quickstart --out "$OUT/run" train.deterministic=true train.seed=1 \
-  train.dtype=bf16 train.save_every_steps=50 train.save_every_minutes=1e9 --max-steps 200 > "$OUT/train.log" 2>&1
+  train.dtype=bf16 train.save_every_steps=50 train.save_every_minutes=1e9 --max-steps 200 \
+  > "$OUT/train.log" 2>&1
 .venv/bin/python - "$OUT/run/checkpoints" <<'PY'
 import hashlib, sys
 from pathlib import Path
