@@ -666,6 +666,28 @@ def dropout(x: torch.Tensor, p: float, training: bool) -> torch.Tensor:
     n = x.numel()
     bits = torch.empty((n + 3) // 4, dtype=torch.int64).random_(-(2**63), 2**63 - 1)
     uniform16 = bits.view(torch.int16)[:n].view(x.shape)  # uniform over [-2^15, 2^15)
-    drop = uniform16 < round(p * 65536) - 32768  # P(drop) = p (to 2^-16)
-    # x * keep * scale would first convert the bool mask to x's dtype (in backward too).
-    return (x * (1.0 / (1.0 - p))).masked_fill_(drop, 0.0)
+    keep = uniform16 >= round(p * 65536) - 32768  # P(drop) = p (to 2^-16)
+    return _KeepScale.apply(x, keep, 1.0 / (1.0 - p))
+
+
+class _KeepScale(torch.autograd.Function):
+    """(x * scale) * keep, and its gradient (g * keep) * scale, with the bool mask saved.
+
+    On CPU `masked_fill_` with a bool mask and a bool -> bf16 conversion each run ~13x slower
+    than a product (1.4-1.5 and 0.55 ms against 0.1 on (8190, 128) bf16, 2 threads), while
+    the same bytes read as uint8 convert as fast as a product; so the mask is multiplied in,
+    its bytes taken as uint8. Multiplying by exactly 0 or 1 gives the values masked_fill did
+    (up to the sign of a zero), forward and backward.
+    """
+
+    @staticmethod
+    def forward(ctx, x, keep, scale):  # noqa: D102
+        ctx.save_for_backward(keep)
+        ctx.scale = scale
+        return (x * scale).mul_(keep.view(torch.uint8).to(x.dtype))
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad: torch.Tensor):  # noqa: D102
+        (keep,) = ctx.saved_tensors
+        return (grad * keep.view(torch.uint8).to(grad.dtype)).mul_(ctx.scale), None, None

@@ -450,3 +450,14 @@ def test_dropout_drops_at_rate_p_and_rescales_the_rest():
     out = dropout(w, 0.3, True)
     out.sum().backward()
     assert torch.equal(w.grad, out.detach())
+    # bit for bit what (x * scale).masked_fill_(drop, 0) gives, forward and backward, in bf16
+    x = torch.randn(64, 33).bfloat16().requires_grad_()
+    g = torch.randn(64, 33).bfloat16()
+    torch.manual_seed(5)
+    y = dropout(x, 0.3, True)
+    y.backward(g)
+    drop = y.detach() == 0
+    ref = (x.detach() * (1 / 0.7)).masked_fill_(drop, 0.0)
+    assert torch.equal(y.detach(), ref) and y.dtype == torch.bfloat16
+    assert torch.equal(x.grad, (g.masked_fill(drop, 0.0) * (1 / 0.7)))
+    assert abs(drop.float().mean().item() - 0.3) < 0.05
