@@ -330,6 +330,29 @@ def test_a_query_with_no_legal_key_gets_zero_weights_on_both_paths() -> None:
     torch.testing.assert_close(attention(q, k, v, mask, fused=True), out, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+def test_masked_softmax_equals_masked_fill_then_softmax_forward_and_backward(dtype) -> None:
+    from transformer.model import _MaskedSoftmax
+
+    torch.manual_seed(0)
+    scores = (torch.randn(3, 2, 6, 9) * 4).to(dtype)
+    mask = torch.rand(3, 1, 6, 9) > 0.4
+    mask[0, :, 2] = False  # a query with no legal key: zero weights, zero gradient
+    grad = torch.randn(3, 2, 6, 9).to(dtype)
+    a = scores.clone().requires_grad_()
+    ref = a.masked_fill(~mask, float("-inf")).softmax(-1).masked_fill(~mask, 0.0)
+    ref.backward(grad)
+    b = scores.clone().requires_grad_()
+    w = _MaskedSoftmax.apply(b, mask)
+    w.backward(grad)
+    assert w.dtype == dtype and b.grad.dtype == dtype
+    assert torch.all(w[0, :, 2] == 0) and torch.all(b.grad[0, :, 2] == 0)
+    assert torch.all(w[~mask.expand_as(w)] == 0) and torch.all(b.grad[~mask.expand_as(w)] == 0)
+    tol = {torch.float64: 1e-12, torch.float32: 1e-6, torch.bfloat16: 8e-3}[dtype]
+    torch.testing.assert_close(w, ref, rtol=tol, atol=tol)
+    torch.testing.assert_close(b.grad, a.grad, rtol=tol, atol=tol)
+
+
 def test_cpu_dispatch_takes_the_explicit_path_for_short_sequences_only() -> None:
     from transformer import model as model_module
 
