@@ -211,7 +211,9 @@ class _MaskedSoftmax(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, scores, mask):  # noqa: D102
-        x = scores.to(torch.promote_types(scores.dtype, torch.float32))
+        # A copy even when scores is fp32 already: the in-place steps below must not write
+        # into the caller's tensor.
+        x = scores.to(torch.promote_types(scores.dtype, torch.float32), copy=True)
         x = x.masked_fill_(~mask, float("-inf"))
         # A row without a legal key has max -inf: clamped, it gives exp(-inf) = 0 everywhere.
         top = x.amax(dim=-1, keepdim=True).clamp_(min=torch.finfo(x.dtype).min)

@@ -344,6 +344,7 @@ def test_masked_softmax_equals_masked_fill_then_softmax_forward_and_backward(dty
     ref.backward(grad)
     b = scores.clone().requires_grad_()
     w = _MaskedSoftmax.apply(b, mask)
+    assert torch.equal(b.detach(), scores)  # the input is left as it was (fp32/fp64 too)
     w.backward(grad)
     assert w.dtype == dtype and b.grad.dtype == dtype
     assert torch.all(w[0, :, 2] == 0) and torch.all(b.grad[0, :, 2] == 0)
