@@ -191,10 +191,16 @@ def attention(
     elif mask.dtype != torch.bool:
         w = (scores + mask).softmax(dim=-1)
     else:
-        w = _MaskedSoftmax.apply(scores, mask)
+        w = masked_softmax(scores, mask)
     if weights is not None:
         weights.append(w)
     return dropout(w, p_drop, True) @ v  # (B, H, Tq, Vd)
+
+
+def masked_softmax(scores: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """softmax over the last dimension with -inf where mask (bool, broadcastable) is False;
+    zero weights for a row with no legal key (`_MaskedSoftmax`)."""
+    return _MaskedSoftmax.apply(scores, mask)
 
 
 class _MaskedSoftmax(torch.autograd.Function):

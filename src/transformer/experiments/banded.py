@@ -14,6 +14,8 @@ import math
 import torch
 import torch.nn.functional as F
 
+from transformer.model import masked_softmax
+
 
 def _band_mask(n: int, window: int, block: int, device: torch.device) -> torch.Tensor:
     """(n_blocks, block, 3 * block) bool: query i sees key j iff |i - j| <= r and 0 <= j < n."""
@@ -58,7 +60,6 @@ def attention_banded(
     if key_mask is not None:
         keys = F.pad(key_mask, (block, pad + block)).unfold(1, 3 * block, block)  # (B, nb, 3b)
         allowed = allowed & keys[:, None, :, None, :]  # (B, 1, nb, b, 3b)
-    scores = scores.masked_fill(~allowed, float("-inf"))
-    weights = scores.softmax(dim=-1).nan_to_num(0.0)  # rows with no visible key -> zeros
+    weights = masked_softmax(scores, allowed)  # rows with no visible key -> zeros
     out = weights @ v.transpose(-1, -2)  # (B, H, nb, b, Vd)
     return out.reshape(B, H, n_blocks * block, -1)[:, :, :N]  # (B, H, N, Vd)
