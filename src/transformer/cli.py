@@ -32,6 +32,16 @@ def _threads(value: str) -> int | str:
         raise argparse.ArgumentTypeError(f"a number or auto, not {value!r}") from None
 
 
+def _add_procs(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--procs", type=int, metavar="N",
+        help="train.procs: train with N data-parallel processes on this CPU, one thread each "
+        "(unless --threads), each taking train.max_tokens / N tokens a batch: the same steps, "
+        "without threads that wait for each other in every op (default: the preset's or the "
+        "run's own)",
+    )  # fmt: skip
+
+
 def _add_threads(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--threads", type=_threads, default="auto", metavar="N|auto",
@@ -80,7 +90,8 @@ def _cmd_flops(args: argparse.Namespace) -> int:
 def _cmd_quickstart(args: argparse.Namespace) -> int:
     from transformer.experiments.quickstart import quickstart
 
-    r = quickstart(args.out, args.src, args.tgt, smoke=args.smoke, train_minutes=args.minutes)
+    r = quickstart(args.out, args.src, args.tgt, smoke=args.smoke, train_minutes=args.minutes,
+                   procs=args.procs, overrides=args.overrides)  # fmt: skip
     rep = r.report
     print()
     print(
@@ -110,11 +121,17 @@ def _add_quickstart(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "quickstart", help="Multi30k end to end: prepare, train, average, translate, BLEU"
     )
+    p.__class__ = _IntermixedParser
+    p.add_argument(
+        "overrides", nargs="*", metavar="key=value",
+        help="changes to the quickstart preset, e.g. train.seed=2 (recorded in RUN/config.yaml)",
+    )  # fmt: skip
     p.add_argument("--out", type=Path, default=Path("runs/quickstart"), help="output directory")
     p.add_argument("--src", default="en", help="source language: en, de, fr or cs")
     p.add_argument("--tgt", default="de", help="target language: en, de, fr or cs")
     p.add_argument("--smoke", action="store_true", help="tiny model, a few steps (tests)")
     p.add_argument("--minutes", type=float, help="training budget in minutes (default 17)")
+    _add_procs(p)
     p.set_defaults(func=_cmd_quickstart)
 
 
@@ -124,7 +141,7 @@ def _cmd_recipe(args: argparse.Namespace) -> int:
     name, *overrides = args.name_and_overrides  # run_recipe checks the name
     r = run_recipe(
         name, args.out, args.minutes, args.data_from, resume=args.resume,
-        overrides=overrides, lowercase=args.lowercase,
+        overrides=overrides, lowercase=args.lowercase, procs=args.procs,
     )  # fmt: skip
     train, test = r["train"], r["scores"]["test_2016_flickr"]
     print(
@@ -166,6 +183,7 @@ def _add_recipe(sub: argparse._SubParsersAction) -> None:
         help="train and score on lowercased text, as the Multi30k literature does (its BLEU "
         "is on lowercased, tokenized text); reports no cased BLEU",
     )  # fmt: skip
+    _add_procs(p)
     p.set_defaults(func=_cmd_recipe)
 
 
@@ -397,12 +415,13 @@ def _cmd_train(args: argparse.Namespace) -> int:
             overrides.append(f"{key}={flag}")
     if args.resume is not None:
         train(data_dir, args.resume, resume=True, overrides=overrides, device=args.device,
-              threads=args.threads)  # fmt: skip
+              threads=args.threads, procs=args.procs)  # fmt: skip
         return 0
     if args.out is None or data_dir is None:
         raise UserError("train: give DATA_DIR and --out RUN_DIR (or --resume RUN_DIR)")
     config = build_config(args.preset, args.config)
-    train(data_dir, args.out, config, overrides=overrides, device=args.device, threads=args.threads)
+    train(data_dir, args.out, config, overrides=overrides, device=args.device,
+          threads=args.threads, procs=args.procs)  # fmt: skip
     return 0
 
 
@@ -434,6 +453,7 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-minutes", type=float, help="stop after this many minutes")
     p.add_argument("--device", help="cpu, cuda, cuda:1 ... (default: cuda if available)")
     _add_threads(p)
+    _add_procs(p)
     p.set_defaults(func=_cmd_train)
 
 

@@ -126,11 +126,16 @@ class TrainConfig:
     valid_every_steps: int = 1000
     log_every_steps: int = 50
     deterministic: bool = False  # deterministic algorithms, for bit-exact resume tests
+    # Not in the paper: data-parallel processes on this CPU (`train --procs N`), one thread each,
+    # each taking max_tokens / procs tokens a batch, so a step is the same size. 1 = one process.
+    # (Across GPUs or machines, torchrun; max_tokens is then per rank, and procs stays 1.)
+    procs: int = 1
 
     def __post_init__(self) -> None:
         if self.dtype not in ("bf16", "fp32"):
             raise ConfigError(f"train.dtype: expected 'bf16' or 'fp32', got {self.dtype!r}")
-        for name in ("max_tokens", "accum_steps", "warmup_steps", "max_steps", "keep_last"):
+        names = ("max_tokens", "accum_steps", "warmup_steps", "max_steps", "keep_last", "procs")
+        for name in names:
             if getattr(self, name) <= 0:
                 raise ConfigError(f"train.{name}: must be positive, got {getattr(self, name)!r}")
         if not 0.0 <= self.eps_ls < 1.0:

@@ -9,16 +9,35 @@ This is what DistributedDataParallel computes (a gradient all-reduce after backw
 because the reduction must happen after gradient accumulation, on the fp32 masters: DDP reduces
 inside backward, in the parameters' dtype (bf16), and `no_sync` would leave the accumulation in
 bf16. One reduction per step also means accumulation costs no extra communication.
+
+`run_local` starts such a job on this machine without `torchrun` (`transformer train --procs
+N`): N processes of one CPU thread each, which never wait for each other inside an op. On a
+small CPU that is faster than one process with N threads for models whose ops are too short to
+split well across threads, and it keeps its speed beside another busy process, where threads
+that meet at a barrier in every op do not (docs/performance.md).
 """
 
 from __future__ import annotations
 
 import logging
+import multiprocessing.connection
 import os
+import shutil
+import socket
+import tempfile
+import threading
+import time
+import traceback
+from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from transformer.errors import UserError
 
 logger = logging.getLogger(__name__)
 
@@ -91,3 +110,126 @@ def barrier(info: DistInfo) -> None:
 def shutdown(info: DistInfo) -> None:
     if info.world_size > 1 and dist.is_initialized():
         dist.destroy_process_group()
+
+
+def run_local(nprocs: int, fn: Callable[..., Any], args: tuple = ()) -> Any:
+    """Run `fn(*args)` as one data-parallel job of `nprocs` processes on this machine.
+
+    Each process is rank r of `nprocs` (gloo, rendezvous through a file in a temporary
+    directory: no port, nothing reachable from outside) with the environment `torchrun` gives
+    (RANK, WORLD_SIZE, LOCAL_RANK), so `init_from_env` finds the job. The children start fresh
+    interpreters (spawn): `fn` and `args` must pickle.
+
+    Returns rank 0's return value. If a rank fails, the others are stopped (they would wait
+    for it in the next all-reduce) and its failure is raised here: a UserError as a UserError
+    (its message alone), an OSError (disk full, ...) as an OSError, Ctrl-C as
+    KeyboardInterrupt, anything else as a RuntimeError carrying the rank's traceback.
+    """
+    if nprocs < 1:
+        raise UserError(f"--procs: must be at least 1, got {nprocs}")
+    ctx = mp.get_context("spawn")
+    tmp = Path(tempfile.mkdtemp(prefix="transformer-job-"))
+    level = logging.getLogger("transformer").getEffectiveLevel()
+    pipes = [ctx.Pipe(duplex=False) for _ in range(nprocs)]
+    store = tmp / "store"
+    procs = [
+        ctx.Process(target=_rank_main, args=(r, nprocs, store, level, pipes[r][1], fn, args))
+        for r in range(nprocs)
+    ]
+    reports: dict[int, tuple[str, Any]] = {}
+    dead: dict[int, int] = {}  # rank -> exit code
+    try:
+        for p in procs:
+            p.start()
+        for _, writer in pipes:
+            writer.close()  # the children hold theirs: a reader sees EOF when its child is gone
+        waiting = {reader: r for r, (reader, _) in enumerate(pipes)}
+        waiting.update({p.sentinel: r for r, p in enumerate(procs)})
+        while waiting and not any(code != 0 for code in dead.values()):
+            for ready in multiprocessing.connection.wait(list(waiting)):
+                rank = waiting.pop(ready)
+                if isinstance(ready, int):  # a process sentinel: the process has ended
+                    procs[rank].join()
+                    dead[rank] = procs[rank].exitcode
+                    continue
+                try:
+                    reports[rank] = ready.recv()
+                except EOFError:
+                    pass
+        for ready, rank in waiting.items():  # a failed rank's report, sent just before it ended
+            if not isinstance(ready, int) and ready.poll():
+                try:
+                    reports[rank] = ready.recv()
+                except EOFError:
+                    pass
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.terminate()
+        for p in procs:
+            p.join()
+        for reader, _ in pipes:
+            reader.close()
+        shutil.rmtree(tmp, ignore_errors=True)
+    failed = [r for r, code in dead.items() if code != 0]  # in the order they ended
+    if not failed:
+        return reports.get(0, ("ok", None))[1]
+    for kind, payload in reports.values():
+        if kind == "user":
+            raise UserError(payload)
+    for kind, _ in reports.values():
+        if kind == "interrupt":
+            raise KeyboardInterrupt
+    first = failed[0]  # the others failed because it left the job
+    if reports.get(first, ("",))[0] == "os":
+        raise OSError(*reports[first][1])
+    if first in reports:
+        raise RuntimeError(f"process {first} of {nprocs} failed:\n{reports[first][1]}")
+    raise RuntimeError(f"process {first} of {nprocs} exited with code {dead[first]}")
+
+
+def _rank_main(rank: int, world: int, store: Path, level: int, conn, fn, args) -> None:
+    """A child of `run_local`: join the job, run fn, send back its result or its failure."""
+    logging.basicConfig(
+        level=level,
+        format=f"%(asctime)s %(levelname)s [{rank}] %(name)s: %(message)s",
+        datefmt="%H:%M:%S",
+    )
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_WORLD_SIZE=str(world))  # fmt: skip
+    loopback = _loopback_interface()
+    if loopback and "GLOO_SOCKET_IFNAME" not in os.environ:
+        os.environ["GLOO_SOCKET_IFNAME"] = loopback  # the ranks talk over 127.0.0.1 only
+    threading.Thread(target=_exit_with_parent, args=(os.getppid(),), daemon=True).start()
+    try:
+        dist.init_process_group("gloo", init_method=store.as_uri(), rank=rank, world_size=world)
+        result = fn(*args)
+    except UserError as e:
+        conn.send(("user", str(e)))
+        raise SystemExit(2) from None
+    except KeyboardInterrupt:
+        conn.send(("interrupt", ""))
+        raise SystemExit(130) from None
+    except OSError as e:  # disk full, permission denied: the CLI prints these as one line
+        conn.send(("os", (e.errno, e.strerror or str(e), e.filename)))
+        raise SystemExit(1) from None
+    except BaseException:
+        conn.send(("bug", traceback.format_exc()))
+        raise SystemExit(1) from None
+    conn.send(("ok", result if rank == 0 else None))
+
+
+def _loopback_interface() -> str | None:
+    """The loopback network interface's name ("lo" on Linux, "lo0" on macOS), if any."""
+    for _, name in socket.if_nameindex():
+        if name.startswith("lo"):
+            return name
+    return None
+
+
+def _exit_with_parent(parent: int) -> None:
+    """End this process once its parent is gone (killed, say, with SIGKILL or SIGTERM, which
+    skip the parent's clean-up): a rank must not train on, orphaned, into the run directory."""
+    while os.getppid() == parent:
+        time.sleep(1.0)
+    os._exit(1)

@@ -106,8 +106,10 @@ def train(
     device: str | None = None,
     progress: bool = True,
     threads: int | str | None = None,
+    procs: int | None = None,
 ) -> TrainState:
-    """Train (or resume) a run; returns the final counters. Launch with `torchrun` for DDP.
+    """Train (or resume) a run; returns the final counters. Launch with `torchrun` for DDP
+    across GPUs or machines; `train.procs` > 1 starts a job of that many processes on this CPU.
 
     Args:
         data_dir: a prepared-data directory (`transformer prepare`); on resume, None = the
@@ -119,11 +121,37 @@ def train(
         device: "cpu", "cuda" ...; default CUDA when available.
         progress: show a progress bar.
         threads: CPU threads (default: OMP_NUM_THREADS if set, else tuned to the machine's
-            load while training, threads.ThreadTuner; 1 when train.deterministic).
+            load while training, threads.ThreadTuner; 1 when train.deterministic); per
+            process with train.procs > 1, where the default is 1.
+        procs: sets `train.procs` (an override; a resumed run keeps its own otherwise).
     """
     out_dir = Path(out_dir)
+    if procs is not None:
+        overrides = [*overrides, f"train.procs={procs}"]
     data_dir, config = resolve_run(data_dir, out_dir, config, resume, overrides)
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    n = config.train.procs
+    if n > 1 and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise UserError(
+            f"train.procs={n}: this process is already one rank of a torchrun job; "
+            "under torchrun leave train.procs at 1"
+        )
+    if n > 1:
+        if dev.type != "cpu":
+            raise UserError(f"train.procs={n} is for CPU training (device {dev}); "
+                            "across GPUs use torchrun")  # fmt: skip
+        threads = threads if isinstance(threads, int) else 1
+        args = (data_dir, out_dir, config, resume, dev, progress, threads)
+        return distributed.run_local(n, _train_job, args)
+    return _train_job(data_dir, out_dir, config, resume, dev, progress, threads)
+
+
+def _train_job(
+    data_dir: Path, out_dir: Path, config: RunConfig, resume: bool, dev: torch.device,
+    progress: bool, threads: int | str | None,
+) -> TrainState:  # fmt: skip
+    """train() once the run is resolved: this process's part of the job (all of it, or one
+    rank's; module level, so that `distributed.run_local`'s children can import it)."""
     info = distributed.init_from_env(dev)
     if dev.type == "cuda":
         dev = torch.device("cuda", info.local_rank)
@@ -150,9 +178,8 @@ def train(
         handler = _log_to_file(out_dir)
         for directory in (out_dir, out_dir / checkpoint.CHECKPOINT_DIR):
             checkpoint.remove_stale(directory)  # temporary files of killed runs
-        rundir.write_run_files(out_dir, config, data_dir)
     try:
-        return _run(data, out_dir, config, resume, info, dev, progress, tuner)
+        return _run(data, data_dir, out_dir, config, resume, info, dev, progress, tuner)
     finally:
         if handler is not None:
             logging.getLogger("transformer").removeHandler(handler)
@@ -164,30 +191,39 @@ def train(
         torch.set_num_threads(saved_torch[1])
 
 
+def _rank_tokens(config: RunConfig) -> int:
+    """Tokens per batch of one process: `train.max_tokens`, split over a `train.procs` job."""
+    return -(-config.train.max_tokens // config.train.procs)
+
+
 def _check_lengths(data, config: RunConfig) -> None:
     """Every train and valid pair fits the model (`model.max_len` positions) and one batch
-    (`train.max_tokens`): a UserError naming the split and line now, not a failure mid-run."""
+    (`train.max_tokens`, a process's share of it with train.procs): a UserError naming the
+    split and line now, not a failure mid-run."""
+    share = config.train.procs
+    per_process = f" / train.procs {share}" if share > 1 else ""
     limits = (
-        ("model.max_len", config.model.max_len),
-        ("train.max_tokens", config.train.max_tokens),
+        ("model.max_len", "", config.model.max_len),
+        ("train.max_tokens", per_process, _rank_tokens(config)),
     )
     for name in ("train", "valid"):
         if name not in data.split_names:
             continue
         split = data.split(name)
         longest = np.maximum(split.src_lens, split.tgt_lens)
-        for key, limit in limits:
+        for key, per, limit in limits:
             over = np.flatnonzero(longest > limit)
             if over.size:
                 i = int(over[0])
                 raise UserError(
                     f"{data.path}: {name} line {i + 1}: {int(split.src_lens[i])} source and "
-                    f"{int(split.tgt_lens[i])} target tokens (EOS included) exceed {key}={limit} "
+                    f"{int(split.tgt_lens[i])} target tokens (EOS included) exceed "
+                    f"{key}{per}={limit} "
                     f"({over.size} such pairs); raise {key} or prepare with a smaller --max-len"
                 )
 
 
-def _run(data, out_dir, config, resume, info, dev, progress, tuner=None) -> TrainState:
+def _run(data, data_dir, out_dir, config, resume, info, dev, progress, tuner=None) -> TrainState:
     model = build_model(config, dev)
     distributed.broadcast_parameters(list(model.parameters()), info)
     optimizer = MixedPrecisionAdam(
@@ -198,7 +234,7 @@ def _run(data, out_dir, config, resume, info, dev, progress, tuner=None) -> Trai
     sampler = TokenBatchSampler(
         train_split.src_lens,
         train_split.tgt_lens,
-        config.train.max_tokens,
+        _rank_tokens(config),
         seed=config.train.seed,
         rank=info.rank,
         world_size=info.world_size,
@@ -210,6 +246,8 @@ def _run(data, out_dir, config, resume, info, dev, progress, tuner=None) -> Trai
         state = _restore(out_dir, model, optimizer, sampler, info)
     else:
         torch.manual_seed(config.train.seed + info.rank)  # dropout differs between ranks
+    if info.is_main:  # after the restore: a refused resume leaves the run's files as they were
+        rundir.write_run_files(out_dir, config, data_dir)
     logger.info(
         "model: %d parameters, %s; %d train batches per epoch and rank",
         model.num_parameters(),
@@ -240,7 +278,16 @@ def _restore(out_dir, model, optimizer, sampler, info) -> TrainState:
     path, ckpt = found
     optimizer.load_master_state(model, ckpt["model"])
     optimizer.load_state_dict(ckpt["optimizer"])
-    sampler.load_state_dict(ckpt["sampler"])
+    ranks = ckpt["sampler"]["world_size"]
+    if ranks != info.world_size:
+        raise UserError(
+            f"{path}: trained by {ranks} process(es), resumed by {info.world_size}: the batches "
+            "would not line up; resume with the same train.procs (or torchrun world size)"
+        )
+    try:
+        sampler.load_state_dict(ckpt["sampler"])
+    except ValueError as e:  # the data or the batching changed under the run
+        raise UserError(f"{path}: {e}") from None
     rng = ckpt["rng"]
     checkpoint.set_rng_state(rng[info.rank] if len(rng) == info.world_size else rng[0])
     logger.info("resumed from %s at step %d", path, ckpt["step"])

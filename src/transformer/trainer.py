@@ -345,11 +345,13 @@ class Trainer:
         self._record("train", record)
 
     def _log_valid(self) -> None:
-        if not self.dist.is_main:
-            return
+        # Every rank validates its share and gets the same record, so every rank makes the
+        # same early-stopping decision; rank 0 logs it.
         record = self.validate()
         record["epochs"] = self.sampler.epochs_done
         self._early_stopping(record)
+        if not self.dist.is_main:
+            return
         logger.info(
             "step %d | valid loss %.4f | valid ppl %.2f | valid BLEU %s",
             self.state.step,
@@ -416,11 +418,15 @@ class Trainer:
 
         record: dict[str, Any] = evaluate_loss(
             self.model, split, self.cfg.max_tokens, self.cfg.eps_ls, self.loss_fn, self.forward,
-            each=decode if self.cfg.valid_bleu else None,
+            each=decode if self.cfg.valid_bleu else None, dist_info=self.dist,
         )  # fmt: skip
         del record["tokens"]  # a valid record's numbers are per token; "tokens" means training's
         if not self.cfg.valid_bleu:
             return record
+        if self.dist.world_size > 1:  # each rank decoded its share of the batches
+            shares: list[dict[int, str] | None] = [None] * self.dist.world_size
+            torch.distributed.all_gather_object(shares, hyps)
+            hyps = {i: h for share in shares for i, h in share.items()}
         refs = [split.tgt_text(i) for i in range(len(split))]
         result = corpus_bleu([hyps[i] for i in range(len(split))], refs)
         record["bleu"] = float(result.score)
@@ -485,16 +491,23 @@ def evaluate_loss(
     loss_fn: LossFn = chunked_label_smoothed_loss,
     forward: nn.Module | None = None,
     each: Callable[[Batch], None] | None = None,
+    dist_info: distributed.DistInfo | None = None,
 ) -> dict[str, float]:
     """Teacher-forced loss on a split, dropout off: {"loss" (label-smoothed with eps_ls), "nll",
     per target token, "ppl" = exp(nll) (per subword, §6.2 Table 3's PPL), "tokens"}.
-    `each` is called with every batch (on the model's device), e.g. to decode it too."""
+    `each` is called with every batch (on the model's device), e.g. to decode it too.
+    With `dist_info` of a job of several ranks, each rank takes its share of the batches and
+    every rank returns the totals of all."""
     was_training = model.training
     model.eval()
     device = next(model.parameters()).device
     loss = nll = 0.0
     tokens = 0
-    sampler = TokenBatchSampler(split.src_lens, split.tgt_lens, max_tokens, seed=0, shuffle=False)
+    rank, world = (dist_info.rank, dist_info.world_size) if dist_info else (0, 1)
+    sampler = TokenBatchSampler(
+        split.src_lens, split.tgt_lens, max_tokens, seed=0, shuffle=False, rank=rank,
+        world_size=world,
+    )  # fmt: skip
     for indices in sampler:
         b = collate(split, indices).to(device)
         out = batch_loss(model, model if forward is None else forward, loss_fn, b, eps_ls)
@@ -502,5 +515,9 @@ def evaluate_loss(
             each(b)
         loss, nll, tokens = loss + float(out[0]), nll + float(out[1]), tokens + b.n_tgt_tokens
     model.train(was_training)
+    if world > 1:
+        sums = torch.tensor([loss, nll, tokens], dtype=torch.float64, device=device)  # nccl: GPU
+        distributed.all_reduce_sum([sums], dist_info)
+        loss, nll, tokens = sums[0].item(), sums[1].item(), int(sums[2].item())
     n = max(tokens, 1)
     return {"loss": loss / n, "nll": nll / n, "ppl": math.exp(min(nll / n, 50.0)), "tokens": tokens}

@@ -52,3 +52,91 @@ def test_two_gloo_ranks_equal_one_process_with_both_halves(shared_data, tmp_path
     assert _losses(one) == pytest.approx(_losses(two), rel=1e-5)
     for k in a["model"]:
         torch.testing.assert_close(a["model"][k], b["model"][k], rtol=1e-4, atol=1e-5, msg=k)
+
+
+def test_procs_equal_one_process_with_both_halves(shared_data, tmp_path):
+    """`train --procs 2` (train.procs: distributed.run_local, no torchrun) splits
+    train.max_tokens between its processes: the same steps as one process taking two half-size
+    batches per step."""
+    data = prepare_slice(tmp_path, shared_data / "multi30k", n_train=600, vocab_size=500)
+    one, two = tmp_path / "one", tmp_path / "two"
+    base = [sys.executable, "-m", "transformer", "train", str(data)]
+    subprocess.run([*base, "--out", str(one), *COMMON, "train.accum_steps=2"], check=True)
+    run = subprocess.run(
+        [*base, "--out", str(two), *COMMON, "train.max_tokens=1000", "--procs", "2"],
+        check=True, capture_output=True, text=True,
+    )  # fmt: skip
+    assert "rank 1 of 2 (gloo)" in run.stderr
+
+    a = checkpoint.load_checkpoint(checkpoint.latest_checkpoint(one))
+    b = checkpoint.load_checkpoint(checkpoint.latest_checkpoint(two))
+    assert a["step"] == b["step"] == 4 and a["counters"]["tokens"] == b["counters"]["tokens"]
+    assert _losses(one) == pytest.approx(_losses(two), rel=1e-5)
+    for k in a["model"]:
+        torch.testing.assert_close(a["model"][k], b["model"][k], rtol=1e-4, atol=1e-5, msg=k)
+
+    # Resumed with another process count, the batches would not line up: one clean line.
+    resume = [sys.executable, "-m", "transformer", "train", "--resume", str(two)]
+    again = subprocess.run([*resume, "--max-steps", "6", "--procs", "1"], capture_output=True,
+                           text=True)  # fmt: skip
+    assert again.returncode == 2 and "Traceback" not in again.stderr, again.stderr
+    assert "trained by 2 process(es), resumed by 1" in again.stderr
+    assert "procs: 2" in (two / "config.yaml").read_text()  # the refused resume changed nothing
+    # The run's config keeps train.procs: a plain resume starts both processes again.
+    subprocess.run([*resume, "--max-steps", "6"], check=True, capture_output=True)
+    assert checkpoint.load_checkpoint(checkpoint.latest_checkpoint(two))["step"] == 6
+
+
+def test_procs_name_the_pair_that_does_not_fit_a_process_share(shared_data, tmp_path):
+    data = prepare_slice(tmp_path, shared_data / "multi30k", n_train=600, vocab_size=500)
+    run = subprocess.run(
+        [sys.executable, "-m", "transformer", "train", str(data), "--out", str(tmp_path / "r"),
+         *COMMON, "train.max_tokens=60", "--procs", "2"],
+        capture_output=True, text=True,
+    )  # fmt: skip
+    assert run.returncode == 2 and "Traceback" not in run.stderr, run.stderr
+    assert "exceed train.max_tokens / train.procs 2=30" in run.stderr
+
+
+def test_procs_share_the_validation_and_agree_on_it(shared_data, tmp_path):
+    """With --procs 2 each process validates half of the valid batches (loss and greedy BLEU)
+    and the totals are gathered: the record equals one process validating the same weights."""
+    from transformer.bleu import corpus_bleu
+    from transformer.config import from_dict
+    from transformer.data import load_prepared
+    from transformer.model import Transformer
+    from transformer.search import greedy_search
+    from transformer.trainer import evaluate_loss
+
+    data = prepare_slice(tmp_path, shared_data / "multi30k", n_train=600, n_valid=120,
+                         vocab_size=500)  # fmt: skip
+    run = tmp_path / "two"
+    subprocess.run(
+        [sys.executable, "-m", "transformer", "train", str(data), "--out", str(run), *COMMON,
+         "train.max_tokens=1000", "train.valid_every_steps=4", "--procs", "2"],
+        check=True, capture_output=True,
+    )  # fmt: skip
+    lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    (logged,) = [x for x in lines if x["kind"] == "valid"]
+
+    ckpt = checkpoint.load_checkpoint(checkpoint.latest_checkpoint(run))
+    assert ckpt["step"] == 4
+    config = from_dict(ckpt["config"])
+    model = Transformer(config.model)
+    model.load_state_dict(ckpt["model"], strict=False)
+    prepared = load_prepared(data)
+    valid = prepared.split("valid")
+    hyps: dict[int, str] = {}
+
+    def decode(b) -> None:
+        for i, ids in zip(b.indices, greedy_search(model, b.src, b.src_mask), strict=True):
+            hyps[i] = prepared.tokenizer.decode(ids)
+
+    # validation batches hold train.max_tokens (not a process's share: no gradients to keep)
+    alone = evaluate_loss(model, valid, config.train.max_tokens, config.train.eps_ls, each=decode)
+    assert alone["tokens"] > 2 * config.train.max_tokens  # 3+ batches: both processes had some
+    assert logged["ppl"] == pytest.approx(alone["ppl"], rel=1e-9)
+    assert logged["loss"] == pytest.approx(alone["loss"], rel=1e-9)
+    refs = [valid.tgt_text(i) for i in range(len(valid))]
+    assert len(hyps) == len(valid)
+    assert logged["bleu"] == corpus_bleu([hyps[i] for i in range(len(valid))], refs).score

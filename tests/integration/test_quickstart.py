@@ -14,7 +14,8 @@ import pytest
 def test_quickstart_smoke_runs_the_whole_pipeline_and_the_loss_falls(shared_data, tmp_path) -> None:
     out = tmp_path / "qs"
     proc = subprocess.run(
-        [sys.executable, "-m", "transformer", "quickstart", "--smoke", "--out", str(out)],
+        [sys.executable, "-m", "transformer", "quickstart", "--smoke", "--out", str(out),
+         "train.seed=3", "--procs", "2"],
         capture_output=True, text=True, timeout=900,
         env={"TRANSFORMER_DATA": str(shared_data), "PATH": "/usr/bin:/bin"},
     )  # fmt: skip
@@ -41,6 +42,18 @@ def test_quickstart_smoke_runs_the_whole_pipeline_and_the_loss_falls(shared_data
         if json.loads(line).get("kind") == "train"
     ]
     assert len(losses) >= 2 and losses[-1] < losses[0]
+    # the override and --procs reached the training run (its config, its two processes)
+    config = (out / "run" / "config.yaml").read_text()
+    assert "seed: 3" in config and "procs: 2" in config
+    assert "rank 1 of 2 (gloo)" in proc.stderr
+
+
+def test_quickstart_rejects_a_bad_override_before_any_work(capsys, tmp_path) -> None:
+    from transformer.cli import main
+
+    assert main(["quickstart", "--out", str(tmp_path / "qs"), "train.sede=3"]) == 2
+    assert "unknown key train.'sede'" in capsys.readouterr().err
+    assert not (tmp_path / "qs").exists()
 
 
 def test_quickstart_rejects_unknown_languages(capsys) -> None:

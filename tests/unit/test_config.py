@@ -74,6 +74,7 @@ def test_order_preset_then_yaml_then_overrides(tmp_path: Path) -> None:
         ("model.p_drop=1.5", "model.p_drop"),
         ("train.cooldown=1.5", "train.cooldown: must be in"),
         ("train.cooldown=-0.1", "train.cooldown: must be in"),
+        ("train.procs=0", "train.procs: must be positive"),
         ("decode.n_best=9", "decode.n_best"),
         ("model.d_model", "expected section.key=value"),
         ("train.seed=[", "the value is not valid YAML"),  # issue 18: was a YAML traceback

@@ -11,7 +11,7 @@ import json
 import logging
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -78,6 +78,8 @@ def quickstart(
     smoke: bool = False,
     train_minutes: float | None = None,
     data_from: Path | None = None,
+    procs: int | None = None,
+    overrides: Sequence[str] = (),
 ) -> QuickstartResult:
     """Run the whole pipeline; returns where everything is and the scores.
 
@@ -87,6 +89,10 @@ def quickstart(
         smoke: the same pipeline on a tiny model for a few steps (tests; minutes at most).
         train_minutes: training budget (default TRAIN_MINUTES; smoke runs use steps).
         data_from: Multi30k's files (default: found by `find_multi30k`, else downloaded).
+        procs: train with this many one-thread processes (`train.procs`; default: the
+            preset's).
+        overrides: `section.key=value` changes to the preset (e.g. `train.seed=2`), applied
+            last; the run's config.yaml records them.
     """
     from transformer import rundir
     from transformer.config import build_config
@@ -99,6 +105,17 @@ def quickstart(
             raise UserError(f"--src/--tgt: Multi30k has {', '.join(LANGUAGES)}, not {lang!r}")
     if src_lang == tgt_lang:
         raise UserError(f"--src and --tgt must differ, both are {src_lang!r}")
+    preset = "tiny" if smoke else QUICKSTART_PRESET
+    settings = ["train.dtype=bf16"]
+    if smoke:
+        settings += [f"train.max_steps={SMOKE_STEPS}", "train.save_every_steps=10",
+                      "train.warmup_steps=10", "train.valid_every_steps=1000000",
+                      "train.max_tokens=2000", "train.keep_last=2",
+                      "train.log_every_steps=5"]  # fmt: skip
+    else:
+        settings.append(f"train.max_minutes={train_minutes or TRAIN_MINUTES}")
+    settings += overrides
+    build_config(preset, overrides=settings)  # a bad override fails now, not after `prepare`
     out_dir = Path(out_dir)
     seconds: dict[str, float] = {}
     data_dir, run_dir = out_dir / "data", out_dir / "run"
@@ -108,23 +125,13 @@ def quickstart(
         if from_dir is None:
             logger.info("Multi30k not found on disk: downloading it from its official source")
         manifest = prepare_corpus("multi30k", src_lang, tgt_lang, data_dir, from_dir=from_dir)
-
-    preset = "tiny" if smoke else QUICKSTART_PRESET
-    overrides = ["train.dtype=bf16"]
-    if smoke:
-        overrides += [f"train.max_steps={SMOKE_STEPS}", "train.save_every_steps=10",
-                      "train.warmup_steps=10", "train.valid_every_steps=1000000",
-                      "train.max_tokens=2000", "train.keep_last=2",
-                      "train.log_every_steps=5"]  # fmt: skip
-    else:
-        overrides.append(f"train.max_minutes={train_minutes or TRAIN_MINUTES}")
-    config = build_config(preset, overrides=overrides, vocab_size=manifest.vocab_size)
+    config = build_config(preset, overrides=settings, vocab_size=manifest.vocab_size)
 
     with _stage("train", seconds):
         if (run_dir / rundir.CONFIG).exists():
             logger.info("%s holds an earlier run: starting it afresh", run_dir)
             _clear_run(run_dir)
-        train(data_dir, run_dir, config)
+        train(data_dir, run_dir, config, procs=procs)
 
     score = beam4_scorer(data_dir, limit=SMOKE_TEST_SENTENCES if smoke else None)
     with _stage("average, α on val", seconds):  # the last 5 (§6.1), then α on val

@@ -36,6 +36,7 @@ def run_recipe(
     resume: bool = False,
     overrides: list[str] | None = None,
     lowercase: bool = False,
+    procs: int | None = None,
 ) -> dict:
     """Run recipe `name` end to end; returns (and writes to OUT/recipe.json) its report.
 
@@ -49,6 +50,8 @@ def run_recipe(
         lowercase: prepare lowercased text (`prepare --lowercase`: the lowercasing step of the
             literature's Multi30k files, `*.lc.norm.tok`): the model writes lowercased text, val
             and test are scored against the lowercased references, and no cased score exists.
+        procs: train with this many one-thread processes (`train.procs`; default: the
+            preset's, or on resume the run's own).
     """
     from transformer import rundir
     from transformer.config import build_config, to_dict
@@ -85,11 +88,11 @@ def run_recipe(
     )
     with _stage("train", seconds):
         if resume:  # the run's own config, with the budget that is left
-            train(data_dir, run_dir, resume=True, overrides=budget)
+            train(data_dir, run_dir, resume=True, overrides=budget, procs=procs)
         elif (run_dir / rundir.CONFIG).exists():
             raise UserError(f"{run_dir} holds an earlier run: pass --resume, or another --out")
         else:
-            train(data_dir, run_dir, config)
+            train(data_dir, run_dir, config, procs=procs)
     config = rundir.read_config(run_dir)  # what trained (on resume: the run's own)
     score = beam4_scorer(data_dir)
     with _stage("choose on val", seconds):

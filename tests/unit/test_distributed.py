@@ -1,0 +1,139 @@
+"""distributed.run_local: a job of N spawned processes on this machine (`train --procs N`)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from transformer import distributed
+from transformer.errors import UserError
+
+
+def _sum_of_ranks(scale: float) -> tuple[int, float]:
+    """Each rank contributes its rank; every rank sees the sum."""
+    info = distributed.init_from_env(torch.device("cpu"))
+    t = torch.tensor([float(info.rank) * scale])
+    distributed.all_reduce_sum([t], info)
+    return info.world_size, float(t)
+
+
+def _rank1_user_error() -> None:
+    if int(os.environ["RANK"]) == 1:
+        raise UserError("data.txt line 3: bad pair")
+    dist.barrier()  # rank 0 would wait here for ever: run_local must stop it
+
+
+def _rank0_bug() -> None:
+    if int(os.environ["RANK"]) == 0:
+        raise KeyError("not a user error")
+    dist.barrier()
+
+
+def _rank1_killed() -> None:
+    if int(os.environ["RANK"]) == 1:
+        os._exit(9)
+    dist.barrier()
+
+
+def test_every_rank_joins_and_rank_0_returns():
+    assert distributed.run_local(2, _sum_of_ranks, (10.0,)) == (2, 10.0)
+    assert distributed.run_local(3, _sum_of_ranks, (1.0,)) == (3, 3.0)
+
+
+def test_a_user_error_in_one_rank_stops_the_job_with_its_message():
+    with pytest.raises(UserError, match="data.txt line 3: bad pair"):
+        distributed.run_local(2, _rank1_user_error)
+
+
+def test_a_bug_carries_the_rank_and_its_traceback():
+    with pytest.raises(RuntimeError, match=r"(?s)process 0 of 2 failed.*KeyError"):
+        distributed.run_local(2, _rank0_bug)
+
+
+def test_a_rank_that_dies_without_a_word_is_reported():
+    with pytest.raises(RuntimeError, match="process 1 of 2 exited with code 9"):
+        distributed.run_local(2, _rank1_killed)
+
+
+def test_at_least_one_process():
+    with pytest.raises(UserError, match="--procs: must be at least 1"):
+        distributed.run_local(0, _sum_of_ranks, (1.0,))
+
+
+def test_train_procs_refuses_a_gpu_and_a_torchrun_job(tmp_path, monkeypatch):
+    """train.procs starts its own processes on this CPU; it names the conflict otherwise."""
+    from transformer.config import build_config
+    from transformer.train import train
+
+    config = build_config("tiny", overrides=["train.procs=2"], vocab_size=100)
+    with pytest.raises(UserError, match=r"train.procs=2 is for CPU training \(device cuda"):
+        train(tmp_path / "data", tmp_path / "run", config, device="cuda")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(UserError, match="already one rank of a torchrun job"):
+        train(tmp_path / "data", tmp_path / "run", config, device="cpu")
+    assert not (tmp_path / "run").exists()  # refused before anything was written
+
+
+def _train_forever(marker: str) -> None:
+    import time
+    from pathlib import Path
+
+    Path(marker, str(os.getpid())).write_text("")
+    while True:
+        time.sleep(0.1)
+
+
+def test_ranks_end_when_their_parent_is_killed(tmp_path):
+    """`kill -9` of `transformer train --procs 2` must not leave its ranks training on."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    code = (
+        f"import sys; sys.path[:0] = {sys.path!r}\n"
+        "from test_distributed import _train_forever\n"
+        "from transformer import distributed\n"
+        f"distributed.run_local(2, _train_forever, ({str(tmp_path)!r},))\n"
+    )
+    parent = subprocess.Popen([sys.executable, "-c", code], cwd=os.path.dirname(__file__))
+    deadline = time.monotonic() + 60
+    while len(list(tmp_path.iterdir())) < 2 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    ranks = [int(p.name) for p in tmp_path.iterdir()]
+    assert len(ranks) == 2
+    parent.send_signal(signal.SIGKILL)
+    parent.wait()
+    deadline = time.monotonic() + 10
+    alive = ranks
+    while alive and time.monotonic() < deadline:
+        time.sleep(0.2)
+        alive = [pid for pid in ranks if _running(pid)]
+    assert not alive
+
+
+def _running(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split()[2] != "Z"  # a zombie has ended
+    except FileNotFoundError:
+        return False
+
+
+def _rank0_disk_full(path: str) -> None:
+    import errno
+
+    if int(os.environ["RANK"]) == 0:
+        raise OSError(errno.ENOSPC, "No space left on device", path)
+    dist.barrier()
+
+
+def test_an_os_error_comes_back_as_one(tmp_path):
+    """The CLI prints an OSError (a full disk) as one line: a rank's arrives as an OSError."""
+    target = str(tmp_path / "ckpt.pt")
+    with pytest.raises(OSError, match="No space left on device") as err:
+        distributed.run_local(2, _rank0_disk_full, (target,))
+    assert err.value.filename == target and err.value.errno == 28
