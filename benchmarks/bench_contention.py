@@ -10,7 +10,9 @@ and prints tokens/s and the ratio, with the CPU model and ISA beside them.
     .venv/bin/python benchmarks/bench_contention.py --data data/m30k --model MODEL --threads 2
 
 --threads N passes `--threads N` to the CLI (the behaviour a fixed thread count gets); without it
-the CLI chooses (docs/performance.md, "A machine that is not idle").
+the CLI chooses (docs/performance.md, "A machine that is not idle"). --procs N trains with
+`--procs N` (N one-thread processes); --preset picks the training model (default quickstart);
+--only train|translate runs one of the two workloads.
 """
 
 from __future__ import annotations
@@ -53,12 +55,13 @@ def _cli(args: list[str], env: dict | None = None) -> tuple[float, str]:
     return time.perf_counter() - start, done.stdout
 
 
-def train_rate(data: Path, steps: int, threads: list[str]) -> float:
-    """Target tokens/s of the quickstart preset over `steps` steps (the metrics' own rate)."""
+def train_rate(data: Path, steps: int, threads: list[str], preset: str = "quickstart") -> float:
+    """Target tokens/s of a preset over `steps` steps (the metrics' own rate), no validation."""
     with tempfile.TemporaryDirectory() as tmp:
         run = Path(tmp) / "run"
-        _cli(["train", str(data), "--preset", "quickstart", "--out", str(run), "--max-steps",
-              str(steps), "train.save_every_minutes=1000", "train.log_every_steps=10",
+        _cli(["train", str(data), "--preset", preset, "--out", str(run), "--max-steps",
+              str(steps), "train.save_every_minutes=1000", "train.save_every_steps=1000000",
+              "train.valid_every_steps=1000000", "train.log_every_steps=10",
               *threads])  # fmt: skip
         records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
         train = [r for r in records if r.get("kind") == "train"][1:]  # the first window warms up
@@ -93,15 +96,23 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=120)
     p.add_argument("--lines", type=int, default=300)
     p.add_argument("--threads", type=int, help="pass --threads N to the CLI")
+    p.add_argument("--procs", type=int, help="train with --procs N (data-parallel processes)")
+    p.add_argument("--preset", default="quickstart", help="the training preset")
+    p.add_argument("--only", choices=("train", "translate"), help="run one workload")
     args = p.parse_args()
     threads = ["--threads", str(args.threads)] if args.threads else []
+    procs = ["--procs", str(args.procs)] if args.procs else []
     print(f"# {cpu_line()}; load average {os.getloadavg()[0]:.2f} at start")
-    print(f"# thread choice: {'--threads ' + str(args.threads) if threads else 'the CLI default'}")
+    print(f"# thread choice: {'--threads ' + str(args.threads) if threads else 'the CLI default'}"
+          f"{'; training with --procs ' + str(args.procs) if procs else ''}; "
+          f"training preset {args.preset}")  # fmt: skip
     results = {}
     for name, run in (
-        ("train tok/s", lambda: train_rate(args.data, args.steps, threads)),
+        ("train tok/s", lambda: train_rate(args.data, args.steps, threads + procs, args.preset)),
         ("translate words/s", lambda: translate_rate(args.model, args.src, args.lines, threads)),
     ):
+        if args.only and not name.startswith(args.only):
+            continue
         alone = run()
         busy = subprocess.Popen([sys.executable, "-c", "while True: pass"])
         try:
