@@ -87,20 +87,10 @@ def test_procs_equal_one_process_with_both_halves(shared_data, tmp_path):
     assert checkpoint.load_checkpoint(checkpoint.latest_checkpoint(two))["step"] == 6
 
 
-def test_procs_name_the_pair_that_does_not_fit_a_process_share(shared_data, tmp_path):
-    data = prepare_slice(tmp_path, shared_data / "multi30k", n_train=600, vocab_size=500)
-    run = subprocess.run(
-        [sys.executable, "-m", "transformer", "train", str(data), "--out", str(tmp_path / "r"),
-         *COMMON, "train.max_tokens=60", "--procs", "2"],
-        capture_output=True, text=True,
-    )  # fmt: skip
-    assert run.returncode == 2 and "Traceback" not in run.stderr, run.stderr
-    assert "exceed train.max_tokens / train.procs 2=30" in run.stderr
-
-
 def test_procs_share_the_validation_and_agree_on_it(shared_data, tmp_path):
     """With --procs 2 each process validates half of the valid batches (loss and greedy BLEU)
-    and the totals are gathered: the record equals one process validating the same weights."""
+    and the totals are gathered: the record equals one process validating the same weights.
+    And a pair too long for a process's share of the batch is refused with its line."""
     from transformer.bleu import corpus_bleu
     from transformer.config import from_dict
     from transformer.data import load_prepared
@@ -140,3 +130,12 @@ def test_procs_share_the_validation_and_agree_on_it(shared_data, tmp_path):
     refs = [valid.tgt_text(i) for i in range(len(valid))]
     assert len(hyps) == len(valid)
     assert logged["bleu"] == corpus_bleu([hyps[i] for i in range(len(valid))], refs).score
+
+    # A pair longer than a process's share of the batch is named before any training.
+    short = subprocess.run(
+        [sys.executable, "-m", "transformer", "train", str(data), "--out", str(tmp_path / "r"),
+         *COMMON, "train.max_tokens=60", "--procs", "2"],
+        capture_output=True, text=True,
+    )  # fmt: skip
+    assert short.returncode == 2 and "Traceback" not in short.stderr, short.stderr
+    assert "exceed train.max_tokens / train.procs 2=30" in short.stderr

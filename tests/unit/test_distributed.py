@@ -40,7 +40,6 @@ def _rank1_killed() -> None:
 
 def test_every_rank_joins_and_rank_0_returns():
     assert distributed.run_local(2, _sum_of_ranks, (10.0,)) == (2, 10.0)
-    assert distributed.run_local(3, _sum_of_ranks, (1.0,)) == (3, 3.0)
 
 
 def test_a_user_error_in_one_rank_stops_the_job_with_its_message():
