@@ -42,6 +42,11 @@ def _add_procs(p: argparse.ArgumentParser) -> None:
     )  # fmt: skip
 
 
+def _procs_override(args: argparse.Namespace) -> list[str]:
+    """`--procs N` as the override it stands for (none: the preset's or the run's own)."""
+    return [] if args.procs is None else [f"train.procs={args.procs}"]
+
+
 def _add_threads(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--threads", type=_threads, default="auto", metavar="N|auto",
@@ -90,8 +95,9 @@ def _cmd_flops(args: argparse.Namespace) -> int:
 def _cmd_quickstart(args: argparse.Namespace) -> int:
     from transformer.experiments.quickstart import quickstart
 
+    overrides = [*args.overrides, *_procs_override(args)]
     r = quickstart(args.out, args.src, args.tgt, smoke=args.smoke, train_minutes=args.minutes,
-                   procs=args.procs, overrides=args.overrides)  # fmt: skip
+                   overrides=overrides)  # fmt: skip
     rep = r.report
     print()
     print(
@@ -413,15 +419,15 @@ def _cmd_train(args: argparse.Namespace) -> int:
     for flag, key in ((args.max_steps, "train.max_steps"), (args.max_minutes, "train.max_minutes")):
         if flag is not None:
             overrides.append(f"{key}={flag}")
+    overrides += _procs_override(args)
     if args.resume is not None:
         train(data_dir, args.resume, resume=True, overrides=overrides, device=args.device,
-              threads=args.threads, procs=args.procs)  # fmt: skip
+              threads=args.threads)  # fmt: skip
         return 0
     if args.out is None or data_dir is None:
         raise UserError("train: give DATA_DIR and --out RUN_DIR (or --resume RUN_DIR)")
     config = build_config(args.preset, args.config)
-    train(data_dir, args.out, config, overrides=overrides, device=args.device,
-          threads=args.threads, procs=args.procs)  # fmt: skip
+    train(data_dir, args.out, config, overrides=overrides, device=args.device, threads=args.threads)
     return 0
 
 

@@ -151,17 +151,11 @@ def run_local(nprocs: int, fn: Callable[..., Any], args: tuple = ()) -> Any:
                 if isinstance(ready, int):  # a process sentinel: the process has ended
                     procs[rank].join()
                     dead[rank] = procs[rank].exitcode
-                    continue
-                try:
-                    reports[rank] = ready.recv()
-                except EOFError:
-                    pass
+                else:
+                    _receive(ready, rank, reports)
         for ready, rank in waiting.items():  # a failed rank's report, sent just before it ended
             if not isinstance(ready, int) and ready.poll():
-                try:
-                    reports[rank] = ready.recv()
-                except EOFError:
-                    pass
+                _receive(ready, rank, reports)
     finally:
         for p in procs:
             if p.is_alive():
@@ -186,6 +180,14 @@ def run_local(nprocs: int, fn: Callable[..., Any], args: tuple = ()) -> Any:
     if first in reports:
         raise RuntimeError(f"process {first} of {nprocs} failed:\n{reports[first][1]}")
     raise RuntimeError(f"process {first} of {nprocs} exited with code {dead[first]}")
+
+
+def _receive(conn, rank: int, reports: dict[int, tuple[str, Any]]) -> None:
+    """A rank's report, if it sent one before its end of the pipe closed."""
+    try:
+        reports[rank] = conn.recv()
+    except EOFError:
+        pass
 
 
 def _rank_main(rank: int, world: int, store: Path, level: int, conn, fn, args) -> None:

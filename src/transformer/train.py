@@ -106,7 +106,6 @@ def train(
     device: str | None = None,
     progress: bool = True,
     threads: int | str | None = None,
-    procs: int | None = None,
 ) -> TrainState:
     """Train (or resume) a run; returns the final counters. Launch with `torchrun` for DDP
     across GPUs or machines; `train.procs` > 1 starts a job of that many processes on this CPU.
@@ -123,20 +122,17 @@ def train(
         threads: CPU threads (default: OMP_NUM_THREADS if set, else tuned to the machine's
             load while training, threads.ThreadTuner; 1 when train.deterministic); per
             process with train.procs > 1, where the default is 1.
-        procs: sets `train.procs` (an override; a resumed run keeps its own otherwise).
     """
     out_dir = Path(out_dir)
-    if procs is not None:
-        overrides = [*overrides, f"train.procs={procs}"]
     data_dir, config = resolve_run(data_dir, out_dir, config, resume, overrides)
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     n = config.train.procs
-    if n > 1 and int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        raise UserError(
-            f"train.procs={n}: this process is already one rank of a torchrun job; "
-            "under torchrun leave train.procs at 1"
-        )
     if n > 1:
+        if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            raise UserError(
+                f"train.procs={n}: this process is already one rank of a torchrun job; "
+                "under torchrun leave train.procs at 1"
+            )
         if dev.type != "cpu":
             raise UserError(f"train.procs={n} is for CPU training (device {dev}); "
                             "across GPUs use torchrun")  # fmt: skip

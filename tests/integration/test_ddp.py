@@ -35,6 +35,16 @@ def _losses(run: Path) -> list[float]:
     return [json.loads(x)["loss"] for x in lines if json.loads(x)["kind"] == "train"]
 
 
+def _assert_same_steps(one: Path, two: Path) -> None:
+    """Two runs took the same 4 steps: tokens, losses and parameters (up to summation order)."""
+    a = checkpoint.load_checkpoint(checkpoint.latest_checkpoint(one))
+    b = checkpoint.load_checkpoint(checkpoint.latest_checkpoint(two))
+    assert a["step"] == b["step"] == 4 and a["counters"]["tokens"] == b["counters"]["tokens"]
+    assert _losses(one) == pytest.approx(_losses(two), rel=1e-5)
+    for k in a["model"]:
+        torch.testing.assert_close(a["model"][k], b["model"][k], rtol=1e-4, atol=1e-5, msg=k)
+
+
 def test_two_gloo_ranks_equal_one_process_with_both_halves(shared_data, tmp_path):
     data = prepare_slice(tmp_path, shared_data / "multi30k", n_train=600, vocab_size=500)
     one, two = tmp_path / "one", tmp_path / "two"
@@ -46,12 +56,7 @@ def test_two_gloo_ranks_equal_one_process_with_both_halves(shared_data, tmp_path
     torchrun += ["--standalone", "--no-python", sys.executable]
     subprocess.run([*torchrun, *base, "--out", str(two), *COMMON], check=True)
 
-    a = checkpoint.load_checkpoint(checkpoint.latest_checkpoint(one))
-    b = checkpoint.load_checkpoint(checkpoint.latest_checkpoint(two))
-    assert a["step"] == b["step"] == 4 and a["counters"]["tokens"] == b["counters"]["tokens"]
-    assert _losses(one) == pytest.approx(_losses(two), rel=1e-5)
-    for k in a["model"]:
-        torch.testing.assert_close(a["model"][k], b["model"][k], rtol=1e-4, atol=1e-5, msg=k)
+    _assert_same_steps(one, two)
 
 
 def test_procs_equal_one_process_with_both_halves(shared_data, tmp_path):
@@ -68,12 +73,7 @@ def test_procs_equal_one_process_with_both_halves(shared_data, tmp_path):
     )  # fmt: skip
     assert "rank 1 of 2 (gloo)" in run.stderr
 
-    a = checkpoint.load_checkpoint(checkpoint.latest_checkpoint(one))
-    b = checkpoint.load_checkpoint(checkpoint.latest_checkpoint(two))
-    assert a["step"] == b["step"] == 4 and a["counters"]["tokens"] == b["counters"]["tokens"]
-    assert _losses(one) == pytest.approx(_losses(two), rel=1e-5)
-    for k in a["model"]:
-        torch.testing.assert_close(a["model"][k], b["model"][k], rtol=1e-4, atol=1e-5, msg=k)
+    _assert_same_steps(one, two)
 
     # Resumed with another process count, the batches would not line up: one clean line.
     resume = [sys.executable, "-m", "transformer", "train", "--resume", str(two)]

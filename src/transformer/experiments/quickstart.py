@@ -78,7 +78,6 @@ def quickstart(
     smoke: bool = False,
     train_minutes: float | None = None,
     data_from: Path | None = None,
-    procs: int | None = None,
     overrides: Sequence[str] = (),
 ) -> QuickstartResult:
     """Run the whole pipeline; returns where everything is and the scores.
@@ -89,10 +88,8 @@ def quickstart(
         smoke: the same pipeline on a tiny model for a few steps (tests; minutes at most).
         train_minutes: training budget (default TRAIN_MINUTES; smoke runs use steps).
         data_from: Multi30k's files (default: found by `find_multi30k`, else downloaded).
-        procs: train with this many one-thread processes (`train.procs`; default: the
-            preset's).
-        overrides: `section.key=value` changes to the preset (e.g. `train.seed=2`), applied
-            last; the run's config.yaml records them.
+        overrides: `section.key=value` changes to the preset (e.g. `train.seed=2`,
+            `train.procs=2`), applied last; the run's config.yaml records them.
     """
     from transformer import rundir
     from transformer.config import build_config
@@ -131,7 +128,7 @@ def quickstart(
         if (run_dir / rundir.CONFIG).exists():
             logger.info("%s holds an earlier run: starting it afresh", run_dir)
             _clear_run(run_dir)
-        train(data_dir, run_dir, config, procs=procs)
+        train(data_dir, run_dir, config)
 
     score = beam4_scorer(data_dir, limit=SMOKE_TEST_SENTENCES if smoke else None)
     with _stage("average, α on val", seconds):  # the last 5 (§6.1), then α on val

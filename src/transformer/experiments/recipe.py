@@ -83,16 +83,18 @@ def run_recipe(
     earlier = _trained_minutes(run_dir) if resume else 0.0
     train_minutes -= earlier
     budget = [f"train.max_minutes={max(train_minutes, 0.01):.2f}"]
+    if procs is not None:  # like the budget, it applies on resume too
+        budget.append(f"train.procs={procs}")
     config = build_config(
         name, overrides=[*budget, *(overrides or [])], vocab_size=manifest.vocab_size
     )
     with _stage("train", seconds):
         if resume:  # the run's own config, with the budget that is left
-            train(data_dir, run_dir, resume=True, overrides=budget, procs=procs)
+            train(data_dir, run_dir, resume=True, overrides=budget)
         elif (run_dir / rundir.CONFIG).exists():
             raise UserError(f"{run_dir} holds an earlier run: pass --resume, or another --out")
         else:
-            train(data_dir, run_dir, config, procs=procs)
+            train(data_dir, run_dir, config)
     config = rundir.read_config(run_dir)  # what trained (on resume: the run's own)
     score = beam4_scorer(data_dir)
     with _stage("choose on val", seconds):
