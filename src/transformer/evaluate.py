@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib.util
 import logging
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -68,10 +69,59 @@ def evaluate(
         UserError: the translations look Moses-tokenized and the references do not, or the
             reverse (a model trained on tokenized text scored against raw references).
     """
+    reports = _evaluate(
+        model_path, data_dir, split, beam_size,
+        None if length_penalty is None else (length_penalty,),
+        dtype, output, limit, stop, verify, threads,
+    )  # fmt: skip
+    return reports[0]
+
+
+def evaluate_alphas(
+    model_path: str | Path,
+    data_dir: str | Path,
+    split: str,
+    alphas: Sequence[float],
+    beam_size: int | None = None,
+    dtype: torch.dtype | str = "fp32",
+    limit: int | None = None,
+    stop: str | None = None,
+    verify: bool = True,
+    threads: int | str | None = None,
+) -> list[dict]:
+    """`evaluate`'s report for each length penalty α in `alphas`, in order, from one beam
+    search (`Translator.translate_alphas`): each equals `evaluate` with that α, but for
+    "seconds" and the rates, which are the shared search's. Choosing α on a dev set (§6.1)
+    costs about one decode instead of one per α."""
+    if not alphas:
+        raise ValueError("alphas: give at least one length penalty")
+    return _evaluate(
+        model_path, data_dir, split, beam_size, tuple(alphas), dtype, None, limit, stop, verify,
+        threads,
+    )  # fmt: skip
+
+
+def _evaluate(
+    model_path: str | Path,
+    data_dir: str | Path,
+    split: str,
+    beam_size: int | None,
+    alphas: tuple[float, ...] | None,
+    dtype: torch.dtype | str,
+    output: str | Path | None,
+    limit: int | None,
+    stop: str | None,
+    verify: bool,
+    threads: int | str | None,
+) -> list[dict]:
+    """`evaluate` for each α of `alphas` (None: the model's own α) from one search."""
     from transformer.data import load_prepared, write_output
 
     translator = Translator.from_path(model_path, dtype=dtype, verify=verify, threads=threads)
-    translator.decode = translator.options(beam_size, length_penalty, stop=stop)  # ConfigError
+    first = None if alphas is None else alphas[0]
+    translator.decode = translator.options(beam_size, first, stop=stop)  # ConfigError
+    alphas = (translator.decode.length_penalty,) if alphas is None else alphas
+    decodes = [translator.options(length_penalty=alpha) for alpha in alphas]  # ConfigError
     data = load_prepared(data_dir)
     if split not in data.split_names:
         raise UserError(f"{data_dir}: no split {split!r}; have {', '.join(data.split_names)}")
@@ -93,34 +143,62 @@ def evaluate(
     if limit is not None:
         sources, refs = sources[:limit], refs[:limit]
     start = time.perf_counter()
-    results = translator.translate(sources)
+    per_alpha = translator.translate_alphas(sources, alphas)
     seconds = time.perf_counter() - start
-    hyps = [nbest[0].text for nbest in results]
-    n_tokens = sum(len(nbest[0].tokens) + 1 for nbest in results)  # + EOS
-    if output is not None:
-        write_output(output, "".join(h + "\n" for h in hyps))
-    ref_name = f"{data_dir}: the {split} references"
+    reports = []
+    for decode, results in zip(decodes, per_alpha, strict=True):
+        hyps = [nbest[0].text for nbest in results]
+        if output is not None:
+            write_output(output, "".join(h + "\n" for h in hyps))
+        n_tokens = sum(len(nbest[0].tokens) + 1 for nbest in results)  # + EOS
+        about = {
+            "search": {k: getattr(decode, k) for k in SEARCH_FIELDS},
+            "dtype": translator.dtype_name,  # what ran: "auto" resolved to "fp32" or "bf16"
+            "lowercase": model_lc,  # trained on lowercased text: its output is lowercased
+        }
+        rates = {
+            "seconds": seconds,
+            "sentences_per_s": len(hyps) / seconds if seconds > 0 else 0.0,
+            "target_tokens_per_s": n_tokens / seconds if seconds > 0 else 0.0,
+        }
+        report = _score(hyps, refs, f"{model_path}: its {split} output",
+                        f"{data_dir}: the {split} references", pair, about, rates)  # fmt: skip
+        report = {"split": split, "sentences": len(hyps), **report}
+        if len(alphas) > 1:
+            report["alphas_searched_together"] = list(alphas)
+        logger.info("%s: BLEU %.2f chrF %.2f", split, report["bleu"], report["chrf"])
+        reports.append(report)
+    return reports
+
+
+def _score(
+    hyps: list[str],
+    refs: list[str],
+    hyp_name: str,
+    ref_name: str,
+    pair: tuple[str, str],
+    about: dict,
+    rates: dict,
+) -> dict:
+    """The scores of `evaluate`'s report, `about` (the search) before them and `rates` after:
+    sacreBLEU (cased and lowercased), chrF, the paper's tokenized BLEU and the Multi30k
+    literature's tokenized lowercased BLEU (both with sacremoses)."""
+    tgt_lang = pair[1]
     # The output is judged by Moses' marks only: a model trained on raw text emits none, but an
     # under-trained one may well put a space before a final period.
-    detokenized = check_detokenized(
-        hyps, refs, f"{model_path}: its {split} output", ref_name, hyp_punctuation=False
-    )
+    detokenized = check_detokenized(hyps, refs, hyp_name, ref_name, hyp_punctuation=False)
     if detokenized:
         # Both sides tokenized (the Stanford release): sacreBLEU and the paper's metric tokenize
         # themselves, so both are scored after the Moses detokenizer, and the report says so.
         if importlib.util.find_spec("sacremoses") is None:
             raise UserError(f"{ref_name} are tokenized: detokenizing them {PAPER_BLEU_HINT}")
-        hyps = moses_detokenize(hyps, data.tgt_lang)
-        refs = moses_detokenize(refs, data.tgt_lang)
+        hyps = moses_detokenize(hyps, tgt_lang)
+        refs = moses_detokenize(refs, tgt_lang)
         logger.warning("%s are tokenized: both sides scored after Moses detokenization", ref_name)
     bleu, chrf = corpus_bleu(hyps, refs), corpus_chrf(hyps, refs)
     bleu_lc = corpus_bleu(hyps, refs, lowercase=True)
     report = {
-        "split": split,
-        "sentences": len(hyps),
-        "search": {k: getattr(translator.decode, k) for k in SEARCH_FIELDS},
-        "dtype": translator.dtype_name,  # what ran: "auto" resolved to "fp32" or "bf16"
-        "lowercase": model_lc,  # trained on lowercased text: its output is lowercased
+        **about,
         "bleu": bleu.score,
         "bleu_signature": bleu.signature,
         "bleu_details": str(bleu),
@@ -128,9 +206,7 @@ def evaluate(
         "chrf_signature": chrf.signature,
         "bleu_lc": bleu_lc.score,  # case-insensitive, as much of the literature reports
         "bleu_lc_signature": bleu_lc.signature,
-        "seconds": seconds,
-        "sentences_per_s": len(hyps) / seconds if seconds > 0 else 0.0,
-        "target_tokens_per_s": n_tokens / seconds if seconds > 0 else 0.0,
+        **rates,
     }
     if detokenized:
         report["detokenized"] = "moses detokenizer (sacremoses) on hypotheses and references"
@@ -140,12 +216,11 @@ def evaluate(
             report["paper_bleu_missing"] = PAPER_BLEU_HINT
             logger.warning("the paper's tokenized BLEU is skipped: %s", PAPER_BLEU_HINT)
         else:
-            paper = paper_bleu(hyps, refs, lang=data.tgt_lang)
+            paper = paper_bleu(hyps, refs, lang=tgt_lang)
             report["paper_bleu"] = paper.score
             report["paper_bleu_signature"] = paper.signature
     if importlib.util.find_spec("sacremoses") is not None:  # Multi30k papers: tokenized, lc
-        tok_lc = tokenized_bleu_lc(hyps, refs, data.tgt_lang)
+        tok_lc = tokenized_bleu_lc(hyps, refs, tgt_lang)
         report["tok_bleu_lc"] = tok_lc.score
         report["tok_bleu_lc_signature"] = tok_lc.signature
-    logger.info("%s: BLEU %.2f chrF %.2f", split, bleu.score, chrf.score)
     return report

@@ -12,7 +12,7 @@ Shapes: B sentences, K beam size, R live rows (B * K, fewer once sentences finis
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -253,13 +253,44 @@ def beam_search(
     Returns:
         For each sentence, its `n_best` finished hypotheses sorted by score.
     """
+    return beam_search_alphas(
+        model, src, src_mask, (length_penalty,), beam_size, max_len_a, max_len_b, n_best,
+        constrain, stop, tuner,
+    )[0]  # fmt: skip
+
+
+@torch.inference_mode()
+def beam_search_alphas(
+    model: Transformer,
+    src: torch.Tensor,
+    src_mask: torch.Tensor,
+    alphas: Sequence[float],
+    beam_size: int = 4,
+    max_len_a: float = 1.0,
+    max_len_b: int = 50,
+    n_best: int = 1,
+    constrain: Constrain | None = None,
+    stop: str = "t2t",
+    tuner: ThreadTuner | None = None,
+) -> list[list[list[Hypothesis]]]:
+    """`beam_search` for several length penalties in one search (`beam_steps_alphas`): for
+    each α in order, what `beam_search` with that α returns. Arguments as `beam_search`'s."""
     if not 1 <= n_best <= beam_size:
         raise ValueError(f"n_best must be in [1, beam_size={beam_size}], got {n_best}")
     stepper: Stepper = ModelStepper(model, src, src_mask, tuner=tuner)
     if constrain is not None:
         stepper = constrain(stepper, src, src_mask)
     max_lens = max_output_lengths(src_mask.sum(1), max_len_a, max_len_b, model.cfg.max_len)
-    return beam_steps(stepper, max_lens, beam_size, length_penalty, n_best, stop)
+    return beam_steps_alphas(stepper, max_lens, beam_size, alphas, n_best, stop)
+
+
+@dataclass
+class _Finished:
+    """A finished hypothesis during the search, with its score under each α searched for."""
+
+    tokens: list[int]
+    log_prob: float
+    scores: tuple[float, ...]  # log_prob / lp(|Y|, α) for each α, in order
 
 
 @dataclass
@@ -269,7 +300,13 @@ class _BeamState:
     sentences: torch.Tensor  # (Ba,) original index of each active sentence
     scores: torch.Tensor  # (Ba, k) cumulative log-probs, -inf for empty beam slots
     tokens: torch.Tensor  # (Ba * k, t) generated ids so far
-    finished: list[list[Hypothesis]]  # per original sentence
+    finished: list[list[_Finished]]  # per original sentence, in the order found
+    # closed[i][s]: how many of sentence s's finished hypotheses α number i keeps, set when
+    # the search for that α ends (None while it runs). Under both stop rules a hypothesis
+    # finished later cannot enter that α's n-best (the t2t bound is sound, and the fairseq
+    # count ends every α at once); keeping the count makes "the same as a search with α alone"
+    # hold by construction, whatever the stop rule.
+    closed: list[list[int | None]]
 
 
 def beam_steps(
@@ -288,14 +325,40 @@ def beam_steps(
     new beams, then drop sentences that are done (`_is_done`, by the `stop` rule) and reorder
     the stepper's state in one `reorder` call.
     """
+    return beam_steps_alphas(stepper, max_lens, beam_size, (alpha,), n_best, stop)[0]
+
+
+def beam_steps_alphas(
+    stepper: Stepper,
+    max_lens: torch.Tensor,
+    beam_size: int,
+    alphas: Sequence[float],
+    n_best: int = 1,
+    stop: str = "t2t",
+) -> list[list[list[Hypothesis]]]:
+    """`beam_steps` for several α at once: for each α in order, exactly what `beam_steps` with
+    that α alone returns, for about the price of one search (α chosen on val, `valchoice.py`).
+
+    Not in the paper. Under both stop rules the live beams do not depend on α: they are the
+    best K non-EOS candidates by log-probability, and which EOS candidates are finalized
+    depends on their rank by log-probability too. α enters only the finished hypotheses'
+    scores and the stop test. So one search serves every α: each finished hypothesis is scored
+    under each α; the search for α ends, sentence by sentence, where `beam_steps` with α alone
+    would end it (α then keeps the hypotheses finished so far, and no later one); a sentence
+    leaves the batch once every α has ended.
+    """
     if stop not in STOP_RULES:
         raise ValueError(f"stop must be one of {STOP_RULES}, got {stop!r}")
+    alphas = tuple(alphas)
+    if not alphas:
+        raise ValueError("alphas: give at least one length penalty")
     B, device = max_lens.size(0), max_lens.device  # the search runs where the model does
     state = _BeamState(
         sentences=torch.arange(B, device=device),
         scores=torch.zeros(B, 1, device=device),
         tokens=torch.empty(B, 0, dtype=torch.long, device=device),
         finished=[[] for _ in range(B)],
+        closed=[[None] * B for _ in alphas],
     )
     last = torch.full((B,), BOS_ID, dtype=torch.long, device=device)
     shortest = int(max_lens.min()) if B else 0  # before this step no row is forced to end
@@ -310,10 +373,10 @@ def beam_steps(
         lprobs = _mask_specials(stepper.step(last), force_eos, t)  # (Ba * k, V)
         cand_scores, cand_beams, cand_tokens = _top_candidates(state.scores, lprobs, beam_size)
         ranks = cand_scores.size(1) if stop == "t2t" else beam_size
-        _finalize(state, cand_scores, cand_beams, cand_tokens, ranks, t, alpha)
+        _finalize(state, cand_scores, cand_beams, cand_tokens, ranks, t, alphas)
         scores, beams, tokens = _select_live(cand_scores, cand_beams, cand_tokens, beam_size)
         parents = beams + torch.arange(beams.size(0), device=device)[:, None] * k  # (Ba, K) rows
-        done = _is_done(state, scores, max_lens_list, t, beam_size, alpha, n_best, stop)
+        done = _is_done(state, scores, max_lens_list, t, beam_size, alphas, n_best, stop)
         keep = (~done).nonzero().squeeze(1)
         rows = parents[keep].reshape(-1)  # one reorder: beam parents of the kept sentences
         if rows.numel() > 0:
@@ -323,7 +386,14 @@ def beam_steps(
         )
         state.scores, state.sentences = scores[keep], state.sentences[keep]
         last = tokens[keep].reshape(-1)
-    return [sorted(h, key=lambda h: -h.score)[:n_best] for h in state.finished]
+    results = []
+    for i, closed in enumerate(state.closed):
+        per_sentence = []
+        for hyps, n in zip(state.finished, closed, strict=True):
+            kept = [Hypothesis(h.tokens, h.scores[i], h.log_prob) for h in hyps[:n]]
+            per_sentence.append(sorted(kept, key=lambda h: -h.score)[:n_best])
+        results.append(per_sentence)
+    return results
 
 
 def _top_candidates(
@@ -384,9 +454,10 @@ def _finalize(
     cand_tokens: torch.Tensor,
     ranks: int,
     t: int,
-    alpha: float,
+    alphas: tuple[float, ...],
 ) -> None:
-    """Move EOS candidates that rank within the top `ranks` into the finished lists.
+    """Move EOS candidates that rank within the top `ranks` into the finished lists, scored
+    under each α.
 
     Tensors are read back with one `tolist` each, not element by element (an op per element).
     """
@@ -395,14 +466,15 @@ def _finalize(
     if not ends:
         return
     k = state.scores.size(1)
-    lp = length_penalty(t, alpha)  # §6.1: lp(Y) = ((5 + |Y|) / 6)^α, |Y| = t with the EOS
+    # §6.1: lp(Y) = ((5 + |Y|) / 6)^α, |Y| = t with the EOS
+    lps = [length_penalty(t, alpha) for alpha in alphas]
     scores, beams = cand_scores.tolist(), cand_beams.tolist()
     sentences = state.sentences.tolist()
     rows = [b * k + beams[b][c] for b, c in ends]
     prefixes = state.tokens[rows].tolist()  # (len(ends), t - 1)
     for (b, c), prefix in zip(ends, prefixes, strict=True):
         log_prob = scores[b][c]
-        hyp = Hypothesis(tokens=prefix, score=log_prob / lp, log_prob=log_prob)
+        hyp = _Finished(prefix, log_prob, tuple(log_prob / lp for lp in lps))
         state.finished[sentences[b]].append(hyp)
 
 
@@ -433,13 +505,15 @@ def _is_done(
     max_lens: list[int],
     t: int,
     beam_size: int,
-    alpha: float,
+    alphas: tuple[float, ...],
     n_best: int,
     stop: str,
 ) -> torch.Tensor:
-    """(Ba,) bool: a sentence is done when no live beam is left (maximum length), or when no
-    live beam can still beat its n_best-th finished score (§6.1 early termination, rule "t2t"),
-    or, under rule "fairseq" only, as soon as it has K finished hypotheses.
+    """(Ba,) bool: a sentence is done when its search has ended for every α (`state.closed`).
+
+    The search for α ends when no live beam is left (maximum length), or when no live beam can
+    still beat its n_best-th finished score under α (§6.1 early termination, rule "t2t"), or,
+    under rule "fairseq" only, as soon as it has K finished hypotheses.
 
     The bound: log-probs only fall as a hypothesis grows, so a live beam with log-prob s can
     score at most s / lp(L) at best over the lengths L still open to it.
@@ -448,13 +522,23 @@ def _is_done(
     best_live = scores.max(dim=1).values.tolist()
     for b, sentence in enumerate(state.sentences.tolist()):
         hyps = state.finished[sentence]
+        open_alphas = [i for i, closed in enumerate(state.closed) if closed[sentence] is None]
         if best_live[b] == NEG_INF or (stop == "fairseq" and len(hyps) >= beam_size):
-            done[b] = True
+            ended = open_alphas
         elif len(hyps) >= n_best:
             max_len = max_lens[sentence]
-            lp_best = max(length_penalty(t + 1, alpha), length_penalty(max_len, alpha))
-            nth = sorted((h.score for h in hyps), reverse=True)[n_best - 1]
-            done[b] = best_live[b] / lp_best <= nth
+            ended = []
+            for i in open_alphas:
+                alpha = alphas[i]
+                lp_best = max(length_penalty(t + 1, alpha), length_penalty(max_len, alpha))
+                nth = sorted((h.scores[i] for h in hyps), reverse=True)[n_best - 1]
+                if best_live[b] / lp_best <= nth:
+                    ended.append(i)
+        else:
+            ended = []
+        for i in ended:
+            state.closed[i][sentence] = len(hyps)
+        done[b] = len(ended) == len(open_alphas)
     return torch.tensor(done, dtype=torch.bool, device=scores.device)
 
 
@@ -464,7 +548,9 @@ __all__ = [
     "ModelStepper",
     "Stepper",
     "beam_search",
+    "beam_search_alphas",
     "beam_steps",
+    "beam_steps_alphas",
     "greedy_search",
     "greedy_steps",
     "length_penalty",

@@ -29,7 +29,7 @@ from transformer.errors import UserError
 from transformer.model import DTYPES as model_dtypes
 from transformer.modelfile import LoadedModel
 from transformer.rundir import resolve_model
-from transformer.search import Constrain, beam_search, greedy_search
+from transformer.search import Constrain, beam_search_alphas, greedy_search
 from transformer.threads import ThreadTuner
 from transformer.threads import resolve as resolve_threads
 from transformer.tokenizer import BOS_ID, EOS_ID, PAD_ID
@@ -279,20 +279,38 @@ class Translator:
         Beam size 1 runs greedy search (score 0). An empty line gives one empty translation.
         """
         cfg = self.options(beam_size, length_penalty, n_best)
+        return self.translate_alphas(lines, (cfg.length_penalty,), cfg.beam_size, cfg.n_best)[0]
+
+    @torch.inference_mode()
+    def translate_alphas(
+        self,
+        lines: Sequence[str],
+        alphas: Sequence[float],
+        beam_size: int | None = None,
+        n_best: int | None = None,
+    ) -> list[list[list[Translation]]]:
+        """`translate` under several length penalties α in one beam search
+        (`search.beam_search_alphas`): for each α in order, what `translate` with that α gives.
+        Greedy search (beam size 1) has no α: every α gets its output."""
+        alphas = tuple(alphas)
+        cfgs = [self.options(beam_size, alpha, n_best) for alpha in alphas]  # ConfigError
+        if not cfgs:
+            raise ValueError("alphas: give at least one length penalty")
         sources = self.encode(lines)
-        results: list[list[Translation]] = [[Translation("", [], 0.0)] for _ in lines]
+        results = [[[Translation("", [], 0.0)] for _ in lines] for _ in alphas]
         batches = list(self.batches(sources))
         if (
             self.streams > 1
             and self.constrain is None
             and len(batches) >= MIN_BATCHES_PER_STREAM * self.streams
         ):
-            found = self._decode_streams(batches, sources, cfg)
+            found = self._decode_streams(batches, sources, cfgs[0], alphas)
         else:
-            found = (self._decode(batch, sources, cfg, self.tuner) for batch in batches)
-        for batch, hyps in zip(batches, found, strict=True):
-            for i, nbest in zip(batch, hyps, strict=True):
-                results[i] = [Translation(self.tokenizer.decode(t), t, s) for t, s in nbest]
+            found = (self._decode(batch, sources, cfgs[0], self.tuner, alphas) for batch in batches)
+        for batch, per_alpha in zip(batches, found, strict=True):
+            for out, hyps in zip(results, per_alpha, strict=True):
+                for i, nbest in zip(batch, hyps, strict=True):
+                    out[i] = [Translation(self.tokenizer.decode(t), t, s) for t, s in nbest]
         return results
 
     def _decode(
@@ -301,23 +319,29 @@ class Translator:
         sources: Sequence[list[int]],
         cfg: DecodeConfig,
         tuner: ThreadTuner | None,
-    ) -> list[list[tuple[list[int], float]]]:
-        """The §6.1 search over one batch: per sentence, its n-best (tokens, score)."""
+        alphas: tuple[float, ...],
+    ) -> list[list[list[tuple[list[int], float]]]]:
+        """The §6.1 search over one batch: for each α, per sentence, its n-best (tokens, score)
+        (`cfg.length_penalty` is not read)."""
         src, src_mask = self._collate([sources[i] for i in batch])
         if cfg.beam_size == 1:
             outs = greedy_search(
                 self.model, src, src_mask, cfg.max_len_a, cfg.max_len_b, self.constrain, tuner
             )
-            return [[(tokens, 0.0)] for tokens in outs]
-        found = beam_search(
-            self.model, src, src_mask, cfg.beam_size, cfg.length_penalty,
+            return [[[(tokens, 0.0)] for tokens in outs]] * len(alphas)
+        found = beam_search_alphas(
+            self.model, src, src_mask, alphas, cfg.beam_size,
             cfg.max_len_a, cfg.max_len_b, cfg.n_best, self.constrain, cfg.stop, tuner,
         )  # fmt: skip
-        return [[(h.tokens, h.score) for h in nbest] for nbest in found]
+        return [[[(h.tokens, h.score) for h in nbest] for nbest in per] for per in found]
 
     def _decode_streams(
-        self, batches: list[list[int]], sources: Sequence[list[int]], cfg: DecodeConfig
-    ) -> list[list[list[tuple[list[int], float]]]]:
+        self,
+        batches: list[list[int]],
+        sources: Sequence[list[int]],
+        cfg: DecodeConfig,
+        alphas: tuple[float, ...],
+    ) -> list[list[list[list[tuple[list[int], float]]]]]:
         """`_decode` of every batch, `streams` batches at a time, each in its own Python thread
         with an equal share of torch's threads (one each on 2 cores).
 
@@ -333,9 +357,9 @@ class Translator:
         before = torch.get_num_threads()
         torch.set_num_threads(max(1, before // self.streams))  # new threads inherit this count
 
-        def work(batch: list[int]) -> list[list[tuple[list[int], float]]]:
+        def work(batch: list[int]) -> list[list[list[tuple[list[int], float]]]]:
             with torch.inference_mode():  # thread-local: the caller's does not reach here
-                return self._decode(batch, sources, cfg, None)
+                return self._decode(batch, sources, cfg, None, alphas)
 
         pool = ThreadPoolExecutor(self.streams, thread_name_prefix="decode")
         try:

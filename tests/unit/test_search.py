@@ -452,3 +452,77 @@ def test_stepper_times_units_of_several_steps_after_the_first():
     with torch.inference_mode():
         for tok in (torch.full((3,), BOS_ID), torch.tensor([5, 6, 7])):
             assert torch.equal(plain.step(tok), timed.step(tok))
+
+
+# ------------------------------------------------------------------- several α in one search
+
+
+class PrefixStepper:
+    """A stepper whose next-token log-probs depend only on (sentence, prefix), seeded by them:
+    the same for a sentence whatever else is in the batch, so searches can be compared exactly.
+    """
+
+    def __init__(self, B: int, V: int = 9, spread: float = 2.5) -> None:
+        self.rows = [(s, ()) for s in range(B)]  # (sentence, generated tokens) per live row
+        self.V, self.spread = V, spread
+
+    def step(self, tokens: torch.Tensor) -> torch.Tensor:
+        self.rows = [(s, p if t == BOS_ID else (*p, t))
+                     for (s, p), t in zip(self.rows, tokens.tolist(), strict=True)]  # fmt: skip
+        out = []
+        for s, p in self.rows:
+            g = torch.Generator().manual_seed(hash((s, p)) % 2**31)
+            out.append(torch.log_softmax(torch.randn(self.V, generator=g) * self.spread, -1))
+        return torch.stack(out)
+
+    def reorder(self, index: torch.Tensor, same_sentences: bool = False) -> None:
+        self.rows = [self.rows[i] for i in index.tolist()]
+
+
+@pytest.mark.parametrize("stop", STOP_RULES)
+@pytest.mark.parametrize("n_best", [1, 3])
+def test_beam_steps_alphas_equal_one_search_per_alpha(stop, n_best):
+    # One search for several α gives, for each α, exactly what a search with that α alone
+    # gives: the same hypotheses, scores and log-probs, bit for bit, in the same order.
+    B, alphas = 16, (0.0, 0.6, 1.0, 1.6, 3.0)
+    max_lens = torch.tensor([3, 5, 8, 12] * 4)
+    together = search.beam_steps_alphas(PrefixStepper(B), max_lens, 4, alphas, n_best, stop)
+    assert len(together) == len(alphas)
+    for alpha, got in zip(alphas, together, strict=True):
+        want = beam_steps(PrefixStepper(B), max_lens, 4, alpha, n_best, stop)
+        assert got == want
+        assert all(len(hyps) == n_best for hyps in got)
+    # not vacuous: α changes some outputs, and ends the search for some sentences sooner
+    assert together[0] != together[-1]
+    assert together[0] != together[2] or together[2] != together[-1]
+
+
+def test_beam_steps_alphas_keeps_only_what_each_alpha_finished_in_its_own_search():
+    # Beam 2, by hand. Step 1: a .7, b .3. Step 2: "a EOS" .385 and "b EOS" .3 finish, "a b"
+    # .315 stays live. Under α 0 no live beam can beat .385 (lp = 1): that search ends with
+    # "a". Under α 2 the bound is log .315 / lp(6) = -0.344 > log .385 / lp(2) = -0.701: it
+    # goes on, and "a b EOS" (log .315 / lp(3) = -0.650) wins there; α 0 keeps "a".
+    script = {(): {A: 0.7, B_: 0.3}, (A,): {EOS_ID: 0.55, B_: 0.45}}
+    zero, two = search.beam_steps_alphas(ScriptedStepper(script), torch.tensor([6]), 2,
+                                         (0.0, 2.0), n_best=1)  # fmt: skip
+    assert zero == beam_steps(ScriptedStepper(script), torch.tensor([6]), 2, 0.0)
+    assert two == beam_steps(ScriptedStepper(script), torch.tensor([6]), 2, 2.0)
+    assert zero[0][0].tokens == [A] and two[0][0].tokens == [A, B_]
+    assert zero[0][0].score == pytest.approx(math.log(0.385), abs=1e-6)
+    assert two[0][0].score == pytest.approx(math.log(0.315) / (8 / 6) ** 2, abs=1e-6)
+
+
+def test_beam_search_alphas_with_a_model_equals_one_search_per_alpha():
+    torch.manual_seed(0)
+    model = tiny_model(vocab=40, scale=8.0)
+    src, src_mask = random_batch(6, 40, [5, 9, 7, 3, 8, 6])
+    alphas = (0.2, 1.0, 2.0)
+    together = search.beam_search_alphas(model, src, src_mask, alphas, beam_size=3, n_best=2,
+                                         max_len_b=10)  # fmt: skip
+    for alpha, got in zip(alphas, together, strict=True):
+        want = beam_search(model, src, src_mask, 3, alpha, max_len_b=10, n_best=2)
+        assert [[h.tokens for h in s] for s in got] == [[h.tokens for h in s] for s in want]
+        for s, t in zip(got, want, strict=True):
+            assert [h.score for h in s] == pytest.approx([h.score for h in t], abs=1e-6)
+    with pytest.raises(ValueError, match="at least one"):
+        search.beam_search_alphas(model, src, src_mask, (), beam_size=3)

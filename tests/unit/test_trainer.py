@@ -96,6 +96,41 @@ def test_lowercased_data_gives_a_model_that_lowercases_its_input(data_dir, tmp_p
             assert warned is (other != data), caplog.text
 
 
+def test_evaluate_alphas_equals_one_evaluate_per_alpha(data_dir, tmp_path, monkeypatch):
+    # The reports of one search for several α (choosing α on val, valchoice.py) are those of
+    # one `evaluate` per α, but for the timings, which are the shared search's.
+    from transformer.evaluate import evaluate, evaluate_alphas
+
+    run = tmp_path / "run"
+    train(data_dir, run, _config("train.max_steps=3", "train.keep_last=1"), progress=False)
+    alphas = (0.0, 0.6, 2.0)
+    together = evaluate_alphas(run, data_dir, "valid", alphas, beam_size=3, limit=12)
+    timings = {"seconds", "sentences_per_s", "target_tokens_per_s", "alphas_searched_together"}
+    for alpha, got in zip(alphas, together, strict=True):
+        want = evaluate(run, data_dir, "valid", beam_size=3, length_penalty=alpha, limit=12)
+        assert got["search"]["length_penalty"] == alpha and got["alphas_searched_together"] == [
+            0.0, 0.6, 2.0]  # fmt: skip
+        assert {k: v for k, v in got.items() if k not in timings} == {
+            k: v for k, v in want.items() if k not in timings
+        }
+    with pytest.raises(ValueError, match="at least one"):
+        evaluate_alphas(run, data_dir, "valid", ())
+    # each α's report scores that α's translations (this 3-step model writes the same empty
+    # output under every α, so the search's outputs are replaced: the reference for α 0.6)
+    from transformer.data import load_prepared
+    from transformer.translate import Translation, Translator
+
+    refs = load_prepared(data_dir).split("valid").text("de")[:12]
+
+    def fake(self, lines, alphas, beam_size=None, n_best=None):
+        assert list(alphas) == [0.0, 0.6, 2.0] and len(lines) == 12
+        return [[[Translation(r if a == 0.6 else "x", [5], 0.0)] for r in refs] for a in alphas]
+
+    monkeypatch.setattr(Translator, "translate_alphas", fake)
+    bleu = [r["bleu"] for r in evaluate_alphas(run, data_dir, "valid", alphas, 3, limit=12)]
+    assert bleu == pytest.approx([0.0, 100.0, 0.0])
+
+
 def test_model_lowercase_is_not_set_by_hand(data_dir, tmp_path):
     config = _config("train.max_steps=2", "model.lowercase=true")
     with pytest.raises(

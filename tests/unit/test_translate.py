@@ -13,13 +13,13 @@ from torch import nn
 import transformer.threads
 import transformer.translate
 from transformer.cli import main
-from transformer.config import DecodeConfig, ModelConfig, RunConfig
+from transformer.config import ConfigError, DecodeConfig, ModelConfig, RunConfig
 from transformer.data import read_lines
 from transformer.errors import UserError
 from transformer.model import Transformer
 from transformer.modelfile import load_model, save_model
 from transformer.rundir import resolve_model
-from transformer.search import beam_search, greedy_search
+from transformer.search import beam_search, beam_search_alphas, greedy_search
 from transformer.tokenizer import BOS_ID, EOS_ID, PAD_ID, UNK_ID
 from transformer.translate import Int8Linear, Translator, auto_dtype, cpu_flags, quantize_int8
 
@@ -78,6 +78,20 @@ def test_batched_translation_keeps_input_order_and_equals_one_at_a_time(model_fi
     assert together[1] == [together[1][0]] and together[1][0].text == ""  # empty line -> ""
     assert [len(n) for i, n in enumerate(together) if i != 1] == [2, 2, 2]
     assert tr.translate_lines(LINES) == [n[0].text for n in together]
+
+
+def test_translate_alphas_equals_translate_per_alpha(model_file):
+    tr = Translator.from_path(model_file)
+    lines = [f"{w} {v}" for w in ("A man", "Two dogs", "The child") for v in LINES]
+    alphas = (0.0, 0.6, 3.0)
+    together = tr.translate_alphas(lines, alphas, n_best=2)
+    for alpha, got in zip(alphas, together, strict=True):
+        assert got == tr.translate(lines, length_penalty=alpha, n_best=2)
+    assert together[0] != together[-1]  # α changed some translations or their scores
+    greedy = tr.translate_alphas(lines, alphas, beam_size=1)  # no α in greedy search
+    assert greedy[0] == greedy[1] == greedy[2] == tr.translate(lines, beam_size=1)
+    with pytest.raises(ConfigError):
+        tr.translate_alphas(lines, (0.6, -1.0))
 
 
 def test_translation_matches_search_on_the_encoded_source(model_file):
@@ -335,10 +349,10 @@ def test_the_stop_rule_reaches_the_search(model_file, monkeypatch):
     seen = []
 
     def spy(*args):
-        seen.append(args[-2])  # beam_search(..., constrain, stop, tuner)
-        return beam_search(*args)
+        seen.append(args[-2])  # beam_search_alphas(..., constrain, stop, tuner)
+        return beam_search_alphas(*args)
 
-    monkeypatch.setattr(translate_module, "beam_search", spy)
+    monkeypatch.setattr(translate_module, "beam_search_alphas", spy)
     tr = Translator.from_path(model_file)
     tr.translate(LINES)
     tr.decode = tr.options(stop="fairseq")

@@ -139,7 +139,7 @@ def quickstart(
 
     translations = out_dir / f"test_2016_flickr.{tgt_lang}.hyp"
     with _stage("translate", seconds):
-        report = score(model_path, choice["alpha"], "test", translations)
+        report = score(model_path, [choice["alpha"]], "test", translations)[0]
     report["chosen_on_val"] = choice
     report["train_steps"], losses = _train_losses(run_dir)
     result = QuickstartResult(out_dir, model_path, translations, report, seconds, losses)

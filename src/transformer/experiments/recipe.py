@@ -103,7 +103,7 @@ def run_recipe(
     scores = {}
     for split, file in (("valid", "val"), ("test", "test_2016_flickr")):
         with _stage(f"score {file}", seconds):  # test: once, with what val chose
-            scores[file] = score(model_path, alpha, split, out_dir / f"{file}.de.hyp")
+            scores[file] = score(model_path, [alpha], split, out_dir / f"{file}.de.hyp")[0]
     report = {
         "recipe": name,
         "lowercase": lowercase,

@@ -25,23 +25,44 @@ WINDOWS = (5, 10)  # how many checkpoints are averaged (§6.1 averages 5 for bas
 ALPHAS = (0.6, 0.8, 1.0, 1.2, 1.4, 1.6, 1.8)  # §6.1 chose 0.6 on its dev set
 WINDOW_ALPHA = 1.0  # α at which the windows are compared (the middle of ALPHAS)
 
-# score(model file, α) -> an `evaluate` report of val (at least "bleu").
-Scorer = Callable[[Path, float], dict]
+# score(model file, alphas) -> an `evaluate` report of val (at least "bleu") for each α, in
+# order: `beam4_scorer` decodes them in one search.
+Scorer = Callable[[Path, Sequence[float]], list[dict]]
 
 
-def beam4_scorer(data_dir: Path, limit: int | None = None) -> Callable[..., dict]:
-    """score(model, α, split="valid", output=None): `evaluate` of a prepared split with beam 4
-    (§6.1), the CPU's own dtype (`--dtype auto`) and tuned threads, without the checksum (the
-    recipes have just written the model file). The one decode setting a recipe's val choices
-    and its test pass share."""
+def beam4_scorer(data_dir: Path, limit: int | None = None) -> Callable[..., list[dict]]:
+    """score(model, alphas, split="valid", output=None): `evaluate` of a prepared split with
+    beam 4 (§6.1) for each α (several α in one search: `evaluate_alphas`), the CPU's own dtype
+    (`--dtype auto`) and tuned threads, without the checksum (the recipes have just written the
+    model file). The one decode setting a recipe's val choices and its test pass share.
+    `output` (the translations) takes one α."""
 
-    def score(model: Path, alpha: float, split: str = "valid", output: Path | None = None):
-        from transformer.evaluate import evaluate
+    def score(
+        model: Path, alphas: Sequence[float], split: str = "valid", output: Path | None = None
+    ) -> list[dict]:
+        from transformer.evaluate import evaluate, evaluate_alphas
 
-        return evaluate(
-            model, data_dir, split, beam_size=4, length_penalty=alpha, dtype="auto",
-            output=output, limit=limit, threads="auto", verify=False,
-        )  # fmt: skip
+        if output is None and len(alphas) > 1:
+            return evaluate_alphas(
+                model, data_dir, split, alphas, beam_size=4, dtype="auto", limit=limit,
+                threads="auto", verify=False,
+            )  # fmt: skip
+        if len(alphas) != 1:
+            raise ValueError(f"one α to write the translations, got {list(alphas)}")
+        return [
+            evaluate(
+                model,
+                data_dir,
+                split,
+                beam_size=4,
+                length_penalty=alphas[0],
+                dtype="auto",
+                output=output,
+                limit=limit,
+                threads="auto",
+                verify=False,
+            )  # fmt: skip
+        ]
 
     return score
 
@@ -94,7 +115,8 @@ def choose_on_val(
     Args:
         run_dir: the trained run (its checkpoints on the save cadence and its valid records).
         out_dir: the chosen average is written to OUT/model.safetensors.
-        score: val scorer, e.g. `evaluate(model, data, "valid", beam_size=4, length_penalty=α)`.
+        score: val scorer (`Scorer`, e.g. `beam4_scorer`): the windows are scored at
+            `window_alpha`, then the other α on the chosen one in one call.
         metric: what "best validation" means ("ppl" or "bleu", the run's patience metric).
         windows, alphas, window_alpha: default WINDOWS, ALPHAS, WINDOW_ALPHA.
 
@@ -128,16 +150,16 @@ def choose_on_val(
     for chosen in candidates:
         path = staging / f"avg_{chosen[0]}-{chosen[-1]}.safetensors"
         rundir.average_files([files[s] for s in chosen], path)
-        bleu = score(path, window_alpha)["bleu"]
+        bleu = score(path, [window_alpha])[0]["bleu"]
         logger.info("val: checkpoints %s … %s (%d), α %s: BLEU %.2f",
                     chosen[0], chosen[-1], len(chosen), window_alpha, bleu)  # fmt: skip
         tried.append({"steps": list(chosen), "path": path, "bleu": bleu})
     pick = max(tried, key=lambda t: t["bleu"])  # max keeps the first of equals
+    others = [alpha for alpha in alphas if alpha != window_alpha]
+    found = dict(zip(others, score(pick["path"], others), strict=True)) if others else {}
     by_alpha = {}
     for alpha in alphas:
-        by_alpha[alpha] = (
-            pick["bleu"] if alpha == window_alpha else score(pick["path"], alpha)["bleu"]
-        )
+        by_alpha[alpha] = pick["bleu"] if alpha == window_alpha else found[alpha]["bleu"]
         logger.info("val: α %s: BLEU %.2f", alpha, by_alpha[alpha])
     alpha = max(by_alpha, key=by_alpha.__getitem__)
     model = out_dir / rundir.MODEL

@@ -71,12 +71,12 @@ def test_choose_on_val_picks_the_window_then_alpha_and_never_scores_test(tmp_pat
     run = _run(tmp_path, range(1, 9), [{"step": 4, "ppl": 5.0}, {"step": 8, "ppl": 6.0}])
     calls = []
 
-    def score(model, alpha):
-        calls.append((model.name, alpha))
+    def score(model, alphas):
+        calls.append((model.name, tuple(alphas)))
         # the window up to the best validation wins at α 1; α 1.4 wins on it; 1.8 ties 1.4
         table = {"avg_1-4.safetensors": 30.0, "avg_7-8.safetensors": 29.0}
-        bonus = {0.6: 0.0, 1.0: 0.5, 1.4: 0.9, 1.8: 0.9}[alpha]
-        return {"bleu": table.get(model.name, 20.0) + bonus}
+        bonus = {0.6: 0.0, 1.0: 0.5, 1.4: 0.9, 1.8: 0.9}
+        return [{"bleu": table.get(model.name, 20.0) + bonus[a]} for a in alphas]
 
     out = tmp_path / "out"
     choice = choose_on_val(
@@ -86,11 +86,11 @@ def test_choose_on_val_picks_the_window_then_alpha_and_never_scores_test(tmp_pat
     assert choice["averaged"] == [1, 2, 3, 4] and choice["best_valid_step"] == 4
     assert choice["alpha"] == 1.4  # the first of the equal best
     assert choice["alphas"] == {"0.6": 30.0, "1.0": 30.5, "1.4": 30.9, "1.8": 30.9}
-    # the windows at α 1.0; α 1.0 on the chosen one is not decoded twice
+    # the windows at α 1.0; then the other α on the chosen one, in one call (one search)
     assert calls[:4] == [
-        (f"avg_{a}-{b}.safetensors", 1.0) for a, b in ((7, 8), (3, 4), (5, 8), (1, 4))
+        (f"avg_{a}-{b}.safetensors", (1.0,)) for a, b in ((7, 8), (3, 4), (5, 8), (1, 4))
     ]
-    assert [a for _, a in calls[4:]] == [0.6, 1.4, 1.8]
+    assert calls[4:] == [("avg_1-4.safetensors", (0.6, 1.4, 1.8))]
     # the chosen file is the average of checkpoints 1-4; the other candidates are gone
     model = load_model(choice["model"]).model.state_dict()
     states = [checkpoint.load_checkpoint(p)["model"] for p in checkpoint.list_checkpoints(run)[:4]]
@@ -110,8 +110,9 @@ def test_choose_on_val_offers_the_windows_ending_at_an_off_cadence_end(tmp_path)
     }
     checkpoint.save_checkpoint(run, 7, state, keep_last=20, on_cadence=False)  # ckpt_7_end.pt
 
-    def score(model, alpha):  # the window with the end wins
-        return {"bleu": 31.0 if model.name == "avg_4-7.safetensors" else 30.0}
+    def score(model, alphas):  # the window with the end wins
+        assert list(alphas) == [1.0]  # α 1.0 alone: no second call
+        return [{"bleu": 31.0 if model.name == "avg_4-7.safetensors" else 30.0}]
 
     choice = choose_on_val(run, tmp_path / "out", score, windows=(2, 3), alphas=(1.0,))
     assert [w["steps"] for w in choice["windows"]] == [[4, 5], [3, 4, 5], [5, 7], [4, 5, 7]]
@@ -126,16 +127,24 @@ def test_choose_on_val_offers_the_windows_ending_at_an_off_cadence_end(tmp_path)
     assert checkpoint.list_checkpoints(run, cadence_only=True)[-1].name == "ckpt_5.pt"
 
 
-def test_beam4_scorer_decodes_the_split_with_beam_4_and_the_given_alpha(monkeypatch, tmp_path):
+def test_beam4_scorer_decodes_the_split_with_beam_4_and_the_given_alphas(monkeypatch, tmp_path):
     from transformer import evaluate
 
     seen = []
     monkeypatch.setattr(evaluate, "evaluate", lambda *a, **k: seen.append((a, k)) or {"bleu": 1})
+    many = [{"bleu": 2}, {"bleu": 3}]
+    monkeypatch.setattr(evaluate, "evaluate_alphas", lambda *a, **k: seen.append((a, k)) or many)
     score = beam4_scorer(tmp_path / "data", limit=7)
-    assert score(tmp_path / "m.safetensors", 1.2) == {"bleu": 1}
-    score(tmp_path / "m.safetensors", 0.6, "test", tmp_path / "hyp")
-    (a1, k1), (a2, k2) = seen
+    assert score(tmp_path / "m.safetensors", [1.2]) == [{"bleu": 1}]
+    score(tmp_path / "m.safetensors", [0.6], "test", tmp_path / "hyp")
+    assert score(tmp_path / "m.safetensors", [0.6, 1.0]) == [{"bleu": 2}, {"bleu": 3}]
+    (a1, k1), (a2, k2), (a3, k3) = seen
     assert a1 == (tmp_path / "m.safetensors", tmp_path / "data", "valid") and a2[2] == "test"
     assert k1["beam_size"] == 4 and k1["length_penalty"] == 1.2 and k1["limit"] == 7
     assert k1["output"] is None and k2["output"] == tmp_path / "hyp"
     assert k1["dtype"] == "auto" and k2["length_penalty"] == 0.6
+    # several α: one search (evaluate_alphas), beam 4, the same dtype and limit
+    assert a3 == (tmp_path / "m.safetensors", tmp_path / "data", "valid", [0.6, 1.0])
+    assert k3["beam_size"] == 4 and k3["dtype"] == "auto" and k3["limit"] == 7
+    with pytest.raises(ValueError, match="one α"):  # translations are written for one α
+        score(tmp_path / "m.safetensors", [0.6, 1.0], "test", tmp_path / "hyp")
