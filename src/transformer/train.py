@@ -137,9 +137,23 @@ def train(
             raise UserError(f"train.procs={n} is for CPU training (device {dev}); "
                             "across GPUs use torchrun")  # fmt: skip
         threads = threads if isinstance(threads, int) else 1
+        cores = _usable_cores()
+        if n * threads > cores:  # allowed (a test of a larger job's split), but say so
+            logger.warning(
+                "train.procs=%d x %d thread(s) on %d core(s): the processes will take turns on "
+                "the cores, and train more slowly than %d process(es) of one thread would",
+                n, threads, cores, cores,
+            )  # fmt: skip
         args = (data_dir, out_dir, config, resume, dev, progress, threads)
         return distributed.run_local(n, _train_job, args)
     return _train_job(data_dir, out_dir, config, resume, dev, progress, threads)
+
+
+def _usable_cores() -> int:
+    """The cores this process may run on (its CPU affinity where the OS has one)."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
 
 
 def _train_job(

@@ -76,6 +76,23 @@ def test_train_procs_refuses_a_gpu_and_a_torchrun_job(tmp_path, monkeypatch):
     assert not (tmp_path / "run").exists()  # refused before anything was written
 
 
+def test_more_processes_than_cores_trains_with_a_warning(tmp_path, monkeypatch, caplog):
+    """train.procs beyond the cores is allowed (the processes take turns), and said."""
+    import transformer.train as train_module
+    from transformer.config import build_config
+
+    config = build_config("tiny", overrides=["train.procs=3"], vocab_size=100)
+    started = []
+    monkeypatch.setattr(train_module, "resolve_run", lambda d, o, c, r, ov: (d, c))
+    monkeypatch.setattr(distributed, "run_local", lambda n, fn, args: started.append(n))
+    for cores, warned in ((2, True), (3, False)):
+        monkeypatch.setattr(train_module, "_usable_cores", lambda cores=cores: cores)
+        caplog.clear()
+        train_module.train(tmp_path / "data", tmp_path / "run", config, device="cpu")
+        assert ("train.procs=3 x 1 thread(s) on 2 core(s)" in caplog.text) is warned
+    assert started == [3, 3]
+
+
 def _train_forever(marker: str) -> None:
     import time
     from pathlib import Path
