@@ -111,10 +111,11 @@ def _with_test_refs(data: Path, tmp_path: Path, refs: list[str]) -> Path:
 def _outputs(monkeypatch, texts: list[str]) -> None:
     from transformer.translate import Translation, Translator
 
-    def translate(self, lines, **_):
-        return [[Translation(text=t, tokens=[5], score=0.0)] for t in texts[: len(lines)]]
+    def translate_alphas(self, lines, alphas, **_):  # what `evaluate` decodes with
+        out = [[Translation(text=t, tokens=[5], score=0.0)] for t in texts[: len(lines)]]
+        return [out for _ in alphas]
 
-    monkeypatch.setattr(Translator, "translate", translate)
+    monkeypatch.setattr(Translator, "translate_alphas", translate_alphas)
 
 
 def test_evaluate_refuses_tokenized_output_against_raw_references_and_the_reverse(
