@@ -17,24 +17,13 @@ import platform
 import sys
 import time
 
-import torch
-
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src"))
 
+from bench_stop_rules import CountingStepper  # noqa: E402  (this script's own folder)
 from transformer import search  # noqa: E402
 from transformer.bleu import corpus_bleu  # noqa: E402
 from transformer.data import read_lines  # noqa: E402
 from transformer.translate import Translator, cpu_flags  # noqa: E402
-
-
-class _CountingStepper(search.ModelStepper):
-    """ModelStepper that counts the decoder rows it steps (the search's work)."""
-
-    rows = 0
-
-    def step(self, tokens: torch.Tensor) -> torch.Tensor:
-        _CountingStepper.rows += tokens.numel()
-        return super().step(tokens)
 
 
 def main() -> None:
@@ -53,7 +42,7 @@ def main() -> None:
     alphas = [float(a) for a in args.alphas.split(",")]
     src, refs = list(read_lines(args.src)), list(read_lines(args.ref))
     tr = Translator.from_path(args.model, dtype=args.dtype, threads=threads)
-    search.ModelStepper = _CountingStepper  # the search builds its stepper by this name
+    search.ModelStepper = CountingStepper  # the search builds its stepper by this name
     isa = sorted(f for f in cpu_flags() if f.startswith(("amx", "avx512_bf16", "avx512_vnni")))
     print(f"CPU {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
           f"{' '.join(isa) or 'no AMX/AVX-512 BF16/VNNI'}; load {os.getloadavg()[0]:.2f}; "
@@ -70,11 +59,11 @@ def main() -> None:
     rows, outputs = {}, {}
     for rep in range(args.reps):
         for name in list(ways)[:: 1 if rep % 2 == 0 else -1]:
-            _CountingStepper.rows = 0
+            CountingStepper.rows = 0
             start = time.perf_counter()
             outputs[name] = ways[name]()
             best[name] = min(best[name], time.perf_counter() - start)
-            rows[name] = _CountingStepper.rows
+            rows[name] = CountingStepper.rows
     apart, together = outputs["one search per α"], outputs["one search for all α"]
     same = apart == together
     for name in ways:

@@ -27,13 +27,13 @@ from transformer.data import read_lines  # noqa: E402
 from transformer.translate import Translator  # noqa: E402
 
 
-class _CountingStepper(search.ModelStepper):
+class CountingStepper(search.ModelStepper):
     """ModelStepper that counts decoder rows stepped (the search's work)."""
 
     rows = 0
 
     def step(self, tokens: torch.Tensor) -> torch.Tensor:
-        _CountingStepper.rows += tokens.numel()
+        CountingStepper.rows += tokens.numel()
         return super().step(tokens)
 
 
@@ -47,7 +47,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=2)
     args = ap.parse_args()
     torch.set_num_threads(1)
-    search.ModelStepper = _CountingStepper  # beam_search builds its stepper by this name
+    search.ModelStepper = CountingStepper  # beam_search builds its stepper by this name
     sources, refs = list(read_lines(args.src)), list(read_lines(args.ref))
     tr = Translator.from_path(args.model)
     times: dict[str, list[float]] = {"t2t": [], "fairseq": []}
@@ -55,11 +55,11 @@ def main() -> None:
     for rep in range(args.reps):
         for stop in ("t2t", "fairseq") if rep % 2 == 0 else ("fairseq", "t2t"):
             tr.decode = tr.options(args.beam, args.alpha, stop=stop)
-            _CountingStepper.rows = 0
+            CountingStepper.rows = 0
             start = time.perf_counter()
             outs[stop] = tr.translate_lines(sources)
             times[stop].append(time.perf_counter() - start)
-            rows[stop] = _CountingStepper.rows
+            rows[stop] = CountingStepper.rows
     print(f"{args.src}: {len(sources)} sentences, beam {args.beam}, alpha {args.alpha}, "
           f"{torch.get_num_threads()} thread, best of {args.reps}")  # fmt: skip
     for stop in ("t2t", "fairseq"):
