@@ -94,6 +94,27 @@ def test_translate_alphas_equals_translate_per_alpha(model_file):
         tr.translate_alphas(lines, (0.6, -1.0))
 
 
+def test_translate_alphas_in_int8_searches_once_per_alpha(model_file, monkeypatch):
+    # int8 quantizes a batch's activations with one scale: the sentences one search keeps for
+    # a larger α would change the other α's outputs, so each α gets its own searches.
+    import transformer.translate as translate_module
+
+    searched = []
+
+    def spy(model, src, src_mask, alphas, *args):
+        searched.append(tuple(alphas))
+        return beam_search_alphas(model, src, src_mask, alphas, *args)
+
+    monkeypatch.setattr(translate_module, "beam_search_alphas", spy)
+    lines, alphas = LINES[:1], (0.6, 1.0)
+    for dtype, calls in (("int8", [(0.6,), (1.0,)]), ("bf16", [(0.6, 1.0)])):
+        tr = Translator.from_path(model_file, dtype=dtype)
+        searched.clear()
+        together = tr.translate_alphas(lines, alphas)
+        assert searched == calls
+        assert together == [tr.translate(lines, length_penalty=alpha) for alpha in alphas]
+
+
 def test_translation_matches_search_on_the_encoded_source(model_file):
     tr = Translator.from_path(model_file)
     ids = tr.tokenizer.encode(LINES[2]) + [EOS_ID]

@@ -24,10 +24,10 @@ LANGUAGES = ("en", "de", "fr", "cs")
 QUICKSTART_PRESET = "quickstart"
 # Training budget: the whole job (prepare + train + average + α on val + translate + score)
 # fits in 20 minutes on the 2-core CPU this project is developed on; the other stages take
-# ~60 s (val decoded once per averaging window at α 1.0, then once for the other α together,
-# ~15-20 s each; test once). Before the α grid was one search (3e99b2a) it was decoded once
-# per α and the budget was 17.5 minutes.
-TRAIN_MINUTES = 18.0
+# ~100 s (val decoded once per averaging window at α 1.0, then for the other α: in one search
+# in fp32 or bf16, once per α in int8, the choice of `--dtype auto` on a CPU without AMX;
+# ~8-17 s a pass; test once).
+TRAIN_MINUTES = 17.5
 # α candidates, chosen on val: on the 18.5-minute model, val BLEU 36.02 at 0.6, 36.46 at 1.0,
 # 36.31 at 1.4, 35.06 at 1.6 (docs/quickstart.md).
 ALPHAS = (0.6, 0.8, 1.0, 1.2, 1.4)
