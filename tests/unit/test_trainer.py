@@ -105,10 +105,10 @@ def test_evaluate_alphas_equals_one_evaluate_per_alpha(data_dir, tmp_path, monke
     train(data_dir, run, _config("train.max_steps=3", "train.keep_last=1"), progress=False)
     alphas = (0.0, 0.6, 2.0)
     together = evaluate_alphas(run, data_dir, "valid", alphas, beam_size=3, limit=12)
-    timings = {"seconds", "sentences_per_s", "target_tokens_per_s", "alphas_searched_together"}
+    timings = {"seconds", "sentences_per_s", "target_tokens_per_s", "timed_with_alphas"}
     for alpha, got in zip(alphas, together, strict=True):
         want = evaluate(run, data_dir, "valid", beam_size=3, length_penalty=alpha, limit=12)
-        assert got["search"]["length_penalty"] == alpha and got["alphas_searched_together"] == [
+        assert got["search"]["length_penalty"] == alpha and got["timed_with_alphas"] == [
             0.0, 0.6, 2.0]  # fmt: skip
         assert {k: v for k, v in got.items() if k not in timings} == {
             k: v for k, v in want.items() if k not in timings

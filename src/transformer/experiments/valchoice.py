@@ -26,13 +26,13 @@ ALPHAS = (0.6, 0.8, 1.0, 1.2, 1.4, 1.6, 1.8)  # §6.1 chose 0.6 on its dev set
 WINDOW_ALPHA = 1.0  # α at which the windows are compared (the middle of ALPHAS)
 
 # score(model file, alphas) -> an `evaluate` report of val (at least "bleu") for each α, in
-# order: `beam4_scorer` decodes them in one search.
+# order: `beam4_scorer` decodes them in one call (one search in fp32/bf16, one per α in int8).
 Scorer = Callable[[Path, Sequence[float]], list[dict]]
 
 
 def beam4_scorer(data_dir: Path, limit: int | None = None) -> Callable[..., list[dict]]:
     """score(model, alphas, split="valid", output=None): `evaluate` of a prepared split with
-    beam 4 (§6.1) for each α (several α in one search: `evaluate_alphas`), the CPU's own dtype
+    beam 4 (§6.1) for each α (several α in one call: `evaluate_alphas`), the CPU's own dtype
     (`--dtype auto`) and tuned threads, without the checksum (the recipes have just written the
     model file). The one decode setting a recipe's val choices and its test pass share.
     `output` (the translations) takes one α."""
@@ -49,20 +49,11 @@ def beam4_scorer(data_dir: Path, limit: int | None = None) -> Callable[..., list
             )  # fmt: skip
         if len(alphas) != 1:
             raise ValueError(f"one α to write the translations, got {list(alphas)}")
-        return [
-            evaluate(
-                model,
-                data_dir,
-                split,
-                beam_size=4,
-                length_penalty=alphas[0],
-                dtype="auto",
-                output=output,
-                limit=limit,
-                threads="auto",
-                verify=False,
-            )  # fmt: skip
-        ]
+        report = evaluate(
+            model, data_dir, split, beam_size=4, length_penalty=alphas[0], dtype="auto",
+            output=output, limit=limit, threads="auto", verify=False,
+        )  # fmt: skip
+        return [report]
 
     return score
 
