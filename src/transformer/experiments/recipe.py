@@ -1,7 +1,7 @@
 """`transformer recipe multi30k-full`: Multi30k English→German trained to convergence on a CPU.
 
-prepare (joint subwords) → train the `multi30k-full` preset with early stopping on greedy val
-BLEU, inside a wall-clock budget → choose on val, beam 4, the checkpoints to average and the
+prepare (joint subwords) → train the `multi30k-full` preset with early stopping on val perplexity
+inside a wall-clock budget → choose on val, beam 4, the checkpoints to average and the
 length penalty α (`valchoice.py`, §6.1) → test_2016_flickr scored once with them: cased
 detokenized sacreBLEU with its signature, and lowercased (sacreBLEU -lc, and Moses-tokenized
 multi-bleu as the multimodal-translation literature reports it). With `lowercase`, the text is
@@ -23,7 +23,7 @@ logger = logging.getLogger(__name__)
 
 RECIPES = ("multi30k-full",)
 BUDGET_MINUTES = 120.0  # the whole job, on 2 cores
-# Kept back from the budget for the choices on val (up to 6 averages and beam-4 passes of val
+# Kept back from the budget for the choices on val (up to 12 averages and beam-4 passes of val
 # at α 1.0, then the other α: one search in fp32/bf16, one per α in int8) and the val and test
 # passes: ~1.2 minutes for the preset's 2.35M-parameter model on 2 cores (runs 6 and 7: 71 s,
 # int8), ~4 for a 26M-parameter one; the rest is a margin. (8 minutes until run 7.)
