@@ -26,8 +26,9 @@ def test_recipe_trains_averages_and_scores_val_then_test_in_both_forms(
     monkeypatch.setattr(recipe, "SCORING_MINUTES", 0.0)
     monkeypatch.setattr(valchoice, "ALPHAS", (0.6, 1.0, 1.4))
     # Beam search with an untrained model runs to the length cap: 50 sentences of each split.
-    full = evaluate.evaluate
+    full, grid = evaluate.evaluate, evaluate.evaluate_alphas
     monkeypatch.setattr(evaluate, "evaluate", lambda *a, **k: full(*a, **{**k, "limit": 50}))
+    monkeypatch.setattr(evaluate, "evaluate_alphas", lambda *a, **k: grid(*a, **{**k, "limit": 50}))
     out = tmp_path / "r"
     args = ["recipe", "multi30k-full", *TINY, "--out", str(out), "--minutes", "5"]
     args += ["--data-from", str(shared_data / "multi30k")]
