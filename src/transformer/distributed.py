@@ -138,6 +138,13 @@ def run_local(nprocs: int, fn: Callable[..., Any], args: tuple = ()) -> Any:
     ]
     reports: dict[int, tuple[str, Any]] = {}
     dead: dict[int, int] = {}  # rank -> exit code
+
+    # A rank that reported "ok" has done its work: a crash in the interpreter's teardown after
+    # it (gloo's threads can abort there: "terminate called without an active exception") does
+    # not fail the job.
+    def failed_ranks() -> list[int]:
+        return [r for r, code in dead.items() if code != 0 and reports.get(r, ("",))[0] != "ok"]
+
     try:
         for p in procs:
             p.start()
@@ -145,7 +152,7 @@ def run_local(nprocs: int, fn: Callable[..., Any], args: tuple = ()) -> Any:
             writer.close()  # the children hold theirs: a reader sees EOF when its child is gone
         waiting = {reader: r for r, (reader, _) in enumerate(pipes)}
         waiting.update({p.sentinel: r for r, p in enumerate(procs)})
-        while waiting and not any(code != 0 for code in dead.values()):
+        while waiting and not failed_ranks():
             for ready in multiprocessing.connection.wait(list(waiting)):
                 rank = waiting.pop(ready)
                 if isinstance(ready, int):  # a process sentinel: the process has ended
@@ -165,7 +172,7 @@ def run_local(nprocs: int, fn: Callable[..., Any], args: tuple = ()) -> Any:
         for reader, _ in pipes:
             reader.close()
         shutil.rmtree(tmp, ignore_errors=True)
-    failed = [r for r, code in dead.items() if code != 0]  # in the order they ended
+    failed = failed_ranks()  # in the order they ended
     if not failed:
         return reports.get(0, ("ok", None))[1]
     for kind, payload in reports.values():
