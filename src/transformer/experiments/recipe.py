@@ -57,7 +57,6 @@ def run_recipe(
     """
     from transformer import rundir
     from transformer.config import build_config, to_dict
-    from transformer.experiments.valchoice import beam4_scorer, choose_on_val
     from transformer.prepare import prepare_corpus
     from transformer.train import train
 
@@ -98,14 +97,9 @@ def run_recipe(
         else:
             train(data_dir, run_dir, config)
     config = rundir.read_config(run_dir)  # what trained (on resume: the run's own)
-    score = beam4_scorer(data_dir)
-    with _stage("choose on val", seconds):
-        choice = choose_on_val(run_dir, out_dir, score, metric=config.train.patience_metric)
+    metric = config.train.patience_metric
+    choice, scores = choose_and_score(data_dir, run_dir, out_dir, metric, seconds)
     model_path, alpha = Path(choice["model"]), choice["alpha"]
-    scores = {}
-    for split, file in (("valid", "val"), ("test", "test_2016_flickr")):
-        with _stage(f"score {file}", seconds):  # test: once, with what val chose
-            scores[file] = score(model_path, [alpha], split, out_dir / f"{file}.de.hyp")[0]
     report = {
         "recipe": name,
         "lowercase": lowercase,
@@ -122,6 +116,35 @@ def run_recipe(
     }
     (out_dir / "recipe.json").write_text(json.dumps(report, indent=2))
     return report
+
+
+def choose_and_score(
+    data_dir: Path,
+    run_dir: Path,
+    out_dir: Path,
+    metric: str,
+    seconds: dict[str, float] | None = None,
+) -> tuple[dict, dict[str, dict]]:
+    """The recipe's stages after training: choose on val the checkpoints to average and α
+    (`valchoice.choose_on_val`, the best validation by `metric`, the run's patience metric;
+    the average goes to OUT/model.safetensors), then score val and test_2016_flickr once with
+    them, beam 4, their translations to OUT/{val,test_2016_flickr}.de.hyp.
+
+    Returns (the choice, {"val": report, "test_2016_flickr": report}); each stage's seconds
+    go to `seconds` when given.
+    """
+    from transformer.experiments.valchoice import beam4_scorer, choose_on_val
+
+    seconds = {} if seconds is None else seconds
+    score = beam4_scorer(data_dir)
+    with _stage("choose on val", seconds):
+        choice = choose_on_val(run_dir, out_dir, score, metric=metric)
+    model_path, alpha = Path(choice["model"]), choice["alpha"]
+    scores = {}
+    for split, file in (("valid", "val"), ("test", "test_2016_flickr")):
+        with _stage(f"score {file}", seconds):  # test: once, with what val chose
+            scores[file] = score(model_path, [alpha], split, out_dir / f"{file}.de.hyp")[0]
+    return choice, scores
 
 
 def _summary(run_dir: Path) -> dict:
