@@ -28,19 +28,50 @@ import tempfile
 import time
 from pathlib import Path
 
+# (vendor, family, model range) -> core generation, for CPUs whose model name says too little
+# (a KVM guest of an AMD EPYC reports just "AMD EPYC"). Family 25 is Zen 3 below model 0x10.
+_CORES = (
+    ("AuthenticAMD", 25, range(0x10, 0x20), "Zen 4"),
+    ("AuthenticAMD", 25, range(0x60, 0x80), "Zen 4"),
+    ("AuthenticAMD", 25, range(0xA0, 0xB0), "Zen 4c"),
+    ("AuthenticAMD", 25, range(0x00, 0x10), "Zen 3"),
+    ("AuthenticAMD", 25, range(0x20, 0x60), "Zen 3"),
+    ("AuthenticAMD", 26, range(0x00, 0x100), "Zen 5"),
+    ("GenuineIntel", 6, range(0x8F, 0x90), "Sapphire Rapids"),
+    ("GenuineIntel", 6, range(0xCF, 0xD0), "Emerald Rapids"),
+    ("GenuineIntel", 6, range(0xAD, 0xAE), "Granite Rapids"),
+)
+_ISA = ("avx512f", "avx512_bf16", "amx_bf16", "amx_int8", "avx512_vnni")
 
-def cpu_line() -> str:
-    """CPU model, core count and the matmul-relevant ISA flags of this machine."""
-    model, flags = platform.processor() or "?", set()
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-        model = re.search(r"model name\s*:\s*(.*)", text).group(1)
-        flags = set(re.search(r"flags\s*:\s*(.*)", text).group(1).split())
-    except (OSError, AttributeError):
-        pass
-    isa = [
-        f for f in ("avx512f", "avx512_bf16", "amx_bf16", "amx_int8", "avx512_vnni") if f in flags
-    ]
+
+def cpu_line(cpuinfo: str | None = None) -> str:
+    """CPU model, its core generation (from family and model), core count and the
+    matmul-relevant ISA flags: "AMD EPYC (family 26 model 2: Zen 5), 2 cores, avx512f ...".
+
+    Args:
+        cpuinfo: the text of /proc/cpuinfo (default: this machine's).
+    """
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            cpuinfo = ""
+
+    def field(name: str) -> str | None:
+        found = re.search(rf"^{name}\s*:\s*(.*)$", cpuinfo, re.MULTILINE)
+        return found.group(1).strip() if found else None
+
+    model = field("model name") or platform.processor() or "?"
+    vendor, family, number = field("vendor_id"), field("cpu family"), field("model")
+    if family is not None and number is not None and family.isdigit() and number.isdigit():
+        core = next(
+            (name for v, f, models, name in _CORES
+             if v == vendor and f == int(family) and int(number) in models),
+            None,
+        )  # fmt: skip
+        model += f" (family {family} model {number}{': ' + core if core else ''})"
+    flags = set((field("flags") or "").split())
+    isa = [f for f in _ISA if f in flags]
     return f"{model}, {os.cpu_count()} cores, {' '.join(isa) or 'no AVX-512'}"
 
 

@@ -22,6 +22,7 @@ BEAM_PEERS=${BEAM_PEERS:-ct2:float32,ct2:int8}
 GREEDY_PEERS=${GREEDY_PEERS:-ct2:float32,ct2:int8,hf:bf16}
 WHAT=${1:-all}
 echo "# $(date -u +%FT%TZ) load average: $(cut -d' ' -f1-3 /proc/loadavg)"
+$PY -c 'from bench_contention import cpu_line; print("#", cpu_line())'
 
 run() { [[ $WHAT == all || $WHAT == "$1" ]]; }
 
