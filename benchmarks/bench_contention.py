@@ -29,7 +29,8 @@ import time
 from pathlib import Path
 
 # (vendor, family, model range) -> core generation, for CPUs whose model name says too little
-# (a KVM guest of an AMD EPYC reports just "AMD EPYC"). Family 25 is Zen 3 below model 0x10.
+# (a KVM guest of an AMD EPYC reports just "AMD EPYC"). AMD's family 25 holds both Zen 3 and
+# Zen 4 parts, told apart by the model; family 26 is Zen 5.
 _CORES = (
     ("AuthenticAMD", 25, range(0x10, 0x20), "Zen 4"),
     ("AuthenticAMD", 25, range(0x60, 0x80), "Zen 4"),
