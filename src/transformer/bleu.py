@@ -88,6 +88,53 @@ def corpus_bleu(
     )
 
 
+def sentence_stats(
+    hyps: Sequence[str], refs: Sequence[str], tokenize: str = "13a"
+) -> list[list[int]]:
+    """sacreBLEU's sufficient statistics of each sentence pair (cased, `tokenize`): [hypothesis
+    length, reference length, matches of 1..4-grams, totals of 1..4-grams]. Summed over any
+    subset of the sentences, `bleu_of_stats` gives that subset's corpus BLEU, as
+    `corpus_bleu` scores it: the ground of `paired_bootstrap`."""
+    from sacrebleu.metrics import BLEU
+
+    _check(hyps, refs)
+    # sacreBLEU's own significance tests read these (`_extract_corpus_statistics`); the tests
+    # check that their sum reproduces `corpus_bleu`, so a change of their layout is caught.
+    stats = BLEU(tokenize=tokenize)._extract_corpus_statistics(list(hyps), [list(refs)])
+    return [[int(x) for x in row] for row in stats]
+
+
+def bleu_of_stats(stats: Sequence[int]) -> float:
+    """Corpus BLEU (sacreBLEU's default exponential smoothing) of summed `sentence_stats`."""
+    from sacrebleu.metrics import BLEU
+
+    sys_len, ref_len = int(stats[0]), int(stats[1])
+    correct = [int(x) for x in stats[2 : 2 + MAX_ORDER]]
+    total = [int(x) for x in stats[2 + MAX_ORDER : 2 + 2 * MAX_ORDER]]
+    return BLEU.compute_bleu(correct, total, sys_len, ref_len, smooth_method="exp").score
+
+
+def paired_bootstrap(
+    systems: Sequence[Sequence[Sequence[int]]], resamples: int = 1000, seed: int = 12345
+) -> list[list[float]]:
+    """Corpus BLEU of each system on the same `resamples` resamples of the sentences (drawn
+    with replacement, the same draw for every system: paired, Koehn 2004), from each system's
+    `sentence_stats` of one test set. Returns one list of `resamples` scores per system; the
+    spread of two systems' differences is the noise of comparing them on this set."""
+    import numpy as np
+
+    arrays = [np.asarray(s, dtype=np.int64) for s in systems]
+    if not arrays:
+        return []
+    n = len(arrays[0])
+    if n == 0 or any(a.shape != arrays[0].shape for a in arrays):
+        raise ValueError("paired_bootstrap: every system needs stats for the same sentences")
+    rng = np.random.default_rng(seed)
+    # how often each sentence is drawn in each resample: (resamples, n) @ (n, 10) sums them
+    counts = rng.multinomial(n, np.full(n, 1.0 / n), size=resamples)
+    return [[bleu_of_stats(row) for row in counts @ a] for a in arrays]
+
+
 def tokenized_bleu_lc(hyps: Sequence[str], refs: Sequence[str], lang: str) -> BleuResult:
     """The multimodal-translation literature's Multi30k metric: lowercase, Moses-tokenize both
     sides (no compound splitting), multi-bleu.perl (e.g. Wu et al. 2021's text-only baselines)."""

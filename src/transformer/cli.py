@@ -148,6 +148,7 @@ def _cmd_recipe(args: argparse.Namespace) -> int:
     r = run_recipe(
         name, args.out, args.minutes, args.data_from, resume=args.resume,
         overrides=overrides, lowercase=args.lowercase, procs=args.procs,
+        alpha_rule=args.alpha_rule,
     )  # fmt: skip
     train, test = r["train"], r["scores"]["test_2016_flickr"]
     print(
@@ -155,8 +156,10 @@ def _cmd_recipe(args: argparse.Namespace) -> int:
         f"{train['epochs'] or 0:.1f} epochs; val BLEU {r['scores']['val']['bleu']:.2f}"
     )
     steps = r["averaged_checkpoints"]
+    chosen = r["chosen_on_val"]
+    rule = f", rule {chosen['alpha_rule']}; highest val at α {chosen['alpha_best']}"
     print(f"  chosen on val: checkpoints {steps[0]}-{steps[-1]} ({len(steps)}) averaged, "
-          f"α {r['alpha']}")  # fmt: skip
+          f"α {r['alpha']}{rule}")  # fmt: skip
     if r.get("lowercase"):
         print("  test_2016_flickr: trained and scored on lowercased text (--lowercase): "
               "no cased BLEU")  # fmt: skip
@@ -171,7 +174,8 @@ def _cmd_recipe(args: argparse.Namespace) -> int:
 
 
 def _add_recipe(sub: argparse._SubParsersAction) -> None:
-    from transformer.experiments.recipe import BUDGET_MINUTES, RECIPES
+    from transformer.experiments.recipe import ALPHA_RULE, BUDGET_MINUTES, RECIPES
+    from transformer.experiments.valchoice import ALPHA_RULES
 
     p = sub.add_parser(
         "recipe", help="a published result end to end: Multi30k trained to convergence"
@@ -188,6 +192,12 @@ def _add_recipe(sub: argparse._SubParsersAction) -> None:
         "--lowercase", action="store_true",
         help="train and score on lowercased text, as the Multi30k literature does (its BLEU "
         "is on lowercased, tokenized text); reports no cased BLEU",
+    )  # fmt: skip
+    p.add_argument(
+        "--alpha-rule", choices=ALPHA_RULES, default=ALPHA_RULE,
+        help="how the length penalty is chosen on val: the smallest α within one standard "
+        "error (paired bootstrap) of the best (one-se), or the highest val BLEU (best) "
+        f"(default: {ALPHA_RULE})",
     )  # fmt: skip
     _add_procs(p)
     p.set_defaults(func=_cmd_recipe)

@@ -17,6 +17,7 @@ from transformer.bleu import (
     corpus_chrf,
     moses_detokenize,
     paper_bleu,
+    sentence_stats,
     tokenized_bleu_lc,
 )
 from transformer.errors import UserError
@@ -41,6 +42,7 @@ def evaluate(
     stop: str | None = None,
     verify: bool = True,
     threads: int | str | None = None,
+    sentence_stats: bool = False,
 ) -> dict:
     """Translate `split` of a prepared data directory and score it against its references.
 
@@ -56,6 +58,8 @@ def evaluate(
         stop: the beam search's stopping rule, "t2t" (§6.1) or "fairseq" (default: the model's).
         verify: check the model file's checksum (`modelfile.load_model`).
         threads: CPU threads: a number, "auto" (tuned, threads.py) or None (untouched).
+        sentence_stats: add each sentence's sacreBLEU statistics ("sentence_stats",
+            `bleu.sentence_stats`: paired bootstrap resampling, `valchoice.one_se_alpha`).
 
     Returns:
         {"split", "sentences", "search" (beam, α, max length, stop rule), "dtype", "bleu",
@@ -72,7 +76,7 @@ def evaluate(
     reports = _evaluate(
         model_path, data_dir, split, beam_size,
         None if length_penalty is None else (length_penalty,),
-        dtype, output, limit, stop, verify, threads,
+        dtype, output, limit, stop, verify, threads, sentence_stats,
     )  # fmt: skip
     return reports[0]
 
@@ -88,6 +92,7 @@ def evaluate_alphas(
     stop: str | None = None,
     verify: bool = True,
     threads: int | str | None = None,
+    sentence_stats: bool = False,
 ) -> list[dict]:
     """`evaluate`'s report for each length penalty α in `alphas`, in order, decoded by
     `Translator.translate_alphas` (one beam search for every α; one per α in int8): each equals
@@ -98,7 +103,7 @@ def evaluate_alphas(
         raise ValueError("alphas: give at least one length penalty")
     return _evaluate(
         model_path, data_dir, split, beam_size, tuple(alphas), dtype, None, limit, stop, verify,
-        threads,
+        threads, sentence_stats,
     )  # fmt: skip
 
 
@@ -114,6 +119,7 @@ def _evaluate(
     stop: str | None,
     verify: bool,
     threads: int | str | None,
+    with_stats: bool = False,
 ) -> list[dict]:
     """`evaluate` for each α of `alphas` (None: the model's own α), decoded in one call."""
     from transformer.data import load_prepared, write_output
@@ -163,7 +169,8 @@ def _evaluate(
             "target_tokens_per_s": n_tokens / seconds if seconds > 0 else 0.0,
         }
         report = _score(hyps, refs, f"{model_path}: its {split} output",
-                        f"{data_dir}: the {split} references", pair, about, rates)  # fmt: skip
+                        f"{data_dir}: the {split} references", pair, about, rates,
+                        with_stats)  # fmt: skip
         report = {"split": split, "sentences": len(hyps), **report}
         if len(alphas) > 1:
             report["timed_with_alphas"] = list(alphas)  # "seconds" covers all of them
@@ -180,6 +187,7 @@ def _score(
     pair: tuple[str, str],
     about: dict,
     rates: dict,
+    with_stats: bool = False,
 ) -> dict:
     """The scores of `evaluate`'s report, `about` (the search) before them and `rates` after:
     sacreBLEU (cased and lowercased), chrF, the paper's tokenized BLEU and the Multi30k
@@ -224,4 +232,6 @@ def _score(
         tok_lc = tokenized_bleu_lc(hyps, refs, tgt_lang)
         report["tok_bleu_lc"] = tok_lc.score
         report["tok_bleu_lc_signature"] = tok_lc.signature
+    if with_stats:  # as "bleu" scored them (after detokenization, if any)
+        report["sentence_stats"] = sentence_stats(hyps, refs)
     return report

@@ -49,7 +49,12 @@ def test_recipe_trains_averages_and_scores_val_then_test_in_both_forms(
     # Chosen on val: the window among the candidates, α on it; test decoded with both.
     chosen = report["chosen_on_val"]
     assert report["averaged_checkpoints"] in [w["steps"] for w in chosen["windows"]]
-    assert chosen["alphas"][str(report["alpha"])] == max(chosen["alphas"].values())
+    # α by the one-se rule: the smallest within one standard error of the best on val
+    assert chosen["alpha_rule"] == "one-se"
+    assert chosen["alphas"][str(chosen["alpha_best"])] == max(chosen["alphas"].values())
+    gap = chosen["alphas"][str(chosen["alpha_best"])] - chosen["alphas"][str(report["alpha"])]
+    assert 0.0 <= gap <= chosen["alpha_se"][str(report["alpha"])]
+    assert report["alpha"] <= chosen["alpha_best"] and "sentence_stats" not in json.dumps(report)
     assert (
         test["search"]["length_penalty"]
         == report["alpha"]
@@ -74,6 +79,9 @@ def test_recipe_rejects_an_unknown_name_and_a_budget_below_scoring(capsys):
     assert "multi30k-full" in capsys.readouterr().err
     assert main(["recipe", "multi30k-full", "--minutes", "1"]) == 2
     assert "budget" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # argparse: the choices are named
+        main(["recipe", "multi30k-full", "--alpha-rule", "median"])
+    assert "one-se" in capsys.readouterr().err
 
 
 def test_recipe_resume_without_an_earlier_run_is_a_one_line_error(shared_data, tmp_path, capsys):

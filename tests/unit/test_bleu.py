@@ -173,3 +173,46 @@ def test_lowercased_bleu_ignores_case_and_says_so():
     assert lc.score == pytest.approx(100.0) and "case:lc" in lc.signature
     tok = tokenized_bleu_lc(["Ein Mann fährt Rad."], ["ein mann fährt rad."], "de")
     assert tok.score == pytest.approx(100.0) and "|lc|" in tok.signature
+
+
+def _corpus(n=60, seed=3):
+    import random
+
+    rng = random.Random(seed)
+    words = [f"w{i}" for i in range(40)]
+    refs = [" ".join(rng.choice(words) for _ in range(rng.randint(4, 12))) for _ in range(n)]
+    hyps = [r if i % 3 else " ".join(r.split()[::-1]) for i, r in enumerate(refs)]
+    return hyps, refs
+
+
+def test_sentence_stats_sum_to_sacrebleus_corpus_score():
+    from transformer.bleu import bleu_of_stats, sentence_stats
+
+    hyps, refs = _corpus()
+    hyps[5] = ""  # an empty line: no n-grams, its reference still counts
+    stats = sentence_stats(hyps, refs)
+    assert len(stats) == len(refs) and all(len(row) == 10 for row in stats)
+    total = [sum(col) for col in zip(*stats, strict=True)]
+    assert bleu_of_stats(total) == pytest.approx(corpus_bleu(hyps, refs).score, abs=1e-9)
+    assert stats[0][:2] == [len(hyps[0].split()), len(refs[0].split())]
+    with pytest.raises(UserError, match="hypotheses but"):
+        sentence_stats(hyps[:-1], refs)
+
+
+def test_paired_bootstrap_resamples_every_system_alike():
+    from transformer.bleu import bleu_of_stats, paired_bootstrap, sentence_stats
+
+    hyps, refs = _corpus()
+    a = sentence_stats(hyps, refs)
+    b = sentence_stats(refs, refs)  # perfect: 100 on every resample
+    boot_a, boot_b = paired_bootstrap([a, b], resamples=50, seed=7)
+    assert len(boot_a) == len(boot_b) == 50
+    assert boot_b == pytest.approx([100.0] * 50)
+    assert len(set(boot_a)) > 10  # the resamples differ
+    full = bleu_of_stats([sum(col) for col in zip(*a, strict=True)])
+    assert min(boot_a) < full < max(boot_a)
+    # the same seed draws the same resamples; a system against itself differs by 0 on each
+    again, same = paired_bootstrap([a, a], resamples=50, seed=7)
+    assert again == boot_a and same == boot_a
+    with pytest.raises(ValueError, match="same sentences"):
+        paired_bootstrap([a, a[:-1]])

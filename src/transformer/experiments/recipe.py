@@ -28,6 +28,9 @@ BUDGET_MINUTES = 120.0  # the whole job, on 2 cores
 # passes: ~1.2 minutes for the preset's 2.35M-parameter model on 2 cores (runs 6 and 7: 71 s,
 # int8), ~4 for a 26M-parameter one; the rest is a margin. (8 minutes until run 7.)
 SCORING_MINUTES = 5.0
+# How α is chosen on val (`valchoice.ALPHA_RULES`): the smallest α within one standard error of
+# the best since run 10 ("best", the highest val BLEU, until then: docs/multi30k_converged.md).
+ALPHA_RULE = "one-se"
 
 
 def run_recipe(
@@ -39,6 +42,7 @@ def run_recipe(
     overrides: list[str] | None = None,
     lowercase: bool = False,
     procs: int | None = None,
+    alpha_rule: str = ALPHA_RULE,
 ) -> dict:
     """Run recipe `name` end to end; returns (and writes to OUT/recipe.json) its report.
 
@@ -54,14 +58,18 @@ def run_recipe(
             and test are scored against the lowercased references, and no cased score exists.
         procs: train with this many one-thread processes (`train.procs`; default: the
             preset's, or on resume the run's own).
+        alpha_rule: how α is chosen on val ("best" or "one-se", `valchoice.ALPHA_RULES`).
     """
     from transformer import rundir
     from transformer.config import build_config, to_dict
+    from transformer.experiments.valchoice import ALPHA_RULES
     from transformer.prepare import prepare_corpus
     from transformer.train import train
 
     if name not in RECIPES:
         raise UserError(f"unknown recipe {name!r}; choose one of: {', '.join(RECIPES)}")
+    if alpha_rule not in ALPHA_RULES:  # before hours of training
+        raise UserError(f"unknown α rule {alpha_rule!r}; choose one of: {', '.join(ALPHA_RULES)}")
     if minutes <= SCORING_MINUTES:
         raise UserError(f"--minutes: the budget must exceed {SCORING_MINUTES} minutes of scoring")
     out_dir = Path(out_dir)
@@ -98,7 +106,7 @@ def run_recipe(
             train(data_dir, run_dir, config)
     config = rundir.read_config(run_dir)  # what trained (on resume: the run's own)
     metric = config.train.patience_metric
-    choice, scores = choose_and_score(data_dir, run_dir, out_dir, metric, seconds)
+    choice, scores = choose_and_score(data_dir, run_dir, out_dir, metric, seconds, alpha_rule)
     model_path, alpha = Path(choice["model"]), choice["alpha"]
     report = {
         "recipe": name,
@@ -124,11 +132,13 @@ def choose_and_score(
     out_dir: Path,
     metric: str,
     seconds: dict[str, float] | None = None,
+    alpha_rule: str = ALPHA_RULE,
 ) -> tuple[dict, dict[str, dict]]:
     """The recipe's stages after training: choose on val the checkpoints to average and α
     (`valchoice.choose_on_val`, the best validation by `metric`, the run's patience metric;
-    the average goes to OUT/model.safetensors), then score val and test_2016_flickr once with
-    them, beam 4, their translations to OUT/{val,test_2016_flickr}.de.hyp.
+    the average goes to OUT/model.safetensors; α by `alpha_rule`), then score val and
+    test_2016_flickr once with them, beam 4, their translations to
+    OUT/{val,test_2016_flickr}.de.hyp.
 
     Returns (the choice, {"val": report, "test_2016_flickr": report}); each stage's seconds
     go to `seconds` when given.
@@ -138,7 +148,7 @@ def choose_and_score(
     seconds = {} if seconds is None else seconds
     score = beam4_scorer(data_dir)
     with _stage("choose on val", seconds):
-        choice = choose_on_val(run_dir, out_dir, score, metric=metric)
+        choice = choose_on_val(run_dir, out_dir, score, metric=metric, alpha_rule=alpha_rule)
     model_path, alpha = Path(choice["model"]), choice["alpha"]
     scores = {}
     for split, file in (("valid", "val"), ("test", "test_2016_flickr")):

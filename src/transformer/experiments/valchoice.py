@@ -8,6 +8,15 @@ checkpoint and at the best validation's step (fairseq's `--checkpoint-upper-boun
 is coordinate-wise: the windows are compared at one α, then α on the chosen average. Every
 candidate is scored with the same beam search on val, never on test; ties keep the earlier
 candidate (the last-N window, the smaller α: the paper's 0.6 first).
+
+α has two rules (`ALPHA_RULES`). "best": the α of the highest val BLEU. "one-se": the smallest α
+whose val BLEU is within one standard error of the best, the error being that of the paired
+difference over bootstrap resamples of val (`bleu.paired_bootstrap`): the one-standard-error
+rule of model selection (Breiman et al. 1984; Hastie et al., ESL §7.10), which takes the
+simplest candidate the data cannot tell from the best. Larger α favours longer translations
+(§6.1, GNMT's lp); the recipe's val differences between α (0.1-0.3 BLEU between neighbours)
+are within the noise that separates whole windows of near-identical checkpoints (0.55), so "best"
+follows the noise of val's 1,014 sentences and their lengths. (docs/multi30k_converged.md, run 10.)
 """
 
 from __future__ import annotations
@@ -27,6 +36,9 @@ logger = logging.getLogger(__name__)
 WINDOWS = (5, 10, 20, 30)
 ALPHAS = (0.6, 0.8, 1.0, 1.2, 1.4, 1.6, 1.8)  # §6.1 chose 0.6 on its dev set
 WINDOW_ALPHA = 1.0  # α at which the windows are compared (the middle of ALPHAS)
+ALPHA_RULES = ("best", "one-se")
+BOOTSTRAP_RESAMPLES = 1000
+BOOTSTRAP_SEED = 12345  # the same resamples for every α: the comparison is paired
 
 # score(model file, alphas) -> an `evaluate` report of val (at least "bleu") for each α, in
 # order: `beam4_scorer` decodes them in one call (one search in fp32/bf16, one per α in int8).
@@ -38,7 +50,8 @@ def beam4_scorer(data_dir: Path, limit: int | None = None) -> Callable[..., list
     beam 4 (§6.1) for each α (several α in one call: `evaluate_alphas`), the CPU's own dtype
     (`--dtype auto`) and tuned threads, without the checksum (the recipes have just written the
     model file). The one decode setting a recipe's val choices and its test pass share.
-    `output` (the translations) takes one α."""
+    `output` (the translations) takes one α. Without `output` (the choices on val), each
+    report has the "sentence_stats" of its BLEU (`bleu.sentence_stats`) for the "one-se" rule."""
 
     def score(
         model: Path, alphas: Sequence[float], split: str = "valid", output: Path | None = None
@@ -48,13 +61,14 @@ def beam4_scorer(data_dir: Path, limit: int | None = None) -> Callable[..., list
         if output is None and len(alphas) > 1:
             return evaluate_alphas(
                 model, data_dir, split, alphas, beam_size=4, dtype="auto", limit=limit,
-                threads="auto", verify=False,
+                threads="auto", verify=False, sentence_stats=True,
             )  # fmt: skip
         if len(alphas) != 1:
             raise ValueError(f"one α to write the translations, got {list(alphas)}")
         report = evaluate(
             model, data_dir, split, beam_size=4, length_penalty=alphas[0], dtype="auto",
             output=output, limit=limit, threads="auto", verify=False,
+            sentence_stats=output is None,
         )  # fmt: skip
         return [report]
 
@@ -101,6 +115,7 @@ def choose_on_val(
     windows: Sequence[int] | None = None,
     alphas: Sequence[float] | None = None,
     window_alpha: float | None = None,
+    alpha_rule: str = "best",
 ) -> dict:
     """Average each candidate window, score it on val, then α on the best one. The windows:
     `candidate_windows` of the cadence checkpoints, and, when the run ended off the cadence,
@@ -113,10 +128,14 @@ def choose_on_val(
             `window_alpha`, then the other α on the chosen one in one call.
         metric: what "best validation" means ("ppl" or "bleu", the run's patience metric).
         windows, alphas, window_alpha: default WINDOWS, ALPHAS, WINDOW_ALPHA.
+        alpha_rule: "best" or "one-se" (`ALPHA_RULES`, the module's docstring); "one-se"
+            needs the scorer's "sentence_stats".
 
     Returns:
         {"model", "alpha", "averaged" (checkpoint steps), "best_valid_step", "windows" (each
-        candidate's steps and val BLEU), "alphas" (α → val BLEU)}.
+        candidate's steps and val BLEU), "alphas" (α → val BLEU), "alpha_rule", "alpha_best"
+        (the α of the highest val BLEU); with "one-se", "alpha_se" (α → the standard error
+        of its difference from the best's)}.
     """
     from transformer import checkpoint, rundir
 
@@ -124,6 +143,8 @@ def choose_on_val(
     windows = WINDOWS if windows is None else windows
     alphas = ALPHAS if alphas is None else alphas
     window_alpha = WINDOW_ALPHA if window_alpha is None else window_alpha
+    if alpha_rule not in ALPHA_RULES:
+        raise UserError(f"unknown α rule {alpha_rule!r}; choose one of: {', '.join(ALPHA_RULES)}")
     checkpoint.remove_stale(run_dir)  # e.g. the .tmp file of a killed average
     cadence = checkpoint.list_checkpoints(run_dir, cadence_only=True)
     files = {checkpoint.step_of(p): p for p in cadence}
@@ -144,18 +165,26 @@ def choose_on_val(
     for chosen in candidates:
         path = staging / f"avg_{chosen[0]}-{chosen[-1]}.safetensors"
         rundir.average_files([files[s] for s in chosen], path)
-        bleu = score(path, [window_alpha])[0]["bleu"]
+        report = score(path, [window_alpha])[0]
+        bleu = report["bleu"]
         logger.info("val: checkpoints %s … %s (%d), α %s: BLEU %.2f",
                     chosen[0], chosen[-1], len(chosen), window_alpha, bleu)  # fmt: skip
-        tried.append({"steps": list(chosen), "path": path, "bleu": bleu})
+        tried.append({"steps": list(chosen), "path": path, "bleu": bleu, "report": report})
     pick = max(tried, key=lambda t: t["bleu"])  # max keeps the first of equals
     others = [alpha for alpha in alphas if alpha != window_alpha]
     found = dict(zip(others, score(pick["path"], others), strict=True)) if others else {}
-    by_alpha = {}
+    found[window_alpha] = pick["report"]
+    by_alpha = {alpha: found[alpha]["bleu"] for alpha in alphas}
     for alpha in alphas:
-        by_alpha[alpha] = pick["bleu"] if alpha == window_alpha else found[alpha]["bleu"]
         logger.info("val: α %s: BLEU %.2f", alpha, by_alpha[alpha])
-    alpha = max(by_alpha, key=by_alpha.__getitem__)
+    best_alpha = max(by_alpha, key=by_alpha.__getitem__)
+    extra: dict = {}
+    alpha = best_alpha
+    if alpha_rule == "one-se":
+        alpha, ses = one_se_alpha({a: found[a] for a in alphas}, best_alpha)
+        extra["alpha_se"] = {str(a): se for a, se in ses.items()}
+        logger.info("val: α %s, the smallest within one standard error of the best (α %s)",
+                    alpha, best_alpha)  # fmt: skip
     model = out_dir / rundir.MODEL
     shutil.move(pick["path"], model)
     shutil.rmtree(staging)
@@ -166,4 +195,30 @@ def choose_on_val(
         "best_valid_step": best,
         "windows": [{"steps": t["steps"], "bleu": t["bleu"]} for t in tried],
         "alphas": {str(a): b for a, b in by_alpha.items()},
+        "alpha_rule": alpha_rule,
+        "alpha_best": best_alpha,
+        **extra,
     }
+
+
+def one_se_alpha(reports: dict[float, dict], best: float) -> tuple[float, dict[float, float]]:
+    """The one-standard-error rule on α: the smallest α whose val BLEU is no more than one
+    standard error below the best's, the error that of the paired difference (best − α) over
+    `BOOTSTRAP_RESAMPLES` resamples of val's sentences. `reports`: α → a report with "bleu" and
+    "sentence_stats" (`bleu.sentence_stats`). Returns (that α, α → standard error)."""
+    import numpy as np
+
+    from transformer.bleu import paired_bootstrap
+
+    order = sorted(reports)
+    missing = [a for a in order if "sentence_stats" not in reports[a]]
+    if missing:
+        raise ValueError(f"the one-se rule needs sentence_stats; α {missing} have none")
+    boot = paired_bootstrap(
+        [reports[a]["sentence_stats"] for a in order], BOOTSTRAP_RESAMPLES, BOOTSTRAP_SEED
+    )
+    at = dict(zip(order, (np.asarray(b) for b in boot), strict=True))
+    ses = {a: float(np.std(at[best] - at[a], ddof=1)) for a in order}
+    top = reports[best]["bleu"]
+    chosen = next(a for a in order if top - reports[a]["bleu"] <= ses[a])  # best: 0 <= 0
+    return chosen, ses

@@ -15,6 +15,7 @@ from transformer.experiments.valchoice import (
     best_valid_step,
     candidate_windows,
     choose_on_val,
+    one_se_alpha,
 )
 from transformer.model import Transformer
 from transformer.modelfile import load_model
@@ -142,9 +143,63 @@ def test_beam4_scorer_decodes_the_split_with_beam_4_and_the_given_alphas(monkeyp
     assert a1 == (tmp_path / "m.safetensors", tmp_path / "data", "valid") and a2[2] == "test"
     assert k1["beam_size"] == 4 and k1["length_penalty"] == 1.2 and k1["limit"] == 7
     assert k1["output"] is None and k2["output"] == tmp_path / "hyp"
+    # the choices get each sentence's BLEU statistics (the one-se rule); the test pass does not
+    assert k1["sentence_stats"] and not k2["sentence_stats"] and k3["sentence_stats"]
     assert k1["dtype"] == "auto" and k2["length_penalty"] == 0.6
     # several α: one search (evaluate_alphas), beam 4, the same dtype and limit
     assert a3 == (tmp_path / "m.safetensors", tmp_path / "data", "valid", [0.6, 1.0])
     assert k3["beam_size"] == 4 and k3["dtype"] == "auto" and k3["limit"] == 7
     with pytest.raises(ValueError, match="one α"):  # translations are written for one α
         score(tmp_path / "m.safetensors", [0.6, 1.0], "test", tmp_path / "hyp")
+
+
+def _reports(n=300):
+    """Val reports for α 0.6, 1.0 and 1.4 of 300 sentences, half of them right for each α:
+    1.4 is the best; 1.0 trades 30 of its right sentences for 28 others (a difference within
+    the noise); 0.6 loses 60 of 1.4's (outside it)."""
+    from transformer.bleu import bleu_of_stats, sentence_stats
+
+    refs = [f"r{i} a{i % 7} b{i % 11} c{i % 13} d{i}" for i in range(n)]
+    wrong = [f"x{i} y z" for i in range(n)]
+    right = {1.4: set(range(150))}
+    right[1.0] = (right[1.4] - set(range(30))) | set(range(150, 178))
+    right[0.6] = right[1.4] - set(range(60))
+    reports = {}
+    for alpha, good in right.items():
+        stats = sentence_stats([refs[i] if i in good else wrong[i] for i in range(n)], refs)
+        bleu = bleu_of_stats([sum(col) for col in zip(*stats, strict=True)])
+        reports[alpha] = {"bleu": bleu, "sentence_stats": stats}
+    return reports
+
+
+def test_one_se_alpha_takes_the_smallest_alpha_within_one_standard_error_of_the_best():
+    reports = _reports()
+    assert reports[0.6]["bleu"] < reports[1.0]["bleu"] < reports[1.4]["bleu"]
+    alpha, ses = one_se_alpha(reports, 1.4)
+    assert alpha == 1.0 and ses[1.4] == 0.0
+    assert reports[1.4]["bleu"] - reports[1.0]["bleu"] <= ses[1.0]  # within: chosen
+    assert reports[1.4]["bleu"] - reports[0.6]["bleu"] > ses[0.6]  # outside: passed over
+    # no α below the best within its error: the best stays
+    del reports[1.0]
+    assert one_se_alpha(reports, 1.4)[0] == 1.4
+    with pytest.raises(ValueError, match="sentence_stats"):
+        one_se_alpha({1.4: {"bleu": 1.0}}, 1.4)
+
+
+def test_choose_on_val_with_the_one_se_rule_records_the_best_and_the_errors(tmp_path):
+    run = _run(tmp_path, range(1, 4), [])
+    reports = _reports()
+
+    def score(model, alphas):
+        return [reports[a] for a in alphas]
+
+    kwargs = {"windows": (3,), "alphas": (0.6, 1.0, 1.4), "window_alpha": 1.0}
+    choice = choose_on_val(run, tmp_path / "se", score, alpha_rule="one-se", **kwargs)
+    assert choice["alpha"] == 1.0 and choice["alpha_best"] == 1.4
+    assert choice["alpha_rule"] == "one-se" and set(choice["alpha_se"]) == {"0.6", "1.0", "1.4"}
+    json.dumps(choice)  # recipe.json: no statistics, nothing unserializable
+    assert "sentence_stats" not in json.dumps(choice)
+    best = choose_on_val(run, tmp_path / "best", score, **kwargs)
+    assert best["alpha"] == best["alpha_best"] == 1.4 and "alpha_se" not in best
+    with pytest.raises(UserError, match="unknown α rule"):
+        choose_on_val(run, tmp_path / "x", score, alpha_rule="median", **kwargs)
