@@ -20,60 +20,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
-import re
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-# (vendor, family, model range) -> core generation, for CPUs whose model name says too little
-# (a KVM guest of an AMD EPYC reports just "AMD EPYC"). AMD's family 25 holds both Zen 3 and
-# Zen 4 parts, told apart by the model; family 26 is Zen 5.
-_CORES = (
-    ("AuthenticAMD", 25, range(0x10, 0x20), "Zen 4"),
-    ("AuthenticAMD", 25, range(0x60, 0x80), "Zen 4"),
-    ("AuthenticAMD", 25, range(0xA0, 0xB0), "Zen 4c"),
-    ("AuthenticAMD", 25, range(0x00, 0x10), "Zen 3"),
-    ("AuthenticAMD", 25, range(0x20, 0x60), "Zen 3"),
-    ("AuthenticAMD", 26, range(0x00, 0x100), "Zen 5"),
-    ("GenuineIntel", 6, range(0x8F, 0x90), "Sapphire Rapids"),
-    ("GenuineIntel", 6, range(0xCF, 0xD0), "Emerald Rapids"),
-    ("GenuineIntel", 6, range(0xAD, 0xAE), "Granite Rapids"),
-)
-_ISA = ("avx512f", "avx512_bf16", "amx_bf16", "amx_int8", "avx512_vnni")
-
-
-def cpu_line(cpuinfo: str | None = None) -> str:
-    """CPU model, its core generation (from family and model), core count and the
-    matmul-relevant ISA flags: "AMD EPYC (family 26 model 2: Zen 5), 2 cores, avx512f ...".
-
-    Args:
-        cpuinfo: the text of /proc/cpuinfo (default: this machine's).
-    """
-    if cpuinfo is None:
-        try:
-            cpuinfo = Path("/proc/cpuinfo").read_text()
-        except OSError:
-            cpuinfo = ""
-
-    def field(name: str) -> str | None:
-        found = re.search(rf"^{name}\s*:\s*(.*)$", cpuinfo, re.MULTILINE)
-        return found.group(1).strip() if found else None
-
-    model = field("model name") or platform.processor() or "?"
-    vendor, family, number = field("vendor_id"), field("cpu family"), field("model")
-    if family is not None and number is not None and family.isdigit() and number.isdigit():
-        core = next(
-            (name for v, f, models, name in _CORES
-             if v == vendor and f == int(family) and int(number) in models),
-            None,
-        )  # fmt: skip
-        model += f" (family {family} model {number}{': ' + core if core else ''})"
-    flags = set((field("flags") or "").split())
-    isa = [f for f in _ISA if f in flags]
-    return f"{model}, {os.cpu_count()} cores, {' '.join(isa) or 'no AVX-512'}"
+from transformer.cpuinfo import cpu_line  # torch-free: this parent only starts CLI processes
 
 
 def _cli(args: list[str], env: dict | None = None) -> tuple[float, str]:

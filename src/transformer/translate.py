@@ -24,6 +24,7 @@ from torch import nn
 
 from transformer.batching import batch_by_tokens
 from transformer.config import INFERENCE_DTYPES, DecodeConfig
+from transformer.cpuinfo import cpu_flags
 from transformer.data import read_lines
 from transformer.errors import UserError
 from transformer.model import DTYPES as model_dtypes
@@ -42,23 +43,8 @@ MIN_BATCHES_PER_STREAM = 2
 DTYPES = {**model_dtypes, "int8": "int8"}  # int8: dynamic quantization of the nn.Linear layers
 AUTO = "auto"
 assert (AUTO, *DTYPES) == INFERENCE_DTYPES
-CPUINFO = "/proc/cpuinfo"
 # 8-bit dot products (u8 x s8 summed in int32): fbgemm's int8 kernels then take full 8-bit inputs.
 VNNI_FLAGS = frozenset({"avx512_vnni", "avx_vnni", "amx_int8"})
-
-
-def cpu_flags(path: str | Path | None = None) -> set[str]:
-    """The CPU's feature flags as Linux lists them (the first "flags" line of /proc/cpuinfo);
-    empty where there is no such file (other systems) or no such line."""
-    try:
-        with open(path or CPUINFO, encoding="utf-8", errors="replace") as f:
-            for line in f:
-                key, _, value = line.partition(":")
-                if key.strip() == "flags":
-                    return set(value.split())
-    except OSError:
-        pass
-    return set()
 
 
 def auto_dtype(device: str | torch.device) -> tuple[str, str]:

@@ -151,7 +151,7 @@ def test_evaluate_refuses_tokenized_output_against_raw_references_and_the_revers
     assert report["dtype"] == "fp32"  # the library's default
     info = tmp_path / "cpuinfo"  # a CPU with AMX: auto picks bf16, and the report says so
     info.write_text("flags\t\t: fpu avx512f amx_bf16 amx_tile\n", encoding="utf-8")
-    monkeypatch.setattr("transformer.translate.CPUINFO", str(info))
+    monkeypatch.setattr("transformer.cpuinfo.CPUINFO", str(info))
     assert (
         evaluate_module.evaluate(model, tok_data, "test", limit=20, dtype="auto")["dtype"] == "bf16"
     )

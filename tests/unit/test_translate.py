@@ -10,6 +10,7 @@ import sentencepiece as spm
 import torch
 from torch import nn
 
+import transformer.cpuinfo
 import transformer.threads
 import transformer.translate
 from transformer.cli import main
@@ -267,7 +268,7 @@ def test_dtype_auto_is_bf16_with_amx_int8_with_vnni_else_fp32(
 ):
     info = tmp_path / "cpuinfo"
     info.write_text(cpuinfo, encoding="utf-8")
-    monkeypatch.setattr(transformer.translate, "CPUINFO", str(info))
+    monkeypatch.setattr(transformer.cpuinfo, "CPUINFO", str(info))
     assert auto_dtype("cpu")[0] == expected
     with caplog.at_level(logging.INFO, logger="transformer.translate"):
         tr = Translator.from_path(model_file, dtype="auto")
