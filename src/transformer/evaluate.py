@@ -17,9 +17,9 @@ from transformer.bleu import (
     corpus_chrf,
     moses_detokenize,
     paper_bleu,
-    sentence_stats,
     tokenized_bleu_lc,
 )
+from transformer.bleu import sentence_stats as per_sentence_stats
 from transformer.errors import UserError
 from transformer.translate import Translator
 
@@ -233,5 +233,5 @@ def _score(
         report["tok_bleu_lc"] = tok_lc.score
         report["tok_bleu_lc_signature"] = tok_lc.signature
     if with_stats:  # as "bleu" scored them (after detokenization, if any)
-        report["sentence_stats"] = sentence_stats(hyps, refs)
+        report["sentence_stats"] = per_sentence_stats(hyps, refs)
     return report

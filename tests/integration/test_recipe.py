@@ -9,6 +9,7 @@ import pytest
 
 from transformer import evaluate
 from transformer.cli import main
+from transformer.errors import UserError
 from transformer.experiments import recipe, valchoice
 
 pytestmark = pytest.mark.integration
@@ -74,11 +75,14 @@ def test_recipe_trains_averages_and_scores_val_then_test_in_both_forms(
     assert "prepared without --lowercase: resume it the same way" in capsys.readouterr().err
 
 
-def test_recipe_rejects_an_unknown_name_and_a_budget_below_scoring(capsys):
+def test_recipe_rejects_an_unknown_name_and_a_budget_below_scoring(tmp_path, capsys):
     assert main(["recipe", "wmt-in-a-minute"]) == 2
     assert "multi30k-full" in capsys.readouterr().err
     assert main(["recipe", "multi30k-full", "--minutes", "1"]) == 2
     assert "budget" in capsys.readouterr().err
+    with pytest.raises(UserError, match="unknown α rule 'median'"):  # before any training
+        recipe.run_recipe("multi30k-full", tmp_path / "r", alpha_rule="median")
+    assert not (tmp_path / "r").exists()
     with pytest.raises(SystemExit):  # argparse: the choices are named
         main(["recipe", "multi30k-full", "--alpha-rule", "median"])
     assert "one-se" in capsys.readouterr().err

@@ -51,7 +51,21 @@ def test_fields_are_the_first_processors_and_flags_come_from_them(tmp_path):
     path = tmp_path / "cpuinfo"
     path.write_text(info, encoding="utf-8")
     assert cpu_flags(path) == {"fpu", "sse2", "avx512f", "avx512_vnni"}
+
+
+def test_cpu_flags_reads_the_first_flags_line(tmp_path):
+    info = tmp_path / "cpuinfo"
+    info.write_text(
+        "processor\t: 0\nvendor_id\t: GenuineIntel\n"
+        "flags\t\t: fpu sse2 avx2 avx512f avx512_bf16 avx512_vnni amx_bf16 amx_tile amx_int8\n"
+        "bugs\t\t: spectre_v1\n\nprocessor\t: 1\nflags\t\t: fpu sse2\n",
+        encoding="utf-8",
+    )
+    flags = cpu_flags(info)
+    assert {"amx_bf16", "amx_tile", "avx512_vnni", "fpu"} <= flags and "spectre_v1" not in flags
     assert cpu_flags(tmp_path / "missing") == set()  # not Linux: no flags, no error
+    (tmp_path / "noflags").write_text("processor\t: 0\n", encoding="utf-8")
+    assert cpu_flags(tmp_path / "noflags") == set()
 
 
 def test_the_benchmarks_print_the_packages_line_without_importing_torch():

@@ -22,7 +22,7 @@ from transformer.modelfile import load_model, save_model
 from transformer.rundir import resolve_model
 from transformer.search import beam_search, beam_search_alphas, greedy_search
 from transformer.tokenizer import BOS_ID, EOS_ID, PAD_ID, UNK_ID
-from transformer.translate import Int8Linear, Translator, auto_dtype, cpu_flags, quantize_int8
+from transformer.translate import Int8Linear, Translator, auto_dtype, quantize_int8
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -182,16 +182,6 @@ flags\t\t: fpu sse2
 CPUINFO_NO_AMX = "processor\t: 0\nflags\t\t: fpu sse2 avx2 avx512f avx512_bf16 avx512_vnni\n"
 CPUINFO_AVX2_VNNI = "processor\t: 0\nflags\t\t: fpu sse2 avx2 avx_vnni\n"
 CPUINFO_AVX2 = "processor\t: 0\nflags\t\t: fpu sse2 avx2 fma\n"
-
-
-def test_cpu_flags_reads_the_first_flags_line(tmp_path):
-    info = tmp_path / "cpuinfo"
-    info.write_text(CPUINFO_AMX, encoding="utf-8")
-    flags = cpu_flags(info)
-    assert {"amx_bf16", "amx_tile", "avx512_vnni", "fpu"} <= flags and "spectre_v1" not in flags
-    assert cpu_flags(tmp_path / "missing") == set()  # not Linux: no flags, no error
-    (tmp_path / "noflags").write_text("processor\t: 0\n", encoding="utf-8")
-    assert cpu_flags(tmp_path / "noflags") == set()
 
 
 def test_streams_decode_batches_side_by_side_with_the_same_output(model_file, monkeypatch):

@@ -62,14 +62,13 @@ def run_recipe(
     """
     from transformer import rundir
     from transformer.config import build_config, to_dict
-    from transformer.experiments.valchoice import ALPHA_RULES
+    from transformer.experiments.valchoice import check_alpha_rule
     from transformer.prepare import prepare_corpus
     from transformer.train import train
 
     if name not in RECIPES:
         raise UserError(f"unknown recipe {name!r}; choose one of: {', '.join(RECIPES)}")
-    if alpha_rule not in ALPHA_RULES:  # before hours of training
-        raise UserError(f"unknown α rule {alpha_rule!r}; choose one of: {', '.join(ALPHA_RULES)}")
+    check_alpha_rule(alpha_rule)  # before hours of training
     if minutes <= SCORING_MINUTES:
         raise UserError(f"--minutes: the budget must exceed {SCORING_MINUTES} minutes of scoring")
     out_dir = Path(out_dir)

@@ -40,6 +40,13 @@ ALPHA_RULES = ("best", "one-se")
 BOOTSTRAP_RESAMPLES = 1000
 BOOTSTRAP_SEED = 12345  # the same resamples for every α: the comparison is paired
 
+
+def check_alpha_rule(rule: str) -> None:
+    """UserError unless `rule` is one of `ALPHA_RULES` (a recipe checks before training)."""
+    if rule not in ALPHA_RULES:
+        raise UserError(f"unknown α rule {rule!r}; choose one of: {', '.join(ALPHA_RULES)}")
+
+
 # score(model file, alphas) -> an `evaluate` report of val (at least "bleu") for each α, in
 # order: `beam4_scorer` decodes them in one call (one search in fp32/bf16, one per α in int8).
 Scorer = Callable[[Path, Sequence[float]], list[dict]]
@@ -143,8 +150,7 @@ def choose_on_val(
     windows = WINDOWS if windows is None else windows
     alphas = ALPHAS if alphas is None else alphas
     window_alpha = WINDOW_ALPHA if window_alpha is None else window_alpha
-    if alpha_rule not in ALPHA_RULES:
-        raise UserError(f"unknown α rule {alpha_rule!r}; choose one of: {', '.join(ALPHA_RULES)}")
+    check_alpha_rule(alpha_rule)
     checkpoint.remove_stale(run_dir)  # e.g. the .tmp file of a killed average
     cadence = checkpoint.list_checkpoints(run_dir, cadence_only=True)
     files = {checkpoint.step_of(p): p for p in cadence}
