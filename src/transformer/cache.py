@@ -4,7 +4,9 @@
 extends a `DecoderCache` in place; beam search reorders it with `DecoderCache.reorder`. What is
 cached, and why it is laid out as it is (docs/decoding.md, "Incremental decoding"):
 
-* self-attention keys/values of every layer in preallocated buffers, written in place;
+* self-attention keys/values of every layer in preallocated buffers, written in place; under
+  beam search on the CPU in fp32, never reordered, each hypothesis reaching its prefix through
+  back-pointers (`BeamHistory`);
 * encoder-decoder keys/values, computed once per sentence, and the source padding as an
   additive bias;
 * each layer's `StepProjections`: W^Q, W^K, W^V as one matrix, built from the parameters when
@@ -24,6 +26,15 @@ from torch import nn
 
 # Self-attention keys/values of a new cache: room for this many positions, doubled when full.
 CACHE_CAPACITY = 32
+# Beam search keeps each hypothesis's keys/values where they were computed and follows
+# back-pointers (`BeamHistory`) on the CPU in fp32 (int8 decoding included): there one step's
+# K queries of a sentence against its K*(t+1) keys cost less than copying the prefix. A bf16
+# batched product through oneDNN copies a strided operand first, which is that copy again, so
+# bf16 (and CUDA, not measured) keeps the reordered buffers.
+HISTORY_DTYPES = (torch.float32,)
+# A sentence that leaves the beam search stays in the `BeamHistory` buffers until this fraction
+# of them has left; then one copy compacts them to the live sentences.
+COMPACT_DEAD = 0.25
 
 
 @dataclass
@@ -95,6 +106,8 @@ class DecoderCache:
     self_v: torch.Tensor | None = None  # (N, B, H, capacity, Vd)
     cross_bias: torch.Tensor | None = None  # (C, 1, 1, S): 0 at real source tokens, else -inf
     group: int = 1  # consecutive rows sharing one cross row (C = rows / group)
+    beam: BeamHistory | None = None  # beam search on the CPU in fp32: self_k / self_v unused
+    history: bool = True  # may switch to `BeamHistory` when beams are expanded (HISTORY_DTYPES)
 
     def _use(self, k: torch.Tensor, v: torch.Tensor) -> None:
         self.self_k, self.self_v = k, v
@@ -112,7 +125,9 @@ class DecoderCache:
         """Room for `n_new` more positions in buffers of `shape` (N, B, H) x (., K) and
         (., Vd), with `like`'s dtype and device."""
         need = self.length + n_new
-        if self.self_k is None:
+        if self.beam is not None:
+            self.beam.reserve(self.length, need)
+        elif self.self_k is None:
             capacity = max(need, CACHE_CAPACITY)
             self._use(like.new_empty(*shape, capacity, d_k), like.new_empty(*shape, capacity, d_v))
         elif self.self_k.size(3) < need:
@@ -130,6 +145,14 @@ class DecoderCache:
         rows' sources are regrouped (`_cross_rows`): only the cross rows that change are
         copied, once per source.
         """
+        if self.beam is not None:
+            out = self._reorder_beams(index)
+            # Not beams of the same sentences: each row's history into a row of its own, then
+            # the copy below.
+            return out if out is not None else self.without_history()._reorder_copies(index, cross)
+        return self._reorder_copies(index, cross)
+
+    def _reorder_copies(self, index: torch.Tensor, cross: bool) -> DecoderCache:
         if not cross:
             rows, group = None, self.group
         elif self.cross_bias is None:  # before the first step: nothing to regroup yet
@@ -144,6 +167,12 @@ class DecoderCache:
         out = DecoderCache(layers, self.length, cross_bias=pick(self.cross_bias), group=group)
         if self.self_k is None:
             return out
+        runs = group * out.cross_bias.size(0) == index.numel()  # every row in a run of `group`
+        if self.group == 1 and group > 1 and runs and self._may_track():
+            # Beam search expands each sentence to `group` beams: from here on, back-pointers.
+            src = index[::group]  # each run's one parent row
+            out.beam = BeamHistory.expand(self.self_k, self.self_v, src, group, self.length)
+            return out
         t = self.length
         k, v = self._new_buffers(index.numel(), t + 1)  # room for the next step exactly
         for old, new in ((self.self_k, k), (self.self_v, v)):
@@ -154,6 +183,198 @@ class DecoderCache:
                 torch.index_select(prefix, 1, index, out=new[:, :, :, :t])
         out._use(k, v)
         return out
+
+    def _may_track(self) -> bool:
+        k = self.self_k
+        return self.history and k.device.type == "cpu" and k.dtype in HISTORY_DTYPES
+
+    def _reorder_beams(self, index: torch.Tensor) -> DecoderCache | None:
+        """`reorder` under `BeamHistory`: None where `index` is not beams of the same sentences,
+        K per sentence in order (then `without_history` and a copy)."""
+        beam = self.beam.reorder(index)
+        if beam is None:
+            return None
+        layers = [LayerCache(c.proj, c.cross_k, c.cross_v) for c in self.layers]
+        out = DecoderCache(layers, self.length, cross_bias=self.cross_bias, group=self.group,
+                           beam=beam)  # fmt: skip
+        if beam.live is not None and beam.live.numel() <= (1 - COMPACT_DEAD) * beam.hist.size(0):
+            live = beam.live
+            for c in out.layers:
+                c.cross_k, c.cross_v = (c.cross_k.index_select(0, live),
+                                        c.cross_v.index_select(0, live))  # fmt: skip
+            out.cross_bias = out.cross_bias.index_select(0, live)
+            out.beam = beam.compact(self.length)
+        return out
+
+    def begin_step(self, n_new: int, dtype: torch.dtype) -> None:
+        """Before the layers of a step of `n_new` positions (room reserved): the back-pointers'
+        mask of this step under `BeamHistory`, which takes one position at a time (with more,
+        the rows' histories are gathered first)."""
+        if self.beam is None:
+            return
+        if n_new == 1:
+            self.beam.begin_step(self.length, dtype)
+            return
+        plain = self.without_history()
+        self.layers, self.cross_bias, self.group = plain.layers, plain.cross_bias, plain.group
+        self.beam, self.history = None, False
+        self._use(plain.self_k, plain.self_v)
+        self.reserve(n_new, (), 0, 0, self.self_k)
+
+    def without_history(self) -> DecoderCache:
+        """The same cache with one row of keys/values per hypothesis (self_k / self_v), each
+        row's history gathered along its back-pointers; the cross rows one per live sentence."""
+        beam = self.beam
+        if beam is None:
+            return self
+        k, v = beam.gather(self.length)
+        live = beam.live
+        pick = (lambda t: t) if live is None else (lambda t: t.index_select(0, live))  # noqa: E731
+        layers = [LayerCache(c.proj, pick(c.cross_k), pick(c.cross_v)) for c in self.layers]
+        out = DecoderCache(layers, self.length, cross_bias=pick(self.cross_bias),
+                           group=beam.beams, history=False)  # fmt: skip
+        out._use(k, v)
+        return out
+
+
+@dataclass
+class BeamHistory:
+    """Beam search's self-attention keys/values, never reordered (docs/decoding.md).
+
+    Each sentence has K slots (K = `beams`): at position s slot j holds the keys/values that
+    the hypothesis in row j computed at step s, and stays there. A hypothesis reaches its own
+    prefix through back-pointers, `hist[c, i, s]`: the slot of row i's ancestor at position s.
+    A reorder then rewrites `hist` (a few integers per row) where copying the prefix moves
+    N x 2 x rows x H x t x d_k floats every step (O(T^2) over a translation; 37% of beam 4's
+    time on the W2 batch). Attention takes a sentence's K queries together against all its
+    K*(t+1) keys and values, those off a query's history masked by `bias` (-inf: weight exactly
+    0): K times the products for the same bytes read and none written.
+
+    Sentences leave the search as they finish; their slots stay (`live` maps the live
+    sentences to theirs, their queries are zeros) until COMPACT_DEAD of them have left.
+    """
+
+    k: torch.Tensor  # (N, C, H, capacity, K, d_k)
+    v: torch.Tensor  # (N, C, H, capacity, K, d_v)
+    hist: torch.Tensor  # (C, K, capacity) long: positions [:length] filled
+    live: torch.Tensor | None = None  # (C_live,) the buffer sentence of each live sentence
+    bias: torch.Tensor | None = None  # (C, 1, K, (t + 1) * K) of the step (`begin_step`)
+
+    @property
+    def beams(self) -> int:
+        return self.hist.size(1)
+
+    @staticmethod
+    def expand(k: torch.Tensor, v: torch.Tensor, src: torch.Tensor, beams: int, t: int):
+        """From one row per sentence (k, v: (N, B, H, capacity, .), positions [:t]) to `beams`
+        slots for each of the rows `src`: their prefixes in slot 0, every beam pointing at it.
+        Slots not yet written are zeros (finite: a masked zero key adds exactly 0)."""
+        N, _, H, capacity, K = k.shape
+        C = src.numel()
+        nk = k.new_zeros(N, C, H, capacity, beams, K)
+        nv = v.new_zeros(N, C, H, capacity, beams, v.size(-1))
+        nk[:, :, :, :t, 0] = k[:, :, :, :t].index_select(1, src)
+        nv[:, :, :, :t, 0] = v[:, :, :, :t].index_select(1, src)
+        hist = torch.zeros(C, beams, capacity, dtype=torch.long, device=k.device)
+        return BeamHistory(nk, nv, hist)
+
+    def reserve(self, length: int, need: int) -> None:
+        """Room for positions [:need] (doubling), positions [:length] kept."""
+        capacity = self.hist.size(-1)
+        if need <= capacity:
+            return
+        capacity, t = max(need, 2 * capacity), length
+        k = self.k.new_zeros(*self.k.shape[:3], capacity, *self.k.shape[4:])
+        v = self.v.new_zeros(*self.v.shape[:3], capacity, *self.v.shape[4:])
+        hist = self.hist.new_zeros(*self.hist.shape[:2], capacity)
+        k[:, :, :, :t], v[:, :, :, :t], hist[:, :, :t] = (
+            self.k[:, :, :, :t], self.v[:, :, :, :t], self.hist[:, :, :t])  # fmt: skip
+        self.k, self.v, self.hist = k, v, hist
+
+    def reorder(self, index: torch.Tensor) -> BeamHistory | None:
+        """Rows `index` of the old live rows (sentence by sentence, K each): the new history,
+        sharing the buffers; None where `index` is not K beams of each of a subset of the
+        live sentences, taken in order."""
+        g, n = self.beams, index.numel()
+        if n == 0 or n % g:
+            return None
+        parents = index.view(-1, g)  # (C', K) old rows
+        old = torch.div(parents[:, :1], g, rounding_mode="floor")  # (C', 1) old live sentence
+        local = parents - old * g  # (C', K) the parent's slot
+        old = old.squeeze(1)
+        n_live = self.hist.size(0) if self.live is None else self.live.numel()
+        in_order = old[1:].gt(old[:-1]).all() & old[-1].lt(n_live)
+        if not bool(local.ge(0).all() & local.lt(g).all() & in_order):
+            return None
+        if old.numel() == n_live:  # sentences in order, none left
+            live = self.live
+            if live is None:
+                hist = self.hist.gather(1, local[:, :, None].expand_as(self.hist))
+            else:
+                hist = self._regather(live, local)
+        else:
+            live = old if self.live is None else self.live[old]
+            hist = self._regather(live, local)
+        return BeamHistory(self.k, self.v, hist, live)
+
+    def _regather(self, live: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+        rows = self.hist.index_select(0, live)
+        rows = rows.gather(1, local[:, :, None].expand_as(rows))
+        return self.hist.index_copy(0, live, rows)
+
+    def compact(self, length: int) -> BeamHistory:
+        """The live sentences' slots only (one copy of their prefixes)."""
+        live, t = self.live, length
+        k = self.k.new_zeros(*self.k.shape[:1], live.numel(), *self.k.shape[2:])
+        v = self.v.new_zeros(*self.v.shape[:1], live.numel(), *self.v.shape[2:])
+        torch.index_select(self.k[:, :, :, :t], 1, live, out=k[:, :, :, :t])
+        torch.index_select(self.v[:, :, :, :t], 1, live, out=v[:, :, :, :t])
+        return BeamHistory(k, v, self.hist.index_select(0, live))
+
+    def begin_step(self, t: int, dtype: torch.dtype) -> None:
+        """Position t is each row's own slot; the step's mask over (t + 1) * K keys."""
+        g = self.beams
+        slots = torch.arange(g, device=self.hist.device)
+        self.hist[:, :, t] = slots
+        on = self.hist[:, :, : t + 1, None] == slots  # (C, K, t + 1, K)
+        bias = torch.zeros(on.shape, dtype=dtype, device=on.device).masked_fill_(~on, float("-inf"))
+        self.bias = bias.view(on.size(0), 1, g, (t + 1) * g)
+
+    def write(self, i: int, t: int, k: torch.Tensor, v: torch.Tensor):
+        """Layer i's keys (R, H, 1, d_k) and values of the live rows at position t; returns the
+        layer's keys (C, H, (t + 1) * K, d_k) and values, slot-minor, as `bias` reads them."""
+        g = self.beams
+        out = []
+        for buf, new in ((self.k[i], k), (self.v[i], v)):
+            new = new.reshape(-1, g, new.size(1), new.size(-1)).transpose(1, 2)  # (C', H, K, .)
+            slot = buf[:, :, t]  # (C, H, K, .)
+            if self.live is None:
+                slot.copy_(new)
+            else:
+                slot.index_copy_(0, self.live, new)
+            C, H, _, _, d = buf.shape
+            out.append(buf[:, :, : t + 1].reshape(C, H, (t + 1) * g, d))
+        return out[0], out[1]
+
+    def gather(self, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """One row per live hypothesis: (N, R, H, capacity, .) with positions [:length] each
+        row's own history (`DecoderCache.without_history`)."""
+        t, g = length, self.beams
+        hist = self.hist if self.live is None else self.hist.index_select(0, self.live)
+        C = hist.size(0)
+        c = torch.arange(C, device=hist.device)[:, None, None].expand(C, g, t)
+        s = torch.arange(t, device=hist.device)[None, None, :].expand(C, g, t)
+        j = hist[:, :, :t]
+        out = []
+        for buf in (self.k, self.v):
+            if self.live is not None:
+                buf = buf.index_select(1, self.live)
+            rows = buf[:, c, :, s, j]  # (C, K, t, N, H, d)
+            N, H, d = buf.size(0), buf.size(2), buf.size(-1)
+            new = buf.new_empty(N, C * g, H, max(t + 1, CACHE_CAPACITY), d)
+            new[:, :, :, :t] = rows.permute(3, 0, 1, 4, 2, 5).reshape(N, C * g, H, t, d)
+            out.append(new)
+        return out[0], out[1]
 
 
 def _cross_rows(index: torch.Tensor, group: int, n_cross: int) -> tuple[torch.Tensor | None, int]:

@@ -283,15 +283,23 @@ class MultiHeadAttention(nn.Module):
             out = out.transpose(1, 2)  # (B, Tq, H, Vd)
         return self.w_o(out.reshape(B, Tq, self.n_heads * self.d_v))  # (B, Tq, H*Vd) inside
 
-    def attend_grouped(self, q, k, v, mask, group: int, prescaled=False) -> torch.Tensor:
+    def attend_grouped(
+        self, q, k, v, mask, group: int, prescaled=False, live: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """`attend` for rows that share keys in runs of `group` (the beams of one sentence,
         `DecoderCache.group`): q (R, H, Tq, K) against k (R / group, H, S, K), v and mask likewise
         per run. The run's queries are attended together, one matrix product per head and
-        source instead of `group` (each reads the keys and values once); (R, Tq, D)."""
+        source instead of `group` (each reads the keys and values once); (R, Tq, D).
+        live: the runs of k that the R / group runs of q are (`BeamHistory.live`); the
+        others are attended with zero queries, and their output dropped."""
         R, H, Tq, K = q.shape
         C = R // group
-        q = q.view(C, group, H, Tq, K).transpose(1, 2).reshape(C, H, group * Tq, K)
+        q = q.reshape(C, group, H, Tq, K).transpose(1, 2).reshape(C, H, group * Tq, K)
+        if live is not None:
+            q = q.new_zeros(k.size(0), *q.shape[1:]).index_copy_(0, live, q)
         out = attention(q, k, v, mask, prescaled=prescaled)  # (C, H, group * Tq, Vd)
+        if live is not None:
+            out = out.index_select(0, live)
         out = out.view(C, H, group, Tq, self.d_v).permute(0, 2, 3, 1, 4)  # (C, group, Tq, H, Vd)
         return self.w_o(out.reshape(R, Tq, H * self.d_v))
 
@@ -461,8 +469,13 @@ class DecoderLayer(nn.Module):
         sa, ca = self.self_attn, self.cross_attn
         prescaled = lc.proj is not None and lc.proj.prescaled
 
+        beam = cache.beam
+
         def self_attend(y: torch.Tensor) -> torch.Tensor:
             q, k, v = self._project_qkv(y, lc.proj)  # (B, H, T, K), (B, H, T, K), (B, H, T, Vd)
+            if beam is not None:  # one new position, reached through back-pointers
+                k, v = beam.write(i, t, k, v)  # (C, H, (t + 1) * beams, .)
+                return sa.attend_grouped(q, k, v, beam.bias, beam.beams, prescaled, beam.live)
             lc.self_k[:, :, t : t + T] = k  # in place
             lc.self_v[:, :, t : t + T] = v
             k, v = lc.self_k[:, :, : t + T], lc.self_v[:, :, : t + T]  # (B, H, t + T, .)
@@ -482,8 +495,9 @@ class DecoderLayer(nn.Module):
             q = ca.split_heads(F.linear(y, *lc.proj.cross_q) if lc.proj else ca.w_q(y))
             if cache.group == 1:
                 return ca.attend(q, lc.cross_k, lc.cross_v, cache.cross_bias, prescaled=prescaled)
+            live = None if beam is None else beam.live
             return ca.attend_grouped(q, lc.cross_k, lc.cross_v, cache.cross_bias, cache.group,
-                                     prescaled=prescaled)  # fmt: skip
+                                     prescaled, live)  # fmt: skip
 
         x = self.res_self(x, self_attend)
         x = self.res_cross(x, cross_attend)
@@ -589,6 +603,7 @@ class Transformer(nn.Module):
                 cache.cross_bias = padding_bias(src_mask, x.dtype)
             shape = (cfg.n_layers, x.size(0), cfg.n_heads)
             cache.reserve(tgt.size(1), shape, cfg.d_k, cfg.d_v, x)
+            cache.begin_step(tgt.size(1), x.dtype)
             for i, layer in enumerate(self.decoder_layers):
                 x = layer.step(x, memory, cache, i)
             cache.length += tgt.size(1)
@@ -613,9 +628,10 @@ class Transformer(nn.Module):
         """
         return self.project(self.decode_hidden(tgt, memory, src_mask, cache))
 
-    @staticmethod
-    def new_cache() -> DecoderCache:
-        return DecoderCache()
+    def new_cache(self) -> DecoderCache:
+        # A local attention window (cfg.attn_window) masks by position, which the
+        # back-pointers of `BeamHistory` do not: its beams keep reordered buffers.
+        return DecoderCache(history=self.cfg.attn_window is None)
 
     def forward(
         self,

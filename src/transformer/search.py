@@ -133,7 +133,10 @@ class ModelStepper:
         if not self.log_probs:
             return logits
         # fp32 log-softmax read straight from bf16 logits: the same values as `.float()`
-        # first, without a (R, V) fp32 copy.
+        # first, without a (R, V) fp32 copy. fp32 logits (fp32, int8) go without `dtype`,
+        # which copies them first all the same: 3.0 -> 2.1 ms at (256, 32,000) on 2 cores.
+        if logits.dtype == torch.float32:
+            return torch.log_softmax(logits, dim=-1)
         return torch.log_softmax(logits, dim=-1, dtype=torch.float32)
 
     def reorder(self, index: torch.Tensor, same_sentences: bool = False) -> None:

@@ -7,12 +7,21 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import replace
 
+import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from transformer.cache import CACHE_CAPACITY, StepProjections, padding_bias
+from transformer import cache as cache_module
+from transformer.cache import (
+    CACHE_CAPACITY,
+    BeamHistory,
+    DecoderCache,
+    StepProjections,
+    padding_bias,
+)
 from transformer.config import build_config
 from transformer.model import Transformer
+from transformer.search import beam_search
 
 V = 50
 
@@ -163,3 +172,147 @@ def test_grouped_cross_attention_equals_one_copy_per_row() -> None:
         want = model.decode(tgt, memory, src_mask, per_row)
     torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
     assert not torch.equal(got[0], got[2])  # different sentences, different outputs
+
+
+# ------------------------------------------------------------ beam search through back-pointers
+
+
+def _sources(b: int, vocab: int, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(2, 12, (b,), generator=g).tolist()
+    src = torch.full((b, max(lengths)), 0, dtype=torch.long)
+    for i, n in enumerate(lengths):
+        src[i, : n - 1] = torch.randint(4, vocab, (n - 1,), generator=g)
+        src[i, n - 1] = 2  # EOS
+    return src, src != 0
+
+
+class _Spy:
+    """Counts BeamHistory's expansions and compactions, and reorders that fell back to copies."""
+
+    def __init__(self, monkeypatch):
+        self.expand = self.compact = self.fallback = 0
+        expand, compact = BeamHistory.expand, BeamHistory.compact
+        without = DecoderCache.without_history
+
+        def spy_expand(*a):
+            self.expand += 1
+            return expand(*a)
+
+        def spy_compact(beam, *a):
+            self.compact += 1
+            return compact(beam, *a)
+
+        def spy_without(c):
+            self.fallback += c.beam is not None
+            return without(c)
+
+        monkeypatch.setattr(BeamHistory, "expand", staticmethod(spy_expand))
+        monkeypatch.setattr(BeamHistory, "compact", spy_compact)
+        monkeypatch.setattr(DecoderCache, "without_history", spy_without)
+
+
+@pytest.mark.parametrize(("beam", "vocab", "max_len_b"), [(2, 8, 5), (4, 20, 40), (5, 50, 12)])
+def test_beam_search_through_back_pointers_equals_reordered_copies(monkeypatch, beam, vocab,
+                                                                   max_len_b) -> None:  # fmt: skip
+    # Issue 19: on the CPU in fp32 the beams' keys/values stay where they were computed and a
+    # reorder rewrites only the back-pointers; sentences leaving the batch (lengths 2-12,
+    # stopping apart) are compacted away; past CACHE_CAPACITY positions (max_len_b 40) the
+    # buffers grow. Every hypothesis and score equals the search over reordered copies.
+    model = Transformer(tiny(vocab_size=vocab, max_len=128)).eval()
+    with torch.no_grad():
+        model.src_embed.weight.mul_(3.0)  # spread the logits: beams trade places
+    src, src_mask = _sources(9, vocab, seed=beam)
+    kw = dict(beam_size=beam, max_len_a=1.0, max_len_b=max_len_b, n_best=2)
+    spy = _Spy(monkeypatch)
+    with torch.no_grad():
+        tracked = beam_search(model, src, src_mask, **kw)
+        monkeypatch.setattr(cache_module, "HISTORY_DTYPES", ())
+        copied = beam_search(model, src, src_mask, **kw)
+    assert spy.expand == 1 and spy.compact >= 1 and spy.fallback == 0
+    for a, b in zip(tracked, copied, strict=True):
+        assert [h.tokens for h in a] == [h.tokens for h in b]
+        assert [h.score for h in a] == pytest.approx([h.score for h in b], abs=1e-5)
+    if max_len_b == 40:
+        assert max(len(h.tokens) for hyps in tracked for h in hyps) > CACHE_CAPACITY
+
+
+def _expanded(model, src, src_mask, beams: int, steps: int):
+    """A cache after `steps` decoding steps of `beams` rows per sentence, the rows reordered
+    within their sentences after each step; the rows' full target prefixes beside it."""
+    g = torch.Generator().manual_seed(1)
+    B = src.size(0)
+    memory = model.encode(src, src_mask)
+    cache = model.new_cache()
+    prefix = torch.ones(B, 1, dtype=torch.long)  # BOS
+    model.decode(prefix, memory, src_mask, cache)
+    index = torch.arange(B).repeat_interleave(beams)
+    for _ in range(steps):
+        cache = cache.reorder(index)
+        prefix = torch.cat([prefix[index], torch.randint(4, V, (index.numel(), 1), generator=g)], 1)
+        model.decode(prefix[:, -1:], memory, src_mask, cache)
+        parents = torch.randint(0, beams, (B, beams), generator=g)
+        index = (parents + torch.arange(B)[:, None] * beams).view(-1)
+    return memory, cache, prefix, index
+
+
+def test_back_pointers_fall_back_to_copies_for_any_other_reorder() -> None:
+    # A reorder that is not beams of the same sentences (rows of two sentences in one run), or
+    # a step of several positions, gathers each row's history into its own row first: the
+    # output still equals decoding the whole prefix.
+    model = Transformer(tiny()).eval()
+    src, src_mask = batch()
+    with torch.no_grad():
+        memory, cache, prefix, _ = _expanded(model, src, src_mask, beams=2, steps=3)
+        assert cache.beam is not None
+        index = torch.tensor([0, 2, 5, 5, 3, 1])  # across sentences
+        moved = cache.reorder(index)
+        assert moved.beam is None and moved.self_k.size(1) == 6
+        rows = index // 2
+        tgt = torch.randint(4, V, (6, 1))
+        got = model.decode(tgt, memory[rows], src_mask[rows], moved)
+        full = model.decode(torch.cat([prefix[index], tgt], 1), memory[rows], src_mask[rows])
+        torch.testing.assert_close(got, full[:, -1:], rtol=0, atol=1e-5)
+
+        memory, cache, prefix, index = _expanded(model, src, src_mask, beams=2, steps=2)
+        cache = cache.reorder(index)
+        assert cache.beam is not None
+        tgt = torch.randint(4, V, (6, 3))  # three positions in one step
+        rows = torch.arange(3).repeat_interleave(2)
+        got = model.decode(tgt, memory, src_mask, cache)
+        assert cache.beam is None
+        full = model.decode(torch.cat([prefix[index], tgt], 1), memory[rows], src_mask[rows])
+        torch.testing.assert_close(got, full[:, -3:], rtol=0, atol=1e-5)
+
+
+def test_a_beam_reorder_copies_no_prefix_and_keeps_its_buffers() -> None:
+    # Issue 19: under back-pointers a step's reorder moves a few integers per row, not the
+    # N x 2 x rows x H x t x d_k floats of the prefix (37% of beam 4's time on W2 before).
+    model = Transformer(tiny()).eval()
+    src, src_mask = batch()
+    with torch.no_grad():
+        memory, cache, prefix, index = _expanded(model, src, src_mask, beams=3, steps=4)
+        buffers = cache.beam.k.data_ptr(), cache.beam.v.data_ptr()
+        with _CountOps() as counter:
+            moved = cache.reorder(index)
+        assert (moved.beam.k.data_ptr(), moved.beam.v.data_ptr()) == buffers
+        assert counter.ops["index_select"] == 0 and counter.ops["copy_"] == 0
+        rows = torch.arange(3).repeat_interleave(3)
+        tgt = torch.randint(4, V, (9, 1))
+        got = model.decode(tgt, memory, src_mask, moved)
+        full = model.decode(torch.cat([prefix[index], tgt], 1), memory[rows], src_mask[rows])
+    torch.testing.assert_close(got, full[:, -1:], rtol=0, atol=1e-5)
+
+
+def test_bf16_and_local_attention_keep_reordered_copies() -> None:
+    # bf16's batched products copy a strided operand first (oneDNN), and a local attention
+    # window masks by position, which back-pointers do not: both keep the copying reorder.
+    src, src_mask = batch()
+    index = torch.arange(3).repeat_interleave(2)
+    for model in (Transformer(tiny()).eval().to(torch.bfloat16),
+                  Transformer(tiny(attn_window=2)).eval()):  # fmt: skip
+        with torch.no_grad():
+            memory = model.encode(src, src_mask)
+            cache = model.new_cache()
+            model.decode(torch.ones(3, 1, dtype=torch.long), memory, src_mask, cache)
+            assert cache.reorder(index).beam is None
