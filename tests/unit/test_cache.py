@@ -316,3 +316,25 @@ def test_bf16_and_local_attention_keep_reordered_copies() -> None:
             cache = model.new_cache()
             model.decode(torch.ones(3, 1, dtype=torch.long), memory, src_mask, cache)
             assert cache.reorder(index).beam is None
+
+
+def test_slots_never_written_are_never_read() -> None:
+    # BeamHistory leaves positions from t on uninitialized (written before they are read) and
+    # a finished sentence's slots as they are until compaction: NaN there must not reach the
+    # live rows (a NaN key, even masked, would: 0 x NaN).
+    model = Transformer(tiny()).eval()
+    src, src_mask = batch(b=5)
+    with torch.no_grad():
+        memory, cache, prefix, index = _expanded(model, src, src_mask, beams=2, steps=3)
+        beam = cache.beam
+        t = cache.length
+        beam.k[:, :, :, t:], beam.v[:, :, :, t:] = float("nan"), float("nan")
+        index = index.view(5, 2)[[0, 2, 3, 4]].view(-1)  # sentence 1 is done
+        moved = cache.reorder(index)
+        assert moved.beam.live.tolist() == [0, 2, 3, 4]  # 4 of 5 live: not compacted yet
+        moved.beam.k[:, 1], moved.beam.v[:, 1] = float("nan"), float("nan")
+        rows = torch.tensor([0, 2, 3, 4]).repeat_interleave(2)
+        tgt = torch.randint(4, V, (8, 1))
+        got = model.decode(tgt, memory, src_mask, moved)
+        full = model.decode(torch.cat([prefix[index], tgt], 1), memory[rows], src_mask[rows])
+    torch.testing.assert_close(got, full[:, -1:], rtol=0, atol=1e-5)
