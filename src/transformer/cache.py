@@ -143,7 +143,10 @@ class DecoderCache:
         encoder-decoder keys/values are kept as they are: valid when `index` maps every row
         to a row with the same source, as beams of one sentence do. With cross=True the new
         rows' sources are regrouped (`_cross_rows`): only the cross rows that change are
-        copied, once per source.
+        copied, once per source. When `index` expands each sentence to K beams (CPU, fp32:
+        `HISTORY_DTYPES`), the cache switches to `BeamHistory`, whose reorders copy nothing.
+        The cache reordered from must not be stepped again: under `BeamHistory` both share
+        the buffers.
         """
         if self.beam is not None:
             out = self._reorder_beams(index)
@@ -228,8 +231,10 @@ class DecoderCache:
         if beam is None:
             return self
         k, v = beam.gather(self.length)
-        live = beam.live
-        pick = (lambda t: t) if live is None else (lambda t: t.index_select(0, live))  # noqa: E731
+
+        def pick(t: torch.Tensor) -> torch.Tensor:
+            return t if beam.live is None else t.index_select(0, beam.live)
+
         layers = [LayerCache(c.proj, pick(c.cross_k), pick(c.cross_v)) for c in self.layers]
         out = DecoderCache(layers, self.length, cross_bias=pick(self.cross_bias),
                            group=beam.beams, history=False)  # fmt: skip
