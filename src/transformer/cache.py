@@ -163,11 +163,8 @@ class DecoderCache:
         else:
             rows, group = _cross_rows(index, self.group, self.cross_bias.size(0))
 
-        def pick(t: torch.Tensor | None) -> torch.Tensor | None:
-            return t if t is None or rows is None else t.index_select(0, rows)
-
-        layers = [LayerCache(c.proj, pick(c.cross_k), pick(c.cross_v)) for c in self.layers]
-        out = DecoderCache(layers, self.length, cross_bias=pick(self.cross_bias), group=group)
+        layers, cross_bias = self._cross_picked(rows)
+        out = DecoderCache(layers, self.length, cross_bias=cross_bias, group=group)
         if self.self_k is None:
             return out
         runs = group * out.cross_bias.size(0) == index.numel()  # every row in a run of `group`
@@ -187,6 +184,18 @@ class DecoderCache:
         out._use(k, v)
         return out
 
+    def _cross_picked(
+        self, rows: torch.Tensor | None
+    ) -> tuple[list[LayerCache], torch.Tensor | None]:
+        """New layer caches (no self-attention views yet) and padding bias with the
+        encoder-decoder rows `rows` (None: the same tensors, nothing copied)."""
+
+        def pick(t: torch.Tensor | None) -> torch.Tensor | None:
+            return t if t is None or rows is None else t.index_select(0, rows)
+
+        layers = [LayerCache(c.proj, pick(c.cross_k), pick(c.cross_v)) for c in self.layers]
+        return layers, pick(self.cross_bias)
+
     def _may_track(self) -> bool:
         k = self.self_k
         return self.history and k.device.type == "cpu" and k.dtype in HISTORY_DTYPES
@@ -197,17 +206,13 @@ class DecoderCache:
         beam = self.beam.reorder(index)
         if beam is None:
             return None
-        layers = [LayerCache(c.proj, c.cross_k, c.cross_v) for c in self.layers]
-        out = DecoderCache(layers, self.length, cross_bias=self.cross_bias, group=self.group,
-                           beam=beam)  # fmt: skip
-        if beam.live is not None and beam.live.numel() <= (1 - COMPACT_DEAD) * beam.hist.size(0):
-            live = beam.live
-            for c in out.layers:
-                c.cross_k, c.cross_v = (c.cross_k.index_select(0, live),
-                                        c.cross_v.index_select(0, live))  # fmt: skip
-            out.cross_bias = out.cross_bias.index_select(0, live)
-            out.beam = beam.compact(self.length)
-        return out
+        live = beam.live
+        compact = live is not None and live.numel() <= (1 - COMPACT_DEAD) * beam.hist.size(0)
+        layers, cross_bias = self._cross_picked(live if compact else None)
+        if compact:
+            beam = beam.compact(self.length)
+        return DecoderCache(layers, self.length, cross_bias=cross_bias, group=self.group,
+                            beam=beam)  # fmt: skip
 
     def begin_step(self, n_new: int, dtype: torch.dtype) -> None:
         """Before the layers of a step of `n_new` positions (room reserved): the back-pointers'
@@ -231,13 +236,9 @@ class DecoderCache:
         if beam is None:
             return self
         k, v = beam.gather(self.length)
-
-        def pick(t: torch.Tensor) -> torch.Tensor:
-            return t if beam.live is None else t.index_select(0, beam.live)
-
-        layers = [LayerCache(c.proj, pick(c.cross_k), pick(c.cross_v)) for c in self.layers]
-        out = DecoderCache(layers, self.length, cross_bias=pick(self.cross_bias),
-                           group=beam.beams, history=False)  # fmt: skip
+        layers, cross_bias = self._cross_picked(beam.live)
+        out = DecoderCache(layers, self.length, cross_bias=cross_bias, group=beam.beams,
+                           history=False)  # fmt: skip
         out._use(k, v)
         return out
 
@@ -315,14 +316,12 @@ class BeamHistory:
         in_order = old[1:].gt(old[:-1]).all() & old[-1].lt(n_live)
         if not bool(local.ge(0).all() & local.lt(g).all() & in_order):
             return None
-        if old.numel() == n_live:  # sentences in order, none left
-            live = self.live
-            if live is None:
-                hist = self.hist.gather(1, local[:, :, None].expand_as(self.hist))
-            else:
-                hist = self._regather(live, local)
+        live = self.live
+        if old.numel() < n_live:  # sentences left: `old` is the in-order rest
+            live = old if live is None else live[old]
+        if live is None:
+            hist = self.hist.gather(1, local[:, :, None].expand_as(self.hist))
         else:
-            live = old if self.live is None else self.live[old]
             hist = self._regather(live, local)
         return BeamHistory(self.k, self.v, hist, live)
 
