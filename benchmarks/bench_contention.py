@@ -92,6 +92,8 @@ def main() -> None:
     p.add_argument("--preset", default="quickstart", help="the training preset")
     p.add_argument("--only", choices=("train", "translate"), help="run one workload")
     args = p.parse_args()
+    if args.repeat < 1:
+        p.error(f"--repeat must be at least 1, got {args.repeat}")
     threads = ["--threads", str(args.threads)] if args.threads else []
     procs = ["--procs", str(args.procs)] if args.procs else []
     print(f"# {cpu_line()}; load average {os.getloadavg()[0]:.2f} at start")
