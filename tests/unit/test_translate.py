@@ -22,7 +22,13 @@ from transformer.modelfile import load_model, save_model
 from transformer.rundir import resolve_model
 from transformer.search import beam_search, beam_search_alphas, greedy_search
 from transformer.tokenizer import BOS_ID, EOS_ID, PAD_ID, UNK_ID
-from transformer.translate import Int8Linear, Translator, auto_dtype, quantize_int8
+from transformer.translate import (
+    Int8Linear,
+    Translator,
+    auto_dtype,
+    int8_reduce_range,
+    quantize_int8,
+)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -372,9 +378,12 @@ def test_the_stop_rule_reaches_the_search(model_file, monkeypatch):
     assert seen == ["t2t", "t2t", "fairseq", "fairseq"]  # two batches each (max_tokens=40)
 
 
-@pytest.mark.parametrize("reduce_range", [False, True])
+@pytest.mark.parametrize("reduce_range", [None, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_int8_linear_is_close_to_the_fp32_product(reduce_range, dtype):
+    # None: the inputs' range quantize_int8 takes on this CPU (8 bits with VNNI, 7 without: 8-bit
+    # inputs saturate there, test_int8_reduce_range_follows_vnni).
+    reduce_range = int8_reduce_range() if reduce_range is None else reduce_range
     g = torch.Generator().manual_seed(0)
     linear = nn.Linear(64, 48)
     with torch.no_grad():
@@ -389,6 +398,23 @@ def test_int8_linear_is_close_to_the_fp32_product(reduce_range, dtype):
     assert Int8Linear(linear.weight, None, reduce_range, torch.float32)(x.to(dtype)).dtype == (
         torch.float32
     )
+
+
+@pytest.mark.parametrize(
+    ("cpuinfo", "reduced"),
+    [(CPUINFO_AMX, False), (CPUINFO_NO_AMX, False), (CPUINFO_AVX2_VNNI, False),
+     (CPUINFO_AVX2, True), ("processor\t: 0\n", True)],
+)  # fmt: skip
+def test_int8_reduce_range_follows_vnni(model_file, tmp_path, monkeypatch, cpuinfo, reduced):
+    # `--dtype int8` on a CPU without VNNI (a Zen 3) must take 7-bit inputs in every layer.
+    info = tmp_path / "cpuinfo"
+    info.write_text(cpuinfo, encoding="utf-8")
+    monkeypatch.setattr(transformer.cpuinfo, "CPUINFO", str(info))
+    assert int8_reduce_range() is reduced
+    assert int8_reduce_range({"avx2", "avx512_vnni"}) is False and int8_reduce_range(set())
+    q = quantize_int8(Translator.from_path(model_file).loaded.model)
+    layers = [m for m in q.modules() if isinstance(m, Int8Linear)]
+    assert layers and {m.reduce_range for m in layers} == {reduced}
 
 
 def test_quantize_int8_leaves_the_model_unchanged(model_file):
