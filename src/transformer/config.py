@@ -31,6 +31,11 @@ STOP_RULES = ("t2t", "fairseq")
 # on (`translate.auto_dtype`): bf16 with CUDA or a CPU with AMX, int8 on a CPU with VNNI and no
 # AMX, else fp32.
 INFERENCE_DTYPES = ("auto", "fp32", "bf16", "int8")
+# The precisions a model trains in (train.py); "auto" (`train.auto_train_dtype`): bf16 where the
+# device multiplies it natively (CUDA with bf16, a CPU with avx512_bf16 or AMX), else fp32. A CPU
+# without them runs bf16 products through slow fallbacks: 58 against 2,100 target tokens/s for
+# the quickstart model on an AVX2 Zen 3 (docs/performance.md, "A CPU without bf16").
+TRAIN_DTYPES = ("auto", "bf16", "fp32")
 
 
 class ConfigError(UserError):
@@ -117,7 +122,7 @@ class TrainConfig:
     patience_metric: str = "ppl"
     min_delta: float = 0.0
     valid_bleu: bool = True  # greedy valid BLEU at each validation (off: perplexity only, faster)
-    dtype: str = "bf16"  # "bf16" (fp32 master weights) or "fp32"
+    dtype: str = "auto"  # "bf16" (fp32 master weights), "fp32", or "auto" (TRAIN_DTYPES)
     compile: bool = False  # torch.compile the model
     seed: int = 1
     save_every_steps: int = 0  # 0 = only by time
@@ -132,8 +137,10 @@ class TrainConfig:
     procs: int = 1
 
     def __post_init__(self) -> None:
-        if self.dtype not in ("bf16", "fp32"):
-            raise ConfigError(f"train.dtype: expected 'bf16' or 'fp32', got {self.dtype!r}")
+        if self.dtype not in TRAIN_DTYPES:
+            raise ConfigError(
+                f"train.dtype: expected one of {', '.join(TRAIN_DTYPES)}, got {self.dtype!r}"
+            )
         names = ("max_tokens", "accum_steps", "warmup_steps", "max_steps", "keep_last", "procs")
         for name in names:
             if getattr(self, name) <= 0:

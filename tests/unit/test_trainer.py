@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import transformer.cpuinfo
 from fixtures import SHARED_DATA, prepare_slice
 from transformer import checkpoint, rundir
 from transformer.batching import TokenBatchSampler
@@ -20,7 +21,7 @@ from transformer.data import collate, load_prepared
 from transformer.errors import UserError
 from transformer.loss import chunked_label_smoothed_loss
 from transformer.optim import MixedPrecisionAdam, learning_rate
-from transformer.train import build_model, train
+from transformer.train import auto_train_dtype, build_model, train
 from transformer.trainer import MAX_NONFINITE_IN_ROW, Trainer, TrainingError
 
 TINY = [
@@ -170,6 +171,58 @@ def test_resume_in_process_is_exact(data_dir, tmp_path, dtype):
     train(None, split, resume=True, overrides=["train.max_steps=6"], progress=False)
     assert not torch.are_deterministic_algorithms_enabled()  # process settings restored
     a, b = _params(straight), _params(split)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+CPUINFO_AMX = "processor\t: 0\nflags\t\t: fpu avx2 avx512f avx512_bf16 amx_bf16 amx_tile\n"
+CPUINFO_ZEN4 = "processor\t: 0\nflags\t\t: fpu avx2 avx512f avx512_bf16 avx512_vnni\n"
+CPUINFO_SKYLAKE = "processor\t: 0\nflags\t\t: fpu avx2 avx512f avx512bw\n"  # no bf16
+CPUINFO_ZEN3 = "processor\t: 0\nflags\t\t: fpu sse2 avx2 fma\n"
+
+
+def _cpu(tmp_path: Path, monkeypatch, cpuinfo: str) -> None:
+    info = tmp_path / "cpuinfo"
+    info.write_text(cpuinfo, encoding="utf-8")
+    monkeypatch.setattr(transformer.cpuinfo, "CPUINFO", str(info))
+
+
+@pytest.mark.parametrize(
+    ("cpuinfo", "expected"),
+    [(CPUINFO_AMX, "bf16"), (CPUINFO_ZEN4, "bf16"), (CPUINFO_SKYLAKE, "fp32"),
+     (CPUINFO_ZEN3, "fp32"), ("processor\t: 0\n", "fp32")],
+)  # fmt: skip
+def test_dtype_auto_is_bf16_only_where_the_cpu_multiplies_it_natively(
+    tmp_path, monkeypatch, cpuinfo, expected
+):
+    _cpu(tmp_path, monkeypatch, cpuinfo)
+    assert auto_train_dtype("cpu")[0] == expected
+    assert auto_train_dtype(torch.device("cpu"))[0] == expected
+    cfg = build_config("tiny", None, ["train.max_tokens=400"])  # the default is auto
+    assert cfg.train.dtype == "auto"
+    want = {"bf16": torch.bfloat16, "fp32": torch.float32}[expected]
+    assert {p.dtype for p in build_model(cfg, torch.device("cpu")).parameters()} == {want}
+
+
+def test_a_run_records_the_dtype_auto_chose_and_resumes_in_it(
+    data_dir, tmp_path, monkeypatch, caplog
+):
+    # Trained where auto meant fp32 (an AVX2 CPU), resumed where it would mean bf16: the run
+    # keeps fp32, so a resume stays exact across machines.
+    _cpu(tmp_path, monkeypatch, CPUINFO_ZEN3)
+    run = tmp_path / "run"
+    cfg = build_config("tiny", None, [*TINY, "train.max_steps=2", "train.deterministic=true"])
+    with caplog.at_level("INFO", logger="transformer.train"):
+        train(data_dir, run, cfg, progress=False)
+    assert "train.dtype auto: fp32 (the CPU has no native bf16" in caplog.text
+    assert rundir.read_config(run).train.dtype == "fp32"
+    _cpu(tmp_path, monkeypatch, CPUINFO_ZEN4)
+    train(None, run, resume=True, overrides=["train.max_steps=3"], progress=False)
+    assert rundir.read_config(run).train.dtype == "fp32"
+    assert {v.dtype for v in _params(run).values() if v.is_floating_point()} == {torch.float32}
+    straight = tmp_path / "straight"
+    train(data_dir, straight, replace(cfg, train=replace(cfg.train, max_steps=3, dtype="fp32")),
+          progress=False)  # fmt: skip
+    a, b = _params(run), _params(straight)
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 

@@ -222,10 +222,15 @@ def run_report(
 
 
 def measure_matmul_tflops(dtype: str = "fp32", size: int = 1024, seconds: float = 1.0) -> float:
-    """This machine's sustained square-matmul rate in TFLOPS (CUDA when available, else CPU)."""
+    """This machine's sustained square-matmul rate in TFLOPS (CUDA when available, else CPU);
+    dtype "auto" is the one training would take there (`train.auto_train_dtype`)."""
     import torch
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
+    if dtype == "auto":
+        from transformer.train import auto_train_dtype
+
+        dtype = auto_train_dtype(device)[0]
     torch_dtype = torch.bfloat16 if dtype == "bf16" else torch.float32
     a = torch.randn(size, size, device=device, dtype=torch_dtype)
     b = torch.randn(size, size, device=device, dtype=torch_dtype)
