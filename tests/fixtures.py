@@ -36,6 +36,16 @@ _FALLBACK = [
 ] * 50
 
 
+def fake_cpuinfo(monkeypatch, tmp_path: Path, text: str) -> None:
+    """Make this test's /proc/cpuinfo `text` (`transformer.cpuinfo` reads it at each call): the
+    dtype choices and the int8 input range follow the CPU's flags."""
+    import transformer.cpuinfo
+
+    info = tmp_path / "cpuinfo"
+    info.write_text(text, encoding="utf-8")
+    monkeypatch.setattr(transformer.cpuinfo, "CPUINFO", str(info))
+
+
 def multi30k_lines(split: str, lang: str, n: int) -> list[str]:
     """The first n lines of a Multi30k file, or fallback sentences when the data is absent."""
     path = MULTI30K / f"{split}.{lang}"

@@ -20,6 +20,18 @@ from transformer.config import ModelConfig
 # The floating dtypes of a model's parameters, by their config name (train.dtype).
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
+
+def accelerator_dtype(device: torch.device) -> tuple[str, str]:
+    """The "auto" dtype, and why, on a device that is not the CPU: bf16 on CUDA that supports
+    it, fp32 elsewhere (on the CPU the choice follows its flags and the work:
+    `train.auto_train_dtype`, `translate.auto_dtype`)."""
+    if device.type == "cuda":
+        if torch.cuda.is_bf16_supported():
+            return "bf16", "CUDA with bf16"
+        return "fp32", "CUDA without bf16"
+    return "fp32", f"a {device.type.upper()} device"
+
+
 # On CPU, eq. (1) written out beats PyTorch's fused kernels on sentence-length sequences (bf16
 # forward+backward at B=300, H=4, T=18: 30 vs 201 ms; a beam step, Tq=1, Tk=50: 4.8 vs 24 ms);
 # fused wins from about 512 keys on, and always on CUDA (docs/performance.md).

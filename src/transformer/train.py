@@ -24,7 +24,7 @@ from transformer.cpuinfo import cpu_flags
 from transformer.data import load_prepared
 from transformer.errors import UserError
 from transformer.loss import chunked_label_smoothed_loss
-from transformer.model import DTYPES, Transformer
+from transformer.model import DTYPES, Transformer, accelerator_dtype
 from transformer.optim import MixedPrecisionAdam
 from transformer.threads import ThreadTuner
 from transformer.trainer import Trainer, TrainState
@@ -100,12 +100,8 @@ def auto_train_dtype(device: str | torch.device) -> tuple[str, str]:
     master weights) where the device multiplies bf16 natively: CUDA with bf16, a CPU with
     avx512_bf16 or AMX; fp32 elsewhere (docs/training.md, "Mixed precision")."""
     device = torch.device(device)
-    if device.type == "cuda":
-        if torch.cuda.is_bf16_supported():
-            return "bf16", "CUDA with bf16"
-        return "fp32", "CUDA without bf16"
     if device.type != "cpu":
-        return "fp32", f"a {device.type.upper()} device"
+        return accelerator_dtype(device)
     native = sorted(NATIVE_BF16_FLAGS & cpu_flags())
     if native:
         return "bf16", f"the CPU has {native[-1]}"

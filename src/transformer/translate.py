@@ -28,6 +28,7 @@ from transformer.cpuinfo import cpu_flags
 from transformer.data import read_lines
 from transformer.errors import UserError
 from transformer.model import DTYPES as model_dtypes
+from transformer.model import accelerator_dtype
 from transformer.modelfile import LoadedModel
 from transformer.rundir import resolve_model
 from transformer.search import Constrain, beam_search_alphas, greedy_search
@@ -58,12 +59,8 @@ def auto_dtype(device: str | torch.device) -> tuple[str, str]:
     of fp32 for beam 4 and greedy search (docs/decoding.md, "Precision").
     """
     device = torch.device(device)
-    if device.type == "cuda":
-        if torch.cuda.is_bf16_supported():
-            return "bf16", "CUDA with bf16"
-        return "fp32", "CUDA without bf16"
     if device.type != "cpu":
-        return "fp32", f"a {device.type.upper()} device"
+        return accelerator_dtype(device)
     flags = cpu_flags()
     if "amx_bf16" in flags:
         if torch.backends.mkldnn.is_available():

@@ -11,8 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-import transformer.cpuinfo
-from fixtures import SHARED_DATA, prepare_slice
+from fixtures import SHARED_DATA, fake_cpuinfo, prepare_slice
 from transformer import checkpoint, rundir
 from transformer.batching import TokenBatchSampler
 from transformer.cli import main
@@ -180,12 +179,6 @@ CPUINFO_SKYLAKE = "processor\t: 0\nflags\t\t: fpu avx2 avx512f avx512bw\n"  # no
 CPUINFO_ZEN3 = "processor\t: 0\nflags\t\t: fpu sse2 avx2 fma\n"
 
 
-def _cpu(tmp_path: Path, monkeypatch, cpuinfo: str) -> None:
-    info = tmp_path / "cpuinfo"
-    info.write_text(cpuinfo, encoding="utf-8")
-    monkeypatch.setattr(transformer.cpuinfo, "CPUINFO", str(info))
-
-
 @pytest.mark.parametrize(
     ("cpuinfo", "expected"),
     [(CPUINFO_AMX, "bf16"), (CPUINFO_ZEN4, "bf16"), (CPUINFO_SKYLAKE, "fp32"),
@@ -194,7 +187,7 @@ def _cpu(tmp_path: Path, monkeypatch, cpuinfo: str) -> None:
 def test_dtype_auto_is_bf16_only_where_the_cpu_multiplies_it_natively(
     tmp_path, monkeypatch, cpuinfo, expected
 ):
-    _cpu(tmp_path, monkeypatch, cpuinfo)
+    fake_cpuinfo(monkeypatch, tmp_path, cpuinfo)
     assert auto_train_dtype("cpu")[0] == expected
     assert auto_train_dtype(torch.device("cpu"))[0] == expected
     cfg = build_config("tiny", None, ["train.max_tokens=400"])  # the default is auto
@@ -208,14 +201,14 @@ def test_a_run_records_the_dtype_auto_chose_and_resumes_in_it(
 ):
     # Trained where auto meant fp32 (an AVX2 CPU), resumed where it would mean bf16: the run
     # keeps fp32, so a resume stays exact across machines.
-    _cpu(tmp_path, monkeypatch, CPUINFO_ZEN3)
+    fake_cpuinfo(monkeypatch, tmp_path, CPUINFO_ZEN3)
     run = tmp_path / "run"
     cfg = build_config("tiny", None, [*TINY, "train.max_steps=2", "train.deterministic=true"])
     with caplog.at_level("INFO", logger="transformer.train"):
         train(data_dir, run, cfg, progress=False)
     assert "train.dtype auto: fp32 (the CPU has no native bf16" in caplog.text
     assert rundir.read_config(run).train.dtype == "fp32"
-    _cpu(tmp_path, monkeypatch, CPUINFO_ZEN4)
+    fake_cpuinfo(monkeypatch, tmp_path, CPUINFO_ZEN4)
     train(None, run, resume=True, overrides=["train.max_steps=3"], progress=False)
     assert rundir.read_config(run).train.dtype == "fp32"
     assert {v.dtype for v in _params(run).values() if v.is_floating_point()} == {torch.float32}

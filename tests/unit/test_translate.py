@@ -10,9 +10,9 @@ import sentencepiece as spm
 import torch
 from torch import nn
 
-import transformer.cpuinfo
 import transformer.threads
 import transformer.translate
+from fixtures import fake_cpuinfo
 from transformer.cli import main
 from transformer.config import ConfigError, DecodeConfig, ModelConfig, RunConfig
 from transformer.data import read_lines
@@ -262,9 +262,7 @@ def test_translator_tuner_probes_one_unit_per_thread_count(model_file, monkeypat
 def test_dtype_auto_is_bf16_with_amx_int8_with_vnni_else_fp32(
     model_file, tmp_path, monkeypatch, caplog, cpuinfo, expected
 ):
-    info = tmp_path / "cpuinfo"
-    info.write_text(cpuinfo, encoding="utf-8")
-    monkeypatch.setattr(transformer.cpuinfo, "CPUINFO", str(info))
+    fake_cpuinfo(monkeypatch, tmp_path, cpuinfo)
     assert auto_dtype("cpu")[0] == expected
     with caplog.at_level(logging.INFO, logger="transformer.translate"):
         tr = Translator.from_path(model_file, dtype="auto")
@@ -407,9 +405,7 @@ def test_int8_linear_is_close_to_the_fp32_product(reduce_range, dtype):
 )  # fmt: skip
 def test_int8_reduce_range_follows_vnni(model_file, tmp_path, monkeypatch, cpuinfo, reduced):
     # `--dtype int8` on a CPU without VNNI (a Zen 3) must take 7-bit inputs in every layer.
-    info = tmp_path / "cpuinfo"
-    info.write_text(cpuinfo, encoding="utf-8")
-    monkeypatch.setattr(transformer.cpuinfo, "CPUINFO", str(info))
+    fake_cpuinfo(monkeypatch, tmp_path, cpuinfo)
     assert int8_reduce_range() is reduced
     assert int8_reduce_range({"avx2", "avx512_vnni"}) is False and int8_reduce_range(set())
     q = quantize_int8(Translator.from_path(model_file).loaded.model)
