@@ -15,7 +15,6 @@ REPS=${REPS:-3}
 export PYTHONPATH=$PWD/benchmarks${PYTHONPATH:+:$PYTHONPATH}
 mkdir -p "$OUT"
 OURS_TRAIN=ext:peers_adapter:make_train
-OURS_INFER=${OURS_INFER:-ext:peers_adapter:Infer:fp32,ext:peers_adapter:Infer:bf16,ext:peers_adapter:Infer:int8}
 # Peers per workload (RESULTS.md measured hf:fp32/hf:bf16/ct2:int16 too; they are slower than
 # ct2:int8, the target, and take minutes per round). Override to run them all.
 BEAM_PEERS=${BEAM_PEERS:-ct2:float32,ct2:int8}
@@ -23,12 +22,24 @@ GREEDY_PEERS=${GREEDY_PEERS:-ct2:float32,ct2:int8,hf:bf16}
 WHAT=${1:-all}
 echo "# $(date -u +%FT%TZ) load average: $(cut -d' ' -f1-3 /proc/loadavg)"
 $PY -c 'from bench_contention import cpu_line; print("#", cpu_line())'
+# A CPU without native bf16 products (no avx512_bf16, no AMX: an AVX2 Zen 3) runs every
+# implementation's bf16 through slow fallbacks (a base training step takes minutes, W2 beam 4 in
+# bf16 115 s against fp32's 16): there the bf16 workloads (train, memory, our bf16 decoding) run in
+# fp32 instead, and say so (docs/performance.md, "A CPU without bf16"). BF16=1 keeps bf16 anyway.
+NATIVE_BF16=$($PY -c 'from transformer.cpuinfo import native_bf16; print(" ".join(native_bf16()))')
+BF16_DTYPE=bf16
+if [[ -z $NATIVE_BF16 && ${BF16:-0} != 1 ]]; then
+  BF16_DTYPE=fp32
+  echo "# no native bf16 on this CPU (no avx512_bf16 or amx_bf16): W1 and W3 in fp32, no bf16 decoding"
+  OURS_INFER=${OURS_INFER:-ext:peers_adapter:Infer:fp32,ext:peers_adapter:Infer:int8}
+fi
+OURS_INFER=${OURS_INFER:-ext:peers_adapter:Infer:fp32,ext:peers_adapter:Infer:bf16,ext:peers_adapter:Infer:int8}
 
 run() { [[ $WHAT == all || $WHAT == "$1" ]]; }
 
-if run train; then
-  $PY $PEERS/bench_train.py --impl fairseq,hf,torch,onmt,$OURS_TRAIN --dtype bf16 \
-    --warmup 1 --reps "$REPS" --json "$OUT/w1_train_bf16.json"
+if run train && [[ $WHAT == train || $BF16_DTYPE == bf16 ]]; then  # `all`: train-fp32 runs next
+  $PY $PEERS/bench_train.py --impl fairseq,hf,torch,onmt,$OURS_TRAIN --dtype $BF16_DTYPE \
+    --warmup 1 --reps "$REPS" --json "$OUT/w1_train_$BF16_DTYPE.json"
 fi
 if run train-fp32; then
   $PY $PEERS/bench_train.py --impl fairseq,hf,torch,onmt,$OURS_TRAIN --dtype fp32 \
@@ -44,9 +55,9 @@ if run greedy; then
     --reps "$REPS" --json "$OUT/w2_infer_greedy.json"
 fi
 if run memory; then
-  $PY $PEERS/bench_memory.py --impl hf,torch,$OURS_TRAIN --dtype bf16 --sents 128 \
-    --json "$OUT/w3_mem_4k_bf16.json"
-  $PY $PEERS/bench_memory.py --impl hf,torch,$OURS_TRAIN --dtype bf16 --sents 512 \
-    --json "$OUT/w3_mem_16k_bf16.json"
+  $PY $PEERS/bench_memory.py --impl hf,torch,$OURS_TRAIN --dtype $BF16_DTYPE --sents 128 \
+    --json "$OUT/w3_mem_4k_$BF16_DTYPE.json"
+  $PY $PEERS/bench_memory.py --impl hf,torch,$OURS_TRAIN --dtype $BF16_DTYPE --sents 512 \
+    --json "$OUT/w3_mem_16k_$BF16_DTYPE.json"
 fi
 echo "# $(date -u +%FT%TZ) load average: $(cut -d' ' -f1-3 /proc/loadavg)"

@@ -20,7 +20,7 @@ from transformer import checkpoint, distributed, rundir
 from transformer.allocator import keep_large_blocks
 from transformer.batching import TokenBatchSampler
 from transformer.config import RunConfig, apply_overrides, parse_overrides
-from transformer.cpuinfo import cpu_flags
+from transformer.cpuinfo import native_bf16
 from transformer.data import load_prepared
 from transformer.errors import UserError
 from transformer.loss import chunked_label_smoothed_loss
@@ -89,12 +89,6 @@ def _log_to_file(run_dir: Path) -> logging.Handler:
     return handler
 
 
-# CPU flags of native bf16 dot products (AVX512-BF16's vdpbf16ps, AMX's tiles): with them a bf16
-# product runs at 2-5x fp32's rate; without them oneDNN and MKL fall back to slow kernels (an AVX2
-# Zen 3: bf16 linear 14 GFLOP/s, bmm 3, against fp32's 157 and 108).
-NATIVE_BF16_FLAGS = frozenset({"avx512_bf16", "amx_bf16"})
-
-
 def auto_train_dtype(device: str | torch.device) -> tuple[str, str]:
     """`train.dtype=auto`: the precision to train in on this device, and why. bf16 (with fp32
     master weights) where the device multiplies bf16 natively: CUDA with bf16, a CPU with
@@ -102,7 +96,7 @@ def auto_train_dtype(device: str | torch.device) -> tuple[str, str]:
     device = torch.device(device)
     if device.type != "cpu":
         return accelerator_dtype(device)
-    native = sorted(NATIVE_BF16_FLAGS & cpu_flags())
+    native = native_bf16()
     if native:
         return "bf16", f"the CPU has {native[-1]}"
     return "fp32", "the CPU has no native bf16 products (avx512_bf16 or AMX)"

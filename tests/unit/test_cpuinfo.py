@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from transformer.cpuinfo import cpu_flags, cpu_line, fields
+from transformer.cpuinfo import cpu_flags, cpu_line, fields, native_bf16
 
 BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_contention.py"
 
@@ -77,3 +77,17 @@ def test_the_benchmarks_print_the_packages_line_without_importing_torch():
     code = "import sys, transformer.cpuinfo as c; c.cpu_line(); print('torch' in sys.modules)"
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert done.stdout.strip() == "False"
+
+
+@pytest.mark.parametrize(
+    ("flags", "native"),
+    [("avx2 avx512f avx512_bf16 avx512_vnni", ["avx512_bf16"]),
+     ("avx2 avx512f avx512_bf16 amx_bf16 amx_tile", ["amx_bf16", "avx512_bf16"]),
+     ("avx2 avx512f avx512bw", []), ("sse2 avx2 fma", [])],
+)  # fmt: skip
+def test_native_bf16_names_the_flags_of_native_bf16_products(tmp_path, flags, native):
+    # train.dtype=auto and bench_peers.sh take bf16 only where this is not empty.
+    path = tmp_path / "cpuinfo"
+    path.write_text(_cpuinfo("AuthenticAMD", 25, 1, "AMD EPYC", flags), encoding="utf-8")
+    assert native_bf16(path) == native
+    assert native_bf16(tmp_path / "missing") == []
