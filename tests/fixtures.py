@@ -36,6 +36,23 @@ _FALLBACK = [
 ] * 50
 
 
+# /proc/cpuinfo of the CPUs the dtype choices tell apart (fake_cpuinfo): an AMX Xeon (whose
+# other cores list fewer flags: the first processor's count), a Zen 4 (AVX-512 with bf16 and
+# VNNI), an AVX2 CPU with AVX-VNNI, an AVX-512 CPU without bf16, and a Zen 3 (AVX2 only).
+CPUINFO_AMX = """processor\t: 0
+vendor_id\t: GenuineIntel
+flags\t\t: fpu sse2 avx2 avx512f avx512_bf16 avx512_vnni amx_bf16 amx_tile amx_int8
+bugs\t\t: spectre_v1
+
+processor\t: 1
+flags\t\t: fpu sse2
+"""
+CPUINFO_ZEN4 = "processor\t: 0\nflags\t\t: fpu sse2 avx2 avx512f avx512_bf16 avx512_vnni\n"
+CPUINFO_AVX_VNNI = "processor\t: 0\nflags\t\t: fpu sse2 avx2 avx_vnni\n"
+CPUINFO_SKYLAKE = "processor\t: 0\nflags\t\t: fpu sse2 avx2 avx512f avx512bw\n"
+CPUINFO_ZEN3 = "processor\t: 0\nflags\t\t: fpu sse2 avx2 fma\n"
+
+
 def fake_cpuinfo(monkeypatch, tmp_path: Path, text: str) -> None:
     """Make this test's /proc/cpuinfo `text` (`transformer.cpuinfo` reads it at each call): the
     dtype choices and the int8 input range follow the CPU's flags."""

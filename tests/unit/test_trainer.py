@@ -11,7 +11,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from fixtures import SHARED_DATA, fake_cpuinfo, prepare_slice
+from fixtures import (
+    CPUINFO_AMX,
+    CPUINFO_SKYLAKE,
+    CPUINFO_ZEN3,
+    CPUINFO_ZEN4,
+    SHARED_DATA,
+    fake_cpuinfo,
+    prepare_slice,
+)
 from transformer import checkpoint, rundir
 from transformer.batching import TokenBatchSampler
 from transformer.cli import main
@@ -171,12 +179,6 @@ def test_resume_in_process_is_exact(data_dir, tmp_path, dtype):
     assert not torch.are_deterministic_algorithms_enabled()  # process settings restored
     a, b = _params(straight), _params(split)
     assert all(torch.equal(a[k], b[k]) for k in a)
-
-
-CPUINFO_AMX = "processor\t: 0\nflags\t\t: fpu avx2 avx512f avx512_bf16 amx_bf16 amx_tile\n"
-CPUINFO_ZEN4 = "processor\t: 0\nflags\t\t: fpu avx2 avx512f avx512_bf16 avx512_vnni\n"
-CPUINFO_SKYLAKE = "processor\t: 0\nflags\t\t: fpu avx2 avx512f avx512bw\n"  # no bf16
-CPUINFO_ZEN3 = "processor\t: 0\nflags\t\t: fpu sse2 avx2 fma\n"
 
 
 @pytest.mark.parametrize(

@@ -12,7 +12,7 @@ from torch import nn
 
 import transformer.threads
 import transformer.translate
-from fixtures import fake_cpuinfo
+from fixtures import CPUINFO_AMX, CPUINFO_AVX_VNNI, CPUINFO_ZEN3, CPUINFO_ZEN4, fake_cpuinfo
 from transformer.cli import main
 from transformer.config import ConfigError, DecodeConfig, ModelConfig, RunConfig
 from transformer.data import read_lines
@@ -177,19 +177,6 @@ def test_bf16_and_int8(model_file):
         Translator.from_path(model_file, dtype="fp8")
 
 
-CPUINFO_AMX = """processor\t: 0
-vendor_id\t: GenuineIntel
-flags\t\t: fpu sse2 avx2 avx512f avx512_bf16 avx512_vnni amx_bf16 amx_tile amx_int8
-bugs\t\t: spectre_v1
-
-processor\t: 1
-flags\t\t: fpu sse2
-"""
-CPUINFO_NO_AMX = "processor\t: 0\nflags\t\t: fpu sse2 avx2 avx512f avx512_bf16 avx512_vnni\n"
-CPUINFO_AVX2_VNNI = "processor\t: 0\nflags\t\t: fpu sse2 avx2 avx_vnni\n"
-CPUINFO_AVX2 = "processor\t: 0\nflags\t\t: fpu sse2 avx2 fma\n"
-
-
 def test_streams_decode_batches_side_by_side_with_the_same_output(model_file, monkeypatch):
     # threads="auto" on >= 2 cores: jobs of >= 4 batches are decoded two batches at a time,
     # each search in its own thread; outputs and their order are those of one search at a time.
@@ -256,8 +243,8 @@ def test_translator_tuner_probes_one_unit_per_thread_count(model_file, monkeypat
 
 @pytest.mark.parametrize(
     ("cpuinfo", "expected"),
-    [(CPUINFO_AMX, "bf16"), (CPUINFO_NO_AMX, "int8"), (CPUINFO_AVX2_VNNI, "int8"),
-     (CPUINFO_AVX2, "fp32"), ("processor\t: 0\n", "fp32")],
+    [(CPUINFO_AMX, "bf16"), (CPUINFO_ZEN4, "int8"), (CPUINFO_AVX_VNNI, "int8"),
+     (CPUINFO_ZEN3, "fp32"), ("processor\t: 0\n", "fp32")],
 )  # fmt: skip
 def test_dtype_auto_is_bf16_with_amx_int8_with_vnni_else_fp32(
     model_file, tmp_path, monkeypatch, caplog, cpuinfo, expected
@@ -400,8 +387,8 @@ def test_int8_linear_is_close_to_the_fp32_product(reduce_range, dtype):
 
 @pytest.mark.parametrize(
     ("cpuinfo", "reduced"),
-    [(CPUINFO_AMX, False), (CPUINFO_NO_AMX, False), (CPUINFO_AVX2_VNNI, False),
-     (CPUINFO_AVX2, True), ("processor\t: 0\n", True)],
+    [(CPUINFO_AMX, False), (CPUINFO_ZEN4, False), (CPUINFO_AVX_VNNI, False),
+     (CPUINFO_ZEN3, True), ("processor\t: 0\n", True)],
 )  # fmt: skip
 def test_int8_reduce_range_follows_vnni(model_file, tmp_path, monkeypatch, cpuinfo, reduced):
     # `--dtype int8` on a CPU without VNNI (a Zen 3) must take 7-bit inputs in every layer.
