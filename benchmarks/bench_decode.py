@@ -9,7 +9,9 @@ Two workloads:
   and HuggingFace run in the same process when installed (`--peers ct2:int8,hf:fp32`), with
   their own random weights of the same shapes (speed only, no output agreement).
 * A real model on a real test set (`--model FILE --data DIR --split test`): normal search with
-  early stopping, and for each dtype the sacreBLEU of its output (int8's BLEU cost).
+  early stopping, and for each dtype the sacreBLEU of its output (int8's BLEU cost), the lines
+  that differ from the first dtype's and the spread of the BLEU change over paired bootstrap
+  resamples (the noise of comparing the two on this set).
 
     python benchmarks/bench_decode.py --w2 --reps 1
     python benchmarks/bench_decode.py --model runs/x/model.safetensors --data data/ende
@@ -142,7 +144,9 @@ def bench_w2(args) -> None:
 
 
 def bench_real(args) -> None:
-    from transformer.bleu import corpus_bleu
+    import numpy as np
+
+    from transformer.bleu import corpus_bleu, paired_bootstrap, sentence_stats
     from transformer.data import load_prepared
     from transformer.translate import Translator
 
@@ -154,17 +158,36 @@ def bench_real(args) -> None:
     print(f"\n{args.model} on {args.data} {args.split}: {len(sources)} sentences\n")
     print("| dtype | beam | sent/s | target tok/s | seconds | sacreBLEU |")
     print("|---|---:|---:|---:|---:|---:|")
-    for dtype in args.dtypes.split(","):
+    dtypes, beams = args.dtypes.split(","), [int(b) for b in args.beams.split(",")]
+    hyps: dict[tuple[str, int], list[str]] = {}
+    for dtype in dtypes:
         tr = Translator.from_path(args.model, dtype=dtype)
         tr.translate(sources[:16])  # warm-up
-        for beam in [int(b) for b in args.beams.split(",")]:
+        for beam in beams:
             t0 = time.perf_counter()
-            out = tr.translate(sources, beam_size=beam)
+            out = tr.translate(sources, beam_size=beam, length_penalty=args.alpha)
             sec = time.perf_counter() - t0
             n_tok = sum(len(n[0].tokens) + 1 for n in out)
-            bleu = corpus_bleu([n[0].text for n in out], refs).score
+            hyps[dtype, beam] = [n[0].text for n in out]
+            bleu = corpus_bleu(hyps[dtype, beam], refs).score
             print(f"| {dtype} | {beam} | {len(out) / sec:.1f} | {n_tok / sec:,.0f} | {sec:.1f} "
                   f"| {bleu:.2f} |", flush=True)  # fmt: skip
+    if len(dtypes) < 2:
+        return
+    # Each dtype's BLEU change from the first one, with the spread of that change over paired
+    # bootstrap resamples of the sentences: the noise of comparing the two on this set.
+    base = dtypes[0]
+    print(f"\n| dtype | beam | lines != {base} | BLEU change | 2.5th..97.5th percentile |")
+    print("|---|---:|---:|---:|---:|")
+    for beam in beams:
+        stats = [sentence_stats(hyps[d, beam], refs) for d in dtypes]
+        scores = [np.asarray(s) for s in paired_bootstrap(stats)]
+        for i, dtype in enumerate(dtypes[1:], start=1):
+            changed = sum(a != b for a, b in zip(hyps[dtype, beam], hyps[base, beam], strict=True))
+            change = corpus_bleu(hyps[dtype, beam], refs).score - corpus_bleu(
+                hyps[base, beam], refs).score  # fmt: skip
+            low, high = np.percentile(scores[i] - scores[0], [2.5, 97.5])
+            print(f"| {dtype} | {beam} | {changed} | {change:+.2f} | {low:+.2f}..{high:+.2f} |")
 
 
 def profile(args) -> None:
@@ -186,6 +209,7 @@ def main() -> None:
     ap.add_argument("--limit", type=int, help="first N sentences of the split")
     ap.add_argument("--dtypes", default="fp32,bf16,int8", help="any of auto,fp32,bf16,int8")
     ap.add_argument("--beams", default="4,1")
+    ap.add_argument("--alpha", type=float, help="length penalty (default: the model's)")
     ap.add_argument("--peers", default="ct2:int8", help="e.g. ct2:int8,ct2:float32,hf:fp32")
     ap.add_argument("--out-len", type=int, default=50)
     ap.add_argument("--reps", type=int, default=1)

@@ -26,7 +26,7 @@ from transformer.translate import (
     Int8Linear,
     Translator,
     auto_dtype,
-    int8_reduce_range,
+    int8_narrow_weights,
     quantize_int8,
 )
 
@@ -254,8 +254,9 @@ def test_dtype_auto_is_bf16_with_amx_int8_with_vnni_else_fp32(
     with caplog.at_level(logging.INFO, logger="transformer.translate"):
         tr = Translator.from_path(model_file, dtype="auto")
     assert tr.dtype_name == expected and f"dtype auto: {expected}" in caplog.text
-    if expected == "int8":  # every linear and the tied projection are int8, 8-bit inputs (VNNI)
-        assert isinstance(tr.model.projection, Int8Linear) and not tr.model.projection.reduce_range
+    if expected == "int8":  # every linear and the tied projection int8, 8-bit weights (VNNI)
+        proj = tr.model.projection
+        assert isinstance(proj, Int8Linear) and not proj.narrow_weights
         assert not any(type(m) is torch.nn.Linear for m in tr.model.modules())
     else:
         want = {"bf16": torch.bfloat16, "fp32": torch.float32}[expected]
@@ -363,41 +364,53 @@ def test_the_stop_rule_reaches_the_search(model_file, monkeypatch):
     assert seen == ["t2t", "t2t", "fairseq", "fairseq"]  # two batches each (max_tokens=40)
 
 
-@pytest.mark.parametrize("reduce_range", [None, True])
+@pytest.mark.parametrize("narrow", [None, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_int8_linear_is_close_to_the_fp32_product(reduce_range, dtype):
-    # None: the inputs' range quantize_int8 takes on this CPU (8 bits with VNNI, 7 without: 8-bit
-    # inputs saturate there, test_int8_reduce_range_follows_vnni).
-    reduce_range = int8_reduce_range() if reduce_range is None else reduce_range
+def test_int8_linear_is_close_to_the_fp32_product(narrow, dtype):
+    # None: the weights' range quantize_int8 takes on this CPU (8 bits with VNNI, 7 without:
+    # 8-bit weights and inputs saturate there, test_int8_weights_are_narrow_without_vnni).
+    narrow = int8_narrow_weights() if narrow is None else narrow
     g = torch.Generator().manual_seed(0)
     linear = nn.Linear(64, 48)
     with torch.no_grad():
         linear.weight.copy_(torch.randn(48, 64, generator=g) * torch.rand(48, 1, generator=g))
     x = torch.randn(5, 7, 64, generator=g)
-    q = Int8Linear(linear.weight, linear.bias, reduce_range)
+    q = Int8Linear(linear.weight, linear.bias, narrow)
     got = q(x.to(dtype))
     assert got.dtype == dtype and got.shape == (5, 7, 48)
     want = linear(x).detach()
     rel = (got.float() - want).norm() / want.norm()
-    assert rel < (0.03 if reduce_range else 0.02), rel  # 8-bit weights per row, 7-8-bit inputs
-    assert Int8Linear(linear.weight, None, reduce_range, torch.float32)(x.to(dtype)).dtype == (
+    assert rel < (0.02 if narrow else 0.015), rel  # 7-8-bit weights per row, 8-bit inputs
+    assert Int8Linear(linear.weight, None, narrow, torch.float32)(x.to(dtype)).dtype == (
         torch.float32
     )
 
 
+def test_narrow_int8_weights_do_not_saturate_on_any_cpu():
+    # The worst case for AVX2's int16 pair sums: inputs at the top of their 8-bit range (u8 255,
+    # zero point 0: ReLU outputs, the FFN's second layer) times weights at the top of theirs.
+    # With 7-bit weights the product is exact on every CPU, VNNI or not; 8-bit weights give
+    # 129.5 instead of 256 without VNNI (measured on a Zen 3).
+    w, x = torch.ones(8, 256), torch.ones(4, 256)
+    got = Int8Linear(w, None, narrow_weights=True)(x)
+    assert torch.allclose(got, torch.full((4, 8), 256.0)), got[0, :4]
+
+
 @pytest.mark.parametrize(
-    ("cpuinfo", "reduced"),
+    ("cpuinfo", "narrow"),
     [(CPUINFO_AMX, False), (CPUINFO_ZEN4, False), (CPUINFO_AVX_VNNI, False),
      (CPUINFO_ZEN3, True), ("processor\t: 0\n", True)],
 )  # fmt: skip
-def test_int8_reduce_range_follows_vnni(model_file, tmp_path, monkeypatch, cpuinfo, reduced):
-    # `--dtype int8` on a CPU without VNNI (a Zen 3) must take 7-bit inputs in every layer.
+def test_int8_weights_are_narrow_without_vnni(model_file, tmp_path, monkeypatch, cpuinfo, narrow):
+    # `--dtype int8` on a CPU without VNNI (a Zen 3) must take 7-bit weights in every layer.
     fake_cpuinfo(monkeypatch, tmp_path, cpuinfo)
-    assert int8_reduce_range() is reduced
-    assert int8_reduce_range({"avx2", "avx512_vnni"}) is False and int8_reduce_range(set())
+    assert int8_narrow_weights() is narrow
+    assert int8_narrow_weights({"avx2", "avx512_vnni"}) is False and int8_narrow_weights(set())
     q = quantize_int8(Translator.from_path(model_file).loaded.model)
     layers = [m for m in q.modules() if isinstance(m, Int8Linear)]
-    assert layers and {m.reduce_range for m in layers} == {reduced}
+    assert layers and {m.narrow_weights for m in layers} == {narrow}
+    assert all(m.packed.unpack()[0].int_repr().abs().max() == (63 if narrow else 127)
+               for m in layers)  # fmt: skip
 
 
 def test_quantize_int8_leaves_the_model_unchanged(model_file):
