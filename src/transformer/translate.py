@@ -38,8 +38,8 @@ from transformer.tokenizer import BOS_ID, EOS_ID, PAD_ID
 
 logger = logging.getLogger(__name__)
 
-# Decoding streams (`Translator._decode_streams`) only for jobs of at least this many batches per
-# stream: with fewer, one long batch can leave the other stream idle.
+# Decoding streams (`Translator._decode_streams`): at most one per this many batches of a job (none
+# below two streams' worth): with fewer, one long batch can leave the other streams idle.
 MIN_BATCHES_PER_STREAM = 2
 DTYPES = {**model_dtypes, "int8": "int8"}  # int8: dynamic quantization of the nn.Linear layers
 AUTO = "auto"
@@ -223,7 +223,9 @@ class Translator:
             # (search.TUNER_STEPS), and a translation job is often short.
             translator.tuner = resolve_threads(threads, probe_units=1)
             if translator.tuner is not None and translator.tuner.candidates[0] >= 2:
-                translator.streams = 2
+                # One stream per core and one more: the extra one runs while another holds
+                # the GIL between ops, or while a busy process holds a core (`_decode_streams`).
+                translator.streams = translator.tuner.candidates[0] + 1
         return translator
 
     def encode(self, lines: Sequence[str]) -> list[list[int]]:
@@ -305,12 +307,9 @@ class Translator:
         sources = self.encode(lines)
         results = [[[Translation("", [], 0.0)] for _ in lines] for _ in alphas]
         batches = list(self.batches(sources))
-        if (
-            self.streams > 1
-            and self.constrain is None
-            and len(batches) >= MIN_BATCHES_PER_STREAM * self.streams
-        ):
-            found = self._decode_streams(batches, sources, cfgs[0], alphas)
+        streams = min(self.streams, len(batches) // MIN_BATCHES_PER_STREAM)
+        if streams > 1 and self.constrain is None:
+            found = self._decode_streams(batches, sources, cfgs[0], alphas, streams)
         else:
             found = (self._decode(batch, sources, cfgs[0], self.tuner, alphas) for batch in batches)
         for batch, per_alpha in zip(batches, found, strict=True):
@@ -347,27 +346,32 @@ class Translator:
         sources: Sequence[list[int]],
         cfg: DecodeConfig,
         alphas: tuple[float, ...],
+        streams: int,
     ) -> list[list[list[list[tuple[list[int], float]]]]]:
         """`_decode` of every batch, `streams` batches at a time, each in its own Python thread
         with an equal share of torch's threads (one each on 2 cores).
 
-        Not in the paper. Two independent searches wait for nothing from each other, where
-        one search on two threads meets at a barrier in every operation: beside another busy
+        Not in the paper. Independent searches wait for nothing from each other, where one
+        search on two threads meets at a barrier in every operation: beside another busy
         process (which holds a core), those barriers wait for a thread that is not running.
         On 2 Zen 4 cores, Multi30k val (1,014 lines, int8, beam 4): two streams of one thread
         decoded 216 lines/s alone against 188 for one search on two threads, and 146 beside
-        a busy process (one thread: 128; two: 53). docs/performance.md, "Decoding streams".
+        a busy process (one thread: 128; two: 53). A third stream (the default on 2 cores,
+        `from_path`) fills the gaps where a stream holds the GIL between ops and takes 3 of the
+        4 runnable threads' shares beside a busy process: on 2 Zen 3 cores, val x2 in fp32,
+        median of 8, words/s alone 1,176 (2 streams) / 1,188 (3) / 1,152 (4), beside a busy
+        process 779 / 876 / 917. docs/performance.md, "Decoding streams".
         Torch ops release the GIL, so the streams run in parallel; each holds its own batch
-        (twice the decoding memory of one search).
+        (`streams` times the decoding memory of one search).
         """
         before = torch.get_num_threads()
-        torch.set_num_threads(max(1, before // self.streams))  # new threads inherit this count
+        torch.set_num_threads(max(1, before // streams))  # new threads inherit this count
 
         def work(batch: list[int]) -> list[list[list[tuple[list[int], float]]]]:
             with torch.inference_mode():  # thread-local: the caller's does not reach here
                 return self._decode(batch, sources, cfg, None, alphas)
 
-        pool = ThreadPoolExecutor(self.streams, thread_name_prefix="decode")
+        pool = ThreadPoolExecutor(streams, thread_name_prefix="decode")
         try:
             return list(pool.map(work, batches))
         finally:  # on an error or Ctrl-C, the batches not yet started are dropped, not run

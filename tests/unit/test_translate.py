@@ -178,8 +178,9 @@ def test_bf16_and_int8(model_file):
 
 
 def test_streams_decode_batches_side_by_side_with_the_same_output(model_file, monkeypatch):
-    # threads="auto" on >= 2 cores: jobs of >= 4 batches are decoded two batches at a time,
-    # each search in its own thread; outputs and their order are those of one search at a time.
+    # threads="auto" on 2 cores: 3 streams, at most one per 2 batches of a job (none for 1-3
+    # batches), each search in its own thread; outputs and their order are those of one search
+    # at a time.
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     monkeypatch.setattr(transformer.threads.os, "cpu_count", lambda: 2)
     before = torch.get_num_threads()
@@ -187,21 +188,34 @@ def test_streams_decode_batches_side_by_side_with_the_same_output(model_file, mo
     try:
         seq = Translator.from_path(model_file, threads=2)
         par = Translator.from_path(model_file, threads="auto")
-        assert seq.streams == 1 and par.streams == 2
+        assert seq.streams == 1 and par.streams == 3
         for tr in (seq, par):
             tr.decode = replace(tr.decode, max_tokens=24)  # several small batches
-        assert len(list(par.batches(par.encode(lines)))) >= 4
+        n_batches = len(list(par.batches(par.encode(lines))))
+        assert n_batches >= 6
         used = []
-        monkeypatch.setattr(par, "_decode_streams", lambda *a: used.append(1) or
+        monkeypatch.setattr(par, "_decode_streams", lambda *a: used.append(a[-1]) or
                             Translator._decode_streams(par, *a))  # fmt: skip
         for beam in (4, 1):
             want = seq.translate(lines, beam_size=beam)
             torch.set_num_threads(2)
             assert par.translate(lines, beam_size=beam) == want
             assert torch.get_num_threads() == 2  # restored after the streams
-        assert len(used) == 2
+        assert used == [3, 3]
+        four = next(
+            n for n in range(len(lines)) if len(list(par.batches(par.encode(lines[:n])))) == 4
+        )
+        got, want = (tr.translate(lines[:four], beam_size=4) for tr in (par, seq))
+        # one thread per stream against two: the same tokens, scores equal up to rounding
+        assert [[(t.text, t.tokens) for t in n] for n in got] == [
+            [(t.text, t.tokens) for t in n] for n in want
+        ]
+        assert [t.score for n in got for t in n] == pytest.approx(
+            [t.score for n in want for t in n]
+        )
+        assert used == [3, 3, 2]  # 4 batches: two streams
         assert par.translate(lines[:2]) == seq.translate(lines[:2])  # one batch: no streams
-        assert len(used) == 2
+        assert used == [3, 3, 2]
     finally:
         torch.set_num_threads(before)
 
