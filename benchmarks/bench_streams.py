@@ -1,0 +1,69 @@
+"""Decoding streams: words/s of `Translator.translate` with 2, 3, 4 ... streams, alone and beside
+one busy process, in one process, rounds interleaved (docs/performance.md, "Decoding streams").
+
+    .venv/bin/python benchmarks/bench_streams.py --model MODEL --rounds 8
+    .venv/bin/python benchmarks/bench_streams.py --model MODEL --streams 2,3 --dtype int8
+
+The CLI sets the count itself (`Translator.from_path` with `--threads auto`: one stream per core
+and one more); this sets `Translator.streams` per run to compare counts on the same job.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from transformer.cpuinfo import cpu_line
+from transformer.translate import Translator
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", type=Path, required=True, help="a trained model file")
+    p.add_argument("--src", type=Path, default=Path("../shared/data/multi30k/val.en"))
+    p.add_argument("--repeat", type=int, default=2, help="translate the lines this many times")
+    p.add_argument("--streams", default="2,3,4")
+    p.add_argument("--rounds", type=int, default=8)
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--beam", type=int, help="default: the model's")
+    args = p.parse_args()
+    lines = args.src.read_text(encoding="utf-8").splitlines() * args.repeat
+    counts = [int(s) for s in args.streams.split(",")]
+    tr = Translator.from_path(args.model, dtype=args.dtype, threads="auto")
+    tr.translate(lines[:200], beam_size=args.beam)  # warm-up
+    print(f"# {cpu_line()}; {len(lines)} lines, dtype {tr.dtype_name}, {args.rounds} rounds")
+
+    def rate(streams: int) -> float:
+        tr.streams = streams
+        start = time.perf_counter()
+        out = tr.translate(lines, beam_size=args.beam)
+        return sum(len(n[0].text.split()) for n in out) / (time.perf_counter() - start)
+
+    medians = {}
+    for busy in (False, True):
+        other = subprocess.Popen([sys.executable, "-c", "while True: pass"]) if busy else None
+        try:
+            rates: dict[int, list[float]] = {n: [] for n in counts}
+            for _ in range(args.rounds):
+                for n in counts:
+                    rates[n].append(rate(n))
+        finally:
+            if other is not None:
+                other.kill()
+                other.wait()
+        for n, r in rates.items():
+            medians[busy, n] = statistics.median(r)
+            where = "beside a busy process" if busy else "alone"
+            print(f"{n} streams, {where:21s}: median {medians[busy, n]:6.0f} words/s "
+                  f"({min(r):.0f}-{max(r):.0f})", flush=True)  # fmt: skip
+    for n in counts:
+        print(f"{n} streams: kept {100 * medians[True, n] / medians[False, n]:.1f}% of its own "
+              f"alone rate")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
