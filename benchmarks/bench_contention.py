@@ -24,6 +24,8 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from transformer.cpuinfo import cpu_line  # torch-free: this parent only starts CLI processes
@@ -38,6 +40,18 @@ def _cli(args: list[str], env: dict | None = None) -> tuple[float, str]:
     if done.returncode != 0:
         raise SystemExit(f"transformer {args[0]} failed:\n{done.stderr[-2000:]}")
     return time.perf_counter() - start, done.stdout
+
+
+@contextmanager
+def busy_process() -> Iterator[None]:
+    """`python -c 'while True: pass'` running beside the block (given a second to start)."""
+    busy = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        time.sleep(1.0)
+        yield
+    finally:
+        busy.kill()
+        busy.wait()
 
 
 def train_rate(data: Path, steps: int, threads: list[str], preset: str = "quickstart") -> float:
@@ -111,13 +125,8 @@ def main() -> None:
         if args.only and not name.startswith(args.only):
             continue
         alone = run()
-        busy = subprocess.Popen([sys.executable, "-c", "while True: pass"])
-        try:
-            time.sleep(1.0)
+        with busy_process():
             beside = run()
-        finally:
-            busy.kill()
-            busy.wait()
         results[name] = (alone, beside)
         print(f"{name:>18}: alone {alone:8.0f}   beside a busy process {beside:8.0f}   "
               f"kept {beside / alone:6.1%}", flush=True)  # fmt: skip

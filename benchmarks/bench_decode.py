@@ -160,6 +160,7 @@ def bench_real(args) -> None:
     print("|---|---:|---:|---:|---:|---:|")
     dtypes, beams = args.dtypes.split(","), [int(b) for b in args.beams.split(",")]
     hyps: dict[tuple[str, int], list[str]] = {}
+    bleus: dict[tuple[str, int], float] = {}
     for dtype in dtypes:
         tr = Translator.from_path(args.model, dtype=dtype)
         tr.translate(sources[:16])  # warm-up
@@ -169,9 +170,9 @@ def bench_real(args) -> None:
             sec = time.perf_counter() - t0
             n_tok = sum(len(n[0].tokens) + 1 for n in out)
             hyps[dtype, beam] = [n[0].text for n in out]
-            bleu = corpus_bleu(hyps[dtype, beam], refs).score
+            bleus[dtype, beam] = corpus_bleu(hyps[dtype, beam], refs).score
             print(f"| {dtype} | {beam} | {len(out) / sec:.1f} | {n_tok / sec:,.0f} | {sec:.1f} "
-                  f"| {bleu:.2f} |", flush=True)  # fmt: skip
+                  f"| {bleus[dtype, beam]:.2f} |", flush=True)  # fmt: skip
     if len(dtypes) < 2:
         return
     # Each dtype's BLEU change from the first one, with the spread of that change over paired
@@ -184,8 +185,7 @@ def bench_real(args) -> None:
         scores = [np.asarray(s) for s in paired_bootstrap(stats)]
         for i, dtype in enumerate(dtypes[1:], start=1):
             changed = sum(a != b for a, b in zip(hyps[dtype, beam], hyps[base, beam], strict=True))
-            change = corpus_bleu(hyps[dtype, beam], refs).score - corpus_bleu(
-                hyps[base, beam], refs).score  # fmt: skip
+            change = bleus[dtype, beam] - bleus[base, beam]
             low, high = np.percentile(scores[i] - scores[0], [2.5, 97.5])
             print(f"| {dtype} | {beam} | {changed} | {change:+.2f} | {low:+.2f}..{high:+.2f} |")
 

@@ -12,12 +12,11 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import subprocess
-import sys
 import time
+from contextlib import nullcontext
 from pathlib import Path
 
-from transformer.cpuinfo import cpu_line
+from bench_contention import busy_process, cpu_line  # this script's folder is on sys.path
 from transformer.translate import Translator
 
 
@@ -45,16 +44,11 @@ def main() -> None:
 
     medians = {}
     for busy in (False, True):
-        other = subprocess.Popen([sys.executable, "-c", "while True: pass"]) if busy else None
-        try:
-            rates: dict[int, list[float]] = {n: [] for n in counts}
+        rates: dict[int, list[float]] = {n: [] for n in counts}
+        with busy_process() if busy else nullcontext():
             for _ in range(args.rounds):
                 for n in counts:
                     rates[n].append(rate(n))
-        finally:
-            if other is not None:
-                other.kill()
-                other.wait()
         for n, r in rates.items():
             medians[busy, n] = statistics.median(r)
             where = "beside a busy process" if busy else "alone"
