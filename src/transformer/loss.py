@@ -132,6 +132,9 @@ class _ChunkedProjectionLoss(torch.autograd.Function):
             grad_weight.add_(probs.t() @ h)  # (V, D) fp32 += bf16 in one pass
             grad_weight.index_add_(0, t, h.float(), alpha=-on_target)
             h_sum += h.float().sum(0)
+            # Freed before the next chunk's logits are made, not when the name is rebound
+            # after its softmax: otherwise three (n, V) blocks are alive at once.
+            del probs
         if need_grad:
             grad_weight -= eps_other * h_sum  # q's eps_other part, for every class at once
             ctx.save_for_backward(grad_hidden, grad_weight.to(weight.dtype))
