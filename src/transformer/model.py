@@ -342,7 +342,7 @@ class PositionwiseFeedForward(nn.Module):
         self.w_2 = nn.Linear(d_ff, d_model)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w_2(F.relu(self.w_1(x)))  # (B, T, d_ff) inside
+        return self.w_2(F.relu(self.w_1(x), inplace=True))  # (B, T, d_ff) inside
 
 
 def sinusoid_table(max_len: int, d_model: int) -> torch.Tensor:
@@ -378,6 +378,72 @@ class PositionalEncoding(nn.Module):
         return self.table[offset : offset + t]
 
 
+# `layer_norm` keeps its output for backward, not its input, while every |gain| is at least
+# this fraction of the largest |bias| (the recovered x_hat then errs by under ~2^-13, far
+# below the gradient's own rounding; see there) and at least GAIN_FLOOR.
+GAIN_TO_BIAS = 2.0**-10
+GAIN_FLOOR = 1e-6
+
+
+def layer_norm(norm: nn.LayerNorm, x: torch.Tensor) -> torch.Tensor:
+    """norm(x), with the same values; when training in fp32 on the CPU, keeping for backward
+    the output instead of the input (`_LayerNormKeepOutput`).
+
+    Every LayerNorm's output is also the input of the product that follows (W^Q, W^KV, W_1)
+    or of the loss, which keep it anyway: saving the output instead of the input drops one
+    (N, D) tensor per sub-layer, ~8% of a base step's activations (fp32 peak memory, W3, in
+    docs/performance.md). Elsewhere `norm(x)`: in bf16 the output has 8 bits, too few to
+    recover the input's normalized values from; on CUDA the gain check below would stall the
+    stream; a compiled model (torch.compile) traces `norm` itself.
+    """
+    if (
+        torch.is_grad_enabled()
+        and x.requires_grad
+        and x.dtype == torch.float32
+        and x.device.type == "cpu"
+        and norm.weight is not None
+        and norm.bias is not None
+        and not torch.compiler.is_compiling()
+    ):
+        gain = float(norm.weight.detach().abs().min())
+        if gain >= max(GAIN_FLOOR, GAIN_TO_BIAS * float(norm.bias.detach().abs().max())):
+            return _LayerNormKeepOutput.apply(x, norm.weight, norm.bias, norm.eps)
+    return norm(x)
+
+
+class _LayerNormKeepOutput(torch.autograd.Function):
+    """LayerNorm over the last dimension that saves y = gain * x_hat + bias, not x.
+
+    Backward recovers x_hat = (y - bias) / gain and calls PyTorch's own LayerNorm backward
+    with it as the input, mean 0 and 1 / std 1, which gives d gain = sum g x_hat and d bias =
+    sum g exactly as from x, and d x divided by the row's true 1 / std, multiplied back here.
+    In fp32 x_hat differs from the native one by the rounding of y: |error| <= 2^-24 (|x_hat| +
+    |bias| / |gain|), under 2^-13 with the gains `layer_norm` allows and |x_hat| <= sqrt(D).
+    (The memory-efficient LayerNorm of Apex and Megatron-LM, there an option; here chosen only
+    where it is exact enough.)
+    """
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, eps):  # noqa: D102
+        y, _, rstd = torch.native_layer_norm(x, weight.shape, weight, bias, eps)
+        ctx.save_for_backward(y, weight, bias, rstd)
+        return y
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad: torch.Tensor):  # noqa: D102
+        y, weight, bias, rstd = ctx.saved_tensors
+        x_hat = (y - bias).div_(weight)
+        grad_x, grad_w, grad_b = torch.ops.aten.native_layer_norm_backward(
+            grad.contiguous(), x_hat, weight.shape, torch.zeros_like(rstd),
+            torch.ones_like(rstd), weight, bias,
+            [ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[2]],
+        )  # fmt: skip
+        if grad_x is not None:
+            grad_x = grad_x.mul_(rstd)
+        return grad_x, grad_w, grad_b, None
+
+
 class _Residual(nn.Module):
     """One sub-layer connection: post-norm LayerNorm(x + Dropout(f(x))) (§3.1, §5.4), or
     pre-norm x + Dropout(f(LayerNorm(x))) when norm_first (not in the paper)."""
@@ -389,8 +455,8 @@ class _Residual(nn.Module):
 
     def forward(self, x: torch.Tensor, sublayer) -> torch.Tensor:
         if self.norm_first:
-            return x + dropout(sublayer(self.norm(x)), self.p_drop, self.training)
-        return self.norm(x + dropout(sublayer(x), self.p_drop, self.training))
+            return x + dropout(sublayer(layer_norm(self.norm, x)), self.p_drop, self.training)
+        return layer_norm(self.norm, x + dropout(sublayer(x), self.p_drop, self.training))
 
 
 class EncoderLayer(nn.Module):
@@ -588,7 +654,7 @@ class Transformer(nn.Module):
             mask = mask & window_mask(src.size(1), self.cfg.attn_window, src.device)
         for layer in self.encoder_layers:
             x = layer(x, mask, weights, packing)
-        return x if self.encoder_norm is None else self.encoder_norm(x)
+        return x if self.encoder_norm is None else layer_norm(self.encoder_norm, x)
 
     def decode_hidden(
         self,
@@ -619,7 +685,7 @@ class Transformer(nn.Module):
             for i, layer in enumerate(self.decoder_layers):
                 x = layer.step(x, memory, cache, i)
             cache.length += tgt.size(1)
-        return x if self.decoder_norm is None else self.decoder_norm(x)
+        return x if self.decoder_norm is None else layer_norm(self.decoder_norm, x)
 
     def output_weight(self) -> torch.Tensor:
         """The pre-softmax projection (V, D): the target embedding (§3.4)."""
@@ -668,7 +734,7 @@ class Transformer(nn.Module):
         memory_mask = src_mask[:, None, None, :]
         for layer in self.decoder_layers:
             x = layer(x, memory, memory_mask, packings=(tp, sp))
-        x = x if self.decoder_norm is None else self.decoder_norm(x)
+        x = x if self.decoder_norm is None else layer_norm(self.decoder_norm, x)
         return tp.real_rows(x)  # (N, D): the real target positions
 
     def _embed_packed(self, tokens, embed: nn.Embedding, pos: PositionalEncoding, p: Packing):

@@ -13,8 +13,10 @@ from transformer.model import (
     Packing,
     PositionalEncoding,
     Transformer,
+    _LayerNormKeepOutput,
     attention,
     causal_mask,
+    layer_norm,
     sinusoid_table,
 )
 
@@ -485,3 +487,89 @@ def test_dropout_drops_at_rate_p_and_rescales_the_rest():
     assert torch.equal(y.detach(), ref) and y.dtype == torch.bfloat16
     assert torch.equal(x.grad, (g.masked_fill(drop, 0.0) * (1 / 0.7)))
     assert abs(drop.float().mean().item() - 0.3) < 0.05
+
+
+def _saved_storages(fn) -> tuple[list[int], torch.Tensor]:
+    """The data pointers of the tensors that autograd keeps for backward while running fn."""
+    saved: list[int] = []
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        saved.append(t.untyped_storage().data_ptr())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn()
+    return saved, out
+
+
+def _norm(d: int, gain_scale: float = 1.0, bias_scale: float = 0.5) -> torch.nn.LayerNorm:
+    norm = torch.nn.LayerNorm(d)
+    with torch.no_grad():
+        norm.weight.copy_(
+            (torch.rand(d) + 0.2) * gain_scale * torch.where(torch.rand(d) < 0.3, -1, 1)
+        )
+        norm.bias.copy_(torch.randn(d) * bias_scale)
+    return norm
+
+
+def test_layer_norm_keeping_its_output_matches_pytorch_forward_and_backward():
+    # Training in fp32 on the CPU: same output bit for bit, gradients to fp32 rounding.
+    torch.manual_seed(0)
+    norm = _norm(64)
+    x = (torch.randn(37, 64) * 3 + 1).requires_grad_()
+    g = torch.randn(37, 64)
+    results = []
+    for fn in (lambda: norm(x), lambda: layer_norm(norm, x)):
+        x.grad = None
+        norm.zero_grad()
+        y = fn()
+        y.backward(g)
+        results.append((y.detach(), x.grad, norm.weight.grad, norm.bias.grad))
+    (y0, *grads0), (y1, *grads1) = results
+    assert torch.equal(y0, y1)
+    for a, b in zip(grads0, grads1, strict=True):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
+
+
+def test_layer_norm_keeping_its_output_gradcheck():
+    torch.manual_seed(0)
+    x = torch.randn(5, 8, dtype=torch.float64, requires_grad=True)
+    w = (torch.rand(8, dtype=torch.float64) + 0.5).requires_grad_()
+    b = torch.randn(8, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda *a: _LayerNormKeepOutput.apply(*a, 1e-5), (x, w, b))
+
+
+def test_layer_norm_saves_its_output_not_its_input():
+    torch.manual_seed(0)
+    norm = _norm(16)
+    x = torch.randn(6, 16, requires_grad=True) * 2  # a non-leaf, as inside the model
+    saved, y = _saved_storages(lambda: layer_norm(norm, x))
+    assert y.untyped_storage().data_ptr() in saved
+    assert x.untyped_storage().data_ptr() not in saved
+    with torch.no_grad():  # decoding: PyTorch's own, nothing kept
+        torch.testing.assert_close(layer_norm(norm, x), norm(x), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("case", ["gain_small_for_bias", "gain_zero", "bf16", "no_grad"])
+def test_layer_norm_keeps_its_input_where_the_output_cannot_give_it_back(case):
+    # x_hat = (y - bias) / gain loses the precision of y by |bias| / |gain|; with a gain below
+    # 2^-10 of the largest |bias|, or zero, or in bf16 (8-bit y), PyTorch's own LayerNorm runs
+    # and keeps the input.
+    torch.manual_seed(0)
+    norm = _norm(16)
+    x = torch.randn(6, 16, requires_grad=True) * 2
+    with torch.no_grad():
+        if case == "gain_small_for_bias":
+            norm.bias[3] = 10.0
+            norm.weight[5] = 9.0 * 2.0**-10
+        elif case == "gain_zero":
+            norm.bias.zero_()
+            norm.weight[0] = 0.0
+    if case == "bf16":
+        norm, x = norm.bfloat16(), x.bfloat16()
+    if case == "no_grad":
+        x = x.detach()
+    saved, y = _saved_storages(lambda: layer_norm(norm, x))
+    assert torch.equal(y, norm(x))
+    if case != "no_grad":
+        assert x.untyped_storage().data_ptr() in saved
