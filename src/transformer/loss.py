@@ -131,7 +131,10 @@ class _ChunkedProjectionLoss(torch.autograd.Function):
             g_h = (probs @ weight).float()  # (n, D)
             g_h -= eps_other * w_sum + on_target * weight.index_select(0, t).float()
             grad_hidden[start:stop] = g_h
-            grad_weight.add_(probs.t() @ h)  # (V, D) fp32 += bf16 in one pass
+            if probs.dtype == grad_weight.dtype:  # fp32: accumulated by the product itself
+                grad_weight.addmm_(probs.t(), h)  # no (V, D) temporary (62.5 MiB, base)
+            else:
+                grad_weight.add_(probs.t() @ h)  # (V, D) fp32 += bf16 in one pass
             grad_weight.index_add_(0, t, h.float(), alpha=-on_target)
             h_sum += h.float().sum(0)
             # Freed before the next chunk's logits are made, not when the name is rebound
