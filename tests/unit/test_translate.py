@@ -439,3 +439,27 @@ def test_quantize_int8_leaves_the_model_unchanged(model_file):
     assert logits.dtype == torch.float32  # the projection's output, for the log-softmax
     want = loaded.model.decode(torch.tensor([[BOS_ID]]), loaded.model.encode(src, src > 0), src > 0)
     assert (logits - want).norm() / want.norm() < 0.05
+
+
+def test_int8_error_study_simulates_the_int8_kernels():
+    # benchmarks/int8_error_parts.py attributes int8's BLEU cost to weights and inputs by
+    # simulating each rounding in fp32; its full variant must be what Int8Linear computes
+    # (up to the kernels' accumulation order) with the weights this CPU takes (7 bits without
+    # VNNI, where 8 would saturate the kernel's int16 pair sums).
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "int8_error_parts.py"
+    spec = importlib.util.spec_from_file_location("int8_error_parts", path)
+    study = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(study)
+    torch.manual_seed(0)
+    weight, bias = torch.randn(48, 64) * 0.1, torch.randn(48) * 0.1
+    x = torch.randn(10, 64) + 0.3
+    narrow = int8_narrow_weights()
+    got = study.FakeInt8Linear(weight, bias, 63.0 if narrow else 127.0, "tensor")(x)
+    kernels = Int8Linear(weight, bias, narrow)(x)
+    exact = torch.nn.functional.linear(x, weight, bias)
+    assert (got - kernels).abs().max() < 0.01 * (got - exact).abs().max()
+    rows = study.fake_quantize_inputs(x, "token")
+    assert (rows - x).abs().max() < (study.fake_quantize_inputs(x, "tensor") - x).abs().max()
