@@ -389,12 +389,12 @@ def layer_norm(norm: nn.LayerNorm, x: torch.Tensor) -> torch.Tensor:
     """norm(x), with the same values; when training in fp32 on the CPU, keeping for backward
     the output instead of the input (`_LayerNormKeepOutput`).
 
-    Every LayerNorm's output is also the input of the product that follows (W^Q, W^KV, W_1)
-    or of the loss, which keep it anyway: saving the output instead of the input drops one
-    (N, D) tensor per sub-layer, ~8% of a base step's activations (fp32 peak memory, W3, in
-    docs/performance.md). Elsewhere `norm(x)`: in bf16 the output has 8 bits, too few to
-    recover the input's normalized values from; on CUDA the gain check below would stall the
-    stream; a compiled model (torch.compile) traces `norm` itself.
+    Every LayerNorm's output but the last is also the input of the product that follows
+    (W^Q, W^KV, W_1), which keeps it anyway: saving the output instead of the input drops one
+    (N, D) tensor per sub-layer, ~12% of a base step's saved activations (fp32 peak memory, W3,
+    in docs/performance.md). Elsewhere `norm(x)`: in bf16 the output has 8 bits, too few to
+    recover the input's normalized values from; on CUDA reading the gains on the host would
+    stall the stream; a compiled model (torch.compile) traces `norm` itself.
     """
     if (
         torch.is_grad_enabled()
