@@ -34,7 +34,7 @@ from transformer.config import ModelConfig  # noqa: E402
 from transformer.model import Transformer  # noqa: E402
 from transformer.search import ModelStepper, beam_steps, greedy_steps  # noqa: E402
 from transformer.tokenizer import EOS_ID, PAD_ID  # noqa: E402
-from transformer.translate import auto_dtype, quantize_int8  # noqa: E402
+from transformer.translate import auto_dtype, packed_projection, quantize_int8  # noqa: E402
 
 PEERS_DIR = "/work/shared/peers"
 
@@ -64,7 +64,9 @@ def base_model(dtype: str) -> Transformer:
         return model.to(torch.bfloat16)
     if dtype == "int8":
         return quantize_int8(model)
-    return model
+    if dtype == "fp32-unpacked":  # F.linear (MKL) for the projection, as before PackedLinear
+        return model
+    return packed_projection(model)  # fp32 as `transformer translate` decodes it
 
 
 def w2_source(n: int = 64, length: int = 30, jitter: int = 4, vocab: int = 32000):
@@ -207,7 +209,11 @@ def main() -> None:
     ap.add_argument("--data", help="its prepared data directory")
     ap.add_argument("--split", default="test")
     ap.add_argument("--limit", type=int, help="first N sentences of the split")
-    ap.add_argument("--dtypes", default="fp32,bf16,int8", help="any of auto,fp32,bf16,int8")
+    ap.add_argument(
+        "--dtypes",
+        default="fp32,bf16,int8",
+        help="any of auto,fp32,bf16,int8 (W2 also fp32-unpacked)",
+    )
     ap.add_argument("--beams", default="4,1")
     ap.add_argument("--alpha", type=float, help="length penalty (default: the model's)")
     ap.add_argument("--peers", default="ct2:int8", help="e.g. ct2:int8,ct2:float32,hf:fp32")

@@ -255,7 +255,9 @@ def forced_length_search(
 class Infer:
     """`bench_infer.py --variants ext:peers_adapter:Infer:<fp32|bf16|int8|int8-bf16|auto>`.
 
-    fp32: our model as loaded; bf16: all weights bf16; int8: `translate.quantize_int8`
+    fp32: our model as loaded, its projection packed for oneDNN as `transformer translate`
+    does (`translate.packed_projection`); fp32-unpacked: without that (F.linear, MKL); bf16:
+    all weights bf16; int8: `translate.quantize_int8`
     (int8 weights in every nn.Linear and the tied projection, fp32 activations); int8-bf16: the
     same with bf16 activations (embeddings, LayerNorm, attention, cache); auto: what
     `transformer translate` picks on this machine (`translate.auto_dtype`: bf16 with AMX, int8
@@ -275,8 +277,12 @@ class Infer:
 
             activations = torch.bfloat16 if variant == "int8-bf16" else torch.float32
             model = quantize_int8(model, activations=activations)
-        elif variant != "fp32":
-            choices = "fp32, bf16, int8, int8-bf16 or auto"
+        elif variant == "fp32":
+            from transformer.translate import packed_projection
+
+            model = packed_projection(model)
+        elif variant != "fp32-unpacked":
+            choices = "fp32, fp32-unpacked, bf16, int8, int8-bf16 or auto"
             raise ValueError(f"variant must be {choices}, got {variant!r}")
         self.model, self.pad = model, model.cfg.vocab_size - 1
         self.note = f"transformer (ours) {variant}, forced-length search over ModelStepper"

@@ -24,6 +24,7 @@ from transformer.search import beam_search, beam_search_alphas, greedy_search
 from transformer.tokenizer import BOS_ID, EOS_ID, PAD_ID, UNK_ID
 from transformer.translate import (
     Int8Linear,
+    PackedLinear,
     Translator,
     auto_dtype,
     int8_narrow_weights,
@@ -274,7 +275,12 @@ def test_dtype_auto_is_bf16_with_amx_int8_with_vnni_else_fp32(
         assert not any(type(m) is torch.nn.Linear for m in tr.model.modules())
     else:
         want = {"bf16": torch.bfloat16, "fp32": torch.float32}[expected]
-        assert tr.model.output_weight().dtype == want and tr.model.projection is None
+        assert tr.model.output_weight().dtype == want
+        # fp32: the projection through oneDNN with the weights packed once (PackedLinear)
+        packed = expected == "fp32" and torch.backends.mkldnn.is_available()
+        assert (
+            isinstance(tr.model.projection, PackedLinear) if packed else tr.model.projection is None
+        )
     assert len(tr.translate_lines(LINES)) == 4
 
 
@@ -463,3 +469,31 @@ def test_int8_error_study_simulates_the_int8_kernels():
     assert (got - kernels).abs().max() < 0.01 * (got - exact).abs().max()
     rows = study.fake_quantize_inputs(x, "token")
     assert (rows - x).abs().max() < (study.fake_quantize_inputs(x, "tensor") - x).abs().max()
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_packed_linear_equals_linear(bias):
+    # oneDNN's product with the weights packed once: fp32 sums in another order, any rows.
+    torch.manual_seed(0)
+    weight = torch.randn(300, 48)
+    b = torch.randn(300) if bias else None
+    layer = PackedLinear(weight, b)
+    for shape in [(1, 48), (5, 48), (2, 7, 48), (130, 48)]:
+        x = torch.randn(*shape)
+        want = torch.nn.functional.linear(x, weight, b)
+        got = layer(x)
+        assert got.shape == want.shape and got.dtype == torch.float32
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_packed_projection_shares_the_parameters_and_leaves_the_model_alone(model_file):
+    from transformer.translate import packed_projection
+
+    assert torch.backends.mkldnn.is_available()  # every CPU build of torch has oneDNN
+    model = Translator.from_path(model_file, dtype="bf16").loaded.model.float().eval()
+    packed = packed_projection(model)
+    assert model.projection is None and isinstance(packed.projection, PackedLinear)
+    assert packed.output_weight() is model.output_weight()  # no copy of the parameters
+    hidden = torch.randn(3, 4, model.cfg.d_model)
+    torch.testing.assert_close(packed.project(hidden), model.project(hidden), rtol=1e-5, atol=1e-5)
+    assert packed_projection(packed) is packed  # a projection already there is kept
