@@ -124,21 +124,20 @@ class _ChunkedProjectionLoss(torch.autograd.Function):
             # As smoothed_target_loss: (1 - eps) * nll + eps_other * (total - nll).
             loss += ((1.0 - eps) * row_nll + eps_other * (total - row_nll)).sum()
             nll += row_nll.sum()
-            if not need_grad:
-                continue
-            # d loss / d logits = softmax - q. q (eps_other everywhere, 1 - eps at the target)
-            # is applied to the (n, D) and (V, D) products below instead of to the logits.
-            g_h = (probs @ weight).float()  # (n, D)
-            g_h -= eps_other * w_sum + on_target * weight.index_select(0, t).float()
-            grad_hidden[start:stop] = g_h
-            if probs.dtype == grad_weight.dtype:  # fp32: accumulated by the product itself
-                grad_weight.addmm_(probs.t(), h)  # no (V, D) temporary (62.5 MiB, base)
-            else:
-                grad_weight.add_(probs.t() @ h)  # (V, D) fp32 += bf16 in one pass
-            grad_weight.index_add_(0, t, h.float(), alpha=-on_target)
-            h_sum += h.float().sum(0)
-            # Freed before the next chunk's logits are made, not when the name is rebound
-            # after them: otherwise two (n, V) blocks are alive at once.
+            if need_grad:
+                # d loss / d logits = softmax - q. q (eps_other everywhere, 1 - eps at the target)
+                # is applied to the (n, D) and (V, D) products below instead of to the logits.
+                g_h = (probs @ weight).float()  # (n, D)
+                g_h -= eps_other * w_sum + on_target * weight.index_select(0, t).float()
+                grad_hidden[start:stop] = g_h
+                if probs.dtype == grad_weight.dtype:  # fp32: accumulated by the product itself
+                    grad_weight.addmm_(probs.t(), h)  # no (V, D) temporary (62.5 MiB, base)
+                else:
+                    grad_weight.add_(probs.t() @ h)  # (V, D) fp32 += bf16 in one pass
+                grad_weight.index_add_(0, t, h.float(), alpha=-on_target)
+                h_sum += h.float().sum(0)
+            # Freed before the next chunk's logits are made (with or without the gradient), not
+            # when the name is rebound after them: otherwise two (n, V) blocks are alive at once.
             del probs
         if need_grad:
             grad_weight -= eps_other * h_sum  # q's eps_other part, for every class at once

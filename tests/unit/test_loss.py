@@ -164,7 +164,8 @@ def test_chunked_on_cuda_equals_cpu():
     torch.testing.assert_close(w.grad.cpu(), weight.grad, rtol=1e-4, atol=1e-6)
 
 
-def test_chunked_holds_one_vocabulary_block_at_a_time():
+@pytest.mark.parametrize("grad", [True, False])  # training, and validation's loss
+def test_chunked_holds_one_vocabulary_block_at_a_time(grad):
     # Memory: a chunk's softmax is written over its logits, and freed before the next chunk's
     # logits are made (a new softmax and a name only rebound after the next chunk's logits
     # kept three (n, V) blocks alive at once: ~300 MiB of a base fp32 step's peak, W3). Every
@@ -191,11 +192,11 @@ def test_chunked_holds_one_vocabulary_block_at_a_time():
             return out
 
     torch.manual_seed(0)
-    hidden = torch.randn(4 * n, 16, requires_grad=True)
-    weight = torch.randn(vocab, 16, requires_grad=True)
+    hidden = torch.randn(4 * n, 16, requires_grad=grad)
+    weight = torch.randn(vocab, 16, requires_grad=grad)
     target = torch.randint(1, vocab, (4 * n,))
     ref_loss, _ = _reference(hidden, weight, target, 0.1)
-    with Watch():
+    with Watch(), torch.set_grad_enabled(grad):
         loss, _ = chunked_label_smoothed_loss(hidden, weight, target, 0.1, n)
     assert peak[0] == 1
     torch.testing.assert_close(loss, ref_loss)
