@@ -138,10 +138,11 @@ class PackedLinear(nn.Module):
     (`torch.ops.mkldnn._reorder_linear_weight`), for decoding, where the weights are constant.
 
     The pre-softmax projection of a greedy decoder step, (64, 512) x (512, 32,000), ran at
-    ~77 GFLOP/s through MKL and ~126 this way (AMD EPYC Zen 3, 2 threads); W2 greedy in fp32
-    +22% (docs/performance.md). The values are fp32 products summed in another order: equal to
-    F.linear's to ~1e-6 relative. A copy of W in the packed layout (V x D fp32: 62.5 MiB at
-    V = 32,000, D = 512). rows: the batch rows oneDNN chooses its layout for.
+    ~77 GFLOP/s through MKL and ~126 this way (AMD EPYC Zen 3, 2 threads); W2 in fp32, peers'
+    harness: greedy +9%, beam 4 +13% (docs/performance.md). The values are fp32 products
+    summed in another order: equal to F.linear's to ~1e-6 relative. A copy of W in the packed
+    layout (V x D fp32: 62.5 MiB at V = 32,000, D = 512). rows: the batch rows oneDNN chooses
+    its layout for.
     """
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, rows: int = 64):
