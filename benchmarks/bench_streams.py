@@ -30,6 +30,9 @@ def main() -> None:
     p.add_argument("--dtype", default="auto")
     p.add_argument("--beam", type=int, help="default: the model's")
     args = p.parse_args()
+    for path in (args.model, args.src):
+        if not path.is_file():
+            p.error(f"{path}: no such file")
     lines = args.src.read_text(encoding="utf-8").splitlines() * args.repeat
     counts = [int(s) for s in args.streams.split(",")]
     tr = Translator.from_path(args.model, dtype=args.dtype, threads="auto")

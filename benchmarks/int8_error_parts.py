@@ -70,9 +70,15 @@ class FakeInt8Linear(nn.Module):
 
 def variant(model: nn.Module, spec: str) -> nn.Module:
     """A copy of `model` with every nn.Linear and the projection quantized as `spec` says."""
-    levels, layer_inputs, proj_inputs = spec.split(":")
-    if layer_inputs not in INPUT_MODES or proj_inputs not in (*INPUT_MODES, "fp32"):
-        raise SystemExit(f"error: bad variant {spec!r}: see --help")
+    parts = spec.split(":")
+    ok = len(parts) == 3 and parts[0].isdigit() and 1 <= int(parts[0]) <= 127
+    if not ok or parts[1] not in INPUT_MODES or parts[2] not in (*INPUT_MODES, "fp32"):
+        raise SystemExit(
+            f"error: bad variant {spec!r}: want LEVELS:LAYER_INPUTS:PROJECTION_INPUTS, LEVELS "
+            f"1-127, inputs one of {', '.join(INPUT_MODES)} (projection also fp32), e.g. "
+            "63:tensor:tensor"
+        )
+    levels, layer_inputs, proj_inputs = parts
     model = copy.deepcopy(model)
     for name, linear in [(n, m) for n, m in model.named_modules() if type(m) is nn.Linear]:
         parent, _, attr = name.rpartition(".")

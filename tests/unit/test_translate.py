@@ -469,6 +469,9 @@ def test_int8_error_study_simulates_the_int8_kernels():
     assert (got - kernels).abs().max() < 0.01 * (got - exact).abs().max()
     rows = study.fake_quantize_inputs(x, "token")
     assert (rows - x).abs().max() < (study.fake_quantize_inputs(x, "tensor") - x).abs().max()
+    for bad in ["63:tensor", "x:tensor:tensor", "300:tensor:tensor", "63:row:tensor"]:
+        with pytest.raises(SystemExit, match=f"bad variant '{bad}': want LEVELS"):
+            study.variant(torch.nn.Module(), bad)
 
 
 @pytest.mark.parametrize("bias", [True, False])
