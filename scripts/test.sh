@@ -3,7 +3,8 @@
 # - Debian's chromium for the browser test of the web page, when no chromium is on PATH
 #   (apt-get; as root, else through sudo);
 # - a virtual environment .venv with the package and its dev extras;
-# then ruff (lint and format) and the whole suite.
+# then ruff (lint and format) and the whole suite, one pytest-xdist worker per core, each with
+# one torch thread (two threads per worker beside another worker run several times slower).
 # Extra arguments go to pytest (e.g. scripts/test.sh tests/unit -x).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -30,4 +31,4 @@ python3 -m venv .venv
 .venv/bin/pip install -e ".[dev]"
 .venv/bin/ruff check .
 .venv/bin/ruff format --check .
-.venv/bin/python -m pytest -q "$@"
+OMP_NUM_THREADS=1 .venv/bin/python -m pytest -q -n auto --dist worksteal "$@"
