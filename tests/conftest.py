@@ -8,7 +8,6 @@ import torch
 
 from fixtures import SHARED_DATA, make_model_file, run_cli
 
-
 # Under pytest-xdist (scripts/test.sh runs one worker per core) each worker, and every process it
 # starts, takes one torch thread unless OMP_NUM_THREADS says otherwise: two threads per worker
 # beside another busy worker run several times slower than one (docs/performance.md, contention).
