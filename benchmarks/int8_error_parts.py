@@ -9,12 +9,25 @@ nn.Linear and on the tied pre-softmax projection separately, decodes a real spli
 variant and prints sacreBLEU beside fp32's and the real int8 kernels'. The simulated "63 /
 tensor / tensor" variant is what the kernels compute, up to their accumulation order.
 
-A variant is WEIGHT_LEVELS:LAYER_INPUTS:PROJECTION_INPUTS, e.g. 63:tensor:tensor. Inputs:
-none (fp32), tensor (8 bits per tensor), token (8 bits per row), or for the projection also
-fp32 (no quantization at all, weights included).
+A variant is WEIGHT_LEVELS:LAYER_INPUTS:PROJECTION_INPUTS, e.g. 63:tensor:tensor. Levels
+ending in g (63g) round the weights by GPTQ (Frantar et al., 2023: column by column, each
+rounding error spread over the columns not yet rounded through the inverse of X^T X, X the
+layer's inputs over --calib-sentences of --calib-split, teacher-forced in fp32) instead of
+to the nearest level: the same grid, so the same kernels. Inputs: none (fp32), tensor (8 bits
+per tensor), token (8 bits per row), rownorm (each row divided by its largest |x|, then 8 bits
+per tensor, then multiplied back: per-row ranges that fbgemm's per-tensor kernel can compute
+with one multiply per row outside it), or for the projection also fp32 (no quantization at
+all, weights included).
+
+BLEU moves by a few tenths between variants on 1,000 sentences, which is the noise of one test
+set; --kl prints instead a smooth measure of the same damage, teacher-forced on the split:
+KL(fp32 || variant) of the next-token distributions per target token, the share of positions
+whose most probable token is unchanged, and the reference's NLL (seconds per variant).
 
     python benchmarks/int8_error_parts.py --model runs/q/model.safetensors --data runs/q/data \
         --split test --alpha 1.4 63:none:none 63:tensor:tensor 63:token:token 63:tensor:fp32
+    python benchmarks/int8_error_parts.py --model runs/q/model.safetensors --data runs/q/data \
+        --split valid --kl 63:tensor:tensor 63g:tensor:tensor 63g:rownorm:rownorm
 """
 
 from __future__ import annotations
@@ -31,17 +44,21 @@ from torch import nn
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src"))
 
 from transformer.bleu import corpus_bleu  # noqa: E402
-from transformer.data import load_prepared  # noqa: E402
+from transformer.data import PAD_ID, ParallelSplit, collate, load_prepared  # noqa: E402
 from transformer.translate import Translator, quantize_int8  # noqa: E402
 
-INPUT_MODES = ("none", "tensor", "token")
+INPUT_MODES = ("none", "tensor", "token", "rownorm")
 
 
 def fake_quantize_inputs(x: torch.Tensor, mode: str) -> torch.Tensor:
     """x rounded to an asymmetric 8-bit grid (zero exactly representable, as fbgemm's) whose
-    range is the whole tensor's ("tensor") or each row's ("token"); "none": x."""
+    range is the whole tensor's ("tensor") or each row's ("token"), or the whole tensor's
+    after each row is divided by its largest |x| ("rownorm"); "none": x."""
     if mode == "none":
         return x
+    if mode == "rownorm":
+        s = x.abs().amax(-1, keepdim=True).clamp(min=1e-12)
+        return fake_quantize_inputs(x / s, "tensor") * s
     if mode == "tensor":
         lo, hi = x.min().clamp(max=0), x.max().clamp(min=0)
     else:
@@ -52,13 +69,47 @@ def fake_quantize_inputs(x: torch.Tensor, mode: str) -> torch.Tensor:
     return ((x / scale).round() + zero).clamp(0, 255).sub(zero) * scale
 
 
-class FakeInt8Linear(nn.Module):
-    """y = q(x) q(W)^T + b in fp32, q rounding to the int8 grids described above."""
+def gptq_round(
+    w: torch.Tensor, levels: float, hessian: torch.Tensor, damp: float = 0.01, block: int = 128
+) -> torch.Tensor:
+    """w (out, in) on the grid of one scale per row (max |w| / levels, as `Int8Linear`'s),
+    rounded by GPTQ: columns in order, each column's rounding error (scaled by the inverse
+    Hessian's diagonal) subtracted from the columns still to round, so that x q(W)^T stays
+    close to x W^T for inputs whose second moments are `hessian` = X^T X (in, in). Damped by
+    `damp` x its mean diagonal; lazy updates in blocks of `block` columns (Frantar et al.,
+    2023, Algorithm 1)."""
+    W = w.detach().double().clone()
+    H = hessian.double().clone()
+    dead = torch.diag(H) == 0  # inputs that are always 0: their weights do not matter
+    H[dead, dead] = 1.0
+    W[:, dead] = 0.0
+    H += damp * torch.diag(H).mean() * torch.eye(H.size(0), dtype=H.dtype)
+    U = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(H)), upper=True)
+    scale = (w.detach().double().abs().amax(1) / levels).clamp(min=1e-12)  # (out,)
+    Q = torch.zeros_like(W)
+    for i1 in range(0, W.size(1), block):
+        i2 = min(i1 + block, W.size(1))
+        Wb, Ub = W[:, i1:i2].clone(), U[i1:i2, i1:i2]
+        E = torch.zeros_like(Wb)
+        for i in range(i2 - i1):
+            q = (Wb[:, i] / scale).round().clamp(-levels, levels) * scale
+            Q[:, i1 + i] = q
+            E[:, i] = (Wb[:, i] - q) / Ub[i, i]
+            Wb[:, i:] -= E[:, i : i + 1] * Ub[i : i + 1, i:]
+        W[:, i2:] -= E @ U[i1:i2, i2:]
+    return Q.float()
 
-    def __init__(self, weight, bias, levels: float | None, inputs: str):
+
+class FakeInt8Linear(nn.Module):
+    """y = q(x) q(W)^T + b in fp32, q rounding to the int8 grids described above; the weights
+    by GPTQ (`gptq_round`) when `hessian` (X^T X of the layer's inputs) is given."""
+
+    def __init__(self, weight, bias, levels: float | None, inputs: str, hessian=None):
         super().__init__()
         w = weight.detach().float()
-        if levels is not None:
+        if levels is not None and hessian is not None:
+            w = gptq_round(w, levels, hessian)
+        elif levels is not None:
             scale = (w.abs().amax(1, keepdim=True) / levels).clamp(min=1e-12)
             w = (w / scale).round().clamp(-levels, levels) * scale
         self.weight, self.inputs = w, inputs
@@ -68,27 +119,87 @@ class FakeInt8Linear(nn.Module):
         return F.linear(fake_quantize_inputs(x.float(), self.inputs), self.weight, self.bias)
 
 
-def variant(model: nn.Module, spec: str) -> nn.Module:
-    """A copy of `model` with every nn.Linear and the projection quantized as `spec` says."""
+def parse_variant(spec: str) -> tuple[float, bool, str, str]:
+    """(levels, GPTQ?, layer inputs, projection inputs) of a variant; SystemExit if malformed."""
     parts = spec.split(":")
-    ok = len(parts) == 3 and parts[0].isdigit() and 1 <= int(parts[0]) <= 127
+    levels = parts[0].removesuffix("g") if parts else ""
+    ok = len(parts) == 3 and levels.isdigit() and 1 <= int(levels) <= 127
     if not ok or parts[1] not in INPUT_MODES or parts[2] not in (*INPUT_MODES, "fp32"):
         raise SystemExit(
-            f"error: bad variant {spec!r}: want LEVELS:LAYER_INPUTS:PROJECTION_INPUTS, LEVELS "
-            f"1-127, inputs one of {', '.join(INPUT_MODES)} (projection also fp32), e.g. "
-            "63:tensor:tensor"
+            f"error: bad variant {spec!r}: want LEVELS[g]:LAYER_INPUTS:PROJECTION_INPUTS, "
+            f"LEVELS 1-127 (g: rounded by GPTQ), inputs one of {', '.join(INPUT_MODES)} "
+            "(projection also fp32), e.g. 63:tensor:tensor"
         )
-    levels, layer_inputs, proj_inputs = parts
+    return float(levels), parts[0].endswith("g"), parts[1], parts[2]
+
+
+def variant(model: nn.Module, spec: str, hessians: dict | None = None) -> nn.Module:
+    """A copy of `model` with every nn.Linear and the projection quantized as `spec` says
+    (GPTQ variants need `hessians`, from `collect_hessians`)."""
+    levels, gptq, layer_inputs, proj_inputs = parse_variant(spec)
+    if gptq and hessians is None:
+        raise ValueError(f"variant {spec}: GPTQ needs the layers' input moments (hessians)")
     model = copy.deepcopy(model)
     for name, linear in [(n, m) for n, m in model.named_modules() if type(m) is nn.Linear]:
         parent, _, attr = name.rpartition(".")
-        q = FakeInt8Linear(linear.weight, linear.bias, float(levels), layer_inputs)
+        h = hessians[name] if gptq else None
+        q = FakeInt8Linear(linear.weight, linear.bias, levels, layer_inputs, h)
         setattr(model.get_submodule(parent) if parent else model, attr, q)
     if proj_inputs == "fp32":
         model.projection = FakeInt8Linear(model.output_weight(), None, None, "none")
     else:
-        model.projection = FakeInt8Linear(model.output_weight(), None, float(levels), proj_inputs)
+        h = hessians["projection"] if gptq else None
+        weight = model.output_weight()
+        model.projection = FakeInt8Linear(weight, None, levels, proj_inputs, h)
     return model
+
+
+def _batches(split: ParallelSplit, n: int | None = None, rows: int = 64) -> list:
+    """The first n pairs of `split` (all: None), by source length, in batches of `rows`."""
+    order = sorted(range(min(n or len(split), len(split))), key=lambda i: len(split.src_tokens(i)))
+    return [collate(split, order[i : i + rows]) for i in range(0, len(order), rows)]
+
+
+@torch.no_grad()
+def collect_hessians(model: nn.Module, split: ParallelSplit, sentences: int) -> dict:
+    """X^T X (float64) of every nn.Linear's inputs and of the projection's ("projection"),
+    over the first `sentences` pairs of `split` teacher-forced through `model` (fp32)."""
+    sums: dict[str, torch.Tensor] = {}
+
+    def add(name: str, x: torch.Tensor) -> None:
+        x = x.reshape(-1, x.size(-1)).double()
+        sums[name] = sums.get(name, 0) + x.T @ x
+
+    hooks = [
+        m.register_forward_hook(lambda _m, inp, _out, name=name: add(name, inp[0]))
+        for name, m in model.named_modules()
+        if type(m) is nn.Linear
+    ]
+    try:
+        for b in _batches(split, sentences):
+            add("projection", model(b.src, b.src_mask, b.tgt_in, b.tgt_out != PAD_ID))
+    finally:
+        for h in hooks:
+            h.remove()
+    return sums
+
+
+@torch.no_grad()
+def divergence(reference: nn.Module, model: nn.Module, batches: list) -> dict[str, float]:
+    """Teacher-forced on `batches`, per target token: KL(reference || model) of the next-token
+    distributions, the share of positions whose most probable token is the reference's, and
+    the model's NLL of the reference translation."""
+    kl = nll = 0.0
+    same = tokens = 0
+    for b in batches:
+        keep = b.tgt_out != PAD_ID
+        p = reference.project(reference(b.src, b.src_mask, b.tgt_in, keep)).log_softmax(-1)
+        q = model.project(model(b.src, b.src_mask, b.tgt_in, keep)).float().log_softmax(-1)
+        kl += float((p.exp() * (p - q)).sum())
+        same += int((p.argmax(-1) == q.argmax(-1)).sum())
+        nll -= float(q.gather(1, b.tgt_out[keep][:, None]).sum())
+        tokens += int(keep.sum())
+    return {"kl": kl / tokens, "top1": same / tokens, "nll": nll / tokens}
 
 
 def main() -> None:
@@ -99,20 +210,47 @@ def main() -> None:
     ap.add_argument("--alpha", type=float, default=0.6, help="length penalty")
     ap.add_argument("--beams", default="4,1")
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--kl", action="store_true", help="teacher-forced divergence, not BLEU")
+    ap.add_argument("--calib-split", default="train", help="GPTQ's inputs (never --split)")
+    ap.add_argument("--calib-sentences", type=int, default=2000)
     ap.add_argument("variants", nargs="*", default=["63:tensor:tensor"])
     args = ap.parse_args()
+    for spec in args.variants:
+        parse_variant(spec)  # a malformed one stops here, before any work
     torch.set_num_threads(args.threads)
     data = load_prepared(args.data)
     split = data.split(args.split)
     sources, refs = split.text(data.src_lang), split.text(data.tgt_lang)
     tr = Translator.from_path(args.model, dtype="fp32")
-    fp32 = tr.model
+    fp32 = tr.loaded.model.float().eval()  # the plain model (tr.model packs the projection)
+    hessians = None
+    if any(parse_variant(spec)[1] for spec in args.variants):
+        if args.calib_split == args.split:
+            raise SystemExit(f"error: --calib-split {args.calib_split} is the measured split")
+        calib = data.split(args.calib_split)
+        hessians = collect_hessians(fp32, calib, args.calib_sentences)
+        print(f"GPTQ calibrated on the first {args.calib_sentences} pairs of {args.calib_split}")
+    if args.kl:
+        batches = _batches(split)
+        nll = divergence(fp32, fp32, batches)["nll"]
+        print(f"{args.model} on {args.split} ({len(sources)} sentences), teacher-forced\n")
+        print(
+            "| variant | KL(fp32 ‖ variant) per token | top-1 as fp32 | NLL (fp32 "
+            + f"{nll:.4f}) |"
+        )
+        print("|---|---:|---:|---:|")
+        models = [("int8 kernels", quantize_int8(fp32))]
+        models += [(spec, variant(fp32, spec, hessians)) for spec in args.variants]
+        for name, model in models:
+            d = divergence(fp32, model, batches)
+            print(f"| {name} | {d['kl']:.3e} | {d['top1']:.4f} | {d['nll']:.4f} |", flush=True)
+        return
     beams = [int(b) for b in args.beams.split(",")]
     print(f"{args.model} on {args.split} ({len(sources)} sentences), alpha {args.alpha}\n")
     print("| variant | " + " | ".join(f"beam {b}" for b in beams) + " |")
     print("|---|" + "---:|" * len(beams))
     models = [("fp32", fp32), ("int8 kernels", quantize_int8(fp32))]
-    models += [(spec, variant(fp32, spec)) for spec in args.variants]
+    models += [(spec, variant(fp32, spec, hessians)) for spec in args.variants]
     for name, model in models:
         tr.model = model
         scores = []

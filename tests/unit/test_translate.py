@@ -447,11 +447,7 @@ def test_quantize_int8_leaves_the_model_unchanged(model_file):
     assert (logits - want).norm() / want.norm() < 0.05
 
 
-def test_int8_error_study_simulates_the_int8_kernels():
-    # benchmarks/int8_error_parts.py attributes int8's BLEU cost to weights and inputs by
-    # simulating each rounding in fp32; its full variant must be what Int8Linear computes
-    # (up to the kernels' accumulation order) with the weights this CPU takes (7 bits without
-    # VNNI, where 8 would saturate the kernel's int16 pair sums).
+def _int8_study():
     import importlib.util
     from pathlib import Path
 
@@ -459,6 +455,15 @@ def test_int8_error_study_simulates_the_int8_kernels():
     spec = importlib.util.spec_from_file_location("int8_error_parts", path)
     study = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(study)
+    return study
+
+
+def test_int8_error_study_simulates_the_int8_kernels():
+    # benchmarks/int8_error_parts.py attributes int8's BLEU cost to weights and inputs by
+    # simulating each rounding in fp32; its full variant must be what Int8Linear computes
+    # (up to the kernels' accumulation order) with the weights this CPU takes (7 bits without
+    # VNNI, where 8 would saturate the kernel's int16 pair sums).
+    study = _int8_study()
     torch.manual_seed(0)
     weight, bias = torch.randn(48, 64) * 0.1, torch.randn(48) * 0.1
     x = torch.randn(10, 64) + 0.3
@@ -469,9 +474,59 @@ def test_int8_error_study_simulates_the_int8_kernels():
     assert (got - kernels).abs().max() < 0.01 * (got - exact).abs().max()
     rows = study.fake_quantize_inputs(x, "token")
     assert (rows - x).abs().max() < (study.fake_quantize_inputs(x, "tensor") - x).abs().max()
-    for bad in ["63:tensor", "x:tensor:tensor", "300:tensor:tensor", "63:row:tensor"]:
+    for bad in ["63:tensor", "x:tensor:tensor", "300:tensor:tensor", "63:row:tensor", "g:none:none",
+                "63x:none:none", "63gg:none:none"]:  # fmt: skip
         with pytest.raises(SystemExit, match=f"bad variant '{bad}': want LEVELS"):
             study.variant(torch.nn.Module(), bad)
+    assert study.parse_variant("63g:rownorm:fp32") == (63.0, True, "rownorm", "fp32")
+    with pytest.raises(ValueError, match="GPTQ needs"):
+        study.variant(torch.nn.Module(), "63g:none:none")
+
+
+def test_int8_study_gptq_stays_on_the_grid_and_beats_rounding_to_nearest():
+    # GPTQ's weights are on Int8Linear's grid (one scale per row, max |w| / levels), so the
+    # same kernels could run them; on the inputs it was calibrated with, its products are
+    # closer to fp32's than rounding to the nearest level; an input that is always 0 is safe.
+    study = _int8_study()
+    torch.manual_seed(0)
+    w = torch.randn(40, 24)
+    mix = torch.randn(24, 24)  # correlated inputs, as a layer's are
+    x = torch.randn(500, 24) @ mix
+    x[:, 5] = 0.0
+    q = study.gptq_round(w, 63.0, x.double().T @ x.double())
+    scale = w.abs().amax(1, keepdim=True) / 63
+    steps = q / scale
+    assert torch.allclose(steps, steps.round(), atol=1e-3) and steps.abs().max() <= 63 + 1e-3
+    assert q[:, 5].abs().max() <= w[:, 5].abs().max() + scale.max()  # still a rounding of w
+    nearest = (w / scale).round() * scale
+    err_gptq = (x @ (q - w).T).norm()
+    err_nearest = (x @ (nearest - w).T).norm()
+    assert err_gptq < 0.8 * err_nearest
+
+
+def test_int8_study_rownorm_inputs_and_the_divergence():
+    from transformer.config import ModelConfig
+    from transformer.data import Batch
+    from transformer.model import Transformer
+
+    study = _int8_study()
+    torch.manual_seed(0)
+    # rows 100x apart: one range per tensor rounds the small row coarsely, row norms do not
+    x = torch.randn(2, 64) * torch.tensor([[1.0], [100.0]])
+    tensor_err = (study.fake_quantize_inputs(x, "tensor") - x)[0].abs().max()
+    rownorm_err = (study.fake_quantize_inputs(x, "rownorm") - x)[0].abs().max()
+    assert rownorm_err < 0.1 * tensor_err
+    cfg = ModelConfig(vocab_size=30, n_layers=1, d_model=16, d_ff=32, n_heads=2, d_k=8, d_v=8,
+                      p_drop=0.0, max_len=32)  # fmt: skip
+    model = Transformer(cfg).eval()
+    src = torch.randint(4, 30, (3, 6))
+    tgt = torch.randint(4, 30, (3, 5))
+    b = Batch(src, tgt[:, :-1], tgt[:, 1:], torch.ones(3, 6, dtype=torch.bool), 18, 12, [0, 1, 2])
+    same = study.divergence(model, model, [b])
+    assert same["kl"] == pytest.approx(0.0, abs=1e-7) and same["top1"] == 1.0
+    coarse = study.divergence(model, study.variant(model, "3:tensor:tensor"), [b])
+    fine = study.divergence(model, study.variant(model, "127:none:none"), [b])
+    assert coarse["kl"] > fine["kl"] > 0
 
 
 @pytest.mark.parametrize("bias", [True, False])
