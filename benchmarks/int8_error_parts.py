@@ -10,7 +10,7 @@ variant and prints sacreBLEU beside fp32's and the real int8 kernels'. The simul
 tensor / tensor" variant is what the kernels compute, up to their accumulation order.
 
 A variant is WEIGHT_LEVELS:LAYER_INPUTS:PROJECTION_INPUTS, e.g. 63:tensor:tensor. Levels
-ending in g (63g) round the weights by GPTQ (Frantar et al., 2023: column by column, each
+ending in g (63g) round the weights by GPTQ (`transformer.gptq`; column by column, each
 rounding error spread over the columns not yet rounded through the inverse of X^T X, X the
 layer's inputs over --calib-sentences of --calib-split, teacher-forced in fp32) instead of
 to the nearest level: the same grid, so the same kernels. Inputs: none (fp32), tensor (8 bits
@@ -45,6 +45,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from transformer.bleu import corpus_bleu  # noqa: E402
 from transformer.data import PAD_ID, ParallelSplit, collate, load_prepared  # noqa: E402
+from transformer.gptq import PROJECTION, gptq_round, input_moments, row_scales  # noqa: E402
 from transformer.translate import Translator, quantize_int8  # noqa: E402
 
 INPUT_MODES = ("none", "tensor", "token", "rownorm")
@@ -69,46 +70,16 @@ def fake_quantize_inputs(x: torch.Tensor, mode: str) -> torch.Tensor:
     return ((x / scale).round() + zero).clamp(0, 255).sub(zero) * scale
 
 
-def gptq_round(
-    w: torch.Tensor, levels: float, hessian: torch.Tensor, damp: float = 0.01, block: int = 128
-) -> torch.Tensor:
-    """w (out, in) on the grid of one scale per row (max |w| / levels, as `Int8Linear`'s),
-    rounded by GPTQ: columns in order, each column's rounding error (scaled by the inverse
-    Hessian's diagonal) subtracted from the columns still to round, so that x q(W)^T stays
-    close to x W^T for inputs whose second moments are `hessian` = X^T X (in, in). Damped by
-    `damp` x its mean diagonal; lazy updates in blocks of `block` columns (Frantar et al.,
-    2023, Algorithm 1)."""
-    W = w.detach().double().clone()
-    H = hessian.double().clone()
-    dead = torch.diag(H) == 0  # inputs that are always 0: their weights do not matter
-    H[dead, dead] = 1.0
-    W[:, dead] = 0.0
-    H += damp * torch.diag(H).mean() * torch.eye(H.size(0), dtype=H.dtype)
-    U = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(H)), upper=True)
-    scale = (w.detach().double().abs().amax(1) / levels).clamp(min=1e-12)  # (out,)
-    Q = torch.zeros_like(W)
-    for i1 in range(0, W.size(1), block):
-        i2 = min(i1 + block, W.size(1))
-        Wb, Ub = W[:, i1:i2].clone(), U[i1:i2, i1:i2]
-        E = torch.zeros_like(Wb)
-        for i in range(i2 - i1):
-            q = (Wb[:, i] / scale).round().clamp(-levels, levels) * scale
-            Q[:, i1 + i] = q
-            E[:, i] = (Wb[:, i] - q) / Ub[i, i]
-            Wb[:, i:] -= E[:, i : i + 1] * Ub[i : i + 1, i:]
-        W[:, i2:] -= E @ U[i1:i2, i2:]
-    return Q.float()
-
-
 class FakeInt8Linear(nn.Module):
     """y = q(x) q(W)^T + b in fp32, q rounding to the int8 grids described above; the weights
-    by GPTQ (`gptq_round`) when `hessian` (X^T X of the layer's inputs) is given."""
+    by GPTQ (`gptq.gptq_round`) when `hessian` (X^T X of the layer's inputs) is given."""
 
     def __init__(self, weight, bias, levels: float | None, inputs: str, hessian=None):
         super().__init__()
         w = weight.detach().float()
         if levels is not None and hessian is not None:
-            w = gptq_round(w, levels, hessian)
+            scales = row_scales(w, levels)
+            w = (gptq_round(w, scales, levels, hessian) * scales[:, None]).float()
         elif levels is not None:
             scale = (w.abs().amax(1, keepdim=True) / levels).clamp(min=1e-12)
             w = (w / scale).round().clamp(-levels, levels) * scale
@@ -135,7 +106,7 @@ def parse_variant(spec: str) -> tuple[float, bool, str, str]:
 
 def variant(model: nn.Module, spec: str, hessians: dict | None = None) -> nn.Module:
     """A copy of `model` with every nn.Linear and the projection quantized as `spec` says
-    (GPTQ variants need `hessians`, from `collect_hessians`)."""
+    (GPTQ variants need `hessians`: `gptq.input_moments` of `model`)."""
     levels, gptq, layer_inputs, proj_inputs = parse_variant(spec)
     if gptq and hessians is None:
         raise ValueError(f"variant {spec}: GPTQ needs the layers' input moments (hessians)")
@@ -148,7 +119,7 @@ def variant(model: nn.Module, spec: str, hessians: dict | None = None) -> nn.Mod
     if proj_inputs == "fp32":
         model.projection = FakeInt8Linear(model.output_weight(), None, None, "none")
     else:
-        h = hessians["projection"] if gptq else None
+        h = hessians[PROJECTION] if gptq else None
         weight = model.output_weight()
         model.projection = FakeInt8Linear(weight, None, levels, proj_inputs, h)
     return model
@@ -158,30 +129,6 @@ def _batches(split: ParallelSplit, n: int | None = None, rows: int = 64) -> list
     """The first n pairs of `split` (all: None), by source length, in batches of `rows`."""
     order = sorted(range(min(n or len(split), len(split))), key=lambda i: len(split.src_tokens(i)))
     return [collate(split, order[i : i + rows]) for i in range(0, len(order), rows)]
-
-
-@torch.no_grad()
-def collect_hessians(model: nn.Module, split: ParallelSplit, sentences: int) -> dict:
-    """X^T X (float64) of every nn.Linear's inputs and of the projection's ("projection"),
-    over the first `sentences` pairs of `split` teacher-forced through `model` (fp32)."""
-    sums: dict[str, torch.Tensor] = {}
-
-    def add(name: str, x: torch.Tensor) -> None:
-        x = x.reshape(-1, x.size(-1)).double()
-        sums[name] = sums.get(name, 0) + x.T @ x
-
-    hooks = [
-        m.register_forward_hook(lambda _m, inp, _out, name=name: add(name, inp[0]))
-        for name, m in model.named_modules()
-        if type(m) is nn.Linear
-    ]
-    try:
-        for b in _batches(split, sentences):
-            add("projection", model(b.src, b.src_mask, b.tgt_in, b.tgt_out != PAD_ID))
-    finally:
-        for h in hooks:
-            h.remove()
-    return sums
 
 
 @torch.no_grad()
@@ -228,8 +175,11 @@ def main() -> None:
         if args.calib_split == args.split:
             raise SystemExit(f"error: --calib-split {args.calib_split} is the measured split")
         calib = data.split(args.calib_split)
-        hessians = collect_hessians(fp32, calib, args.calib_sentences)
+        hessians = input_moments(fp32, calib, args.calib_sentences)
         print(f"GPTQ calibrated on the first {args.calib_sentences} pairs of {args.calib_split}")
+    gptq_kernels = []  # the int8 kernels with GPTQ's weights (`quantize_int8(moments=...)`)
+    if hessians is not None:
+        gptq_kernels = [("int8 kernels, GPTQ", quantize_int8(fp32, moments=hessians))]
     if args.kl:
         batches = _batches(split)
         nll = divergence(fp32, fp32, batches)["nll"]
@@ -239,7 +189,7 @@ def main() -> None:
             + f"{nll:.4f}) |"
         )
         print("|---|---:|---:|---:|")
-        models = [("int8 kernels", quantize_int8(fp32))]
+        models = [("int8 kernels", quantize_int8(fp32))] + gptq_kernels
         models += [(spec, variant(fp32, spec, hessians)) for spec in args.variants]
         for name, model in models:
             d = divergence(fp32, model, batches)
@@ -249,7 +199,7 @@ def main() -> None:
     print(f"{args.model} on {args.split} ({len(sources)} sentences), alpha {args.alpha}\n")
     print("| variant | " + " | ".join(f"beam {b}" for b in beams) + " |")
     print("|---|" + "---:|" * len(beams))
-    models = [("fp32", fp32), ("int8 kernels", quantize_int8(fp32))]
+    models = [("fp32", fp32), ("int8 kernels", quantize_int8(fp32)), *gptq_kernels]
     models += [(spec, variant(fp32, spec, hessians)) for spec in args.variants]
     for name, model in models:
         tr.model = model

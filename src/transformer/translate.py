@@ -27,6 +27,7 @@ from transformer.config import INFERENCE_DTYPES, DecodeConfig
 from transformer.cpuinfo import cpu_flags
 from transformer.data import read_lines
 from transformer.errors import UserError
+from transformer.gptq import PROJECTION, gptq_round, row_scales
 from transformer.model import DTYPES as model_dtypes
 from transformer.model import accelerator_dtype
 from transformer.modelfile import LoadedModel
@@ -100,6 +101,8 @@ class Int8Linear(nn.Module):
     need: their kernel (AVX2 `vpmaddubsw`) sums pairs of u8 x s8 products in int16 and
     saturates beyond 32,767; 2 x 255 x 63 stays below it while the inputs keep their 8 bits
     (`int8_narrow_weights`). x may be fp32 or bf16; the output has x's dtype, or `out_dtype`.
+    hessian: X^T X of inputs like the layer's (`gptq.input_moments`): the weights are then
+    rounded by GPTQ on the same grid (`gptq.gptq_round`) instead of to the nearest level.
     """
 
     def __init__(
@@ -108,15 +111,20 @@ class Int8Linear(nn.Module):
         bias: torch.Tensor | None,
         narrow_weights: bool,
         out_dtype: torch.dtype | None = None,
+        hessian: torch.Tensor | None = None,
     ):
         super().__init__()
         w = weight.detach().float()
         levels = 63.0 if narrow_weights else 127.0
-        scales = (w.abs().amax(dim=1) / levels).clamp(min=1e-12).double()
+        scales = row_scales(w, levels)
         zeros = torch.zeros(w.size(0), dtype=torch.long)
         with warnings.catch_warnings():  # quantized tensors are deprecated (torch 2.13) but work
             warnings.simplefilter("ignore")
-            qweight = torch.quantize_per_channel(w, scales, zeros, axis=0, dtype=torch.qint8)
+            if hessian is None:
+                qweight = torch.quantize_per_channel(w, scales, zeros, axis=0, dtype=torch.qint8)
+            else:
+                ints = gptq_round(w, scales, levels, hessian).to(torch.int8)
+                qweight = torch._make_per_channel_quantized_tensor(ints, scales, zeros, 0)
         b = None if bias is None else bias.detach().float()
         self.packed = torch.ops.quantized.linear_prepack(qweight, b)
         self.in_features, self.out_features = w.size(1), w.size(0)
@@ -182,20 +190,32 @@ def int8_narrow_weights(flags: set[str] | None = None) -> bool:
     return not (VNNI_FLAGS & (cpu_flags() if flags is None else flags))
 
 
-def quantize_int8(model: nn.Module, activations: torch.dtype = torch.float32) -> nn.Module:
+def quantize_int8(
+    model: nn.Module,
+    activations: torch.dtype = torch.float32,
+    moments: dict[str, torch.Tensor] | None = None,
+) -> nn.Module:
     """A copy of `model` with int8 weights in every nn.Linear (attention W^Q, W^KV, W^O and the
     FFN) and in the pre-softmax projection (an int8 copy of the tied embedding, §3.4), as
     `Int8Linear`; the rest (embeddings, LayerNorm, attention's products, the cache) in
     `activations` (fp32, or bf16 where the CPU multiplies it natively). The logits are fp32.
+    With `moments` (`gptq.input_moments` of `model`: one per nn.Linear and the projection)
+    the weights are rounded by GPTQ, else to the nearest level.
     """
     model = copy.deepcopy(model)
     narrow = int8_narrow_weights()
     linears = [(n, m) for n, m in model.named_modules() if type(m) is nn.Linear]
+    if moments is not None:
+        missing = [n for n in [*(n for n, _ in linears), PROJECTION] if n not in moments]
+        if missing:
+            raise ValueError(f"quantize_int8: no input moments for {', '.join(missing[:3])}")
+    h = moments or {}
     for name, linear in linears:
         parent, _, attr = name.rpartition(".")
-        q = Int8Linear(linear.weight, linear.bias, narrow)
+        q = Int8Linear(linear.weight, linear.bias, narrow, hessian=h.get(name))
         setattr(model.get_submodule(parent) if parent else model, attr, q)
-    model.projection = Int8Linear(model.output_weight(), None, narrow, torch.float32)
+    weight = model.output_weight()
+    model.projection = Int8Linear(weight, None, narrow, torch.float32, h.get(PROJECTION))
     return model.to(activations)
 
 
