@@ -533,7 +533,8 @@ def _add_dtype(p: argparse.ArgumentParser, default: str = "auto") -> None:
         choices=INFERENCE_DTYPES,
         default=default,
         help=f"precision (default: {default}); auto = bf16 with CUDA or a CPU with AMX, "
-        "int8 on a CPU with VNNI and no AMX, else fp32 (the choice is logged)",
+        "int8 on a CPU with VNNI and no AMX, or with neither when the model file has GPTQ "
+        "int8 weights (`transformer quantize`), else fp32 (the choice is logged)",
     )
 
 
@@ -683,6 +684,30 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_cmd_serve)
 
 
+def _cmd_quantize(args: argparse.Namespace) -> int:
+    from transformer.gptq import quantize_model_file
+
+    print(quantize_model_file(args.model, args.data, args.out, args.split, args.sentences))
+    return 0
+
+
+def _add_quantize(sub: argparse._SubParsersAction) -> None:
+    from transformer.gptq import CALIBRATION_SENTENCES
+
+    p = sub.add_parser(
+        "quantize", help="int8 weights rounded by GPTQ on real sentences, into the model file"
+    )
+    p.add_argument("model", type=Path, help="a model file or run directory")
+    p.add_argument("data", type=Path, help="prepared data of the model (its tokenizer)")
+    p.add_argument("--split", default="train", help="the pairs to calibrate on (default train)")
+    p.add_argument(
+        "--sentences", type=int, default=CALIBRATION_SENTENCES,
+        help=f"the first N pairs of the split (default {CALIBRATION_SENTENCES})",
+    )  # fmt: skip
+    p.add_argument("--out", type=Path, help="model file (default: the model file, rewritten)")
+    p.set_defaults(func=_cmd_quantize)
+
+
 def _cmd_export(args: argparse.Namespace) -> int:
     from transformer.serving.export import export_ctranslate2
 
@@ -774,6 +799,7 @@ _SUBCOMMANDS = [
     _add_sweep,
     _add_train,
     _add_average,
+    _add_quantize,
     _add_translate,
     _add_evaluate,
     _add_score,

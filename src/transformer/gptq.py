@@ -8,22 +8,31 @@ inputs on real sentences: the product x q(W)^T then stays closer to x W^T for in
 On the Zen 3 quickstart model it removes ~60% of the 7-bit weights' damage (teacher-forced KL
 from fp32 on val; docs/performance.md, "int8's damage measured smoothly").
 
-`input_moments` collects H for every nn.Linear and for the tied projection by teacher-forcing
-pairs through the fp32 model; `gptq_round` rounds one matrix; `translate.quantize_int8(model,
-moments=...)` uses them.
+`input_moments` collects H for every nn.Linear and for the tied projection (`PROJECTION`) by
+teacher-forcing pairs through the fp32 model; `gptq_round` rounds one matrix; `calibrate_int8`
+rounds them all, for each grid, in the form a model file stores (`transformer quantize`,
+modelfile.py) and `translate.quantize_int8(model, rounded=...)` takes.
 
 Shapes: W (out, in); H (in, in), float64.
 """
 
 from __future__ import annotations
 
+import logging
+import time
+from pathlib import Path
+
 import torch
 from torch import nn
 
 from transformer.data import ParallelSplit, collate
+from transformer.errors import UserError
+from transformer.modelfile import INT8_LEVELS, PROJECTION, save_model
 from transformer.tokenizer import PAD_ID
 
-PROJECTION = "projection"  # the moments' key of the tied pre-softmax projection's inputs
+logger = logging.getLogger(__name__)
+
+CALIBRATION_SENTENCES = 2000  # train pairs whose inputs GPTQ sees (8,000: KL within 2%)
 
 
 def gptq_round(
@@ -70,7 +79,7 @@ def row_scales(w: torch.Tensor, levels: float) -> torch.Tensor:
 
 @torch.no_grad()
 def input_moments(
-    model: nn.Module, split: ParallelSplit, sentences: int = 2000, rows: int = 64
+    model: nn.Module, split: ParallelSplit, sentences: int = CALIBRATION_SENTENCES, rows: int = 64
 ) -> dict[str, torch.Tensor]:
     """X^T X (float64) of the inputs of every nn.Linear of `model` (by module name) and of the
     tied projection (`PROJECTION`), teacher-forcing the first `sentences` pairs of `split`
@@ -99,3 +108,73 @@ def input_moments(
             h.remove()
         model.train(was_training)
     return sums
+
+
+def calibrate_int8(
+    model: nn.Module, moments: dict[str, torch.Tensor], levels: tuple[int, ...] = INT8_LEVELS
+) -> dict[int, dict[str, tuple[torch.Tensor, torch.Tensor]]]:
+    """Every nn.Linear's and the projection's weights rounded by GPTQ with `moments`
+    (`input_moments` of `model`), for each grid: {levels: {name: (int8 integers, fp32 row
+    scales)}}, `LoadedModel.int8`'s form."""
+    weights = {n: m.weight for n, m in model.named_modules() if type(m) is nn.Linear}
+    weights[PROJECTION] = model.output_weight()
+    missing = [n for n in weights if n not in moments]
+    if missing:
+        raise ValueError(f"calibrate_int8: no input moments for {', '.join(missing[:3])}")
+    out: dict[int, dict[str, tuple[torch.Tensor, torch.Tensor]]] = {}
+    for lv in levels:
+        out[lv] = {}
+        for name, w in weights.items():
+            scales = row_scales(w, float(lv))
+            ints = gptq_round(w, scales, float(lv), moments[name]).to(torch.int8)
+            out[lv][name] = (ints, scales.float())
+    return out
+
+
+def quantize_model_file(
+    model_path: str | Path,
+    data_dir: str | Path,
+    out: str | Path | None = None,
+    split: str = "train",
+    sentences: int = CALIBRATION_SENTENCES,
+) -> Path:
+    """`transformer quantize`: a model file with GPTQ's int8 weights for both grids (63 and
+    127 levels), calibrated on the first `sentences` pairs of `split` of the prepared data
+    `data_dir` (the model's language pair and tokenizer), written to `out` (default: the
+    model file itself, replaced atomically). Returns `out`."""
+    from transformer.data import load_prepared
+    from transformer.rundir import resolve_model
+    from transformer.tokenizer import strip_build_paths
+
+    loaded = resolve_model(model_path)
+    if out is None:
+        if loaded.path.suffix != ".safetensors":
+            raise UserError(f"{model_path}: resolves to a checkpoint ({loaded.path}); give --out")
+        out = loaded.path
+    data = load_prepared(data_dir)
+    if (data.src_lang, data.tgt_lang) != (loaded.src_lang, loaded.tgt_lang):
+        raise UserError(
+            f"{data_dir}: {data.src_lang}->{data.tgt_lang} data, the model translates "
+            f"{loaded.src_lang}->{loaded.tgt_lang}"
+        )
+    spm = strip_build_paths((data.path / data.manifest["spm_model"]).read_bytes())
+    if spm != loaded.spm_proto:
+        raise UserError(
+            f"{data_dir}: its subword model is not the one {loaded.path} was trained with"
+        )
+    if split not in data.split_names:
+        raise UserError(f"{data_dir}: no split {split!r}; have {', '.join(data.split_names)}")
+    if sentences < 1:
+        raise UserError(f"--sentences must be at least 1, got {sentences}")
+    model = loaded.model.float().eval()
+    start = time.perf_counter()
+    moments = input_moments(model, data.split(split), sentences)
+    int8 = calibrate_int8(model, moments)
+    n = min(sentences, len(data.split(split)))
+    info = {"method": "gptq", "split": split, "sentences": n, "data": str(data_dir)}
+    save_model(out, model, loaded.config, loaded.spm_proto, loaded.src_lang, loaded.tgt_lang,
+               int8=int8, int8_info=info)  # fmt: skip
+    logger.info(
+        "GPTQ int8 weights from %d %s pairs in %.0f s", n, split, time.perf_counter() - start
+    )
+    return Path(out)

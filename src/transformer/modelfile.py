@@ -1,6 +1,11 @@
 """A trained model as one self-contained file: safetensors weights plus, in its metadata, the
 resolved config, the sentencepiece model and the language pair.
 
+Optionally, int8 weights rounded by GPTQ for `translate --dtype int8` (`transformer quantize`,
+gptq.py): for each grid (63 levels, for CPUs without VNNI, and 127), every nn.Linear's and the
+projection's integers `int8.<levels>.<name>` (int8, the weight's shape) and row scales
+`int8.<levels>.<name>.scale` (fp32), and the metadata `int8` (JSON: how they were calibrated).
+
 Loading never runs code from the file: safetensors holds only tensors and strings.
 """
 
@@ -12,21 +17,27 @@ import hashlib
 import json
 import logging
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from torch import nn
 
 from transformer.checkpoint import replace_atomic
 from transformer.config import RunConfig, from_dict, to_dict
 from transformer.errors import UserError
 from transformer.model import Transformer
 
+PROJECTION = "projection"  # the tied pre-softmax projection's name among the int8 weights
+
 logger = logging.getLogger(__name__)
 
 FORMAT = "transformer-model/1"
 CHECKSUM = "tensors_sha256"  # hex sha256 of the tensors (`tensors_sha256`); absent in old files
 METADATA_KEYS = ("format", "config", "spm_model", "src_lang", "tgt_lang")
+INT8_PREFIX = "int8."  # int8.<levels>.<module name or "projection">[.scale]
+INT8_LEVELS = (63, 127)
+INT8_META = "int8"
 _MIN_COMPUTED_LIMIT = 1 << 28  # bytes of load-time buffers always allowed (256 MiB)
 
 
@@ -40,6 +51,9 @@ class LoadedModel:
     src_lang: str
     tgt_lang: str
     path: Path
+    # GPTQ's int8 weights by grid (63 / 127 levels): {name: (integers, row scales)}; {} if none
+    int8: dict[int, dict[str, tuple[torch.Tensor, torch.Tensor]]] = field(default_factory=dict)
+    int8_info: dict = field(default_factory=dict)  # how they were calibrated (the metadata)
 
     def tokenizer(self):
         """The sentencepiece tokenizer stored in the file (lowercasing its input when the model
@@ -71,8 +85,11 @@ def save_model(
     src_lang: str,
     tgt_lang: str,
     dtype: torch.dtype = torch.float32,
+    int8: dict[int, dict[str, tuple[torch.Tensor, torch.Tensor]]] | None = None,
+    int8_info: dict | None = None,
 ) -> Path:
-    """Write `path` atomically (temporary file, then rename), with a checksum of the tensors."""
+    """Write `path` atomically (temporary file, then rename), with a checksum of the tensors.
+    `int8` (`LoadedModel.int8`'s form) and `int8_info` add GPTQ's int8 weights."""
     from safetensors.torch import save_file
 
     from transformer.tokenizer import strip_build_paths
@@ -81,6 +98,11 @@ def save_model(
     tensors = {
         k: v.to(dtype) if v.is_floating_point() else v for k, v in _unique_state(model).items()
     }
+    for levels, weights in (int8 or {}).items():
+        for name, (ints, scales) in weights.items():
+            key = f"{INT8_PREFIX}{levels}.{name}"
+            tensors[key] = ints.to(torch.int8).contiguous().cpu()
+            tensors[f"{key}.scale"] = scales.float().contiguous().cpu()
     metadata = {
         "format": FORMAT,
         "config": json.dumps(to_dict(config)),
@@ -89,6 +111,8 @@ def save_model(
         "tgt_lang": tgt_lang,
         CHECKSUM: tensors_sha256(tensors),
     }
+    if int8:
+        metadata[INT8_META] = json.dumps(int8_info or {})
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         replace_atomic(path, lambda tmp: save_file(tensors, str(tmp), metadata=metadata))
@@ -131,9 +155,10 @@ def load_model(path: Path, device: str | torch.device = "cpu", verify: bool = Tr
         with safe_open(str(path), framework="pt") as f:
             meta = f.metadata() or {}
             shapes = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+            dtypes = {k: f.get_slice(k).get_dtype() for k in f.keys()}
     except (SafetensorError, OSError, ValueError) as e:
         raise UserError(f"{path}: not a readable safetensors model file: {e}") from e
-    config, spm = _check_header(path, meta, shapes)
+    config, spm = _check_header(path, meta, shapes, dtypes)
     try:
         tensors = load_file(str(path), device="cpu")
     except (SafetensorError, OSError, ValueError) as e:
@@ -145,6 +170,7 @@ def load_model(path: Path, device: str | torch.device = "cpu", verify: bool = Tr
             f"{path}: the tensor data does not match the file's checksum (the file is damaged); "
             "--no-verify loads it anyway"
         )
+    int8, int8_info = _int8_weights(path, tensors, meta)
     model = Transformer(config.model)
     missing, unexpected = model.load_state_dict(tensors, strict=False)
     # Tied weights are stored once; every missing key must be an alias of a stored tensor.
@@ -156,11 +182,76 @@ def load_model(path: Path, device: str | torch.device = "cpu", verify: bool = Tr
             f"unexpected {sorted(unexpected)})"
         )
     model.to(device).eval()
-    return LoadedModel(model, config, spm, meta["src_lang"], meta["tgt_lang"], path)
+    loaded = LoadedModel(model, config, spm, meta["src_lang"], meta["tgt_lang"], path)
+    loaded.int8, loaded.int8_info = int8, int8_info
+    return loaded
+
+
+def _int8_weights(path: Path, tensors: dict[str, torch.Tensor], meta: dict[str, str]):
+    """Take the int8 tensors out of `tensors` (their names and shapes were checked with the
+    header): ({levels: {name: (integers, scales)}}, the calibration's metadata); their values
+    checked: integers within the grid, scales positive and finite."""
+    int8: dict[int, dict[str, tuple[torch.Tensor, torch.Tensor]]] = {}
+    for key in [k for k in tensors if k.startswith(INT8_PREFIX) and not k.endswith(".scale")]:
+        levels, name = _int8_key(key)
+        ints, scales = tensors.pop(key), tensors.pop(f"{key}.scale")
+        if ints.abs().max() > levels or not (torch.isfinite(scales).all() and (scales > 0).all()):
+            raise UserError(f"{path}: int8 weights {key} are outside their {levels}-level grid")
+        int8.setdefault(levels, {})[name] = (ints, scales)
+    try:
+        info = json.loads(meta.get(INT8_META, "{}"))
+    except ValueError as e:
+        raise UserError(f"{path}: the header's int8 metadata is not valid JSON: {e}") from e
+    return int8, info if isinstance(info, dict) else {}
+
+
+def _int8_key(key: str) -> tuple[int, str]:
+    """int8.<levels>.<name>[.scale] -> (levels, name); ValueError if malformed."""
+    levels, _, name = key.removeprefix(INT8_PREFIX).partition(".")
+    name = name.removesuffix(".scale")
+    if not levels.isdigit() or int(levels) not in INT8_LEVELS or not name:
+        raise ValueError(key)
+    return int(levels), name
+
+
+def _check_int8_header(path: Path, skeleton: Transformer, shapes, dtypes) -> None:
+    """The int8 tensors' names, shapes and dtypes against the model: for each grid present,
+    integers (int8, the weight's shape) and scales (fp32, one per row) for every nn.Linear
+    and the projection, and nothing else."""
+    linears = [(n, m) for n, m in skeleton.named_modules() if type(m) is nn.Linear]
+    weights = {n: tuple(m.weight.shape) for n, m in linears}
+    weights[PROJECTION] = tuple(skeleton.output_weight().shape)
+    found: dict[int, set[str]] = {}
+    for key in [k for k in shapes if k.startswith(INT8_PREFIX)]:
+        try:
+            levels, name = _int8_key(key)
+        except ValueError:
+            raise UserError(f"{path}: {key} is not an int8 weight name") from None
+        if name not in weights:
+            raise UserError(f"{path}: int8 weights {key} for a layer the config does not have")
+        scale = key.endswith(".scale")
+        want = (weights[name][0],) if scale else weights[name]
+        dtype = "F32" if scale else "I8"
+        if shapes[key] != want or dtypes[key] != dtype:
+            raise UserError(
+                f"{path}: {key} is {dtypes[key]} {list(shapes[key])}, the config needs "
+                f"{dtype} {list(want)}"
+            )
+        found.setdefault(levels, set()).add(key)
+    for levels, keys in found.items():
+        need = {f"{INT8_PREFIX}{levels}.{n}{s}" for n in weights for s in ("", ".scale")}
+        if keys != need:
+            raise UserError(
+                f"{path}: the {levels}-level int8 weights are incomplete (missing "
+                f"{', '.join(sorted(need - keys)[:3])})"
+            )
 
 
 def _check_header(
-    path: Path, meta: dict[str, str], shapes: dict[str, tuple[int, ...]]
+    path: Path,
+    meta: dict[str, str],
+    shapes: dict[str, tuple[int, ...]],
+    dtypes: dict[str, str] | None = None,
 ) -> tuple[RunConfig, bytes]:
     """The config and tokenizer of a model file's header, checked against its tensor shapes
     without allocating anything: the model is built on the meta device."""
@@ -192,6 +283,8 @@ def _check_header(
     with torch.device("meta"):
         skeleton = Transformer(config.model)
     expected = {name: tuple(t.shape) for name, t in _unique_state(skeleton, keep_vars=True).items()}
+    _check_int8_header(path, skeleton, shapes, dtypes or {})
+    shapes = {k: v for k, v in shapes.items() if not k.startswith(INT8_PREFIX)}
     unexpected = sorted(set(shapes) - set(skeleton.state_dict(keep_vars=True)))
     if unexpected:
         raise UserError(f"{path}: tensors the config does not have: {', '.join(unexpected[:5])}")

@@ -49,15 +49,19 @@ assert (AUTO, *DTYPES) == INFERENCE_DTYPES
 VNNI_FLAGS = frozenset({"avx512_vnni", "avx_vnni", "amx_int8"})
 
 
-def auto_dtype(device: str | torch.device) -> tuple[str, str]:
+def auto_dtype(device: str | torch.device, gptq_levels: Sequence[int] = ()) -> tuple[str, str]:
     """`--dtype auto`: the precision to translate in on this device, and why.
 
     bf16 on CUDA (where supported) and on CPUs with AMX (`amx_bf16`: oneDNN multiplies bf16
     matrices on the tile unit, several times fp32's rate). int8 (`quantize_int8`) on CPUs
     without AMX that have 8-bit dot products (VNNI: `avx512_vnni` or `avx_vnni`), where it
-    decodes faster than bf16 and fp32 (docs/performance.md, measured on AMD Zen 4). fp32
-    elsewhere. On the Multi30k quickstart model, bf16's and int8's sacreBLEU are within 0.1
-    of fp32 for beam 4 and greedy search (docs/decoding.md, "Precision").
+    decodes faster than bf16 and fp32 (docs/performance.md, measured on AMD Zen 4), and on
+    CPUs with neither when the model file holds GPTQ's weights for their 7-bit grid
+    (`gptq_levels`: the grids of `LoadedModel.int8`; `transformer quantize`): there fp32's
+    products run at ~0.6x int8's, and int8 rounded to the nearest level cost 0.3 BLEU where
+    GPTQ's cost < 0.1 (docs/decoding.md). fp32 elsewhere. On the Multi30k quickstart model,
+    bf16's and int8's sacreBLEU are within 0.1 of fp32 for beam 4 and greedy search
+    (docs/decoding.md, "Precision").
     """
     device = torch.device(device)
     if device.type != "cpu":
@@ -67,9 +71,12 @@ def auto_dtype(device: str | torch.device) -> tuple[str, str]:
         if torch.backends.mkldnn.is_available():
             return "bf16", "the CPU has amx_bf16"
         return "fp32", "the CPU has AMX but this torch has no oneDNN"
+    fbgemm = torch.backends.quantized.engine in {"fbgemm", "x86"}
     vnni = sorted(VNNI_FLAGS & flags)
-    if vnni and torch.backends.quantized.engine in {"fbgemm", "x86"}:
+    if vnni and fbgemm:
         return "int8", f"the CPU has {vnni[0]} and no AMX"
+    if fbgemm and int8_levels(flags) in gptq_levels:
+        return "int8", "the CPU has neither AMX nor VNNI, and the model file has GPTQ int8 weights"
     return "fp32", "the CPU has neither AMX nor VNNI"
 
 
@@ -103,6 +110,8 @@ class Int8Linear(nn.Module):
     (`int8_narrow_weights`). x may be fp32 or bf16; the output has x's dtype, or `out_dtype`.
     hessian: X^T X of inputs like the layer's (`gptq.input_moments`): the weights are then
     rounded by GPTQ on the same grid (`gptq.gptq_round`) instead of to the nearest level.
+    rounded: the weights already rounded on this grid (integers, row scales; a model file's
+    GPTQ weights, `LoadedModel.int8`): `weight` then gives only the shape.
     """
 
     def __init__(
@@ -112,18 +121,23 @@ class Int8Linear(nn.Module):
         narrow_weights: bool,
         out_dtype: torch.dtype | None = None,
         hessian: torch.Tensor | None = None,
+        rounded: tuple[torch.Tensor, torch.Tensor] | None = None,
     ):
         super().__init__()
         w = weight.detach().float()
         levels = 63.0 if narrow_weights else 127.0
-        scales = row_scales(w, levels)
         zeros = torch.zeros(w.size(0), dtype=torch.long)
+        if rounded is not None:
+            ints, scales = rounded[0].to(torch.int8), rounded[1].double()
+        else:
+            scales = row_scales(w, levels)
+            ints = None if hessian is None else gptq_round(w, scales, levels, hessian)
         with warnings.catch_warnings():  # quantized tensors are deprecated (torch 2.13) but work
             warnings.simplefilter("ignore")
-            if hessian is None:
+            if ints is None:
                 qweight = torch.quantize_per_channel(w, scales, zeros, axis=0, dtype=torch.qint8)
             else:
-                ints = gptq_round(w, scales, levels, hessian).to(torch.int8)
+                ints = ints.to(torch.int8)
                 qweight = torch._make_per_channel_quantized_tensor(ints, scales, zeros, 0)
         b = None if bias is None else bias.detach().float()
         self.packed = torch.ops.quantized.linear_prepack(qweight, b)
@@ -194,29 +208,38 @@ def quantize_int8(
     model: nn.Module,
     activations: torch.dtype = torch.float32,
     moments: dict[str, torch.Tensor] | None = None,
+    rounded: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = None,
 ) -> nn.Module:
     """A copy of `model` with int8 weights in every nn.Linear (attention W^Q, W^KV, W^O and the
     FFN) and in the pre-softmax projection (an int8 copy of the tied embedding, §3.4), as
     `Int8Linear`; the rest (embeddings, LayerNorm, attention's products, the cache) in
     `activations` (fp32, or bf16 where the CPU multiplies it natively). The logits are fp32.
-    With `moments` (`gptq.input_moments` of `model`: one per nn.Linear and the projection)
-    the weights are rounded by GPTQ, else to the nearest level.
+    The weights are rounded to the nearest level, or by GPTQ: with `moments`
+    (`gptq.input_moments` of `model`: one per nn.Linear and the projection), or taken
+    `rounded` already (a model file's GPTQ weights for this CPU's grid, `int8_levels()`).
     """
     model = copy.deepcopy(model)
     narrow = int8_narrow_weights()
     linears = [(n, m) for n, m in model.named_modules() if type(m) is nn.Linear]
-    if moments is not None:
-        missing = [n for n in [*(n for n, _ in linears), PROJECTION] if n not in moments]
-        if missing:
-            raise ValueError(f"quantize_int8: no input moments for {', '.join(missing[:3])}")
-    h = moments or {}
+    for what, given in (("input moments", moments), ("rounded weights", rounded)):
+        missing = [n for n in [*(n for n, _ in linears), PROJECTION] if n not in (given or {})]
+        if given is not None and missing:
+            raise ValueError(f"quantize_int8: no {what} for {', '.join(missing[:3])}")
+    h, r = moments or {}, rounded or {}
     for name, linear in linears:
         parent, _, attr = name.rpartition(".")
-        q = Int8Linear(linear.weight, linear.bias, narrow, hessian=h.get(name))
+        q = Int8Linear(linear.weight, linear.bias, narrow, hessian=h.get(name), rounded=r.get(name))
         setattr(model.get_submodule(parent) if parent else model, attr, q)
-    weight = model.output_weight()
-    model.projection = Int8Linear(weight, None, narrow, torch.float32, h.get(PROJECTION))
+    model.projection = Int8Linear(
+        model.output_weight(), None, narrow, torch.float32, h.get(PROJECTION), r.get(PROJECTION)
+    )
     return model.to(activations)
+
+
+def int8_levels(flags: set[str] | None = None) -> int:
+    """The int8 weights' grid on this CPU (`flags`: default /proc/cpuinfo's): 63 levels
+    without VNNI, else 127."""
+    return 63 if int8_narrow_weights(flags) else 127
 
 
 class Translator:
@@ -242,7 +265,7 @@ class Translator:
         self.device = torch.device(device)
         self.tokenizer = loaded.tokenizer()
         if dtype == AUTO:
-            dtype, why = auto_dtype(self.device)
+            dtype, why = auto_dtype(self.device, list(loaded.int8))
             logger.info("dtype auto: %s (%s)", dtype, why)
         if isinstance(dtype, str):
             if dtype not in DTYPES:
@@ -253,7 +276,8 @@ class Translator:
         self.dtype_name = names.get(dtype, str(dtype).removeprefix("torch."))  # "fp32", ...
         model = loaded.model.to(self.device).eval()
         if dtype == "int8":
-            model = quantize_int8(model)
+            # GPTQ's weights for this CPU's grid when the file has them (`transformer quantize`)
+            model = quantize_int8(model, rounded=loaded.int8.get(int8_levels()))
         elif dtype != torch.float32:
             model = model.to(dtype)
         elif self.device.type == "cpu":

@@ -24,7 +24,7 @@ def test_quickstart_smoke_runs_the_whole_pipeline_and_the_loss_falls(shared_data
     assert "wall time" in proc.stdout
     report = json.loads((out / "quickstart.json").read_text())
     assert report["sentences"] == 50 and set(report["stage_seconds"]) == {
-        "prepare", "train", "average, α on val", "translate",
+        "prepare", "train", "average, int8 by GPTQ, α on val", "translate",
     }  # fmt: skip
     # α chosen on val (50 sentences in a smoke run), test translated with it
     chosen = report["chosen_on_val"]
@@ -36,6 +36,12 @@ def test_quickstart_smoke_runs_the_whole_pipeline_and_the_loss_falls(shared_data
     hyps = (out / "test_2016_flickr.de.hyp").read_text(encoding="utf-8").splitlines()
     assert len(hyps) == 50
     assert Path(report["model"]).is_file()
+    # the model file carries GPTQ's int8 weights for both grids; auto decoded with them here
+    from transformer.modelfile import load_model
+    from transformer.translate import auto_dtype
+
+    assert set(load_model(Path(report["model"])).int8) == {63, 127}
+    assert report["dtype"] == auto_dtype("cpu", [63, 127])[0]
     losses = [
         json.loads(line)["loss"]
         for line in (out / "run" / "metrics.jsonl").read_text().splitlines()

@@ -3,6 +3,8 @@ inputs they were calibrated with; input_moments; quantize_int8 with them."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -112,3 +114,128 @@ def test_input_moments_and_quantize_int8_with_them(monkeypatch):
         want = model.project(model(b.src, b.src_mask, b.tgt_in))
     assert got.shape == want.shape == (3, 4, 30)
     assert (got - want).abs().max() < 0.05 * want.abs().max()  # int8: close, not equal
+
+
+# --- the model file's int8 weights and `transformer quantize` ------------------------------
+
+
+@pytest.fixture(scope="module")
+def calibrated(tmp_path_factory):
+    """(model file with GPTQ int8 weights, the plain one, the prepared data it was made on): a
+    tiny random model whose tokenizer is the prepared slice's."""
+    from fixtures import MULTI30K, prepare_slice
+    from transformer.config import DecodeConfig, RunConfig
+    from transformer.data import load_prepared
+    from transformer.gptq import quantize_model_file
+    from transformer.modelfile import save_model
+    from transformer.tokenizer import strip_build_paths
+
+    if not MULTI30K.is_dir():
+        pytest.skip(f"real corpora not found at {MULTI30K}")
+    tmp = tmp_path_factory.mktemp("gptq")
+    data_dir = prepare_slice(tmp, MULTI30K, n_train=200, n_valid=10, vocab_size=400)
+    data = load_prepared(data_dir)
+    spm = strip_build_paths((data.path / data.manifest["spm_model"]).read_bytes())
+    torch.manual_seed(0)
+    cfg = ModelConfig(vocab_size=400, n_layers=1, d_model=32, d_ff=64, n_heads=2, d_k=16,
+                      d_v=16, p_drop=0.0, max_len=128)  # fmt: skip
+    model = Transformer(cfg).eval()
+    config = RunConfig(model=cfg, decode=DecodeConfig(max_len_b=8))
+    plain = save_model(tmp / "plain.safetensors", model, config, spm, "en", "de")
+    out = quantize_model_file(plain, data_dir, tmp / "int8.safetensors", sentences=50)
+    return out, plain, data_dir
+
+
+def test_a_quantized_file_holds_both_grids_and_the_model_is_unchanged(calibrated):
+    from transformer.modelfile import load_model
+
+    out, plain, _ = calibrated
+    q, p = load_model(out), load_model(plain)
+    assert set(q.int8) == {63, 127} and p.int8 == {}
+    assert q.int8_info == {"method": "gptq", "split": "train", "sentences": 50,
+                           "data": str(calibrated[2])}  # fmt: skip
+    for a, b in zip(q.model.state_dict().values(), p.model.state_dict().values(), strict=True):
+        assert torch.equal(a, b)
+    names = {n for n, m in q.model.named_modules() if type(m) is torch.nn.Linear} | {PROJECTION}
+    for levels, weights in q.int8.items():
+        assert set(weights) == names
+        for ints, scales in weights.values():
+            assert ints.dtype == torch.int8 and ints.abs().max() <= levels
+            assert scales.dtype == torch.float32 and (scales > 0).all()
+
+
+def test_translator_int8_takes_the_files_gptq_weights_and_auto_picks_them(
+    calibrated, monkeypatch, tmp_path
+):
+    from fixtures import CPUINFO_ZEN3, fake_cpuinfo
+    from transformer.translate import Translator, int8_levels
+
+    out, plain, _ = calibrated
+    fake_cpuinfo(monkeypatch, tmp_path, CPUINFO_ZEN3)  # no AMX, no VNNI: 63 levels
+    assert int8_levels() == 63
+    tr = Translator.from_path(out, dtype="int8")
+    ints, scales = tr.loaded.int8[63]["encoder_layers.0.ffn.w_1"]
+    w = torch.ops.quantized.linear_unpack(tr.model.encoder_layers[0].ffn.w_1.packed)[0]
+    assert torch.equal(w.int_repr(), ints)
+    assert torch.equal(w.q_per_channel_scales().float(), scales)
+    assert Translator.from_path(out, dtype="auto").dtype_name == "int8"
+    assert Translator.from_path(plain, dtype="auto").dtype_name == "fp32"
+    lines = ["A man is riding a bike.", "Two dogs play in the snow."]
+    assert len(Translator.from_path(out, dtype="auto").translate(lines)) == 2
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (lambda t: t.update({"int8.63.projection": t["int8.63.projection"][:-1]}),
+         "int8.63.projection is I8 [399, 32], the config needs I8 [400, 32]"),
+        (lambda t: t.update({"int8.63.projection.scale": t["int8.63.projection.scale"].double()}),
+         "int8.63.projection.scale is F64"),
+        (lambda t: t.pop("int8.127.encoder_layers.0.ffn.w_2.scale"),
+         "the 127-level int8 weights are incomplete (missing int8.127.encoder_layers.0.ffn.w_2"),
+        (lambda t: t.update({"int8.63.decoder_layers.7.ffn.w_1": t["int8.63.projection"] + 0}),
+         "for a layer the config does not have"),
+        (lambda t: t.update({"int8.64.projection": torch.zeros(2, 2, dtype=torch.int8)}),
+         "int8.64.projection is not an int8 weight name"),
+        (lambda t: t["int8.63.projection"].fill_(100),
+         "int8 weights int8.63.projection are outside their 63-level grid"),
+        (lambda t: t["int8.127.projection.scale"].fill_(float("nan")),
+         "int8 weights int8.127.projection are outside their 127-level grid"),
+    ],
+)  # fmt: skip
+def test_a_forged_int8_section_is_one_clean_error(calibrated, tmp_path, change, message):
+    # a consistent checksum, so that the checks of the int8 section itself are what fail
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+
+    from transformer.errors import UserError
+    from transformer.modelfile import CHECKSUM, load_model, tensors_sha256
+
+    out = calibrated[0]
+    tensors = load_file(str(out))
+    with safe_open(str(out), framework="pt") as f:
+        meta = dict(f.metadata())
+    change(tensors)
+    meta[CHECKSUM] = tensors_sha256(tensors)
+    forged = tmp_path / "forged.safetensors"
+    save_file(tensors, str(forged), metadata=meta)
+    with pytest.raises(UserError, match=re.escape(message)):
+        load_model(forged)
+
+
+def test_quantize_refuses_data_of_another_model(calibrated, tmp_path, capsys):
+    from fixtures import make_model_file
+    from transformer.cli import main
+
+    out, plain, data_dir = calibrated
+    other = make_model_file(tmp_path / "other")  # its own subword model
+    assert main(["quantize", str(other), str(data_dir)]) == 2
+    assert "its subword model is not the one" in capsys.readouterr().err
+    assert main(["quantize", str(plain), str(data_dir), "--split", "nope", "--out",
+                 str(tmp_path / "x.safetensors")]) == 2  # fmt: skip
+    assert "no split 'nope'; have train, valid" in capsys.readouterr().err
+    assert main(["quantize", str(plain), str(data_dir), "--sentences", "0"]) == 2
+    assert "--sentences must be at least 1" in capsys.readouterr().err
+    assert main(["quantize", str(plain), str(tmp_path / "none")]) == 2
+    assert "run `transformer prepare` first" in capsys.readouterr().err
+    assert not (tmp_path / "x.safetensors").exists()

@@ -1,9 +1,10 @@
 """`transformer quickstart`: Multi30k English→German end to end on a CPU, as a new user wants it.
 
 prepare (joint subwords) → train (a CPU-sized preset; bf16 where the CPU multiplies it natively,
-else fp32) → average the last checkpoints (§6.1) → choose the length penalty α on val (§6.1,
-`valchoice.py`) → translate test_2016_flickr with beam 4 and that α → sacreBLEU with signature
-and chrF.
+else fp32) → average the last checkpoints (§6.1) → int8 weights rounded by GPTQ on 2,000 train
+pairs into the model file (gptq.py: what `--dtype auto` decodes with on CPUs without AMX) →
+choose the length penalty α on val (§6.1, `valchoice.py`) → translate test_2016_flickr with beam
+4 and that α → sacreBLEU with signature and chrF.
 """
 
 from __future__ import annotations
@@ -97,6 +98,7 @@ def quickstart(
     from transformer import rundir
     from transformer.config import build_config
     from transformer.experiments.valchoice import beam4_scorer, choose_on_val
+    from transformer.gptq import quantize_model_file
     from transformer.prepare import prepare_corpus
     from transformer.train import train
 
@@ -134,10 +136,14 @@ def quickstart(
         train(data_dir, run_dir, config)
 
     score = beam4_scorer(data_dir, limit=SMOKE_TEST_SENTENCES if smoke else None)
-    with _stage("average, α on val", seconds):  # the last 5 (§6.1), then α on val
+
+    def calibrate(model: Path) -> None:  # GPTQ's int8 weights into the model file (gptq.py)
+        quantize_model_file(model, data_dir)
+
+    with _stage("average, int8 by GPTQ, α on val", seconds):  # the last 5 (§6.1), then α
         alphas = ALPHAS[::2] if smoke else ALPHAS
         choice = choose_on_val(run_dir, out_dir, score, windows=(config.train.keep_last,),
-                               alphas=alphas)  # fmt: skip
+                               alphas=alphas, calibrate=calibrate)  # fmt: skip
     model_path = Path(choice["model"])
 
     translations = out_dir / f"test_2016_flickr.{tgt_lang}.hyp"

@@ -123,6 +123,7 @@ def choose_on_val(
     alphas: Sequence[float] | None = None,
     window_alpha: float | None = None,
     alpha_rule: str = "best",
+    calibrate: Callable[[Path], object] | None = None,
 ) -> dict:
     """Average each candidate window, score it on val, then α on the best one. The windows:
     `candidate_windows` of the cadence checkpoints, and, when the run ended off the cadence,
@@ -137,6 +138,8 @@ def choose_on_val(
         windows, alphas, window_alpha: default WINDOWS, ALPHAS, WINDOW_ALPHA.
         alpha_rule: "best" or "one-se" (`ALPHA_RULES`, the module's docstring); "one-se"
             needs the scorer's "sentence_stats".
+        calibrate: called with each average's path before it is scored (the quickstart:
+            `gptq.quantize_model_file`, so that val chooses with the int8 weights it keeps).
 
     Returns:
         {"model", "alpha", "averaged" (checkpoint steps), "best_valid_step", "windows" (each
@@ -171,6 +174,8 @@ def choose_on_val(
     for chosen in candidates:
         path = staging / f"avg_{chosen[0]}-{chosen[-1]}.safetensors"
         rundir.average_files([files[s] for s in chosen], path)
+        if calibrate is not None:
+            calibrate(path)
         report = score(path, [window_alpha])[0]
         bleu = report["bleu"]
         logger.info("val: checkpoints %s … %s (%d), α %s: BLEU %.2f",
