@@ -195,7 +195,8 @@ def _int8_weights(path: Path, tensors: dict[str, torch.Tensor], meta: dict[str, 
     for key in [k for k in tensors if k.startswith(INT8_PREFIX) and not k.endswith(".scale")]:
         levels, name = _int8_key(key)
         ints, scales = tensors.pop(key), tensors.pop(f"{key}.scale")
-        if ints.abs().max() > levels or not (torch.isfinite(scales).all() and (scales > 0).all()):
+        outside = ints.to(torch.int16).abs().max() > levels  # int8's abs(-128) is -128
+        if outside or not (torch.isfinite(scales).all() and (scales > 0).all()):
             raise UserError(f"{path}: int8 weights {key} are outside their {levels}-level grid")
         int8.setdefault(levels, {})[name] = (ints, scales)
     try:

@@ -277,7 +277,11 @@ class Translator:
         model = loaded.model.to(self.device).eval()
         if dtype == "int8":
             # GPTQ's weights for this CPU's grid when the file has them (`transformer quantize`)
-            model = quantize_int8(model, rounded=loaded.int8.get(int8_levels()))
+            rounded = loaded.int8.get(int8_levels())
+            if rounded is None:
+                logger.info("int8: weights rounded to the nearest of %d levels (`transformer "
+                            "quantize` stores GPTQ's, closer to fp32)", int8_levels())  # fmt: skip
+            model = quantize_int8(model, rounded=rounded)
         elif dtype != torch.float32:
             model = model.to(dtype)
         elif self.device.type == "cpu":

@@ -199,6 +199,8 @@ def test_translator_int8_takes_the_files_gptq_weights_and_auto_picks_them(
          "int8.64.projection is not an int8 weight name"),
         (lambda t: t["int8.63.projection"].fill_(100),
          "int8 weights int8.63.projection are outside their 63-level grid"),
+        (lambda t: t["int8.127.projection"].fill_(-128),
+         "int8 weights int8.127.projection are outside their 127-level grid"),
         (lambda t: t["int8.127.projection.scale"].fill_(float("nan")),
          "int8 weights int8.127.projection are outside their 127-level grid"),
     ],
