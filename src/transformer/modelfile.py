@@ -90,6 +90,7 @@ def save_model(
 ) -> Path:
     """Write `path` atomically (temporary file, then rename), with a checksum of the tensors.
     `int8` (`LoadedModel.int8`'s form) and `int8_info` add GPTQ's int8 weights."""
+    from safetensors import SafetensorError
     from safetensors.torch import save_file
 
     from transformer.tokenizer import strip_build_paths
@@ -118,6 +119,8 @@ def save_model(
         replace_atomic(path, lambda tmp: save_file(tensors, str(tmp), metadata=metadata))
     except OSError as e:  # disk full, permission denied
         raise UserError(f"{path}: cannot write the model file: {e.strerror or e}") from e
+    except SafetensorError as e:  # safetensors reports its own I/O errors (disk full, no dir)
+        raise UserError(f"{path}: cannot write the model file: {e}") from e
     return path
 
 

@@ -212,3 +212,11 @@ def test_disk_full_while_saving_leaves_no_temporary(tmp_path, monkeypatch) -> No
     with pytest.raises(UserError, match=r"m\.safetensors: cannot write the model file: No space"):
         save_model(tmp_path / "m.safetensors", Transformer(cfg.model), cfg, b"", "en", "de")
     assert list(tmp_path.iterdir()) == []
+
+
+def test_an_unwritable_place_is_one_clean_error() -> None:
+    # safetensors raises its own SafetensorError for I/O errors, not OSError: /proc refuses new
+    # files even to root
+    cfg = build_config("tiny", vocab_size=50)
+    with pytest.raises(UserError, match=r"/proc/m\.safetensors: cannot write the model file"):
+        save_model(Path("/proc/m.safetensors"), Transformer(cfg.model), cfg, b"", "en", "de")
