@@ -27,7 +27,7 @@ from torch import nn
 
 from transformer.data import ParallelSplit, collate
 from transformer.errors import UserError
-from transformer.modelfile import INT8_LEVELS, PROJECTION, save_model
+from transformer.modelfile import INT8_LEVELS, PROJECTION, int8_targets, save_model
 from transformer.tokenizer import PAD_ID
 
 logger = logging.getLogger(__name__)
@@ -119,8 +119,7 @@ def calibrate_int8(
     """Every nn.Linear's and the projection's weights rounded by GPTQ with `moments`
     (`input_moments` of `model`), for each grid: {levels: {name: (int8 integers, fp32 row
     scales)}}, `LoadedModel.int8`'s form."""
-    weights = {n: m.weight for n, m in model.named_modules() if type(m) is nn.Linear}
-    weights[PROJECTION] = model.output_weight()
+    weights = int8_targets(model)
     missing = [n for n in weights if n not in moments]
     if missing:
         raise ValueError(f"calibrate_int8: no input moments for {', '.join(missing[:3])}")

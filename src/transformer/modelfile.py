@@ -185,9 +185,9 @@ def load_model(path: Path, device: str | torch.device = "cpu", verify: bool = Tr
             f"unexpected {sorted(unexpected)})"
         )
     model.to(device).eval()
-    loaded = LoadedModel(model, config, spm, meta["src_lang"], meta["tgt_lang"], path)
-    loaded.int8, loaded.int8_info = int8, int8_info
-    return loaded
+    return LoadedModel(
+        model, config, spm, meta["src_lang"], meta["tgt_lang"], path, int8, int8_info
+    )
 
 
 def _int8_weights(path: Path, tensors: dict[str, torch.Tensor], meta: dict[str, str]):
@@ -218,13 +218,19 @@ def _int8_key(key: str) -> tuple[int, str]:
     return int(levels), name
 
 
+def int8_targets(model: Transformer) -> dict[str, torch.Tensor]:
+    """The weights that int8 decoding quantizes, by the names the int8 weights carry: every
+    nn.Linear's (by module name) and the tied pre-softmax projection's (`PROJECTION`)."""
+    weights = {n: m.weight for n, m in model.named_modules() if type(m) is nn.Linear}
+    weights[PROJECTION] = model.output_weight()
+    return weights
+
+
 def _check_int8_header(path: Path, skeleton: Transformer, shapes, dtypes) -> None:
     """The int8 tensors' names, shapes and dtypes against the model: for each grid present,
     integers (int8, the weight's shape) and scales (fp32, one per row) for every nn.Linear
     and the projection, and nothing else."""
-    linears = [(n, m) for n, m in skeleton.named_modules() if type(m) is nn.Linear]
-    weights = {n: tuple(m.weight.shape) for n, m in linears}
-    weights[PROJECTION] = tuple(skeleton.output_weight().shape)
+    weights = {n: tuple(w.shape) for n, w in int8_targets(skeleton).items()}
     found: dict[int, set[str]] = {}
     for key in [k for k in shapes if k.startswith(INT8_PREFIX)]:
         try:
@@ -255,7 +261,7 @@ def _check_header(
     path: Path,
     meta: dict[str, str],
     shapes: dict[str, tuple[int, ...]],
-    dtypes: dict[str, str] | None = None,
+    dtypes: dict[str, str],
 ) -> tuple[RunConfig, bytes]:
     """The config and tokenizer of a model file's header, checked against its tensor shapes
     without allocating anything: the model is built on the meta device."""
@@ -287,7 +293,7 @@ def _check_header(
     with torch.device("meta"):
         skeleton = Transformer(config.model)
     expected = {name: tuple(t.shape) for name, t in _unique_state(skeleton, keep_vars=True).items()}
-    _check_int8_header(path, skeleton, shapes, dtypes or {})
+    _check_int8_header(path, skeleton, shapes, dtypes)
     shapes = {k: v for k, v in shapes.items() if not k.startswith(INT8_PREFIX)}
     unexpected = sorted(set(shapes) - set(skeleton.state_dict(keep_vars=True)))
     if unexpected:

@@ -27,10 +27,10 @@ from transformer.config import INFERENCE_DTYPES, DecodeConfig
 from transformer.cpuinfo import cpu_flags
 from transformer.data import read_lines
 from transformer.errors import UserError
-from transformer.gptq import PROJECTION, gptq_round, row_scales
+from transformer.gptq import gptq_round, row_scales
 from transformer.model import DTYPES as model_dtypes
 from transformer.model import accelerator_dtype
-from transformer.modelfile import LoadedModel
+from transformer.modelfile import PROJECTION, LoadedModel, int8_targets
 from transformer.rundir import resolve_model
 from transformer.search import Constrain, beam_search_alphas, greedy_search
 from transformer.threads import ThreadTuner
@@ -131,13 +131,14 @@ class Int8Linear(nn.Module):
             ints, scales = rounded[0].to(torch.int8), rounded[1].double()
         else:
             scales = row_scales(w, levels)
-            ints = None if hessian is None else gptq_round(w, scales, levels, hessian)
+            ints = None
+            if hessian is not None:
+                ints = gptq_round(w, scales, levels, hessian).to(torch.int8)
         with warnings.catch_warnings():  # quantized tensors are deprecated (torch 2.13) but work
             warnings.simplefilter("ignore")
             if ints is None:
                 qweight = torch.quantize_per_channel(w, scales, zeros, axis=0, dtype=torch.qint8)
             else:
-                ints = ints.to(torch.int8)
                 qweight = torch._make_per_channel_quantized_tensor(ints, scales, zeros, 0)
         b = None if bias is None else bias.detach().float()
         self.packed = torch.ops.quantized.linear_prepack(qweight, b)
@@ -222,7 +223,7 @@ def quantize_int8(
     narrow = int8_narrow_weights()
     linears = [(n, m) for n, m in model.named_modules() if type(m) is nn.Linear]
     for what, given in (("input moments", moments), ("rounded weights", rounded)):
-        missing = [n for n in [*(n for n, _ in linears), PROJECTION] if n not in (given or {})]
+        missing = [n for n in int8_targets(model) if n not in (given or {})]
         if given is not None and missing:
             raise ValueError(f"quantize_int8: no {what} for {', '.join(missing[:3])}")
     h, r = moments or {}, rounded or {}
@@ -277,10 +278,11 @@ class Translator:
         model = loaded.model.to(self.device).eval()
         if dtype == "int8":
             # GPTQ's weights for this CPU's grid when the file has them (`transformer quantize`)
-            rounded = loaded.int8.get(int8_levels())
+            levels = int8_levels()
+            rounded = loaded.int8.get(levels)
             if rounded is None:
                 logger.info("int8: weights rounded to the nearest of %d levels (`transformer "
-                            "quantize` stores GPTQ's, closer to fp32)", int8_levels())  # fmt: skip
+                            "quantize` stores GPTQ's, closer to fp32)", levels)  # fmt: skip
             model = quantize_int8(model, rounded=rounded)
         elif dtype != torch.float32:
             model = model.to(dtype)
