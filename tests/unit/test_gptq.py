@@ -241,3 +241,44 @@ def test_quantize_refuses_data_of_another_model(calibrated, tmp_path, capsys):
     assert main(["quantize", str(plain), str(tmp_path / "none")]) == 2
     assert "run `transformer prepare` first" in capsys.readouterr().err
     assert not (tmp_path / "x.safetensors").exists()
+
+
+def test_quantize_refuses_a_checkpoint_without_out_and_another_language_pair(
+    calibrated, tmp_path, capsys
+):
+    """A run directory without a model file resolves to its latest checkpoint, which is not a
+    model file to rewrite in place; data of another language pair is not the model's."""
+    import json
+    import shutil
+
+    from transformer import checkpoint
+    from transformer.cli import main
+    from transformer.config import RunConfig, to_dict
+
+    out, plain, data_dir = calibrated
+    run = tmp_path / "run"
+    cfg = ModelConfig(vocab_size=30, d_model=16, d_ff=32, n_heads=2, n_layers=1, max_len=32)
+    spm = torch.frombuffer(bytearray(b"spm-bytes"), dtype=torch.uint8)
+    state = {"model": Transformer(cfg).state_dict(), "config": to_dict(RunConfig(model=cfg)),
+             "data": {"spm_proto": spm, "src": "en", "tgt": "de"}}  # fmt: skip
+    ckpt = checkpoint.save_checkpoint(run, 7, state, keep_last=5)
+    before = ckpt.read_bytes()
+    assert main(["quantize", str(run), str(data_dir)]) == 2
+    err = capsys.readouterr().err
+    assert f"resolves to a checkpoint ({ckpt}); give --out" in err
+    assert "Traceback" not in err
+    assert ckpt.read_bytes() == before
+    assert sorted(p.name for p in (run / checkpoint.CHECKPOINT_DIR).iterdir()) == [
+        "ckpt_7.pt", checkpoint.LATEST]  # fmt: skip
+
+    swapped = tmp_path / "de-en"
+    shutil.copytree(data_dir, swapped)
+    manifest = json.loads((swapped / "manifest.json").read_text(encoding="utf-8"))
+    manifest["src_lang"], manifest["tgt_lang"] = "de", "en"
+    (swapped / "manifest.json").write_text(json.dumps(manifest), encoding="utf-8")
+    dest = tmp_path / "x.safetensors"
+    assert main(["quantize", str(plain), str(swapped), "--out", str(dest)]) == 2
+    err = capsys.readouterr().err
+    assert f"{swapped}: de->en data, the model translates en->de" in err
+    assert "Traceback" not in err
+    assert not dest.exists()
