@@ -356,6 +356,28 @@ def sinusoid_table(max_len: int, d_model: int) -> torch.Tensor:
     return table.float()
 
 
+def building_skeleton() -> bool:
+    """Whether modules are being built on the meta device (`with torch.device("meta")`): a
+    skeleton that only gives names and shapes (the model file's header check, `transformer
+    presets`).
+
+    Not in the paper. Many meta kernels (`normal_`, `arange`, ...) are decompositions whose
+    wrapper imports torch._dynamo on first use: ~1.8 s of every command that loads a model
+    file (`translate` of one line took 5.3 s, 2.7 of them `import torch`). So a skeleton
+    skips every fill and computation of values (`embedding`, `PositionalEncoding`,
+    `Transformer.reset_parameters`); off the meta device nothing changes, nor the random
+    numbers drawn.
+    """
+    return torch.get_default_device().type == "meta"
+
+
+def embedding(num: int, dim: int) -> nn.Embedding:
+    """`nn.Embedding(num, dim)`; in a skeleton (`building_skeleton`) without its N(0, 1) fill."""
+    if building_skeleton():
+        return nn.Embedding(num, dim, _weight=torch.empty(num, dim))
+    return nn.Embedding(num, dim)
+
+
 class PositionalEncoding(nn.Module):
     """§3.5 sinusoids, or learned position embeddings (Table 3 row E)."""
 
@@ -363,11 +385,17 @@ class PositionalEncoding(nn.Module):
         super().__init__()
         self.max_len = max_len
         if learned:
-            self.learned = nn.Embedding(max_len, d_model)
-            nn.init.normal_(self.learned.weight, std=d_model**-0.5)
+            self.learned = embedding(max_len, d_model)
+            if not building_skeleton():
+                nn.init.normal_(self.learned.weight, std=d_model**-0.5)
         else:
             self.learned = None
-            self.register_buffer("table", sinusoid_table(max_len, d_model), persistent=False)
+            table = (
+                torch.empty(max_len, d_model)
+                if building_skeleton()
+                else sinusoid_table(max_len, d_model)
+            )
+            self.register_buffer("table", table, persistent=False)
 
     def forward(self, t: int, offset: int = 0) -> torch.Tensor:
         """Encodings of positions offset .. offset+t-1: (t, D)."""
@@ -601,11 +629,11 @@ class Transformer(nn.Module):
         super().__init__()
         self.cfg = cfg
         d = cfg.d_model
-        self.src_embed = nn.Embedding(cfg.vocab_size, d)
+        self.src_embed = embedding(cfg.vocab_size, d)
         if cfg.share_embeddings:
             self.tgt_embed = self.src_embed  # §3.4: one weight matrix
         else:
-            self.tgt_embed = nn.Embedding(cfg.target_vocab_size, d)
+            self.tgt_embed = embedding(cfg.target_vocab_size, d)
         self.src_pos = PositionalEncoding(d, cfg.max_len, cfg.learned_pos)
         self.tgt_pos = (
             self.src_pos if not cfg.learned_pos else PositionalEncoding(d, cfg.max_len, True)
@@ -625,6 +653,8 @@ class Transformer(nn.Module):
         """Glorot-uniform projections and zero biases (tensor2tensor, fairseq); embeddings
         N(0, d^-1/2), so that after the sqrt(d) scale they have unit variance."""
         for name, p in self.named_parameters():
+            if p.is_meta:  # a skeleton (`building_skeleton`): no values to draw
+                continue
             if "embed" in name or "learned" in name:
                 nn.init.normal_(p, std=self.cfg.d_model**-0.5)
             elif p.dim() > 1:

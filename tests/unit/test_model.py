@@ -573,3 +573,44 @@ def test_layer_norm_keeps_its_input_where_the_output_cannot_give_it_back(case):
     assert torch.equal(y, norm(x))
     if case != "no_grad":
         assert x.untyped_storage().data_ptr() in saved
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [{}, {"learned_pos": True}, {"share_embeddings": False, "tgt_vocab_size": V + 7}],
+    ids=["sinusoids", "learned", "untied"],
+)
+def test_a_meta_skeleton_has_the_models_names_and_shapes_and_draws_no_random_numbers(kw):
+    cfg = tiny(**kw)
+    torch.manual_seed(5)
+    seeded = torch.random.get_rng_state()
+    real = Transformer(cfg)
+    assert not torch.equal(torch.random.get_rng_state(), seeded)  # the real one draws
+    torch.manual_seed(5)
+    with torch.device("meta"):
+        skeleton = Transformer(cfg)
+    assert torch.equal(torch.random.get_rng_state(), seeded)  # the skeleton draws nothing
+    shapes = lambda m: {k: (tuple(v.shape), v.dtype) for k, v in m.state_dict().items()}  # noqa: E731
+    assert shapes(skeleton) == shapes(real)
+    assert {k: b.shape for k, b in skeleton.named_buffers()} == {
+        k: b.shape for k, b in real.named_buffers()
+    }
+    assert all(p.is_meta for p in skeleton.parameters())
+    assert skeleton.num_parameters() == real.num_parameters()
+
+
+def test_loading_a_model_file_does_not_import_torch_dynamo(tmp_path):
+    """A skeleton's meta kernels would import torch._dynamo (~1.8 s of every command that
+    loads a model file: `model.building_skeleton`)."""
+    import subprocess
+    import sys
+
+    from fixtures import make_model_file
+
+    path = make_model_file(tmp_path, learned_pos=True)
+    code = (
+        "import sys; from transformer.modelfile import load_model; "
+        f"load_model({str(path)!r}); print('torch._dynamo' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False", out.stderr
