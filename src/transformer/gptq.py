@@ -148,6 +148,8 @@ def quantize_model_file(
     from transformer.rundir import resolve_model
     from transformer.tokenizer import strip_build_paths
 
+    if sentences < 1:  # before the model and the data are read
+        raise UserError(f"--sentences must be at least 1, got {sentences}")
     loaded = resolve_model(model_path)
     if out is None:
         if loaded.path.suffix != ".safetensors":
@@ -166,8 +168,6 @@ def quantize_model_file(
         )
     if split not in data.split_names:
         raise UserError(f"{data_dir}: no split {split!r}; have {', '.join(data.split_names)}")
-    if sentences < 1:
-        raise UserError(f"--sentences must be at least 1, got {sentences}")
     model = loaded.model.float().eval()
     start = time.perf_counter()
     moments = input_moments(model, data.split(split), sentences)

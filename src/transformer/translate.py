@@ -222,8 +222,9 @@ def quantize_int8(
     model = copy.deepcopy(model)
     narrow = int8_narrow_weights()
     linears = [(n, m) for n, m in model.named_modules() if type(m) is nn.Linear]
+    targets = int8_targets(model)
     for what, given in (("input moments", moments), ("rounded weights", rounded)):
-        missing = [n for n in int8_targets(model) if n not in (given or {})]
+        missing = [n for n in targets if n not in (given or {})]
         if given is not None and missing:
             raise ValueError(f"quantize_int8: no {what} for {', '.join(missing[:3])}")
     h, r = moments or {}, rounded or {}
