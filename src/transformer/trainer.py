@@ -405,15 +405,17 @@ class Trainer:
     @torch.no_grad()
     def validate(self) -> dict[str, Any]:
         """Validation loss, per-token perplexity and (train.valid_bleu) greedy BLEU on the valid
-        split."""
+        split, outputs capped at the run's decode.max_len_a x source length + decode.max_len_b."""
         from transformer.bleu import corpus_bleu
         from transformer.search import greedy_search
 
         split = self.valid_split
         hyps: dict[int, str] = {}
+        a, b_ = self.config.decode.max_len_a, self.config.decode.max_len_b
 
         def decode(b: Batch) -> None:  # greedy, in the same pass as the loss
-            for i, ids in zip(b.indices, greedy_search(self.model, b.src, b.src_mask), strict=True):
+            outs = greedy_search(self.model, b.src, b.src_mask, max_len_a=a, max_len_b=b_)
+            for i, ids in zip(b.indices, outs, strict=True):
                 hyps[i] = self.tokenizer.decode(ids)
 
         record: dict[str, Any] = evaluate_loss(

@@ -339,12 +339,39 @@ def test_validation_bleu_aligns_hypotheses_with_references(data_dir, tmp_path, m
     split = trainer.valid_split
     by_src = {tuple(split.src_tokens(i).tolist()): i for i in range(len(split))}
 
-    def oracle(model, src, src_mask):  # "translates" each source into its own reference
+    def oracle(model, src, src_mask, **caps):  # "translates" each source into its reference
         rows = [tuple(s[m][:-1].tolist()) for s, m in zip(src, src_mask, strict=True)]
         return [split.tgt_tokens(by_src[r]).tolist() for r in rows]
 
     monkeypatch.setattr("transformer.search.greedy_search", oracle)
     assert trainer.validate()["bleu"] == pytest.approx(100.0)
+
+
+def test_validation_caps_its_outputs_as_the_runs_decode_config_says(data_dir, tmp_path):
+    # An untrained model rarely ends a sentence: its greedy outputs run to the cap, which is the
+    # run's decode.max_len_a x source length + decode.max_len_b, as in every other search.
+    import transformer.search as search
+
+    lengths: list[tuple[int, int]] = []
+    real = search.greedy_search
+
+    def spy(model, src, src_mask, **caps):
+        outs = real(model, src, src_mask, **caps)
+        lengths.extend(zip(src_mask.sum(1).tolist(), map(len, outs), strict=True))
+        return outs
+
+    cfg = _config("decode.max_len_a=0", "decode.max_len_b=3")
+    trainer = _trainer(data_dir, tmp_path / "run", cfg)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(search, "greedy_search", spy)
+        trainer.validate()
+    assert lengths and max(n for _, n in lengths) <= 2  # 3 tokens with EOS, which is not kept
+    lengths.clear()
+    trainer = _trainer(data_dir, tmp_path / "run2", _config())  # the paper's: source + 50
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(search, "greedy_search", spy)
+        trainer.validate()
+    assert all(n <= s + 50 - 1 for s, n in lengths) and max(n for _, n in lengths) > 3
 
 
 def test_pairs_longer_than_the_model_or_a_batch_are_a_user_error_before_training(
