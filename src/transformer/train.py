@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
@@ -54,6 +55,16 @@ def resolve_run(
 TUNER_WARMUP_STEPS = 4
 
 
+def set_deterministic(mode: bool, compile: bool = False) -> None:
+    """`torch.use_deterministic_algorithms(mode)`, without importing torch._inductor (and with it
+    torch._dynamo: ~2 s of a process's start on a 2-core CPU) to set its config's copy of the flag
+    when nothing in this process is compiled: the flag that eager kernels read is ATen's."""
+    if compile or "torch._inductor.config" in sys.modules:
+        torch.use_deterministic_algorithms(mode)
+    else:
+        torch._C._set_deterministic_algorithms(mode)
+
+
 def _setup_torch(
     config: RunConfig, device: torch.device, threads: int | str | None = None
 ) -> ThreadTuner | None:
@@ -69,7 +80,7 @@ def _setup_torch(
     if config.train.deterministic:
         # Bit-exact runs: deterministic kernels and a fixed thread count (reductions split
         # work by thread count).
-        torch.use_deterministic_algorithms(True)
+        set_deterministic(True, config.train.compile)
         torch.set_num_threads(threads if isinstance(threads, int) else 1)
     elif isinstance(threads, int):
         torch.set_num_threads(threads)
@@ -223,7 +234,7 @@ def _train_job(
         distributed.shutdown(info)
         # Process-wide settings go back to what they were (train() may run inside a bigger
         # program, or a test session).
-        torch.use_deterministic_algorithms(saved_torch[0])
+        set_deterministic(saved_torch[0], config.train.compile)
         torch.set_num_threads(saved_torch[1])
 
 
@@ -313,7 +324,10 @@ def _restore(out_dir, model, optimizer, sampler, info) -> TrainState:
         raise UserError(f"{out_dir}: no checkpoint to resume from")
     path, ckpt = found
     optimizer.load_master_state(model, ckpt["model"])
-    optimizer.load_state_dict(ckpt["optimizer"])
+    try:
+        optimizer.load_state_dict(ckpt["optimizer"])
+    except ValueError as e:  # a checkpoint of another model
+        raise UserError(f"{path}: {e}") from None
     ranks = ckpt["sampler"]["world_size"]
     if ranks != info.world_size:
         raise UserError(

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import copy
 import math
 
 import pytest
 import torch
 from torch import nn
 
-from transformer.optim import MixedPrecisionAdam, cooldown_factor, learning_rate
+from transformer.optim import FusedAdam, MixedPrecisionAdam, cooldown_factor, learning_rate
 
 
 def test_lr_at_warmup_end_for_base():
@@ -98,7 +99,7 @@ def test_grad_scale_and_clipping():
     w.grad = torch.tensor([30.0, 40.0])
     norm = opt.step(0.0, grad_scale=0.1, clip_norm=1.0)
     assert norm == pytest.approx(5.0)  # 0.1 * |(30, 40)| = 5, reported before clipping
-    exp_avg = opt.adam.state[w]["exp_avg"]
+    exp_avg = opt.adam.state[0]["exp_avg"]
     # Clipped to norm 1: (0.6, 0.8); m = (1 - 0.9) * g.
     torch.testing.assert_close(exp_avg, 0.1 * torch.tensor([0.6, 0.8]), rtol=1e-5, atol=0)
 
@@ -109,7 +110,7 @@ def test_nonfinite_gradient_skips_step():
     w.grad = torch.tensor([1.0, math.inf])
     assert not math.isfinite(opt.step(0.1))
     assert torch.equal(w.detach(), torch.ones(2)) and w.grad is None
-    assert not opt.adam.state  # Adam never ran
+    assert not any(opt.adam.state)  # Adam never ran
 
 
 def test_master_state_roundtrip():
@@ -121,3 +122,104 @@ def test_master_state_roundtrip():
     opt.load_master_state(model, state)
     torch.testing.assert_close(opt.master_state(model), state, rtol=0, atol=0)
     assert next(model.parameters()).dtype == torch.bfloat16
+
+
+def _adam_pair(seed: int = 0):
+    """Two copies of the same three tensors, and a generator for their gradients."""
+    g = torch.Generator().manual_seed(seed)
+    ours = [torch.randn(s, generator=g) for s in ((7, 5), (5,), (3, 3, 2))]
+    return ours, [t.clone() for t in ours], g
+
+
+def _same_grads(ours, theirs, g, skip=None):
+    for i, (o, t) in enumerate(zip(ours, theirs, strict=True)):
+        o.grad = None if i == skip else torch.randn(o.shape, generator=g)
+        t.grad = None if o.grad is None else o.grad.clone()
+
+
+def _torch_step(opt: torch.optim.Adam, lr: float) -> None:
+    for group in opt.param_groups:
+        group["lr"] = lr
+    opt.step()
+
+
+def test_fused_adam_is_torch_adam_fused_bit_for_bit_and_shares_its_state_dict():
+    ours, theirs, g = _adam_pair()
+    mine = FusedAdam(ours, (0.9, 0.98), 1e-9)
+    ref = torch.optim.Adam(theirs, lr=0.0, betas=(0.9, 0.98), eps=1e-9, fused=True)
+    for step, lr in enumerate((1e-3, 5e-3, 0.0, 2e-2, 7e-4)):
+        # a parameter without gradients in the first steps: no state, no update, as in torch
+        _same_grads(ours, theirs, g, skip=1 if step < 2 else None)
+        mine.step(lr)
+        _torch_step(ref, lr)
+        assert all(torch.equal(o, t) for o, t in zip(ours, theirs, strict=True)), step
+    a, b = mine.state_dict(), ref.state_dict()
+    assert a["param_groups"] == b["param_groups"]
+    assert a["state"].keys() == b["state"].keys()
+    for i in a["state"]:
+        for key in ("step", "exp_avg", "exp_avg_sq"):
+            x, y = a["state"][i][key], b["state"][i][key]
+            assert x.dtype == y.dtype and torch.equal(x, y), (i, key)
+
+
+def test_fused_adam_resumes_from_torch_adams_state_and_torch_adam_from_its_own():
+    ours, theirs, g = _adam_pair(1)
+    ref = torch.optim.Adam(theirs, lr=0.0, betas=(0.9, 0.98), eps=1e-9, fused=True)
+    for _ in range(3):
+        _same_grads(ours, theirs, g)
+        _torch_step(ref, 1e-2)
+    for o, t in zip(ours, theirs, strict=True):
+        o.copy_(t)
+    mine = FusedAdam(ours, (0.5, 0.5), 1.0)  # hyperparameters come from the state, as in torch
+    mine.load_state_dict(copy.deepcopy(ref.state_dict()))  # (a checkpoint's own tensors)
+    assert mine.betas == (0.9, 0.98) and mine.eps == 1e-9
+    for _ in range(2):
+        _same_grads(ours, theirs, g)
+        mine.step(3e-3)
+        _torch_step(ref, 3e-3)
+    assert all(torch.equal(o, t) for o, t in zip(ours, theirs, strict=True))
+    copies = [o.clone() for o in ours]
+    again = torch.optim.Adam(copies, lr=0.0, fused=True)
+    again.load_state_dict(copy.deepcopy(mine.state_dict()))  # and the other way
+    _same_grads(ours, copies, g)
+    mine.step(1e-3)
+    _torch_step(again, 1e-3)
+    assert all(torch.equal(o, c) for o, c in zip(ours, copies, strict=True))
+
+
+def test_fused_adam_refuses_a_state_of_other_parameters():
+    ours, _, g = _adam_pair()
+    other = FusedAdam([torch.zeros(2)], (0.9, 0.98), 1e-9)
+    other.params[0].grad = torch.ones(2)
+    other.step(1e-3)
+    mine = FusedAdam(ours, (0.9, 0.98), 1e-9)
+    with pytest.raises(ValueError, match="1 parameters, the model has 3"):
+        mine.load_state_dict(other.state_dict())
+    state = FusedAdam(ours, (0.9, 0.98), 1e-9)
+    _same_grads(ours, [t.clone() for t in ours], g)
+    state.step(1e-3)
+    saved = state.state_dict()
+    saved["state"][1]["exp_avg"] = torch.zeros(6)
+    with pytest.raises(ValueError, match=r"parameter 1's exp_avg has shape \(6,\), the param"):
+        mine.load_state_dict(saved)
+
+
+def test_training_does_not_import_torch_dynamo(tmp_path):
+    """torch.optim's wrappers and torch.use_deterministic_algorithms import torch._dynamo (~2 s
+    of every training process's start on a 2-core CPU): `FusedAdam`, `train.set_deterministic`."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, torch\n"
+        "from transformer.optim import MixedPrecisionAdam\n"
+        "from transformer.train import set_deterministic\n"
+        "set_deterministic(True)\n"
+        "w = torch.nn.Parameter(torch.ones(3)); opt = MixedPrecisionAdam([w], (0.9, 0.98), 1e-9)\n"
+        "w.grad = torch.ones(3); opt.step(1e-3); opt.load_state_dict(opt.state_dict())\n"
+        "assert torch.are_deterministic_algorithms_enabled()\n"
+        "set_deterministic(False)\n"
+        "print('torch._dynamo' in sys.modules, 'torch._inductor' in sys.modules)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False False", out.stderr
