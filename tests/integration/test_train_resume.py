@@ -20,7 +20,7 @@ from transformer import checkpoint
 
 pytestmark = pytest.mark.integration
 
-STEPS = 40
+STEPS = 25
 COMMON = [
     "--preset", "tiny", "--max-steps", str(STEPS),
     "train.max_tokens=600", "train.deterministic=true", "train.save_every_steps=5",
