@@ -65,7 +65,8 @@ class FusedAdam:
     def step(self, lr: float) -> None:
         """One Adam update of every parameter that has a gradient, at learning rate `lr`."""
         self.lr = float(lr)
-        groups: dict[tuple[torch.device, torch.dtype], list[list[torch.Tensor]]] = {}
+        # One kernel call per (device, dtype), each tensor's update independent of the others'.
+        groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
         for p, state in zip(self.params, self.state, strict=True):
             if p.grad is None:
                 continue
@@ -73,14 +74,15 @@ class FusedAdam:
                 state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
                 state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                 state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            lists = groups.setdefault((p.device, p.dtype), [[], [], [], [], []])
-            for out, t in zip(lists, (p, p.grad, state["exp_avg"], state["exp_avg_sq"],
-                                      state["step"]), strict=True):  # fmt: skip
-                out.append(t)
-        for params, grads, exp_avgs, exp_avg_sqs, steps in groups.values():
+            groups.setdefault((p.device, p.dtype), []).append(p)
+        by_id = {id(p): state for p, state in zip(self.params, self.state, strict=True)}
+        for params in groups.values():
+            states = [by_id[id(p)] for p in params]
+            steps = [s["step"] for s in states]
             torch._foreach_add_(steps, 1)
             torch._fused_adam_(
-                params, grads, exp_avgs, exp_avg_sqs, [], steps, amsgrad=False, lr=self.lr,
+                params, [p.grad for p in params], [s["exp_avg"] for s in states],
+                [s["exp_avg_sq"] for s in states], [], steps, amsgrad=False, lr=self.lr,
                 beta1=self.betas[0], beta2=self.betas[1], weight_decay=0.0, eps=self.eps,
                 maximize=False, grad_scale=None, found_inf=None,
             )  # fmt: skip

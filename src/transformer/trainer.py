@@ -411,10 +411,11 @@ class Trainer:
 
         split = self.valid_split
         hyps: dict[int, str] = {}
-        a, b_ = self.config.decode.max_len_a, self.config.decode.max_len_b
+        dec = self.config.decode  # outputs capped as in the run's other searches
+        caps = {"max_len_a": dec.max_len_a, "max_len_b": dec.max_len_b}
 
         def decode(b: Batch) -> None:  # greedy, in the same pass as the loss
-            outs = greedy_search(self.model, b.src, b.src_mask, max_len_a=a, max_len_b=b_)
+            outs = greedy_search(self.model, b.src, b.src_mask, **caps)
             for i, ids in zip(b.indices, outs, strict=True):
                 hyps[i] = self.tokenizer.decode(ids)
 
