@@ -66,7 +66,7 @@ class FusedAdam:
         """One Adam update of every parameter that has a gradient, at learning rate `lr`."""
         self.lr = float(lr)
         # One kernel call per (device, dtype), each tensor's update independent of the others'.
-        groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+        groups: dict[tuple[torch.device, torch.dtype], list[tuple[torch.Tensor, dict]]] = {}
         for p, state in zip(self.params, self.state, strict=True):
             if p.grad is None:
                 continue
@@ -74,10 +74,9 @@ class FusedAdam:
                 state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
                 state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                 state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            groups.setdefault((p.device, p.dtype), []).append(p)
-        by_id = {id(p): state for p, state in zip(self.params, self.state, strict=True)}
-        for params in groups.values():
-            states = [by_id[id(p)] for p in params]
+            groups.setdefault((p.device, p.dtype), []).append((p, state))
+        for rows in groups.values():
+            params, states = [p for p, _ in rows], [s for _, s in rows]
             steps = [s["step"] for s in states]
             torch._foreach_add_(steps, 1)
             torch._fused_adam_(

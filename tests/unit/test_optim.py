@@ -204,7 +204,7 @@ def test_fused_adam_refuses_a_state_of_other_parameters():
         mine.load_state_dict(saved)
 
 
-def test_training_does_not_import_torch_dynamo(tmp_path):
+def test_training_does_not_import_torch_dynamo():
     """torch.optim's wrappers and torch.use_deterministic_algorithms import torch._dynamo (~2 s
     of every training process's start on a 2-core CPU): `FusedAdam`, `train.set_deterministic`."""
     import subprocess

@@ -347,7 +347,9 @@ def test_validation_bleu_aligns_hypotheses_with_references(data_dir, tmp_path, m
     assert trainer.validate()["bleu"] == pytest.approx(100.0)
 
 
-def test_validation_caps_its_outputs_as_the_runs_decode_config_says(data_dir, tmp_path):
+def test_validation_caps_its_outputs_as_the_runs_decode_config_says(
+    data_dir, tmp_path, monkeypatch
+):
     # An untrained model rarely ends a sentence: its greedy outputs run to the cap, which is the
     # run's decode.max_len_a x source length + decode.max_len_b, as in every other search.
     import transformer.search as search
@@ -360,17 +362,12 @@ def test_validation_caps_its_outputs_as_the_runs_decode_config_says(data_dir, tm
         lengths.extend(zip(src_mask.sum(1).tolist(), map(len, outs), strict=True))
         return outs
 
+    monkeypatch.setattr(search, "greedy_search", spy)
     cfg = _config("decode.max_len_a=0", "decode.max_len_b=3")
-    trainer = _trainer(data_dir, tmp_path / "run", cfg)
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(search, "greedy_search", spy)
-        trainer.validate()
+    _trainer(data_dir, tmp_path / "run", cfg).validate()
     assert lengths and max(n for _, n in lengths) <= 2  # 3 tokens with EOS, which is not kept
     lengths.clear()
-    trainer = _trainer(data_dir, tmp_path / "run2", _config())  # the paper's: source + 50
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(search, "greedy_search", spy)
-        trainer.validate()
+    _trainer(data_dir, tmp_path / "run2", _config()).validate()  # the paper's: source + 50
     assert all(n <= s + 50 - 1 for s, n in lengths) and max(n for _, n in lengths) > 3
 
 
