@@ -429,6 +429,21 @@ def test_resume_falls_back_from_a_truncated_latest_checkpoint(data_dir, tmp_path
     assert "using" in caplog.text and "ckpt_2.pt instead of the unreadable" in caplog.text
 
 
+def test_resume_with_an_optimizer_state_of_other_shapes_is_a_one_line_error(
+    data_dir, tmp_path, capsys
+):
+    run = tmp_path / "run"
+    train(data_dir, run, _config("train.max_steps=2"), progress=False)
+    latest = checkpoint.latest_checkpoint(run)
+    ckpt = torch.load(latest, weights_only=True)
+    ckpt["optimizer"]["state"][0]["exp_avg"] = torch.zeros(3)
+    torch.save(ckpt, latest)
+    assert main(["train", "--resume", str(run), "--max-steps", "4"]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+    assert f"{latest}: optimizer state: parameter 0's exp_avg has shape (3,)" in err
+
+
 def test_yaml_errors_in_overrides_and_the_runs_config_are_one_line(data_dir, tmp_path, capsys):
     run = tmp_path / "run"
     args = ["train", str(data_dir), "--preset", "tiny", "--out", str(run), *TINY]
