@@ -42,8 +42,8 @@ PEERS_DIR = "/work/shared/peers"
 class ForcedLengthStepper(ModelStepper):
     """W2's fixed work: EOS is impossible before step `n_out`, where search forces it."""
 
-    def __init__(self, model, src, src_mask, n_out: int):
-        super().__init__(model, src, src_mask)
+    def __init__(self, model, src, src_mask, n_out: int, log_probs: bool = True):
+        super().__init__(model, src, src_mask, log_probs=log_probs)
         self.n_out, self.t = n_out, 0
 
     def step(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -82,7 +82,8 @@ def w2_source(n: int = 64, length: int = 30, jitter: int = 4, vocab: int = 32000
 
 @torch.inference_mode()
 def run_ours(model, src, src_mask, beam: int, n_out: int) -> int:
-    stepper = ForcedLengthStepper(model, src, src_mask, n_out)
+    # greedy on the logits, as `greedy_search` (their argmax is the log-probabilities')
+    stepper = ForcedLengthStepper(model, src, src_mask, n_out, log_probs=beam > 1)
     max_lens = torch.full((src.size(0),), n_out)
     if beam == 1:
         out = greedy_steps(stepper, max_lens)

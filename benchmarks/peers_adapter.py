@@ -41,7 +41,7 @@ from transformer.config import build_config
 from transformer.loss import chunked_label_smoothed_loss
 from transformer.model import DTYPES, Transformer
 from transformer.optim import MixedPrecisionAdam
-from transformer.search import ModelStepper
+from transformer.search import ModelStepper, row_argmax
 from transformer.tokenizer import PAD_ID
 
 # The harness's training batches (its common.py): BOS = 0, PAD = 1, EOS = 2, ids 4.. real.
@@ -237,7 +237,7 @@ def forced_length_search(
         lprobs = stepper.step(last)  # (B * k, V)
         lprobs[:, banned] = float("-inf")
         if beam == 1:
-            last = lprobs.argmax(-1)  # (B,)
+            last = row_argmax(lprobs)  # (B,): as `greedy_search`
             tokens = torch.cat([tokens, last[:, None]], 1)
             continue
         k, V = scores.size(1), lprobs.size(1)

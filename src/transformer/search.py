@@ -215,7 +215,7 @@ def greedy_steps(stepper: Stepper, max_lens: torch.Tensor) -> list[list[int]]:
         t += 1
         force_eos = max_lens[alive] <= t if t >= shortest else None
         lprobs = _mask_specials(stepper.step(last), force_eos, t)
-        last = lprobs.float().argmax(dim=-1)  # (R,); bf16's argmax kernel is ~3x slower
+        last = row_argmax(lprobs)  # (R,)
         for row, token in zip(alive.tolist(), last.tolist(), strict=True):
             if token != EOS_ID:
                 out[row].append(token)
@@ -225,6 +225,39 @@ def greedy_steps(stepper: Stepper, max_lens: torch.Tensor) -> list[list[int]]:
             stepper.reorder(keep)
             alive, last = alive[keep], last[keep]
     return out
+
+
+# Columns per block of `row_argmax`.
+_ARGMAX_BLOCK = 256
+
+
+def row_argmax(x: torch.Tensor) -> torch.Tensor:
+    """`x.argmax(dim=1)` of x (R, V): the same indices (the first of equal maxima, NaN counted
+    as the largest), found faster on the CPU.
+
+    ATen's argmax does not vectorize there: 2.3 ms at (64, 32,000) on 2 threads (AMD Zen 3),
+    4% of a greedy int8 decoder step. Its max over contiguous blocks does: the row's first
+    maximum lies in the first block whose maximum is the row's, so one vectorized pass over V
+    and an argmax over that block's columns give it (0.26 ms). The last V mod _ARGMAX_BLOCK
+    columns are compared after the blocks, and win only when strictly larger.
+    """
+    R, V = x.shape
+    nb = V // _ARGMAX_BLOCK
+    if x.device.type != "cpu" or nb < 2 or x.stride(1) != 1:
+        return x.argmax(dim=1)
+    if x.dtype != torch.float32:
+        x = x.float()  # bf16's max: ~4x fp32's time on AVX2 (Zen 3), the copy costs less
+    head = x[:, : nb * _ARGMAX_BLOCK].view(R, nb, _ARGMAX_BLOCK)
+    maxima = head.amax(2)  # (R, nb)
+    block = maxima.argmax(1)  # (R,) the first block holding each row's maximum
+    rows = torch.arange(R, device=x.device)
+    index = block * _ARGMAX_BLOCK + head[rows, block].argmax(1)
+    if V > nb * _ARGMAX_BLOCK:
+        tail, tail_index = x[:, nb * _ARGMAX_BLOCK :].max(1)
+        best = maxima[rows, block]
+        later = (tail > best) | (tail.isnan() & ~best.isnan())
+        index = torch.where(later, tail_index + nb * _ARGMAX_BLOCK, index)
+    return index
 
 
 @torch.inference_mode()

@@ -21,6 +21,7 @@ from transformer.search import (
     greedy_steps,
     length_penalty,
     max_output_lengths,
+    row_argmax,
 )
 from transformer.tokenizer import BOS_ID, EOS_ID, PAD_ID
 
@@ -386,6 +387,24 @@ def test_row_top_finds_each_rows_largest_values(V):
         assert all(len(set(row)) == n for row in ids.tolist())  # no column twice
         got = x.gather(1, ids).sort(dim=1, descending=True).values
         assert torch.equal(got, x.topk(n, dim=1).values)
+
+
+@pytest.mark.parametrize("V", [5, 511, 512, 1000, 1024, 32000])
+def test_row_argmax_gives_argmaxs_indices(V):
+    g = torch.Generator().manual_seed(V)
+    x = torch.randn(41, V, generator=g)
+    x[3] = NEG_INF  # no finite value: the first column, as argmax says
+    x[4, : V // 2] = 9.0  # ties: the first of them
+    x[5, [V // 3, V - 1]] = 50.0  # a tie between a block and the tail: the block's
+    x[6, -1] = 60.0  # the largest value in the tail beyond the last full block
+    x[7] = 0.0  # all equal
+    x[8, [V // 2, V - 1]] = float("nan")  # NaN is the largest, the first of them
+    x[9, -1] = float("nan")  # NaN in the tail alone
+    x[10, [1, V // 2]] = torch.tensor([-0.0, 0.0]) + 70  # equal maxima, the first one
+    assert torch.equal(row_argmax(x), x.argmax(dim=1))
+    assert torch.equal(row_argmax(x.bfloat16()), x.bfloat16().argmax(dim=1))
+    assert torch.equal(row_argmax(x.t().contiguous().t()), x.argmax(dim=1))  # strided rows
+    assert torch.equal(row_argmax(x[:0]), x[:0].argmax(dim=1))  # no rows left
 
 
 def test_top_candidates_equal_ranking_every_pair():
