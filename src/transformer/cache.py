@@ -10,7 +10,7 @@ cached, and why it is laid out as it is (docs/decoding.md, "Incremental decoding
 * encoder-decoder keys/values, computed once per sentence, and the source padding as an
   additive bias;
 * each layer's `StepProjections`: W^Q, W^K, W^V as one matrix, built from the parameters when
-  the cache is made (model files and training are unchanged).
+  the cache is made (model files and training are unchanged); int8 layers' once per layer.
 
 Shapes as in model.py: B rows, H heads, S source length, K d_k, Vd d_v, N layers.
 This module imports only torch.
@@ -18,10 +18,14 @@ This module imports only torch.
 
 from __future__ import annotations
 
+import functools
 import math
+import weakref
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 # Self-attention keys/values of a new cache: room for this many positions, doubled when full.
@@ -43,27 +47,49 @@ class StepProjections:
     cache is made (model files and training are unchanged): self-attention's W^Q, W^K, W^V as
     one matrix (rows [W^Q | W^K | W^V]), and both attentions' W^Q times 1/sqrt(d_k) where that
     is exact (sqrt(d_k) a power of two: 64 -> 1/8), which is eq. (1)'s scaling done once
-    instead of per step."""
+    instead of per step. Each is a function of the layer input y (B, T, D)."""
 
-    qkv: tuple[torch.Tensor, torch.Tensor]  # weight (H*K + H*K + H*Vd, D), bias
-    cross_q: tuple[torch.Tensor, torch.Tensor]  # weight (H*K, D), bias
+    qkv: Callable[[torch.Tensor], torch.Tensor]  # -> (B, T, H*K + H*K + H*Vd)
+    cross_q: Callable[[torch.Tensor], torch.Tensor]  # -> (B, T, H*K)
     prescaled: bool
 
     @staticmethod
     def of(layer: nn.Module) -> StepProjections | None:
-        """The projections of a `DecoderLayer`; None where they are not plain nn.Linear (int8
-        quantized modules), whose own modules are then used."""
+        """The projections of a `DecoderLayer` whose W^Q, W^KV and cross W^Q are all plain
+        nn.Linear, or all of one class with a `stacked([(module, factor), ...])` constructor
+        (`translate.Int8Linear`); None otherwise (the layer's own modules are then used)."""
         sa, ca = layer.self_attn, layer.cross_attn
-        if any(type(m) is not nn.Linear for m in (sa.w_q, sa.w_kv, ca.w_q)):
+        kind = type(sa.w_q)
+        if any(type(m) is not kind for m in (sa.w_kv, ca.w_q)):
             return None
         root = math.sqrt(sa.d_k)
         prescaled = root == 2.0 ** round(math.log2(root))  # scaling by a power of 2 is exact
         scale = 1.0 / root if prescaled else 1.0
+        if kind is not nn.Linear:
+            stacked = getattr(kind, "stacked", None)
+            if stacked is None:
+                return None
+            # Such modules are immutable (int8 weights, packed): stacked once per layer, not
+            # per cache (~12 ms a layer of the base model, a greedy W2 step takes ~50 ms).
+            modules = (sa.w_q, sa.w_kv, ca.w_q)
+            known = _STACKED.get(layer)
+            if known is None or any(a is not b for a, b in zip(known[0], modules, strict=True)):
+                proj = StepProjections(stacked([(sa.w_q, scale), (sa.w_kv, 1.0)]),
+                                       stacked([(ca.w_q, scale)]), prescaled)  # fmt: skip
+                known = _STACKED[layer] = (modules, proj)
+            return known[1]
         with torch.no_grad():
             w = torch.cat([sa.w_q.weight * scale, sa.w_kv.weight])  # (H*K + H*K + H*Vd, D)
             b = torch.cat([sa.w_q.bias * scale, sa.w_kv.bias])
             cross_q = (ca.w_q.weight * scale, ca.w_q.bias * scale)
-        return StepProjections((w, b), cross_q, prescaled)
+        return StepProjections(functools.partial(F.linear, weight=w, bias=b),
+                               functools.partial(F.linear, weight=cross_q[0], bias=cross_q[1]),
+                               prescaled)  # fmt: skip
+
+
+# Per decoder layer with immutable projection modules: those modules and their StepProjections.
+_STACKED: weakref.WeakKeyDictionary[nn.Module, tuple[tuple[nn.Module, ...], StepProjections]]
+_STACKED = weakref.WeakKeyDictionary()
 
 
 @dataclass
@@ -72,7 +98,7 @@ class LayerCache:
     `DecoderCache.self_k` / `self_v` (written in place), and its encoder-decoder keys/values
     (computed once per sentence)."""
 
-    proj: StepProjections | None = None  # None: the layer's own modules (int8)
+    proj: StepProjections | None = None  # None: the layer's own modules
     cross_k: torch.Tensor | None = None  # (B, H, S, K)
     cross_v: torch.Tensor | None = None  # (B, H, S, Vd)
     self_k: torch.Tensor | None = None  # (B, H, capacity, K): positions [:length] filled

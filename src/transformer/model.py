@@ -598,7 +598,7 @@ class DecoderLayer(nn.Module):
                 # Stored contiguous once, so that no decoding step has to copy them into the
                 # batched matrix-product layout again (B * H, S, K).
                 lc.cross_k, lc.cross_v = k.contiguous(), v.contiguous()
-            q = ca.split_heads(F.linear(y, *lc.proj.cross_q) if lc.proj else ca.w_q(y))
+            q = ca.split_heads(lc.proj.cross_q(y) if lc.proj else ca.w_q(y))
             if cache.group == 1:
                 return ca.attend(q, lc.cross_k, lc.cross_v, cache.cross_bias, prescaled=prescaled)
             live = None if beam is None else beam.live
@@ -614,7 +614,7 @@ class DecoderLayer(nn.Module):
         sa = self.self_attn
         HK = sa.n_heads * sa.d_k
         if proj is not None:
-            qkv = F.linear(y, *proj.qkv)  # (B, T, H*K + H*K + H*Vd): one matrix product
+            qkv = proj.qkv(y)  # (B, T, H*K + H*K + H*Vd): one matrix product
             q, k, v = qkv[..., :HK], qkv[..., HK : 2 * HK], qkv[..., 2 * HK :]
         else:
             q, kv = sa.w_q(y), sa.w_kv(y)

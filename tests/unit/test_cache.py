@@ -82,7 +82,7 @@ def test_step_projections_are_exactly_the_separate_ones() -> None:
     proj = StepProjections.of(layer)
     sa, H = layer.self_attn, 4
     y = torch.randn(5, 1, 32)
-    qkv = torch.nn.functional.linear(y, *proj.qkv)  # (5, 1, H*16 + H*16 + H*12)
+    qkv = proj.qkv(y)  # (5, 1, H*16 + H*16 + H*12)
     assert qkv.shape == (5, 1, H * (16 + 16 + 12))
     torch.testing.assert_close(qkv[..., : H * 16], sa.w_q(y) / 4, rtol=0, atol=1e-6)
     torch.testing.assert_close(qkv[..., H * 16 :], sa.w_kv(y), rtol=0, atol=1e-6)

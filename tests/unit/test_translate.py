@@ -168,11 +168,16 @@ def test_bf16_and_int8(model_file):
     assert not [m for m in int8.model.modules() if type(m) is nn.Linear]
     out = int8.translate_lines(LINES)
     assert out[1] == "" and len(out) == 4
-    # Quantized projections cannot be concatenated: cached steps use the layer's own modules.
-    cache = int8.model.new_cache()
+    # Cached steps stack each layer's quantized W^Q and W^KV into one product, once per layer.
     src = torch.tensor([[5, 6, EOS_ID]])
-    int8.model.decode(torch.tensor([[BOS_ID]]), int8.model.encode(src, src > 0), src > 0, cache)
-    assert [c.proj for c in cache.layers] == [None] * len(cache.layers)
+    projections = []
+    for _ in range(2):
+        cache = int8.model.new_cache()
+        memory = int8.model.encode(src, src > 0)
+        int8.model.decode(torch.tensor([[BOS_ID]]), memory, src > 0, cache)
+        projections.append([c.proj for c in cache.layers])
+    assert all(isinstance(p.qkv, Int8Linear) for p in projections[0])
+    assert all(a is b for a, b in zip(*projections, strict=True))
     assert fp32[1] == ""
     with pytest.raises(UserError, match="dtype"):
         Translator.from_path(model_file, dtype="fp8")
@@ -404,6 +409,47 @@ def test_int8_linear_is_close_to_the_fp32_product(narrow, dtype):
     assert Int8Linear(linear.weight, None, narrow, torch.float32)(x.to(dtype)).dtype == (
         torch.float32
     )
+
+
+@pytest.mark.parametrize("narrow", [False, True])
+def test_stacked_int8_linears_give_each_parts_values_exactly(narrow):
+    # A decoder step's W^Q (times 1/8) and W^KV as one product must change no value: the same
+    # 8-bit inputs, the same integers, each row's scale and bias times a power of two.
+    g = torch.Generator().manual_seed(1)
+    q = Int8Linear(torch.randn(24, 32, generator=g), torch.randn(24, generator=g), narrow)
+    kv = Int8Linear(torch.randn(40, 32, generator=g), torch.randn(40, generator=g), narrow)
+    nobias = Int8Linear(torch.randn(8, 32, generator=g), None, narrow)
+    x = torch.randn(5, 3, 32, generator=g) * 3
+    both = Int8Linear.stacked([(q, 0.125), (kv, 1.0), (nobias, 2.0)])(x)
+    assert both.shape == (5, 3, 72)
+    assert torch.equal(both[..., :24], q(x) * 0.125)
+    assert torch.equal(both[..., 24:64], kv(x))
+    assert torch.equal(both[..., 64:], nobias(x) * 2.0)
+
+
+@pytest.mark.parametrize("d_k", [16, 8])  # W^Q prescaled by 1/4; sqrt(8) is no power of 2
+def test_int8_cached_decoding_runs_stacked_projections_with_the_same_values(d_k, monkeypatch):
+    import transformer.model as model_module
+
+    torch.manual_seed(0)
+    cfg = ModelConfig(vocab_size=40, n_layers=2, d_model=32, d_ff=64, n_heads=2, d_k=d_k, d_v=8)
+    model = quantize_int8(Transformer(cfg).eval())
+    cache = model.new_cache()
+    src = torch.tensor([[5, 6, 7, 8, EOS_ID], [9, 10, EOS_ID, PAD_ID, PAD_ID]])
+    mask = src != PAD_ID
+    memory = model.encode(src, mask)
+    tgt = torch.tensor([[BOS_ID, 11, 12, 13], [BOS_ID, 14, 15, 16]])
+
+    def steps(cache):
+        return torch.cat([model.decode(tgt[:, i : i + 1], memory, mask, cache)
+                          for i in range(tgt.size(1))], dim=1)  # fmt: skip
+
+    with torch.inference_mode():
+        stacked = steps(cache)
+        assert all(isinstance(c.proj.qkv, Int8Linear) for c in cache.layers)
+        assert {c.proj.prescaled for c in cache.layers} == {d_k == 16}
+        monkeypatch.setattr(model_module.StepProjections, "of", staticmethod(lambda layer: None))
+        assert torch.equal(stacked, steps(model.new_cache()))  # the layers' own modules
 
 
 def test_narrow_int8_weights_do_not_saturate_on_any_cpu():
