@@ -200,7 +200,12 @@ class DecoderCache:
             out.beam = BeamHistory.expand(self.self_k, self.self_v, src, group, self.length)
             return out
         t = self.length
-        k, v = self._new_buffers(index.numel(), t + 1)  # room for the next step exactly
+        # Beams reorder at every step: room for the next step exactly, so that attention reads
+        # a contiguous prefix (a bf16 product through oneDNN copies any other layout). Rows
+        # that greedy search drops keep the buffers' room: one copy, not a second one of the
+        # whole prefix when the next step's `reserve` finds the buffers full.
+        room = t + 1 if group > 1 or self.group > 1 else max(t + 1, self.self_k.size(3))
+        k, v = self._new_buffers(index.numel(), room)
         for old, new in ((self.self_k, k), (self.self_v, v)):
             prefix = old[:, :, :, :t]  # (N, B, H, t, .)
             if prefix.requires_grad:  # out= is not differentiable (decoding outside no_grad)

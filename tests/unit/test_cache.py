@@ -57,24 +57,48 @@ def test_cache_writes_in_place_and_grows_past_its_capacity() -> None:
     assert cache.self_k.shape == (2, 3, 4, 2 * CACHE_CAPACITY, 8)  # (N, B, H, capacity, K)
 
 
-def test_reorder_leaves_room_for_exactly_one_step_so_attention_reads_contiguous() -> None:
-    # Beam search reorders every step; the next step's keys/values then fill the buffer, the
-    # layout a bf16 batched matrix product takes without copying it first.
+def test_beam_reorders_leave_room_for_exactly_one_step_so_attention_reads_contiguous() -> None:
+    # Beam search reorders every step (bf16 and CUDA keep reordered buffers); the next step's
+    # keys/values then fill the buffer, the layout a bf16 batched matrix product takes without
+    # copying it first.
     model = Transformer(tiny()).eval()
     src, src_mask = batch()
     tgt = torch.randint(4, V, (3, 4))
     with torch.no_grad():
         memory = model.encode(src, src_mask)
         cache = model.new_cache()
+        cache.history = False  # no back-pointers: reordered buffers, as in bf16
         for i in range(3):
             model.decode(tgt[:, i : i + 1], memory, src_mask, cache)
-        index = torch.tensor([2, 2, 0, 1])
+        index = torch.tensor([0, 0, 1, 1, 2, 2])  # each sentence expanded to 2 beams
         cache = cache.reorder(index)
-        assert cache.self_k.shape == (2, 4, 4, 3 + 1, 8)  # (N, B', H, t + 1, K)
-        out = model.decode(tgt[index, 3:4], memory[index], src_mask[index], cache)
+        assert cache.group == 2 and cache.beam is None
+        assert cache.self_k.shape == (2, 6, 4, 3 + 1, 8)  # (N, B', H, t + 1, K)
+        out = model.decode(tgt[index, 3:4], memory, src_mask, cache)
         full = model.decode(tgt[index], memory[index], src_mask[index])[:, 3:]
     assert all(c.self_k[:, :, :4].is_contiguous() for c in cache.layers)
     torch.testing.assert_close(out, full, rtol=0, atol=1e-5)
+
+
+def test_rows_dropped_by_greedy_search_keep_the_buffers_room() -> None:
+    # Greedy search drops finished rows: one copy of the rest, into buffers as long as before,
+    # so the next step writes in place instead of growing them (a second copy).
+    model = Transformer(tiny()).eval()
+    src, src_mask = batch()
+    tgt = torch.randint(4, V, (3, 5))
+    with torch.no_grad():
+        memory = model.encode(src, src_mask)
+        cache = model.new_cache()
+        for i in range(3):
+            model.decode(tgt[:, i : i + 1], memory, src_mask, cache)
+        keep = torch.tensor([0, 2])
+        cache = cache.reorder(keep)
+        assert cache.self_k.shape == (2, 2, 4, CACHE_CAPACITY, 8)
+        before = cache.self_k.data_ptr()
+        out = [model.decode(tgt[keep, i : i + 1], memory, src_mask, cache) for i in (3, 4)]
+        assert cache.self_k.data_ptr() == before  # written in place
+        full = model.decode(tgt[keep], memory[keep], src_mask[keep])[:, 3:]
+    torch.testing.assert_close(torch.cat(out, dim=1), full, rtol=0, atol=1e-5)
 
 
 def test_step_projections_are_exactly_the_separate_ones() -> None:
