@@ -41,7 +41,7 @@ from transformer.config import build_config
 from transformer.loss import chunked_label_smoothed_loss
 from transformer.model import DTYPES, Transformer
 from transformer.optim import MixedPrecisionAdam
-from transformer.search import ModelStepper, row_argmax
+from transformer.search import ModelStepper, _top_candidates, row_argmax
 from transformer.tokenizer import PAD_ID
 
 # The harness's training batches (its common.py): BOS = 0, PAD = 1, EOS = 2, ids 4.. real.
@@ -240,11 +240,12 @@ def forced_length_search(
             last = row_argmax(lprobs)  # (B,): as `greedy_search`
             tokens = torch.cat([tokens, last[:, None]], 1)
             continue
-        k, V = scores.size(1), lprobs.size(1)
-        total = (scores[:, :, None] + lprobs.view(B, k, V)).view(B, k * V)
-        scores, flat = total.topk(beam, dim=1)  # (B, K)
-        parents = (flat // V + torch.arange(B)[:, None] * k).reshape(-1)  # (B * K,) rows
-        last = (flat % V).reshape(-1)
+        k = scores.size(1)
+        # The candidates `beam_search` ranks (its blocked top-k over each beam's tokens, best
+        # first; 3.5 against 11.3 ms for a top-k of all k * V sums at (64, 4, 32,000), Zen 3)
+        cand, parent, token = _top_candidates(scores, lprobs, beam)
+        scores, parent, last = cand[:, :beam], parent[:, :beam], token[:, :beam].reshape(-1)
+        parents = (parent + torch.arange(B)[:, None] * k).reshape(-1)  # (B * K,) rows
         stepper.reorder(parents, same_sentences=k == beam)
         tokens = torch.cat([tokens.index_select(0, parents), last[:, None]], 1)  # (B * K, t + 1)
     if beam > 1:
