@@ -115,8 +115,8 @@ class DecoderCache:
     `index_select` of the filled prefix per buffer, for all layers at once, into a buffer with
     room for exactly one more position: the next step's keys and values then fill it, so
     attention reads them contiguous (a bf16 batched product through oneDNN copies any other
-    layout first). Full, the capacity doubles (greedy search: rows are dropped, rarely
-    reordered). The encoder-decoder attention's padding mask is kept as an additive bias (one
+    layout first). Full, the capacity doubles (greedy search: rows are dropped, never
+    reordered, and the rows left keep the capacity). The encoder-decoder attention's padding mask is kept as an additive bias (one
     add per step instead of masking twice).
 
     The encoder-decoder keys and values are kept once per source, not once per row: `group`
