@@ -116,8 +116,8 @@ class DecoderCache:
     room for exactly one more position: the next step's keys and values then fill it, so
     attention reads them contiguous (a bf16 batched product through oneDNN copies any other
     layout first). Full, the capacity doubles (greedy search: rows are dropped, never
-    reordered, and the rows left keep the capacity). The encoder-decoder attention's padding mask is kept as an additive bias (one
-    add per step instead of masking twice).
+    reordered, and the rows left keep the capacity). The encoder-decoder attention's padding
+    mask is kept as an additive bias (one add per step instead of masking twice).
 
     The encoder-decoder keys and values are kept once per source, not once per row: `group`
     consecutive rows share one source (the beams of a sentence), row r reading cross row
