@@ -57,19 +57,27 @@ def test_cache_writes_in_place_and_grows_past_its_capacity() -> None:
     assert cache.self_k.shape == (2, 3, 4, 2 * CACHE_CAPACITY, 8)  # (N, B, H, capacity, K)
 
 
+@torch.no_grad()
+def _three_steps(tgt_len: int, history: bool = True):
+    """A tiny model's cache after 3 cached steps of 3 random targets of `tgt_len` tokens."""
+    model = Transformer(tiny()).eval()
+    src, src_mask = batch()
+    tgt = torch.randint(4, V, (3, tgt_len))
+    memory = model.encode(src, src_mask)
+    cache = model.new_cache()
+    cache.history = history
+    for i in range(3):
+        model.decode(tgt[:, i : i + 1], memory, src_mask, cache)
+    return model, memory, src_mask, tgt, cache
+
+
 def test_beam_reorders_leave_room_for_exactly_one_step_so_attention_reads_contiguous() -> None:
     # Beam search reorders every step (bf16 and CUDA keep reordered buffers); the next step's
     # keys/values then fill the buffer, the layout a bf16 batched matrix product takes without
     # copying it first.
-    model = Transformer(tiny()).eval()
-    src, src_mask = batch()
-    tgt = torch.randint(4, V, (3, 4))
+    # no back-pointers: reordered buffers, as in bf16
+    model, memory, src_mask, tgt, cache = _three_steps(4, history=False)
     with torch.no_grad():
-        memory = model.encode(src, src_mask)
-        cache = model.new_cache()
-        cache.history = False  # no back-pointers: reordered buffers, as in bf16
-        for i in range(3):
-            model.decode(tgt[:, i : i + 1], memory, src_mask, cache)
         index = torch.tensor([0, 0, 1, 1, 2, 2])  # each sentence expanded to 2 beams
         cache = cache.reorder(index)
         assert cache.group == 2 and cache.beam is None
@@ -83,14 +91,8 @@ def test_beam_reorders_leave_room_for_exactly_one_step_so_attention_reads_contig
 def test_rows_dropped_by_greedy_search_keep_the_buffers_room() -> None:
     # Greedy search drops finished rows: one copy of the rest, into buffers as long as before,
     # so the next step writes in place instead of growing them (a second copy).
-    model = Transformer(tiny()).eval()
-    src, src_mask = batch()
-    tgt = torch.randint(4, V, (3, 5))
+    model, memory, src_mask, tgt, cache = _three_steps(5)
     with torch.no_grad():
-        memory = model.encode(src, src_mask)
-        cache = model.new_cache()
-        for i in range(3):
-            model.decode(tgt[:, i : i + 1], memory, src_mask, cache)
         keep = torch.tensor([0, 2])
         cache = cache.reorder(keep)
         assert cache.self_k.shape == (2, 2, 4, CACHE_CAPACITY, 8)
