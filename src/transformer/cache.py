@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import functools
 import math
+import threading
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -72,11 +73,12 @@ class StepProjections:
             # Such modules are immutable (int8 weights, packed): stacked once per layer, not
             # per cache (~12 ms a layer of the base model, a greedy W2 step takes ~50 ms).
             modules = (sa.w_q, sa.w_kv, ca.w_q)
-            known = _STACKED.get(layer)
-            if known is None or any(a is not b for a, b in zip(known[0], modules, strict=True)):
-                proj = StepProjections(stacked([(sa.w_q, scale), (sa.w_kv, 1.0)]),
-                                       stacked([(ca.w_q, scale)]), prescaled)  # fmt: skip
-                known = _STACKED[layer] = (modules, proj)
+            with _STACKING:  # decoding streams (translate.py) start their first steps at once
+                known = _STACKED.get(layer)
+                if known is None or any(a is not b for a, b in zip(known[0], modules, strict=True)):
+                    proj = StepProjections(stacked([(sa.w_q, scale), (sa.w_kv, 1.0)]),
+                                           stacked([(ca.w_q, scale)]), prescaled)  # fmt: skip
+                    known = _STACKED[layer] = (modules, proj)
             return known[1]
         with torch.no_grad():
             w = torch.cat([sa.w_q.weight * scale, sa.w_kv.weight])  # (H*K + H*K + H*Vd, D)
@@ -90,6 +92,7 @@ class StepProjections:
 # Per decoder layer with immutable projection modules: those modules and their StepProjections.
 _STACKED: weakref.WeakKeyDictionary[nn.Module, tuple[tuple[nn.Module, ...], StepProjections]]
 _STACKED = weakref.WeakKeyDictionary()
+_STACKING = threading.Lock()
 
 
 @dataclass

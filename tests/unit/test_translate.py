@@ -183,6 +183,32 @@ def test_bf16_and_int8(model_file):
         Translator.from_path(model_file, dtype="fp8")
 
 
+def test_int8_streams_share_each_layers_stacked_projections(model_file, monkeypatch):
+    # Three decoding streams start at once on a fresh int8 model: each layer's W^Q|W^KV is
+    # stacked once (a lock), and the streams translate as one search at a time does.
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(transformer.threads.os, "cpu_count", lambda: 2)
+    before = torch.get_num_threads()
+    lines = [f"{w} {v} runs." for w in ("A man", "Two dogs", "The child") for v in LINES] * 2
+    built = []
+    stacked = Int8Linear.stacked.__func__
+    monkeypatch.setattr(Int8Linear, "stacked", classmethod(
+        lambda cls, parts: built.append(len(parts)) or stacked(cls, parts)))  # fmt: skip
+    try:
+        seq = Translator.from_path(model_file, dtype="int8", threads=1)
+        par = Translator.from_path(model_file, dtype="int8", threads="auto")
+        assert par.streams == 3
+        for tr in (seq, par):
+            tr.decode = replace(tr.decode, max_tokens=24)  # several small batches
+        want = seq.translate_lines(lines)
+        n_layers = len(par.model.decoder_layers)
+        built.clear()
+        assert par.translate_lines(lines) == want
+        assert built == [2, 1] * n_layers  # W^Q|W^KV and cross W^Q, once per layer
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_streams_decode_batches_side_by_side_with_the_same_output(model_file, monkeypatch):
     # threads="auto" on 2 cores: 3 streams, at most one per 2 batches of a job (none for 1-3
     # batches), each search in its own thread; outputs and their order are those of one search
