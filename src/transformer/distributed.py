@@ -95,11 +95,16 @@ def all_reduce_sum(tensors: list[torch.Tensor], info: DistInfo) -> None:
 
 
 def broadcast_parameters(tensors: list[torch.Tensor], info: DistInfo) -> None:
-    """Give every rank rank 0's values (initial weights), as DDP does at construction."""
+    """Give every rank rank 0's values (initial weights), as DDP does at construction.
+
+    Outside autograd: c10d's broadcast has no autograd kernel, so on parameters that require
+    grad it was recorded in their history, and every rank's first backward warned that this
+    "may lead to silently incorrect behavior"."""
     if info.world_size == 1:
         return
-    for t in tensors:
-        dist.broadcast(t, src=0)
+    with torch.no_grad():
+        for t in tensors:
+            dist.broadcast(t, src=0)
 
 
 def barrier(info: DistInfo) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import atexit
 import os
+import warnings
 
 import pytest
 import torch
@@ -39,6 +40,26 @@ def _rank1_killed() -> None:
     dist.barrier()
 
 
+def _broadcast_then_backward() -> tuple[bool, list[str]]:
+    """Each rank starts from its own weights; after broadcast_parameters all hold rank 0's and
+    a backward step through them warns of nothing."""
+    info = distributed.init_from_env(torch.device("cpu"))
+    torch.manual_seed(info.rank)
+    layer = torch.nn.Linear(4, 3)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        distributed.broadcast_parameters(list(layer.parameters()), info)
+        layer(torch.ones(2, 4)).sum().backward()
+    torch.manual_seed(0)
+    same = all(
+        torch.equal(a, b)
+        for a, b in zip(layer.parameters(), torch.nn.Linear(4, 3).parameters(), strict=True)
+    )
+    flags = torch.tensor([float(same)])
+    distributed.all_reduce_sum([flags], info)
+    return int(flags) == info.world_size, [str(w.message) for w in caught]
+
+
 def test_every_rank_joins_and_rank_0_returns():
     assert distributed.run_local(2, _sum_of_ranks, (10.0,)) == (2, 10.0)
 
@@ -56,6 +77,14 @@ def test_a_bug_carries_the_rank_and_its_traceback():
 def test_a_rank_that_dies_without_a_word_is_reported():
     with pytest.raises(RuntimeError, match="process 1 of 2 exited with code 9"):
         distributed.run_local(2, _rank1_killed)
+
+
+def test_parameters_broadcast_outside_autograd():
+    """The broadcast of the initial weights is not part of any gradient's history (it once
+    was: every rank's first backward warned "an autograd kernel was not registered")."""
+    same, caught = distributed.run_local(2, _broadcast_then_backward)
+    assert same
+    assert caught == []
 
 
 def test_at_least_one_process():
