@@ -53,6 +53,9 @@ class TrainState:
     best_metric: float | None = None
     best_step: int = 0
     bad_validations: int = 0
+    # wall-clock seconds of training up to this state, over every resume (0.0 in checkpoints
+    # written before it was kept): what a resumed job's time budget has already spent
+    seconds: float = 0.0
 
 
 @dataclass
@@ -200,6 +203,7 @@ class Trainer:
     def run(self) -> TrainState:
         """Train until a budget is spent; the last state is always checkpointed (`_save_end`)."""
         start = self._run_start = time.monotonic()
+        self._seconds_before = self.state.seconds  # a resumed run's earlier training
         self._next_save_minutes = self.cfg.save_every_minutes
         if self.state.step > 0:  # resumed: this state is already a checkpoint
             self._saved_step = self.state.step
@@ -443,6 +447,8 @@ class Trainer:
         if self.dist.world_size > 1:
             rng = [None] * self.dist.world_size
             torch.distributed.all_gather_object(rng, checkpoint.rng_state())
+        if hasattr(self, "_run_start"):
+            self.state.seconds = self._seconds_before + time.monotonic() - self._run_start
         return {
             "step": self.state.step,
             "counters": dict(vars(self.state)),

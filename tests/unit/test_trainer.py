@@ -181,6 +181,22 @@ def test_resume_in_process_is_exact(data_dir, tmp_path, dtype):
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
+def test_checkpoints_keep_the_training_seconds_over_resumes_without_the_gap(data_dir, tmp_path):
+    """TrainState.seconds: what a time budget has spent, for `recipe --resume`. A resume adds
+    its own training time, not the time between the two runs."""
+    import time
+
+    run = tmp_path / "run"
+    train(data_dir, run, _config("train.max_steps=4"), progress=False)
+    first = checkpoint.load_checkpoint(checkpoint.latest_checkpoint(run))["counters"]["seconds"]
+    time.sleep(1.0)  # the machine was down
+    start = time.monotonic()
+    train(None, run, resume=True, overrides=["train.max_steps=6"], progress=False)
+    took = time.monotonic() - start
+    second = checkpoint.load_checkpoint(checkpoint.latest_checkpoint(run))["counters"]["seconds"]
+    assert 0 < first < second < first + took
+
+
 @pytest.mark.parametrize(
     ("cpuinfo", "expected"),
     [(CPUINFO_AMX, "bf16"), (CPUINFO_ZEN4, "bf16"), (CPUINFO_SKYLAKE, "fp32"),

@@ -116,7 +116,7 @@ def run_recipe(
         "chosen_on_val": choice,
         "minutes": (time.monotonic() - start) / 60 + earlier,
         "stage_seconds": seconds,
-        "train": _summary(run_dir),
+        "train": {**_summary(run_dir), "minutes": _trained_minutes(run_dir)},
         "valid_curve": [row for _, row in rundir.read_metrics(run_dir, "valid")],
         "scores": scores,
         "model": str(model_path),
@@ -175,6 +175,16 @@ def _summary(run_dir: Path) -> dict:
 
 
 def _trained_minutes(run_dir: Path) -> float:
+    """The training minutes up to the checkpoint a resume continues from: its counters keep
+    them (`TrainState.seconds`), over every earlier resume, without the time between a crash
+    and its resume. Checkpoints written before they kept them: the span of the metrics rows,
+    which misses the time before the first row and counts any downtime in between."""
+    from transformer import checkpoint
+
+    path = checkpoint.latest_checkpoint(run_dir)
+    seconds = checkpoint.load_checkpoint(path)["counters"].get("seconds", 0.0) if path else 0.0
+    if seconds > 0:
+        return seconds / 60
     try:
         return _summary(run_dir)["minutes"]
     except UserError:  # no metrics yet
