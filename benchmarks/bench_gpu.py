@@ -61,9 +61,11 @@ def allocated(device: torch.device) -> int:
     return torch.cuda.memory_allocated() if device.type == "cuda" else 0
 
 
-def ours(cfg, body: torch.Tensor) -> Callable[[], None]:
-    """Our full step: bf16 model, fp32 master Adam, chunked loss over the non-pad targets."""
+def ours(cfg, body: torch.Tensor, compiled: bool = False) -> Callable[[], None]:
+    """Our full step: bf16 model, fp32 master Adam, chunked loss over the non-pad targets;
+    `compiled`: the model's forward through `torch.compile`, as `train.compile=true` runs it."""
     model = build_model(cfg, body.device).train()
+    forward = torch.compile(model) if compiled else model
     opt = MixedPrecisionAdam(model.parameters(), BETAS, EPS)
     n = body.size(0)
     src = torch.cat([body, body.new_full((n, 1), EOS_ID)], 1)  # (B, S)
@@ -72,7 +74,7 @@ def ours(cfg, body: torch.Tensor) -> Callable[[], None]:
     ntok = int(keep.sum())
 
     def step() -> None:
-        hidden = model(src, keep, tgt_in)
+        hidden = forward(src, keep, tgt_in)
         loss, _ = chunked_label_smoothed_loss(
             hidden[keep], model.output_weight(), src[keep], SMOOTHING
         )

@@ -15,34 +15,6 @@ import torch
 sys.path.insert(0, "benchmarks")
 import bench_gpu  # noqa: E402
 from transformer.config import build_config  # noqa: E402
-from transformer.loss import chunked_label_smoothed_loss  # noqa: E402
-from transformer.optim import MixedPrecisionAdam  # noqa: E402
-from transformer.tokenizer import BOS_ID, EOS_ID, PAD_ID  # noqa: E402
-from transformer.train import build_model  # noqa: E402
-
-
-def make(cfg, body, compiled):
-    """bench_gpu.ours, with the model's forward compiled or not."""
-    model = build_model(cfg, body.device).train()
-    forward = torch.compile(model) if compiled else model
-    opt = MixedPrecisionAdam(model.parameters(), bench_gpu.BETAS, bench_gpu.EPS)
-    n = body.size(0)
-    src = torch.cat([body, body.new_full((n, 1), EOS_ID)], 1)  # (B, S)
-    tgt_in = torch.cat([body.new_full((n, 1), BOS_ID), body], 1)  # (B, T)
-    keep = src != PAD_ID
-    ntok = int(keep.sum())
-
-    def step():
-        hidden = forward(src, keep, tgt_in)
-        loss, _ = chunked_label_smoothed_loss(
-            hidden[keep], model.output_weight(), src[keep], bench_gpu.SMOOTHING
-        )
-        loss.backward()
-        opt.collect_grads()
-        opt.step(bench_gpu.LR, 1.0 / ntok)
-
-    return step, ntok
-
 
 for preset in ["base", "big"]:
     cfg = build_config(preset, None, ["train.dtype=bf16"], vocab_size=32000)
@@ -51,7 +23,7 @@ for preset in ["base", "big"]:
     steps = {}
     for compiled in (False, True):
         start = time.perf_counter()
-        steps[compiled], ntok = make(cfg, body, compiled)
+        steps[compiled] = bench_gpu.ours(cfg, body, compiled)
         for _ in range(3):
             steps[compiled]()
         torch.cuda.synchronize()
@@ -69,4 +41,5 @@ for preset in ["base", "big"]:
     for compiled in (False, True):
         med = statistics.median(times[compiled])
         name = "compiled" if compiled else "eager"
+        ntok = body.numel() + body.size(0)  # each sentence and its EOS
         print(f"{preset} {name}: {ntok / med:9.0f} tgt tok/s {med:.4f} s/step", flush=True)
