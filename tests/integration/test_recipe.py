@@ -18,9 +18,9 @@ TINY = [
     "model.n_layers=1", "model.d_model=32", "model.d_ff=64", "model.n_heads=2", "model.d_k=16",
     "model.d_v=16", "train.valid_every_steps=15", "train.save_every_steps=5",
     "train.max_steps=30", "train.patience=1", "train.patience_metric=ppl",
-    # Seconds, not a minute: the preset's 8,192-token batches would spend them on the loss, and
-    # the untrained model's outputs run to the length cap in every search.
-    "train.max_tokens=2048", "decode.max_len_b=8",
+    # Seconds, not a minute: the preset's steps of 3 x 2,731 tokens would spend them on the
+    # loss, and the untrained model's outputs run to the length cap in every search.
+    "train.max_tokens=2048", "train.accum_steps=1", "decode.max_len_b=8",
 ]  # fmt: skip
 
 
