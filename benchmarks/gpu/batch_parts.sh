@@ -9,9 +9,7 @@
 # usage: bash benchmarks/gpu/batch_parts.sh STEPS NAME:TOKENS:ACCUM:SEED ...
 export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1 OMP_NUM_THREADS=1
 STEPS=$1; shift
-nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
-python3 -c 'import torch; print("torch", torch.__version__)'
-nvidia-cuda-mps-control -d 2>/dev/null && echo "MPS on" || echo "MPS off"
+source benchmarks/gpu/mps_start.sh
 mkdir -p /tmp/bp
 for spec in "$@"; do
   IFS=: read -r name tokens accum seed <<< "$spec"

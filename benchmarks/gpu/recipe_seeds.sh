@@ -10,9 +10,8 @@
 # on val keeps its checkpoints in /tmp/r/NAME: benchmarks/gpu/score_run.py scores them.
 export PYTHONPATH=$PWD/src:$PWD/.device/site PYTHONUNBUFFERED=1 OMP_NUM_THREADS=1
 MIN=$1; shift
-nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
-python3 -c 'import torch,sacrebleu;print("torch",torch.__version__,"sacrebleu",sacrebleu.__version__)'
-nvidia-cuda-mps-control -d 2>/dev/null && echo "MPS on" || echo "MPS off"
+source benchmarks/gpu/mps_start.sh
+python3 -c 'import sacrebleu; print("sacrebleu", sacrebleu.__version__)'
 mkdir -p /tmp/r
 for spec in "$@"; do
   name=${spec%%:*}; ovr=${spec#*:}
