@@ -177,12 +177,13 @@ def _summary(run_dir: Path) -> dict:
 def _trained_minutes(run_dir: Path) -> float:
     """The training minutes up to the checkpoint a resume continues from: its counters keep
     them (`TrainState.seconds`), over every earlier resume, without the time between a crash
-    and its resume. Checkpoints written before they kept them: the span of the metrics rows,
+    and its resume; the checkpoint resume itself loads (`checkpoint.load_latest`: the newest
+    readable one). Checkpoints written before they kept them: the span of the metrics rows,
     which misses the time before the first row and counts any downtime in between."""
     from transformer import checkpoint
 
-    path = checkpoint.latest_checkpoint(run_dir)
-    seconds = checkpoint.load_checkpoint(path)["counters"].get("seconds", 0.0) if path else 0.0
+    found = checkpoint.load_latest(run_dir)
+    seconds = found[1]["counters"].get("seconds", 0.0) if found else 0.0
     if seconds > 0:
         return seconds / 60
     try:

@@ -28,5 +28,14 @@ def test_a_checkpoint_from_before_the_seconds_were_kept_falls_back_to_the_metric
     assert recipe._trained_minutes(run) == 5.0
 
 
+def test_a_damaged_latest_checkpoint_counts_the_one_resume_falls_back_to(tmp_path):
+    run = _run(tmp_path, {"step": 200, "seconds": 720.0}, [1000.0, 1300.0])
+    later = checkpoint.save_checkpoint(
+        run, 300, {"step": 300, "counters": {"step": 300, "seconds": 900.0}}, keep_last=5
+    )
+    later.write_bytes(later.read_bytes()[:100])  # truncated since it was written
+    assert recipe._trained_minutes(run) == 12.0
+
+
 def test_nothing_trained_yet_is_no_time(tmp_path):
     assert recipe._trained_minutes(tmp_path / "run") == 0.0
