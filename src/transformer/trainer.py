@@ -122,6 +122,7 @@ class Trainer:
         self._batches = iter(self.sampler)
         self._writer = None
         self._saved_step: int | None = None  # the step of the last checkpoint written
+        self._run_start: float | None = None  # time.monotonic() when run() began
         self._stop_reason: str | None = None  # early stopping or the epoch cap, on this rank
         self._minutes = 0.0  # of this run, at the start of the current step
 
@@ -447,7 +448,7 @@ class Trainer:
         if self.dist.world_size > 1:
             rng = [None] * self.dist.world_size
             torch.distributed.all_gather_object(rng, checkpoint.rng_state())
-        if hasattr(self, "_run_start"):
+        if self._run_start is not None:
             self.state.seconds = self._seconds_before + time.monotonic() - self._run_start
         return {
             "step": self.state.step,
