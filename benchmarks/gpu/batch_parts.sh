@@ -4,18 +4,19 @@
 # length bucket; one process with `train.accum_steps=3` and the same per-batch tokens makes the
 # same steps (the same batches, grouped the same way: batching.py shards batch r, r+W, ...). The
 # `multi30k-full` preset on one lent GPU, several runs at once under MPS, one per
-# NAME:TOKENS:ACCUM:SEED, STEPS steps each, dev perplexity only (no BLEU, no early stopping).
+# NAME:TOKENS:ACCUM:SEED[:STEPS], STEPS steps each (the first argument unless the run names its
+# own), dev perplexity every VALID (500) steps only (no BLEU, no early stopping).
 # Carry: .device/m30k (a recipe run's OUT/data). Prints each run's dev perplexity curve.
-# usage: bash benchmarks/gpu/batch_parts.sh STEPS NAME:TOKENS:ACCUM:SEED ...
+# usage: [VALID=500] [LIMIT=500] bash benchmarks/gpu/batch_parts.sh STEPS NAME:TOKENS:ACCUM:SEED[:STEPS] ...
 export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1 OMP_NUM_THREADS=1
 STEPS=$1; shift
 source benchmarks/gpu/mps_start.sh
 mkdir -p /tmp/bp
 for spec in "$@"; do
-  IFS=: read -r name tokens accum seed <<< "$spec"
+  IFS=: read -r name tokens accum seed steps <<< "$spec"
   ( timeout ${LIMIT:-500} python3 -m transformer train .device/m30k --preset multi30k-full \
-      --out /tmp/bp/$name --max-steps "$STEPS" train.max_tokens="$tokens" \
-      train.accum_steps="$accum" train.seed="$seed" train.valid_every_steps=500 \
+      --out /tmp/bp/$name --max-steps "${steps:-$STEPS}" train.max_tokens="$tokens" \
+      train.accum_steps="$accum" train.seed="$seed" train.valid_every_steps=${VALID:-500} \
       train.valid_bleu=false train.patience=0 train.save_every_steps=100000 \
       train.log_every_steps=100 > /tmp/bp/$name.log 2>&1
     echo "$name rc=$?" ) &
@@ -27,7 +28,7 @@ cp /tmp/bp/*.log "$OUT/bp/" 2>/dev/null
 python3 - "$@" <<'PY'
 import json, sys
 for spec in sys.argv[1:]:
-    name, tokens, accum, seed = spec.split(":")
+    name, tokens, accum, seed = spec.split(":")[:4]
     try:
         rows = [json.loads(x) for x in open(f"/tmp/bp/{name}/metrics.jsonl")]
     except OSError as e:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from pathlib import Path
 
@@ -239,19 +239,19 @@ def _train_job(
 
 
 def _rank_tokens(config: RunConfig) -> int:
-    """Tokens per batch of one process: `train.max_tokens`, split over a `train.procs` job."""
-    return -(-config.train.max_tokens // config.train.procs)
+    """Tokens per batch of one process (`TrainConfig.per_process`)."""
+    return config.train.per_process()[0]
 
 
 def _check_lengths(data, config: RunConfig) -> None:
     """Every train and valid pair fits the model (`model.max_len` positions) and one batch
-    (`train.max_tokens`, a process's share of it with train.procs): a UserError naming the
-    split and line now, not a failure mid-run."""
-    share = config.train.procs
-    per_process = f" / train.procs {share}" if share > 1 else ""
+    (`train.max_tokens`, a process's share of it where train.procs splits batches): a
+    UserError naming the split and line now, not a failure mid-run."""
+    tokens, share = _rank_tokens(config), config.train.procs
+    per_process = f" / train.procs {share}" if tokens != config.train.max_tokens else ""
     limits = (
         ("model.max_len", "", config.model.max_len),
-        ("train.max_tokens", per_process, _rank_tokens(config)),
+        ("train.max_tokens", per_process, tokens),
     )
     for name in ("train", "valid"):
         if name not in data.split_names:
@@ -309,13 +309,30 @@ def _run(data, data_dir, out_dir, config, resume, info, dev, progress, tuner=Non
             "tgt": data.tgt_lang,
         }
     }
-    forward = torch.compile(model) if config.train.compile else model
+    forward = compiled_forward(model) if config.train.compile else model
     valid = data.split("valid") if "valid" in data.split_names else None
     trainer = Trainer(
         model, optimizer, chunked_label_smoothed_loss, sampler, train_split, valid,
         data.tokenizer, config, out_dir, state, info, extra, forward, progress, tuner,
     )  # fmt: skip
     return trainer.run()
+
+
+def compiled_forward(model: Transformer) -> Callable[..., torch.Tensor]:
+    """`train.compile`: the training forward through torch.compile, on the padded layout.
+
+    The packed path (`model.Packing`) finds its rows with data-dependent ops (`nonzero`, a
+    row count that changes every batch), where dynamo breaks the graph and guards on values:
+    on a GPU it recompiled 43 times in the first 250 steps of the base preset on Multi30k
+    (docs/performance.md). Compiled, the model runs padded, (B, T, D), whose only changing
+    sizes are the batch's B, S and T (dynamic after their first change), and the real target
+    rows are taken outside the graph: the same values as the packed path up to rounding."""
+    compiled = torch.compile(model)
+
+    def forward(src, src_mask, tgt, tgt_mask):
+        return compiled(src, src_mask, tgt)[tgt_mask]  # (N, D), as the packed path returns
+
+    return forward
 
 
 def _restore(out_dir, model, optimizer, sampler, info) -> TrainState:

@@ -646,3 +646,36 @@ def test_a_compiled_forward_is_used_not_truth_tested(data_dir: Path, tmp_path: P
 
     out = evaluate_loss(trainer.model, trainer.valid_split, 2000, forward=wrapper)
     assert wrapper.calls > 0 and math.isfinite(out["loss"])
+
+
+def test_compiled_forward_runs_padded_and_returns_the_packed_rows(
+    data_dir: Path, tmp_path: Path, monkeypatch
+) -> None:
+    """train.compile compiles the padded layout (the packed one's data-dependent row counts
+    recompiled every batch on a GPU) and takes the real target rows outside the graph: the
+    packed path's (N, D) in its order. torch.compile is the identity here; the compiled graph
+    itself is measured on a GPU (benchmarks/gpu/compile_train.sh)."""
+    from transformer.tokenizer import PAD_ID
+    from transformer.train import compiled_forward
+
+    seen = []
+
+    def fake_compile(model):
+        def call(*args):
+            seen.append(len(args))
+            return model(*args)
+
+        return call
+
+    monkeypatch.setattr(torch, "compile", fake_compile)
+    trainer = _trainer(data_dir, tmp_path / "run", _config("model.p_drop=0.0"))
+    b = collate(trainer.train_split, next(iter(trainer.sampler)))
+    keep = b.tgt_out != PAD_ID
+    assert not bool(keep.all())  # a batch with padding
+    forward = compiled_forward(trainer.model)
+    with torch.no_grad():
+        got = forward(b.src, b.src_mask, b.tgt_in, keep)
+        want = trainer.model(b.src, b.src_mask, b.tgt_in, keep)
+    assert seen == [3]  # the compiled call has no target mask: the padded path
+    assert got.shape == want.shape == (int(keep.sum()), trainer.model.cfg.d_model)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
