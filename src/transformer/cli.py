@@ -36,9 +36,10 @@ def _add_procs(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--procs", type=int, metavar="N",
         help="train.procs: train with N data-parallel processes on this CPU, one thread each "
-        "(unless --threads), each taking train.max_tokens / N tokens a batch: the same steps, "
-        "without threads that wait for each other in every op (default: the preset's or the "
-        "run's own)",
+        "(unless --threads): the same steps, without threads that wait for each other in "
+        "every op; the processes share out a step's train.accum_steps batches where N divides "
+        "it, else each batch is split (train.max_tokens / N tokens) (default: the preset's or "
+        "the run's own)",
     )  # fmt: skip
 
 

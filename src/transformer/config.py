@@ -132,9 +132,21 @@ class TrainConfig:
     log_every_steps: int = 50
     deterministic: bool = False  # deterministic algorithms, for bit-exact resume tests
     # Not in the paper: data-parallel processes on this CPU (`train --procs N`), one thread each,
-    # each taking max_tokens / procs tokens a batch, so a step is the same size. 1 = one process.
+    # making the same steps as one process would (`per_process`). 1 = one process.
     # (Across GPUs or machines, torchrun; max_tokens is then per rank, and procs stays 1.)
     procs: int = 1
+
+    def per_process(self) -> tuple[int, int]:
+        """(tokens a batch, batches a step) of each of the `procs` processes: a step is
+        `accum_steps` batches of `max_tokens` whatever `procs` is. Where procs divides
+        accum_steps the processes share out the batches (accum_steps 3, procs 3: one batch
+        each, the very batches one process accumulates, as batching.py gives rank r batches
+        r, r + procs, ...), so procs changes only the speed; otherwise every batch is split
+        (max_tokens / procs tokens, accum_steps of them on each process): a step of as many
+        tokens, in more, smaller batches."""
+        if self.accum_steps % self.procs == 0:
+            return self.max_tokens, self.accum_steps // self.procs
+        return -(-self.max_tokens // self.procs), self.accum_steps
 
     def __post_init__(self) -> None:
         if self.dtype not in TRAIN_DTYPES:

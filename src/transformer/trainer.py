@@ -85,7 +85,8 @@ class Trainer:
         state: counters (restored on resume).
         dist_info: this rank's place in a distributed job.
         checkpoint_extra: plain values stored in every checkpoint (data/tokenizer info).
-        forward: the module to call for training (a torch.compile'd model), default `model`.
+        forward: called for training as the model is, (src, src_mask, tgt, tgt_mask) -> (N, D)
+            (`train.compiled_forward` with train.compile), default `model`.
         progress: show a tqdm progress bar (rank 0).
         tuner: chooses the CPU thread count step by step (threads.py), or None.
     """
@@ -104,7 +105,7 @@ class Trainer:
         state: TrainState | None = None,
         dist_info: distributed.DistInfo | None = None,
         checkpoint_extra: dict[str, Any] | None = None,
-        forward: nn.Module | None = None,
+        forward: Callable[..., torch.Tensor] | None = None,
         progress: bool = True,
         tuner: ThreadTuner | None = None,
     ) -> None:
@@ -129,9 +130,10 @@ class Trainer:
     # ---------------------------------------------------------------- one step
 
     def _next_batches(self) -> list[Batch]:
-        """The next `accum_steps` batches of this rank, crossing epoch boundaries."""
+        """The next batches of this rank's step (`accum_steps`, shared out among `train.procs`
+        processes: `TrainConfig.per_process`), crossing epoch boundaries."""
         out: list[Batch] = []
-        while len(out) < self.cfg.accum_steps:
+        while len(out) < self.cfg.per_process()[1]:
             try:
                 indices = next(self._batches)
             except StopIteration:
@@ -483,7 +485,7 @@ class Trainer:
 
 
 def batch_loss(
-    model: nn.Module, forward: nn.Module, loss_fn: LossFn, b: Batch, eps_ls: float
+    model: nn.Module, forward: Callable[..., torch.Tensor], loss_fn: LossFn, b: Batch, eps_ls: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(loss, nll) sums of one batch on the model's device; only real target positions are
     projected to the vocabulary."""
@@ -499,7 +501,7 @@ def evaluate_loss(
     max_tokens: int,
     eps_ls: float = 0.0,
     loss_fn: LossFn = chunked_label_smoothed_loss,
-    forward: nn.Module | None = None,
+    forward: Callable[..., torch.Tensor] | None = None,
     each: Callable[[Batch], None] | None = None,
     dist_info: distributed.DistInfo | None = None,
 ) -> dict[str, float]:

@@ -8,6 +8,7 @@ rank 1 together see exactly the two batches that a single process with accum_ste
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -33,6 +34,13 @@ COMMON = [
 def _losses(run: Path) -> list[float]:
     lines = (run / "metrics.jsonl").read_text().splitlines()
     return [json.loads(x)["loss"] for x in lines if json.loads(x)["kind"] == "train"]
+
+
+def _batches_per_epoch(run: Path) -> int:
+    """The "N train batches per epoch and rank" that train.log reports."""
+    found = re.search(r"(\d+) train batches per epoch and rank", (run / "train.log").read_text())
+    assert found, run
+    return int(found.group(1))
 
 
 def _assert_same_steps(one: Path, two: Path) -> None:
@@ -85,6 +93,23 @@ def test_procs_equal_one_process_with_both_halves(shared_data, tmp_path):
     # The run's config keeps train.procs: a plain resume starts both processes again.
     subprocess.run([*resume, "--max-steps", "6"], check=True, capture_output=True)
     assert checkpoint.load_checkpoint(checkpoint.latest_checkpoint(two))["step"] == 6
+
+
+def test_procs_share_out_the_accumulated_batches(shared_data, tmp_path):
+    """Where train.procs divides train.accum_steps the processes share out a step's batches,
+    each of train.max_tokens: the same steps as one process accumulating them all (the
+    multi30k-full preset's three batches with --procs 3), not batches split again."""
+    data = prepare_slice(tmp_path, shared_data / "multi30k", n_train=600, vocab_size=500)
+    one, two = tmp_path / "one", tmp_path / "two"
+    base = [sys.executable, "-m", "transformer", "train", str(data)]
+    subprocess.run([*base, "--out", str(one), *COMMON, "train.accum_steps=2"], check=True)
+    subprocess.run(
+        [*base, "--out", str(two), *COMMON, "train.accum_steps=2", "--procs", "2"],
+        check=True, capture_output=True,
+    )  # fmt: skip
+    _assert_same_steps(one, two)
+    per_epoch = [_batches_per_epoch(run) for run in (one, two)]
+    assert per_epoch[1] == per_epoch[0] // 2, per_epoch  # each rank: half the same batches
 
 
 def test_procs_share_the_validation_and_agree_on_it(shared_data, tmp_path):

@@ -99,6 +99,23 @@ def test_floats_in_exponent_notation_are_floats(tmp_path: Path) -> None:
         build_config(overrides=["train.lr_scale=e5"])
 
 
+@pytest.mark.parametrize(
+    ("tokens", "accum", "procs", "per_process"),
+    [
+        (8192, 1, 1, (8192, 1)),
+        (2731, 3, 3, (2731, 1)),  # multi30k-full with --procs 3: one of the 3 batches each
+        (1000, 4, 2, (1000, 2)),
+        (1000, 1, 2, (500, 1)),  # 1 batch a step: split between the processes
+        (1001, 2, 3, (334, 2)),  # 3 does not divide 2: every batch split, rounded up
+    ],
+)
+def test_procs_share_out_the_steps_batches_before_splitting_them(
+    tokens: int, accum: int, procs: int, per_process: tuple[int, int]
+) -> None:
+    t = TrainConfig(max_tokens=tokens, accum_steps=accum, procs=procs)
+    assert t.per_process() == per_process
+
+
 def test_bad_yaml_names_the_file(tmp_path: Path) -> None:
     path = tmp_path / "bad.yaml"
     path.write_text("model:\n  n_heads: eight\n")
