@@ -17,8 +17,9 @@ for round in $(seq "$ROUNDS"); do
       train.max_tokens="$tok" train.accum_steps="$acc" train.valid_every_steps=100000 \
       train.save_every_steps=100000 train.log_every_steps=10 > "$d.log" 2>&1
     "$PY" - "$d" "$tok" "$acc" "$round" <<'PY'
-import json, sys
-rows = [json.loads(x) for x in open(sys.argv[1] + "/metrics.jsonl") if '"train"' in x]
+import sys
+from transformer.rundir import read_metrics
+rows = [r for _, r in read_metrics(sys.argv[1], "train")]
 dt = rows[-1]["time"] - rows[0]["time"]
 steps, toks = rows[-1]["step"] - rows[0]["step"], rows[-1]["tokens"] - rows[0]["tokens"]
 print(f"round {sys.argv[4]} {sys.argv[2]}x{sys.argv[3]}: {steps / dt:.3f} steps/s, "

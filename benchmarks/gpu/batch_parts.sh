@@ -26,16 +26,17 @@ wait
 mkdir -p "$OUT/bp" && for d in /tmp/bp/*/; do cp "$d/metrics.jsonl" "$OUT/bp/$(basename "$d").jsonl"; done
 cp /tmp/bp/*.log "$OUT/bp/" 2>/dev/null
 python3 - "$@" <<'PY'
-import json, sys
+import sys
+from transformer.errors import UserError
+from transformer.rundir import read_metrics
 for spec in sys.argv[1:]:
     name, tokens, accum, seed = spec.split(":")[:4]
     try:
-        rows = [json.loads(x) for x in open(f"/tmp/bp/{name}/metrics.jsonl")]
-    except OSError as e:
+        train = [r for _, r in read_metrics(f"/tmp/bp/{name}", "train")]
+        valid = [r for _, r in read_metrics(f"/tmp/bp/{name}", "valid")]
+    except UserError as e:
         print(name, "no metrics:", e)
         continue
-    train = [r for r in rows if r["kind"] == "train"]
-    valid = [r for r in rows if r["kind"] == "valid"]
     rate = sum(r["tokens_per_s"] for r in train[2:]) / max(len(train[2:]), 1)
     curve = " ".join(f"{r['step']}:{r['ppl']:.2f}" for r in valid)
     print(f"{name} {tokens}x{accum} seed {seed}: {train[-1]['step'] if train else 0} steps, "
