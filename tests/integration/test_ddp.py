@@ -68,9 +68,9 @@ def test_two_gloo_ranks_equal_one_process_with_both_halves(shared_data, tmp_path
 
 
 def test_procs_equal_one_process_with_both_halves(shared_data, tmp_path):
-    """`train --procs 2` (train.procs: distributed.run_local, no torchrun) splits
-    train.max_tokens between its processes: the same steps as one process taking two half-size
-    batches per step."""
+    """`train --procs 2` (train.procs: distributed.run_local, no torchrun) with one batch a
+    step splits train.max_tokens between its processes: the same steps as one process taking
+    two half-size batches per step."""
     data = prepare_slice(tmp_path, shared_data / "multi30k", n_train=600, vocab_size=500)
     one, two = tmp_path / "one", tmp_path / "two"
     base = [sys.executable, "-m", "transformer", "train", str(data)]
@@ -83,6 +83,18 @@ def test_procs_equal_one_process_with_both_halves(shared_data, tmp_path):
 
     _assert_same_steps(one, two)
 
+    # Where train.procs divides train.accum_steps the processes share out a step's batches,
+    # each of train.max_tokens (the multi30k-full preset's three with --procs 3), instead of
+    # splitting every batch again: the same steps as `one` too.
+    shared = tmp_path / "shared"
+    subprocess.run(
+        [*base, "--out", str(shared), *COMMON, "train.accum_steps=2", "--procs", "2"],
+        check=True, capture_output=True,
+    )  # fmt: skip
+    _assert_same_steps(one, shared)
+    per_epoch = [_batches_per_epoch(run) for run in (one, shared)]
+    assert per_epoch[1] == per_epoch[0] // 2, per_epoch  # each rank: half the same batches
+
     # Resumed with another process count, the batches would not line up: one clean line.
     resume = [sys.executable, "-m", "transformer", "train", "--resume", str(two)]
     again = subprocess.run([*resume, "--max-steps", "6", "--procs", "1"], capture_output=True,
@@ -93,23 +105,6 @@ def test_procs_equal_one_process_with_both_halves(shared_data, tmp_path):
     # The run's config keeps train.procs: a plain resume starts both processes again.
     subprocess.run([*resume, "--max-steps", "6"], check=True, capture_output=True)
     assert checkpoint.load_checkpoint(checkpoint.latest_checkpoint(two))["step"] == 6
-
-
-def test_procs_share_out_the_accumulated_batches(shared_data, tmp_path):
-    """Where train.procs divides train.accum_steps the processes share out a step's batches,
-    each of train.max_tokens: the same steps as one process accumulating them all (the
-    multi30k-full preset's three batches with --procs 3), not batches split again."""
-    data = prepare_slice(tmp_path, shared_data / "multi30k", n_train=600, vocab_size=500)
-    one, two = tmp_path / "one", tmp_path / "two"
-    base = [sys.executable, "-m", "transformer", "train", str(data)]
-    subprocess.run([*base, "--out", str(one), *COMMON, "train.accum_steps=2"], check=True)
-    subprocess.run(
-        [*base, "--out", str(two), *COMMON, "train.accum_steps=2", "--procs", "2"],
-        check=True, capture_output=True,
-    )  # fmt: skip
-    _assert_same_steps(one, two)
-    per_epoch = [_batches_per_epoch(run) for run in (one, two)]
-    assert per_epoch[1] == per_epoch[0] // 2, per_epoch  # each rank: half the same batches
 
 
 def test_procs_share_the_validation_and_agree_on_it(shared_data, tmp_path):
