@@ -1,6 +1,6 @@
 #!/bin/bash
 # Is `--procs 3`'s lower dev curve (docs/multi30k_converged.md, run 13) the batches' doing? A
-# step of three one-thread processes sums three batches of max_tokens / 3, each from its own
+# step of run 13's three one-thread processes summed three batches of 8,192 / 3, each from its own
 # length bucket; one process with `train.accum_steps=3` and the same per-batch tokens makes the
 # same steps (the same batches, grouped the same way: batching.py shards batch r, r+W, ...). The
 # `multi30k-full` preset on one lent GPU, several runs at once under MPS, one per

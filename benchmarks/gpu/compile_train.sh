@@ -21,7 +21,7 @@ for c in $MODES; do
     train.valid_every_steps=${VALID:-100000} train.valid_bleu=false train.patience=0 \
     train.log_every_steps=25 train.save_every_steps=100000 > /tmp/ct_$c.log 2>&1
   echo "compile=$c rc=$? wall ${SECONDS} s; recompiles logged: $(grep -c 'Recompiling' /tmp/ct_$c.log)"
-  [ -n "$OUT" ] && cp /tmp/ct_$c.log /tmp/ct_$c/metrics.jsonl "$OUT/" 2>/dev/null && mv "$OUT/metrics.jsonl" "$OUT/ct_$c.jsonl"
+  if [ -n "$OUT" ]; then cp /tmp/ct_$c.log "$OUT/"; cp /tmp/ct_$c/metrics.jsonl "$OUT/ct_$c.jsonl"; fi
   python3 - /tmp/ct_$c <<'PY'
 import sys
 from transformer.rundir import read_metrics
