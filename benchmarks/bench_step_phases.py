@@ -1,0 +1,109 @@
+#!/usr/bin/env python
+"""Where a training step's time goes on real batches, and what one process can keep beside a
+busy one.
+
+Times the pieces of `transformer train`'s step one by one (forward on the real tokens, the
+chunked §5.4 loss with its gradient, backward, the fp32-master Adam update) on a preset's
+model and length-sorted batches of a prepared corpus, at each thread count asked, in this
+one process, thread counts interleaved round by round. Every batch is a step here (an update
+after each; `train.accum_steps` is not applied), the preset's `train.max_tokens` a batch.
+The last line is the bound of one process beside one busy process on 2 cores
+(docs/performance.md): the tuner's one thread keeps one core, so training keeps at most
+(one thread's rate) / (two threads' rate).
+
+    .venv/bin/python benchmarks/bench_step_phases.py --data RUN/data --preset quickstart
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+from transformer.allocator import keep_large_blocks
+from transformer.batching import TokenBatchSampler
+from transformer.config import build_config
+from transformer.cpuinfo import cpu_line
+from transformer.data import collate, load_prepared
+from transformer.loss import chunked_label_smoothed_loss
+from transformer.optim import MixedPrecisionAdam
+from transformer.tokenizer import PAD_ID
+from transformer.train import build_model
+
+PHASES = ("forward", "loss", "backward", "optimizer")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--data", required=True, help="a prepared corpus (`transformer prepare`)")
+    ap.add_argument("--preset", default="quickstart")
+    ap.add_argument("--dtype", default="auto", help="train.dtype: auto, fp32 or bf16")
+    ap.add_argument("--threads", default="1,2", help="thread counts to compare")
+    ap.add_argument("--batches", type=int, default=50, help="timed batches per round")
+    ap.add_argument("--warmup", type=int, default=15, help="untimed batches first")
+    ap.add_argument("--rounds", type=int, default=2)
+    args = ap.parse_args()
+
+    keep_large_blocks()  # as `transformer train` (train._setup_torch)
+    data = load_prepared(args.data)
+    split = data.split("train")
+    config = build_config(args.preset, None, [f"train.dtype={args.dtype}"],
+                          vocab_size=data.tokenizer.vocab_size)  # fmt: skip
+    torch.manual_seed(1)
+    model = build_model(config, torch.device("cpu")).train()
+    opt = MixedPrecisionAdam(model.parameters(), (0.9, 0.98), 1e-9)
+    sampler = TokenBatchSampler(split.src_lens, split.tgt_lens, config.train.max_tokens, seed=1)
+    batches = iter(sampler)
+    counts = [int(t) for t in args.threads.split(",")]
+    totals = {t: dict.fromkeys(PHASES, 0.0) for t in counts}
+    tokens = dict.fromkeys(counts, 0)
+
+    def step(timed: dict | None) -> int:
+        nonlocal batches
+        indices = next(batches, None)
+        if indices is None:
+            batches = iter(sampler)
+            indices = next(batches)
+        b = collate(split, indices)
+        marks = [time.perf_counter()]
+        keep = b.tgt_out != PAD_ID
+        hidden = model(b.src, b.src_mask, b.tgt_in, keep)
+        marks.append(time.perf_counter())
+        target = b.tgt_out[keep]
+        loss, _ = chunked_label_smoothed_loss(hidden, model.output_weight(), target,
+                                              config.train.eps_ls)  # fmt: skip
+        marks.append(time.perf_counter())
+        loss.backward()
+        marks.append(time.perf_counter())
+        opt.collect_grads()
+        opt.step(1e-4, grad_scale=1.0 / target.numel())
+        marks.append(time.perf_counter())
+        if timed is not None:
+            for phase, start, stop in zip(PHASES, marks, marks[1:], strict=False):
+                timed[phase] += stop - start
+        return target.numel()
+
+    print(f"# {cpu_line()}; torch {torch.__version__}; preset {args.preset}, "
+          f"train.dtype {config.train.dtype} -> {next(model.parameters()).dtype}")  # fmt: skip
+    for _ in range(args.rounds):
+        for t in counts:
+            torch.set_num_threads(t)
+            for _ in range(args.warmup):
+                step(None)
+            for _ in range(args.batches):
+                tokens[t] += step(totals[t])
+    rates = {}
+    for t in counts:
+        seconds = sum(totals[t].values())
+        rates[t] = tokens[t] / seconds
+        shares = ", ".join(f"{p} {totals[t][p] / seconds:.0%}" for p in PHASES)
+        per_step = seconds / (args.rounds * args.batches) * 1e3
+        print(f"threads {t}: {rates[t]:8.0f} target tok/s, {per_step:6.1f} ms a step ({shares})")
+    if 1 in rates and 2 in rates:
+        print(f"one process beside a busy one on 2 cores keeps at most {rates[1] / rates[2]:.1%}"
+              " (one thread's rate / two threads')")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
