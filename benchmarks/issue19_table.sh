@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# Issue 19's "must show" on this machine in one command (docs/performance.md, "Round four"):
+# the CPU and its load, W0 (matmul rates), W1 / W2 beam 4 / W2 greedy / W3 against the peers
+# (bench_peers.sh), contention (train and translate, alone and beside a busy process, median of
+# rounds), a training step's pieces and one process's bound, and each precision's BLEU against
+# fp32 with a trained quickstart model. Run it alone on the machine (`uptime` first): ~35 min
+# on a 2-core Zen 5.
+#
+#   QS=QUICKSTART_OUT PY=PEERS_PYTHON bash benchmarks/issue19_table.sh OUT
+#
+# QS: a `transformer quickstart --out QS` directory (its data/, model.safetensors and
+# quickstart.json, whose α chosen on val is the one the BLEU table decodes with). PY: the
+# Python that has the peers installed (docs/performance.md, "Reproducing"); REPS (default 5).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+OUT=${1:?usage: QS=QUICKSTART_OUT PY=PEERS_PYTHON bash benchmarks/issue19_table.sh OUT}
+QS=${QS:?QS: a quickstart output directory (data/, model.safetensors, quickstart.json)}
+PY=${PY:-.venv/bin/python}
+OURS=.venv/bin/python
+REPS=${REPS:-5}
+for f in "$QS/data/manifest.json" "$QS/model.safetensors" "$QS/quickstart.json"; do
+  [[ -f $f ]] || { echo "issue19_table.sh: $f not found (QS=$QS)" >&2; exit 2; }
+done
+mkdir -p "$OUT"
+ALPHA=$($OURS -c 'import json, sys; print(json.load(open(sys.argv[1]))["chosen_on_val"]["alpha"])' \
+  "$QS/quickstart.json")
+DTYPES=fp32,int8
+if [[ -n $($OURS -c 'from transformer.cpuinfo import native_bf16; print(*native_bf16())') ]]; then
+  DTYPES=fp32,int8,bf16  # bf16 decoding only where the CPU multiplies bf16 natively
+fi
+note() { echo "# $(date -u +%FT%TZ) load average: $(cut -d' ' -f1-3 /proc/loadavg) | $*"; }
+{
+  note "machine"
+  $OURS -c 'from transformer.cpuinfo import cpu_line; print("#", cpu_line())'
+  lscpu | grep -E 'Model name|^CPU\(s\)|Flags' | cut -c1-200
+} | tee "$OUT/machine.txt"
+note "W0" | tee "$OUT/w0.log"
+$PY ../shared/peers/bench_matmul.py --threads 2 --dtypes fp32,bf16 2>&1 | tee -a "$OUT/w0.log"
+for w in train beam greedy memory; do
+  note "$w" | tee "$OUT/$w.log"
+  OUT=$OUT PY=$PY REPS=$REPS GREEDY_PEERS=${GREEDY_PEERS:-ct2:float32,ct2:int8} \
+    bash benchmarks/bench_peers.sh "$w" 2>&1 | grep -v -i warn | tee -a "$OUT/$w.log"
+done
+note "contention" | tee "$OUT/contention.log"
+$OURS benchmarks/bench_contention.py --data "$QS/data" --model "$QS/model.safetensors" \
+  --lines 1014 --repeat 5 --rounds 3 2>&1 | tee -a "$OUT/contention.log"
+note "step phases" | tee "$OUT/step_phases.log"
+$OURS benchmarks/bench_step_phases.py --data "$QS/data" 2>&1 | tee -a "$OUT/step_phases.log"
+note "BLEU of each precision, alpha $ALPHA" | tee "$OUT/dtype_bleu.log"
+$OURS benchmarks/bench_decode.py --model "$QS/model.safetensors" --data "$QS/data" \
+  --dtypes "$DTYPES" --beams 4,1 --reps 1 --alpha "$ALPHA" 2>&1 | tee -a "$OUT/dtype_bleu.log"
+note "done" | tee -a "$OUT/machine.txt"
