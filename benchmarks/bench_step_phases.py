@@ -26,6 +26,7 @@ from transformer.batching import TokenBatchSampler
 from transformer.config import build_config
 from transformer.cpuinfo import cpu_line
 from transformer.data import collate, load_prepared
+from transformer.errors import UserError
 from transformer.loss import chunked_label_smoothed_loss
 from transformer.optim import MixedPrecisionAdam
 from transformer.tokenizer import PAD_ID
@@ -44,9 +45,18 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=15, help="untimed batches first")
     ap.add_argument("--rounds", type=int, default=2)
     args = ap.parse_args()
+    try:
+        counts = [int(t) for t in args.threads.split(",")]
+    except ValueError:
+        ap.error(f"--threads: comma-separated thread counts, got {args.threads!r}")
+    if min(counts) < 1 or min(args.batches, args.rounds) < 1 or args.warmup < 0:
+        ap.error("--threads, --batches and --rounds must be at least 1, --warmup at least 0")
 
     keep_large_blocks()  # as `transformer train` (train._setup_torch)
-    data = load_prepared(args.data)
+    try:
+        data = load_prepared(args.data)
+    except UserError as e:
+        ap.error(str(e))
     split = data.split("train")
     config = build_config(args.preset, None, [f"train.dtype={args.dtype}"],
                           vocab_size=data.tokenizer.vocab_size)  # fmt: skip
@@ -55,7 +65,6 @@ def main() -> None:
     opt = MixedPrecisionAdam(model.parameters(), (0.9, 0.98), 1e-9)
     sampler = TokenBatchSampler(split.src_lens, split.tgt_lens, config.train.max_tokens, seed=1)
     batches = iter(sampler)
-    counts = [int(t) for t in args.threads.split(",")]
     totals = {t: dict.fromkeys(PHASES, 0.0) for t in counts}
     tokens = dict.fromkeys(counts, 0)
 
