@@ -55,11 +55,11 @@ def main() -> None:
     keep_large_blocks()  # as `transformer train` (train._setup_torch)
     try:
         data = load_prepared(args.data)
-    except UserError as e:
+        split = data.split("train")
+        config = build_config(args.preset, None, [f"train.dtype={args.dtype}"],
+                              vocab_size=data.tokenizer.vocab_size)  # fmt: skip
+    except UserError as e:  # a missing corpus, an unknown preset or dtype
         ap.error(str(e))
-    split = data.split("train")
-    config = build_config(args.preset, None, [f"train.dtype={args.dtype}"],
-                          vocab_size=data.tokenizer.vocab_size)  # fmt: skip
     torch.manual_seed(1)
     model = build_model(config, torch.device("cpu")).train()
     opt = MixedPrecisionAdam(model.parameters(), (0.9, 0.98), 1e-9)
