@@ -121,7 +121,6 @@ def main() -> None:
     print(f"# thread choice: {'--threads ' + str(args.threads) if threads else 'the CLI default'}"
           f"{'; training with --procs ' + str(args.procs) if procs else ''}; "
           f"training preset {args.preset}")  # fmt: skip
-    results = {}
     for name, run in (
         ("train tok/s", lambda: train_rate(args.data, args.steps, threads + procs, args.preset)),
         (
@@ -139,7 +138,6 @@ def main() -> None:
             pairs.append((alone, beside))
             print(f"{name:>18}: alone {alone:8.0f}   beside a busy process {beside:8.0f}   "
                   f"kept {beside / alone:6.1%}", flush=True)  # fmt: skip
-        results[name] = pairs
         if len(pairs) > 1:
             kept = statistics.median(b / a for a, b in pairs)
             alone_m = statistics.median(a for a, _ in pairs)

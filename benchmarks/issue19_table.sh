@@ -3,7 +3,7 @@
 # the CPU and its load, W0 (matmul rates), W1 / W2 beam 4 / W2 greedy / W3 against the peers
 # (bench_peers.sh), contention (train and translate, alone and beside a busy process, median of
 # rounds), a training step's pieces and one process's bound, and each precision's BLEU against
-# fp32 with a trained quickstart model. Run it alone on the machine (`uptime` first): ~35 min
+# fp32 with a trained quickstart model. Run it alone on the machine (`uptime` first): ~13 min
 # on a 2-core Zen 5.
 #
 #   QS=QUICKSTART_OUT PY=PEERS_PYTHON bash benchmarks/issue19_table.sh OUT
