@@ -181,6 +181,10 @@ def train(
                 "the cores, and train more slowly than %d process(es) of one thread would",
                 n, threads, cores, cores,
             )  # fmt: skip
+        # Checked here before the n processes start (each checks again), so that a share
+        # too small for the corpus's longest pair (`--procs 99`) is an error in a second,
+        # not after a minute of starting processes that all stop on it.
+        _check_lengths(load_prepared(data_dir), config)
         args = (data_dir, out_dir, config, resume, dev, progress, threads)
         return distributed.run_local(n, _train_job, args)
     return _train_job(data_dir, out_dir, config, resume, dev, progress, threads)

@@ -115,6 +115,8 @@ def test_more_processes_than_cores_trains_with_a_warning(tmp_path, monkeypatch, 
     started = []
     monkeypatch.setattr(train_module, "resolve_run", lambda d, o, c, r, ov: (d, c))
     monkeypatch.setattr(distributed, "run_local", lambda n, fn, args: started.append(n))
+    monkeypatch.setattr(train_module, "load_prepared", lambda d: None)  # no corpus here
+    monkeypatch.setattr(train_module, "_check_lengths", lambda data, c: None)
     for cores, warned in ((2, True), (3, False)):
         monkeypatch.setattr(train_module, "_usable_cores", lambda cores=cores: cores)
         caplog.clear()

@@ -400,6 +400,22 @@ def test_pairs_longer_than_the_model_or_a_batch_are_a_user_error_before_training
     assert not (tmp_path / "a" / "checkpoints").exists()
 
 
+def test_a_process_share_too_small_for_a_pair_is_refused_before_the_processes_start(
+    data_dir, tmp_path, monkeypatch
+):
+    """`--procs 99` on a corpus whose longest pair needs more than max_tokens / 99 tokens:
+    the parent says so at once (it took 76 s of starting 99 processes, each of which
+    stopped on it)."""
+    from transformer import distributed
+
+    monkeypatch.setattr(distributed, "run_local", lambda *a: pytest.fail("processes started"))
+    longest = int(load_prepared(data_dir).split("train").tgt_lens.max())
+    cfg = _config(f"train.max_tokens={2 * (longest - 1)}", "train.procs=2")
+    with pytest.raises(UserError, match=rf"exceed train.max_tokens / train.procs 2={longest - 1}"):
+        train(data_dir, tmp_path / "a", cfg, progress=False, device="cpu")
+    assert not (tmp_path / "a").exists()
+
+
 # --- run metadata written atomically, damaged checkpoints, leftovers, YAML errors ----------
 
 
