@@ -51,6 +51,19 @@ def test_unknown_subcommand_is_an_argparse_error() -> None:
 # --- ordinary mistakes are one line and exit 2, never a traceback --------------------------
 
 
+@pytest.mark.parametrize("command", ["translate", "train", "evaluate", "serve"])
+@pytest.mark.parametrize("count", ["0", "-2"])
+def test_threads_below_one_is_refused_before_anything_loads(tmp_path, capsys, command, count):
+    """--threads 0 was said only after the model (or corpus) had been read."""
+    missing = str(tmp_path / "nothing")
+    with pytest.raises(SystemExit) as e:
+        main([command, missing, "--threads", count])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert f"--threads: at least 1{'' if command == 'serve' else ' (or auto)'}, not {count}" in err
+    assert "nothing" not in err
+
+
 def _run(shell: str) -> subprocess.CompletedProcess:
     return subprocess.run(
         ["bash", "-c", f"set -o pipefail; {shell}"], capture_output=True, text=True, timeout=120
