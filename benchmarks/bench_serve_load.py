@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import random
 import socket
@@ -29,6 +30,8 @@ from dataclasses import replace
 from pathlib import Path
 
 import httpx2 as httpx
+
+from bench_contention import busy_process  # this script's folder is on sys.path
 
 DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "multi30k"
 
@@ -63,7 +66,7 @@ def random_model(preset: str, out_dir: Path, max_len_b: int) -> Path:
     return save_model(out_dir / "model.safetensors", model, cfg, proto, "en", "de")
 
 
-def start_server(model: Path, threads: int, extra: list[str]) -> tuple[subprocess.Popen, str]:
+def start_server(model: Path, threads: str, extra: list[str]) -> tuple[subprocess.Popen, str]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -121,9 +124,10 @@ def report(url: str, args, out: dict, before: dict, after: dict) -> None:
     m = info["model"]
     print(f"\nserve load test: {args.clients} clients x {args.seconds:.0f} s on {url}")
     beam = args.beam or info["decode"]["beam_size"]
+    busy = ", beside a busy process" if args.busy else ""
     print(f"model {info['name']}: N={m['n_layers']} d_model={m['d_model']} "
           f"{info['parameters'] / 1e6:.1f}M params, beam {beam}, {info['dtype']}, "
-          f"server threads {args.threads}")  # fmt: skip
+          f"server threads {args.threads}{busy}")  # fmt: skip
     print("| requests | failed | req/s | p50 ms | p90 ms | p99 ms | max ms | sent/batch |")
     print("|---:|---:|---:|---:|---:|---:|---:|---:|")
     if not lat:
@@ -151,7 +155,11 @@ def main() -> None:
     ap.add_argument("--clients", type=int, default=16)
     ap.add_argument("--seconds", type=float, default=30.0)
     ap.add_argument("--beam", type=int, help="beam size per request (default: the model's)")
-    ap.add_argument("--threads", type=int, default=2, help="server's torch threads")
+    ap.add_argument("--threads", default="auto", help="server's --threads: N or auto")
+    ap.add_argument(
+        "--busy", action="store_true",
+        help="beside one busy process (`python -c 'while True: pass'`) for the timed part",
+    )  # fmt: skip
     ap.add_argument("--max-len-b", type=int, default=10, help="random model's max_len_b")
     ap.add_argument("--batch-wait-ms", type=float, default=5.0)
     args = ap.parse_args()
@@ -168,7 +176,8 @@ def main() -> None:
         try:
             httpx.post(f"{url}/v1/translate", json={"text": "Warm-up."}, timeout=120)
             before = httpx.get(f"{url}/health", timeout=10).json()
-            out = asyncio.run(load(url, args.clients, args.seconds, args.beam))
+            with busy_process() if args.busy else contextlib.nullcontext():
+                out = asyncio.run(load(url, args.clients, args.seconds, args.beam))
             after = httpx.get(f"{url}/health", timeout=10).json()
             report(url, args, out, before, after)
         finally:

@@ -35,17 +35,6 @@ def _threads(value: str) -> int | str:
     return count
 
 
-def _thread_count(value: str) -> int:
-    """A --threads without auto (`serve`): a whole number, at least 1."""
-    try:
-        count = int(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"a whole number, not {value!r}") from None
-    if count < 1:
-        raise argparse.ArgumentTypeError(f"at least 1, not {count}")
-    return count
-
-
 def _add_procs(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--procs", type=int, metavar="N",
@@ -669,7 +658,7 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--host", default="127.0.0.1", help="interface (default: loopback only)")
     p.add_argument("--port", type=int, default=8000)
     _add_dtype(p)
-    p.add_argument("--threads", type=_thread_count, help="torch threads for decoding")
+    _add_threads(p)
     p.add_argument("--max-request-bytes", type=int, help="JSON body limit (default 262144)")
     p.add_argument("--max-sentences", type=int, help="sentences per request (default 64)")
     p.add_argument("--max-sentence-tokens", type=int, help="subwords per sentence (default 250)")

@@ -401,7 +401,7 @@ def serve(
     port: int = 8000,
     limits: ServeLimits | None = None,
     dtype: str = "fp32",
-    threads: int | None = None,
+    threads: int | str | None = "auto",
     verify: bool = True,
 ) -> None:
     """Load a model file (or run directory) and serve it until interrupted.
@@ -412,7 +412,10 @@ def serve(
         port: TCP port.
         limits: request limits, timeouts and batching (ServeLimits defaults when None).
         dtype: "fp32", "bf16", "int8" or "auto" (see translate.Translator, translate.auto_dtype).
-        threads: torch intra-op threads for decoding (None = torch's default).
+        threads: CPU threads for decoding: a count, "auto" (OMP_NUM_THREADS if set, else
+            tuned decoder step by step to the machine's load, threads.py: beside another
+            busy process, or the clients on the same cores, torch's default of every core
+            waits at each op for a thread that is not running) or None (torch's setting).
         verify: check the model file's checksum before serving it (`modelfile.load_model`).
     """
     try:
@@ -423,8 +426,6 @@ def serve(
         raise UserError(
             "serving needs starlette and uvicorn: pip install 'transformer[serve]'"
         ) from e
-    import torch
-
     from transformer.serving.connections import (
         ensure_file_descriptors,
         guarded_protocol,
@@ -434,9 +435,7 @@ def serve(
 
     limits = limits or ServeLimits()
     ensure_file_descriptors(limits.max_connections)
-    if threads is not None:
-        torch.set_num_threads(threads)
-    translator = Translator.from_path(model_path, dtype=dtype, verify=verify)
+    translator = Translator.from_path(model_path, dtype=dtype, verify=verify, threads=threads)
     app = create_app(translator, limits)
     protocol = guarded_protocol(
         limits.max_connections, limits.idle_timeout_s, limits.header_timeout_s
