@@ -738,7 +738,7 @@ def _cmd_parse(args: argparse.Namespace) -> int:
         r = evaluate_parser(
             args.model, args.eval, args.split, beam=args.beam, alpha=args.alpha,
             limit=args.limit, dtype=args.dtype, output=args.output, constrain=args.constrain,
-            verify=args.verify,
+            verify=args.verify, threads=args.threads,
         )  # fmt: skip
         short = r["len<=40"]
         print(f"{r['split']}: {r['sentences']} sentences in {r['seconds']:.1f} s "
@@ -758,7 +758,7 @@ def _cmd_parse(args: argparse.Namespace) -> int:
     pos = lines(args.pos) if args.pos else None
     trees = parse_file(
         args.model, lines(args.input), name, pos, args.beam, args.alpha, args.dtype,
-        args.constrain, verify=args.verify,
+        args.constrain, verify=args.verify, threads=args.threads,
     )  # fmt: skip
     text = "".join(t + "\n" for t in trees)
     if args.output:
@@ -776,6 +776,7 @@ def _add_parse(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--beam", type=int, default=21, help="beam size (§6.3: 21)")
     p.add_argument("--alpha", type=float, default=0.3, help="length penalty α (§6.3: 0.3)")
     _add_dtype(p, default="fp32")
+    _add_threads(p)
     p.add_argument("--output", help="write the trees to this file (default stdout)")
     p.add_argument(
         "--eval", metavar="GOLD", help="parse GOLD's sentences (a tree file or `prepare ptb` dir) "

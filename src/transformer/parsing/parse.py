@@ -76,6 +76,7 @@ def parse_sentences(
     device: str = "cpu",
     constrain: bool = False,
     verify: bool = True,
+    threads: int | str | None = None,
 ) -> list[Tree]:
     """Parse tokenized sentences into trees (§6.3).
 
@@ -91,6 +92,9 @@ def parse_sentences(
         constrain: search only well-formed trees over the sentence's words (`TreeConstraint`;
             models whose trees write the words only; off by default, docs/parsing.md measures it).
         verify: check the model file's checksum (`modelfile.load_model`).
+        threads: CPU threads: a count, "auto" (OMP_NUM_THREADS if set, else tuned to the
+            machine's load as it decodes, threads.py; the CLI's default) or None (torch's
+            setting, untouched).
 
     Returns:
         One tree per sentence, root `TOP`, whose leaves are exactly the sentence's words.
@@ -103,7 +107,7 @@ def parse_sentences(
 
     _check_input(sentences, pos)
     translator = Translator.from_path(
-        model_path, parse_decode_config(beam, alpha, max_tokens), device, dtype, verify
+        model_path, parse_decode_config(beam, alpha, max_tokens), device, dtype, verify, threads
     )
     leaves = leaf_mode(translator.loaded.tgt_lang)
     if constrain:
@@ -206,6 +210,7 @@ def evaluate_parser(
     output: str | Path | None = None,
     constrain: bool = False,
     verify: bool = True,
+    threads: int | str | None = None,
 ) -> dict:
     """Parse the sentences of gold trees and score the result like EVALB (COLLINS.prm).
 
@@ -221,6 +226,7 @@ def evaluate_parser(
         dtype: "fp32", "bf16" or "int8".
         output: write the predicted trees here, one per line.
         constrain: the constrained search (`parse_sentences`).
+        threads: CPU threads (`parse_sentences`).
 
     Returns:
         `evalb.evaluate_parses` scores (recall, precision, f1 in percent, and "len<=40"),
@@ -232,7 +238,7 @@ def evaluate_parser(
     start = time.perf_counter()
     trees = parse_sentences(
         model_path, [t.leaves() for t in gold], [t.pos() for t in gold], beam, alpha,
-        max_tokens=max_tokens, dtype=dtype, constrain=constrain, verify=verify,
+        max_tokens=max_tokens, dtype=dtype, constrain=constrain, verify=verify, threads=threads,
     )  # fmt: skip
     seconds = time.perf_counter() - start
     if output is not None:
@@ -264,8 +270,10 @@ def parse_file(
     dtype: str = "fp32",
     constrain: bool = False,
     verify: bool = True,
+    threads: int | str | None = None,
 ) -> list[str]:
-    """`transformer parse`: sentence lines (and optional POS-tag lines) in, tree lines out."""
+    """`transformer parse`: sentence lines (and optional POS-tag lines) in, tree lines out
+    (`threads`: as `parse_sentences`)."""
     sentences = read_sentences(lines, name)
     pos = None
     if pos_lines is not None:
@@ -276,8 +284,9 @@ def parse_file(
             if len(tags) != len(words):
                 raise UserError(f"--pos line {number}: {len(tags)} tags for {len(words)} words")
     trees = parse_sentences(
-        model_path, sentences, pos, beam, alpha, dtype=dtype, constrain=constrain, verify=verify
-    )
+        model_path, sentences, pos, beam, alpha, dtype=dtype, constrain=constrain, verify=verify,
+        threads=threads,
+    )  # fmt: skip
     return [str(tree) for tree in trees]
 
 

@@ -167,7 +167,7 @@ def test_bad_input_is_a_user_error_naming_the_line(model_file):
 def test_cli_parse_writes_one_tree_per_line(model_file, tmp_path, capsys):
     (tmp_path / "in.txt").write_text("The dog runs .\nHello\n", encoding="utf-8")
     (tmp_path / "pos.txt").write_text("DT NN VBZ .\nNN\n", encoding="utf-8")
-    argv = ["parse", str(model_file), str(tmp_path / "in.txt"), "--beam", "3"]
+    argv = ["parse", str(model_file), str(tmp_path / "in.txt"), "--beam", "3", "--threads", "1"]
     assert main([*argv, "--pos", str(tmp_path / "pos.txt")]) == 0
     out = capsys.readouterr().out.splitlines()
     trees = parse_trees("\n".join(out))
