@@ -691,7 +691,8 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
 def _cmd_quantize(args: argparse.Namespace) -> int:
     from transformer.gptq import quantize_model_file
 
-    print(quantize_model_file(args.model, args.data, args.out, args.split, args.sentences))
+    print(quantize_model_file(args.model, args.data, args.out, args.split, args.sentences,
+                              threads=args.threads))  # fmt: skip
     return 0
 
 
@@ -709,6 +710,7 @@ def _add_quantize(sub: argparse._SubParsersAction) -> None:
         help=f"the first N pairs of the split (default {CALIBRATION_SENTENCES})",
     )  # fmt: skip
     p.add_argument("--out", type=Path, help="model file (default: the model file, rewritten)")
+    _add_threads(p)
     p.set_defaults(func=_cmd_quantize)
 
 

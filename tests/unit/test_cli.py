@@ -51,7 +51,9 @@ def test_unknown_subcommand_is_an_argparse_error() -> None:
 # --- ordinary mistakes are one line and exit 2, never a traceback --------------------------
 
 
-@pytest.mark.parametrize("command", ["translate", "train", "evaluate", "serve", "parse"])
+@pytest.mark.parametrize(
+    "command", ["translate", "train", "evaluate", "serve", "parse", "quantize"]
+)
 @pytest.mark.parametrize("count", ["0", "-2"])
 def test_threads_below_one_is_refused_before_anything_loads(tmp_path, capsys, command, count):
     """--threads 0 was said only after the model (or corpus) had been read."""

@@ -138,7 +138,7 @@ def quickstart(
     score = beam4_scorer(data_dir, limit=SMOKE_TEST_SENTENCES if smoke else None)
 
     def calibrate(model: Path) -> None:  # GPTQ's int8 weights into the model file (gptq.py)
-        quantize_model_file(model, data_dir)
+        quantize_model_file(model, data_dir, threads="auto")
 
     with _stage("average, int8 by GPTQ, α on val", seconds):  # the last 5 (§6.1), then α
         alphas = ALPHAS[::2] if smoke else ALPHAS
