@@ -130,6 +130,29 @@ class ThreadTuner:
         self._next_probe = self.clock() + self.every_s
 
 
+def omp_threads_fixed() -> bool:
+    """Whether the user fixed the thread count with OMP_NUM_THREADS: a positive count, or
+    OpenMP's list of them ("2,1"). Anything else (empty, "0", "abc") OpenMP and torch ignore,
+    so auto tunes as if it were unset (said once, in a warning)."""
+    value = os.environ.get("OMP_NUM_THREADS", "").strip()
+    if not value:
+        return False
+    first = value.split(",")[0].strip()
+    if first.isdigit() and int(first) > 0:
+        return True
+    global _warned_omp
+    if not _warned_omp:
+        _warned_omp = True
+        logger.warning(
+            "OMP_NUM_THREADS=%r is not a thread count: ignored, as OpenMP and torch ignore "
+            "it; the thread count is tuned (--threads N fixes it)", value,
+        )  # fmt: skip
+    return False
+
+
+_warned_omp = False
+
+
 def resolve(threads: int | str | None, **tuner: int | float) -> ThreadTuner | None:
     """A `--threads` value -> the tuner to use (None: a fixed count, set here, or none at all).
 
@@ -140,7 +163,7 @@ def resolve(threads: int | str | None, **tuner: int | float) -> ThreadTuner | No
     if threads is None:
         return None
     if threads == AUTO:
-        return None if os.environ.get("OMP_NUM_THREADS") else ThreadTuner.for_this_machine(**tuner)
+        return None if omp_threads_fixed() else ThreadTuner.for_this_machine(**tuner)
     if int(threads) < 1:
         from transformer.errors import UserError
 

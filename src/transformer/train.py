@@ -27,7 +27,7 @@ from transformer.errors import UserError
 from transformer.loss import chunked_label_smoothed_loss
 from transformer.model import DTYPES, Transformer, accelerator_dtype
 from transformer.optim import MixedPrecisionAdam
-from transformer.threads import ThreadTuner
+from transformer.threads import ThreadTuner, omp_threads_fixed
 from transformer.trainer import Trainer, TrainState
 
 logger = logging.getLogger(__name__)
@@ -84,7 +84,7 @@ def _setup_torch(
         torch.set_num_threads(threads if isinstance(threads, int) else 1)
     elif isinstance(threads, int):
         torch.set_num_threads(threads)
-    elif device.type == "cpu" and not os.environ.get("OMP_NUM_THREADS"):
+    elif device.type == "cpu" and not omp_threads_fixed():
         tuner = ThreadTuner.for_this_machine(warmup_units=TUNER_WARMUP_STEPS)
         torch.set_num_threads(tuner.best)  # every core until the first step is timed
         return tuner

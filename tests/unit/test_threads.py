@@ -106,3 +106,19 @@ def test_resolve_threads(monkeypatch):
     assert resolve(1) is None and torch.get_num_threads() == 1
     with pytest.raises(UserError, match="--threads: must be at least 1"):
         resolve(0)
+
+
+@pytest.mark.parametrize(
+    ("value", "fixed"),
+    [("1", True), ("2,1", True), (" 3 ", True), ("", False), ("0", False), ("abc", False),
+     ("-1", False)],
+)  # fmt: skip
+def test_only_a_thread_count_in_omp_num_threads_fixes_the_count(monkeypatch, value, fixed):
+    """OpenMP and torch ignore OMP_NUM_THREADS=0 or =abc (torch then uses every core): auto
+    must tune then, as if it were unset, not leave the every-core default untuned."""
+    import transformer.threads as threads
+
+    monkeypatch.setenv("OMP_NUM_THREADS", value)
+    monkeypatch.setattr(threads, "_warned_omp", False)
+    assert threads.omp_threads_fixed() is fixed
+    assert (resolve(AUTO) is None) is fixed
