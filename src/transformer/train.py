@@ -27,7 +27,12 @@ from transformer.errors import UserError
 from transformer.loss import chunked_label_smoothed_loss
 from transformer.model import DTYPES, Transformer, accelerator_dtype
 from transformer.optim import MixedPrecisionAdam
-from transformer.threads import ThreadTuner, omp_threads_fixed
+from transformer.threads import (
+    ThreadTuner,
+    omp_threads_fixed,
+    usable_cores,
+    warn_if_oversubscribed,
+)
 from transformer.trainer import Trainer, TrainState
 
 logger = logging.getLogger(__name__)
@@ -83,6 +88,7 @@ def _setup_torch(
         set_deterministic(True, config.train.compile)
         torch.set_num_threads(threads if isinstance(threads, int) else 1)
     elif isinstance(threads, int):
+        warn_if_oversubscribed(threads)
         torch.set_num_threads(threads)
     elif device.type == "cpu" and not omp_threads_fixed():
         tuner = ThreadTuner.for_this_machine(warmup_units=TUNER_WARMUP_STEPS)
@@ -191,10 +197,8 @@ def train(
 
 
 def _usable_cores() -> int:
-    """The cores this process may run on (its CPU affinity where the OS has one)."""
-    if hasattr(os, "sched_getaffinity"):
-        return len(os.sched_getaffinity(0))
-    return os.cpu_count() or 1
+    """The cores this process may run on (threads.usable_cores; a seam for tests)."""
+    return usable_cores()
 
 
 def _train_job(

@@ -122,3 +122,20 @@ def test_only_a_thread_count_in_omp_num_threads_fixes_the_count(monkeypatch, val
     monkeypatch.setattr(threads, "_warned_omp", False)
     assert threads.omp_threads_fixed() is fixed
     assert (resolve(AUTO) is None) is fixed
+
+
+def test_more_threads_than_cores_is_allowed_with_a_warning(monkeypatch, caplog):
+    """--threads 32 on 2 cores ran 1.8x slower than 2 (300 lines, quickstart model): say so."""
+    import transformer.threads as threads
+
+    monkeypatch.setattr(threads, "usable_cores", lambda: 2)
+    before = torch.get_num_threads()
+    try:
+        for count, warned in ((2, False), (3, True)):
+            monkeypatch.setattr(threads, "_warned_over", False)
+            caplog.clear()
+            assert resolve(count) is None and torch.get_num_threads() == count
+            said = "--threads 3 on 2 usable core(s): the threads will take turns"
+            assert (said in caplog.text) is warned
+    finally:
+        torch.set_num_threads(before)
