@@ -27,12 +27,8 @@ from transformer.errors import UserError
 from transformer.loss import chunked_label_smoothed_loss
 from transformer.model import DTYPES, Transformer, accelerator_dtype
 from transformer.optim import MixedPrecisionAdam
-from transformer.threads import (
-    ThreadTuner,
-    omp_threads_fixed,
-    usable_cores,
-    warn_if_oversubscribed,
-)
+from transformer.threads import AUTO, ThreadTuner, usable_cores
+from transformer.threads import resolve as resolve_threads
 from transformer.trainer import Trainer, TrainState
 
 logger = logging.getLogger(__name__)
@@ -87,12 +83,12 @@ def _setup_torch(
         # work by thread count).
         set_deterministic(True, config.train.compile)
         torch.set_num_threads(threads if isinstance(threads, int) else 1)
-    elif isinstance(threads, int):
-        warn_if_oversubscribed(threads)
-        torch.set_num_threads(threads)
-    elif device.type == "cpu" and not omp_threads_fixed():
-        tuner = ThreadTuner.for_this_machine(warmup_units=TUNER_WARMUP_STEPS)
-        torch.set_num_threads(tuner.best)  # every core until the first step is timed
+    elif isinstance(threads, int) or device.type == "cpu":
+        # A count is set (and said if above the cores); else auto, as every other command.
+        tuner = resolve_threads(threads if isinstance(threads, int) else AUTO,
+                                warmup_units=TUNER_WARMUP_STEPS)  # fmt: skip
+        if tuner is not None:
+            torch.set_num_threads(tuner.best)  # every core until the first step is timed
         return tuner
     return None
 
