@@ -93,7 +93,16 @@ class _ChunkedProjectionLoss(torch.autograd.Function):
         n_rows, n_classes = hidden.size(0), weight.size(0)
         need_grad = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
         grad_hidden = torch.empty_like(hidden) if need_grad else None
-        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+        # d loss / d weight: sum over chunks of probs^T h, then q's part (below). In fp32 the
+        # products accumulate into the fp32 gradient themselves. In bf16 they accumulate into a
+        # bf16 (V, D) sum (`addmm_`: oneDNN adds in fp32 and rounds once per chunk, as each
+        # chunk's own bf16 product was rounded before), made fp32 once at the end: an fp32 +=
+        # bf16 per chunk cast the whole (V, D) product to fp32 first (~2% of a base step).
+        fp32_sum = weight.dtype == torch.float32
+        grad_weight = None
+        if need_grad and fp32_sum:
+            grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+        partial = None  # bf16: the sum of probs^T h over the chunks so far
         loss = hidden.new_zeros((), dtype=torch.float32)
         nll = hidden.new_zeros((), dtype=torch.float32)
         eps_other = eps / (n_classes - 1)
@@ -130,17 +139,23 @@ class _ChunkedProjectionLoss(torch.autograd.Function):
                 g_h = (probs @ weight).float()  # (n, D)
                 g_h -= eps_other * w_sum + on_target * weight.index_select(0, t).float()
                 grad_hidden[start:stop] = g_h
-                if probs.dtype == grad_weight.dtype:  # fp32: accumulated by the product itself
-                    grad_weight.addmm_(probs.t(), h)  # no (V, D) temporary (62.5 MiB, base)
+                if fp32_sum:  # accumulated by the product itself: no (V, D) temporary
+                    grad_weight.addmm_(probs.t(), h)
+                elif partial is None:
+                    partial = probs.t() @ h  # (V, D)
                 else:
-                    grad_weight.add_(probs.t() @ h)  # (V, D) fp32 += bf16 in one pass
-                grad_weight.index_add_(0, t, h.float(), alpha=-on_target)
+                    partial.addmm_(probs.t(), h)
                 h_sum += h.float().sum(0)
             # Freed before the next chunk's logits are made (with or without the gradient), not
             # when the name is rebound after them: otherwise two (n, V) blocks are alive at once.
             del probs
         if need_grad:
-            grad_weight -= eps_other * h_sum  # q's eps_other part, for every class at once
+            if grad_weight is None:  # bf16
+                grad_weight = partial.float() if partial is not None else weight.new_zeros(
+                    weight.shape, dtype=torch.float32)  # fmt: skip
+            # q's part in fp32: on_target at each row's target, eps_other for every class.
+            grad_weight.index_add_(0, target, hidden.float(), alpha=-on_target)
+            grad_weight -= eps_other * h_sum
             ctx.save_for_backward(grad_hidden, grad_weight.to(weight.dtype))
         ctx.mark_non_differentiable(nll)
         return loss, nll
