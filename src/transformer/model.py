@@ -36,8 +36,9 @@ def accelerator_dtype(device: torch.device) -> tuple[str, str]:
 # forward+backward at B=300, H=4, T=18: 30 vs 201 ms; a beam step, Tq=1, Tk=50: 4.8 vs 24 ms);
 # fused wins from about 512 keys on, and always on CUDA (docs/performance.md).
 CPU_EXPLICIT_MAX_KEYS = 256
-# The packed training path keeps its row count a multiple of this (`Packing`).
-ROW_ALIGN = 4
+# The packed training path keeps its row count a multiple of this (`Packing`): few distinct
+# matrix shapes, so that oneDNN's cache of compiled kernels holds them.
+ROW_ALIGN = 16
 
 
 class Packing:
@@ -58,11 +59,17 @@ class Packing:
     def __init__(self, mask: torch.Tensor, align: int = ROW_ALIGN):
         """mask: (B, T) bool, True at real tokens, each row's real tokens first.
 
-        align: the packed rows are made a multiple of it by taking in the first few padding
-        positions too (when there are enough): computed like tokens, they are padding to
-        attention (masked as keys: the source mask, or after every real query of their row
-        under §3.2.3's causal mask), and `real_rows` drops them at the end. CPU matrix
-        products over a row count that is not a multiple of 4 ran 7-20% slower here.
+        align: the packed rows are made a multiple of it. First the first few padding
+        positions are taken in (as many as there are): computed like tokens, they are padding
+        to attention (masked as keys: the source mask, or after every real query of their row
+        under §3.2.3's causal mask). Rows still missing are copies of packed row 0 appended at
+        the end ("spares"): computed row by row like the others, but never placed in the
+        padded layout, so no other row attends to them and their gradient is 0. `real_rows`
+        drops both at the end. Why: oneDNN builds (JIT-compiles) a kernel for each new matrix
+        shape, ~0.6 ms each, and keeps 1,024 of them: with a row count that changed with every
+        batch, training the quickstart preset spent ~7% of its time building them
+        (docs/performance.md). CPU products over a row count that is not a multiple of 4 also
+        ran 7-20% slower.
         """
         self.B, self.T = mask.shape
         flat = mask.reshape(-1)
@@ -70,28 +77,35 @@ class Packing:
         if n_real == 0:
             raise ValueError("a packed batch needs at least one real token")
         extra = -n_real % align
-        self.real: torch.Tensor | None = None  # (N_real,) packed rows of the real tokens
-        if extra and flat.numel() - n_real >= extra:
-            taken = flat.clone()
-            taken[(~flat).nonzero().squeeze(1)[:extra]] = True
-            self.real = flat[taken].nonzero().squeeze(1)
-            # For the gradient: each packed row's real row, N_real (a zero row) for the others.
-            self._real_back = self.real.new_full((n_real + extra,), n_real)
-            self._real_back[self.real] = torch.arange(n_real, device=mask.device)
-            flat = taken
-        self.rows = flat.nonzero().squeeze(1)  # (N,) flat indices into B * T
+        taken = flat
+        if extra:
+            pad = (~flat).nonzero().squeeze(1)[:extra]
+            if pad.numel():
+                taken = flat.clone()
+                taken[pad] = True
+        placed = taken.nonzero().squeeze(1)  # flat indices of the rows in the padded layout
+        self.placed = placed.numel()  # the spares come after these rows
+        spares = -self.placed % align
+        self.rows = torch.cat([placed, placed[:1].expand(spares)]) if spares else placed  # (N,)
         self.n = self.rows.numel()
+        self.real: torch.Tensor | None = None  # (N_real,) packed rows of the real tokens
+        if self.n != n_real:
+            self.real = flat[placed].nonzero().squeeze(1)
+            # For the gradient: each packed row's real row, N_real (a zero row) for the others.
+            self._real_back = self.real.new_full((self.n,), n_real)
+            self._real_back[self.real] = torch.arange(n_real, device=mask.device)
         self.t = self.rows % self.T  # (N,) position of each packed row
         # (B * T,) packed row of each position; N (past the last) at the padding.
         self.slots = torch.full_like(flat, self.n, dtype=torch.long)
-        self.slots[self.rows] = torch.arange(self.n, device=mask.device)
+        self.slots[placed] = torch.arange(self.placed, device=mask.device)
         self._heads: dict[tuple[int, int], tuple[torch.Tensor, ...]] = {}
 
     def _head_index(self, n_heads: int, parts: int = 1) -> tuple[torch.Tensor, ...]:
         """For packed rows (N, parts, H) and padded ones (parts, B, H, T), both flattened:
         where each packed row lies padded; which packed row each padded one holds, N * parts
         * H (a zero row past the last) at the padding; the same with row 0 at the padding
-        instead. parts = 2: keys and values from one projection (W^K | W^V)."""
+        instead; where each packed row lies padded, parts * B * H * T (a zero row past the
+        last) for the spares. parts = 2: keys and values from one projection (W^K | W^V)."""
         key = (n_heads, parts)
         if key not in self._heads:
             B, T, n, dev = self.B, self.T, self.n, self.rows.device
@@ -102,10 +116,13 @@ class Packing:
             rows = ((part * B + b[:, None]) * n_heads + h) * T + self.t[:, None]  # (N, PH)
             slots = self.slots.view(1, B, 1, T) * ph + (part * n_heads + h).view(parts, 1, -1, 1)
             pad = (self.slots == n).view(1, B, 1, T)
+            placed_rows = rows.clone()
+            placed_rows[self.placed :] = parts * B * n_heads * T
             self._heads[key] = (
                 rows.reshape(-1),
                 slots.masked_fill(pad, n * ph).reshape(-1),
                 slots.masked_fill(pad, 0).reshape(-1),
+                placed_rows.reshape(-1),
             )
         return self._heads[key]
 
@@ -122,14 +139,15 @@ class Packing:
     def to_heads(self, y: torch.Tensor, n_heads: int, size: int, parts: int = 1) -> torch.Tensor:
         """Packed projections (N, parts*H*size) -> (parts, B, H, T, size); the padding holds a
         copy of a real row (parts = 2: keys and values of one (N, 2*H*K) projection)."""
-        rows, _, slots_any = self._head_index(n_heads, parts)
-        out = _Gather.apply(y.reshape(-1, size), slots_any, rows, False)
+        _, _, slots_any, placed_rows = self._head_index(n_heads, parts)
+        spares = self.placed < self.n  # their gradient: a zero row, not their copy's
+        out = _Gather.apply(y.reshape(-1, size), slots_any, placed_rows, spares)
         return out.view(parts, self.B, n_heads, self.T, size)  # (parts * B * H * T, size) inside
 
     def from_heads(self, x: torch.Tensor) -> torch.Tensor:
         """(B, H, T, Vd) -> packed (N, H*Vd): the real queries' attended values."""
         B, H, T, size = x.shape
-        rows, slots, _ = self._head_index(H)
+        rows, slots, _, _ = self._head_index(H)
         return _Gather.apply(x.reshape(B * H * T, size), rows, slots, True).view(self.n, H * size)
 
 

@@ -222,15 +222,55 @@ def test_packing_moves_rows_and_their_gradients_exactly() -> None:
 
 def test_packing_aligns_its_rows_with_padding_positions_when_it_can() -> None:
     mask = torch.tensor([[True, True, False], [True, False, False]])  # 3 real tokens
-    p = Packing(mask)  # align 4: the first padding position (0, 2) comes in
-    assert p.n == 4 and p.rows.tolist() == [0, 1, 2, 3]
+    p = Packing(mask, align=4)  # the first padding position (0, 2) comes in
+    assert p.n == 4 and p.rows.tolist() == [0, 1, 2, 3] and p.placed == 4
     x = torch.randn(4, 5, dtype=torch.float64, requires_grad=True)
     real = p.real_rows(x)
     torch.testing.assert_close(real, x[[0, 1, 3]])
     (g,) = torch.autograd.grad(real.sum(), [x])
     assert g[2].abs().sum() == 0 and torch.equal(g[[0, 1, 3]], torch.ones(3, 5).double())
-    full = Packing(torch.ones(1, 3, dtype=torch.bool))  # no padding to take: 3 rows stay 3
-    assert full.n == 3 and full.real is None
+    exact = Packing(torch.ones(1, 4, dtype=torch.bool), align=4)  # aligned already
+    assert exact.n == 4 and exact.real is None
+
+
+def test_packing_appends_spare_rows_when_the_padding_is_short() -> None:
+    # 3 real tokens, no padding to take: a spare copy of packed row 0 makes the 4th row. It is
+    # never placed in the padded layout: no row attends to it, and its gradient is 0.
+    p = Packing(torch.ones(1, 3, dtype=torch.bool), align=4)
+    assert p.n == 4 and p.placed == 3 and p.rows.tolist() == [0, 1, 2, 0]
+    assert p.real.tolist() == [0, 1, 2] and p.slots.tolist() == [0, 1, 2]
+    y = torch.randn(4, 2 * 2, dtype=torch.float64, requires_grad=True)  # N = 4, H = 2, size 2
+    heads = p.to_heads(y, n_heads=2, size=2)[0]  # (1, H, 3, size): the placed rows only
+    torch.testing.assert_close(heads[0].transpose(0, 1).reshape(3, 4), y[:3])
+    (gy,) = torch.autograd.grad((heads * 2).sum(), [y])
+    assert torch.equal(gy[:3], torch.full((3, 4), 2.0).double()) and gy[3].abs().sum() == 0
+    out = p.from_heads(heads)  # the spare takes its copy's attended values
+    torch.testing.assert_close(out, y[[0, 1, 2, 0]])
+    # the default alignment: 5 real tokens and 1 padding position make 16 rows
+    mask = torch.tensor([[True, True, True], [True, True, False]])
+    q = Packing(mask)
+    assert q.n == 16 and q.placed == 6 and q.real.tolist() == [0, 1, 2, 3, 4]
+
+
+@pytest.mark.parametrize("kw", [{}, {"d_k": 4, "d_v": 12}])
+def test_packed_path_with_spare_rows_equals_padded_path(kw: dict) -> None:
+    """No padding on either side and a token count off the alignment: the spare rows change
+    neither the hidden states at the real positions nor any parameter's gradient (fp64)."""
+    torch.manual_seed(0)
+    model = Transformer(tiny(p_drop=0.0, **kw)).double().train()
+    src = torch.randint(4, 30, (3, 5))
+    tgt = torch.randint(4, 30, (3, 7))
+    s_mask, t_mask = torch.ones_like(src, dtype=torch.bool), torch.ones_like(tgt, dtype=torch.bool)
+    for mask in (s_mask, t_mask):  # 15 and 21 tokens: 1 and 11 spare rows
+        assert Packing(mask).placed < Packing(mask).n
+    params = list(model.parameters())
+    padded = model(src, s_mask, tgt).flatten(0, 1)
+    packed = model(src, s_mask, tgt, t_mask)
+    torch.testing.assert_close(packed, padded, rtol=0, atol=1e-12)
+    g_padded = torch.autograd.grad(padded.square().sum(), params)
+    g_packed = torch.autograd.grad(model(src, s_mask, tgt, t_mask).square().sum(), params)
+    for a, b in zip(g_packed, g_padded, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-10)
 
 
 @pytest.mark.parametrize("window", [None, 1])
