@@ -11,9 +11,12 @@ decoding of 64 sentences forced to 50 tokens with the shared Marian weights.
         --data QS/data --preset quickstart --batches 40
 
 `--what real`: training steps on the first batches of a prepared training split (the preset's
-batch size, length-sorted as `transformer train` makes them, bf16 with fp32-master Adam), the
-two versions alternating batch by batch; the median of the per-batch speed-ups is robust to a
-host whose speed drifts.
+batch size, length-sorted as `transformer train` makes them, bf16 with fp32-master Adam), each
+batch stepped before, after, after, before (the second step of a shape finds its oneDNN kernels
+built: a fixed order favoured the version that ran second); the median of the per-batch
+speed-ups is robust to a host whose speed drifts. One process holds both versions' kernels, so
+a change to how many shapes a run makes (model.ROW_ALIGN) is measured with `transformer train`
+in separate processes instead.
 """
 
 from __future__ import annotations
@@ -169,16 +172,21 @@ def real_batches(args, old_model: types.ModuleType, old_loss: types.ModuleType) 
             step(b)
     seconds = {k: 0.0 for k in steps}
     ratios = []
+    # Each batch four times, before-after-after-before: the first step of a new batch shape
+    # builds oneDNN kernels that a second step of the same shape finds cached (~10% of a
+    # quickstart step), so a fixed order favoured whichever version ran second (the same code
+    # against itself read 1.10x).
     for _ in range(args.reps):
         for b in batches:
-            took = {}
-            for k, step in steps.items():
+            took = dict.fromkeys(steps, 0.0)
+            for k in ("before", "after", "after", "before"):
                 start = time.perf_counter()
-                step(b)
-                took[k] = time.perf_counter() - start
+                steps[k](b)
+                took[k] += time.perf_counter() - start
+            for k in steps:
                 seconds[k] += took[k]
             ratios.append(took["before"] / took["after"])
-    tokens = args.reps * sum(int((b.tgt_out != PAD_ID).sum()) for b in batches)
+    tokens = 2 * args.reps * sum(int((b.tgt_out != PAD_ID).sum()) for b in batches)
     for k, s in seconds.items():
         print(f"train {args.preset} real batches {k:>6}: {tokens / s:7.0f} tgt tok/s")
     q1, _, q3 = statistics.quantiles(ratios, n=4)
