@@ -122,7 +122,8 @@ class _ChunkedProjectionLoss(torch.autograd.Function):
             del logits
             # sum_c logit_c as h . sum_c W_c: (n, V).sum(dtype=fp32) made an fp32 copy of the
             # logits first (~3% of a base training step).
-            logit_sum = h.float() @ w_sum  # (n,)
+            h32 = h.float()  # (n, D)
+            logit_sum = h32 @ w_sum  # (n,)
             p_t = probs.gather(-1, t[:, None]).squeeze(-1).float()  # (n,)
             lse = logit_t - p_t.log()  # (n,) log sum_c exp(logit_c)
             tiny = p_t < UNDERFLOW  # target probability too small to carry the precision
@@ -145,7 +146,7 @@ class _ChunkedProjectionLoss(torch.autograd.Function):
                     partial = probs.t() @ h  # (V, D)
                 else:
                     partial.addmm_(probs.t(), h)
-                h_sum += h.float().sum(0)
+                h_sum += h32.sum(0)
             # Freed before the next chunk's logits are made (with or without the gradient), not
             # when the name is rebound after them: otherwise two (n, V) blocks are alive at once.
             del probs

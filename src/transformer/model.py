@@ -116,8 +116,10 @@ class Packing:
             rows = ((part * B + b[:, None]) * n_heads + h) * T + self.t[:, None]  # (N, PH)
             slots = self.slots.view(1, B, 1, T) * ph + (part * n_heads + h).view(parts, 1, -1, 1)
             pad = (self.slots == n).view(1, B, 1, T)
-            placed_rows = rows.clone()
-            placed_rows[self.placed :] = parts * B * n_heads * T
+            placed_rows = rows
+            if self.placed < n:  # the spares read a zero row past the last
+                placed_rows = rows.clone()
+                placed_rows[self.placed :] = parts * B * n_heads * T
             self._heads[key] = (
                 rows.reshape(-1),
                 slots.masked_fill(pad, n * ph).reshape(-1),
