@@ -3,8 +3,8 @@
 search for every α (`Translator.translate_alphas`). Same model and sentences, both ways back to
 back in one process, alternating the order over `--reps` rounds; prints the best wall time of
 each way, their ratio, the decoder rows each stepped, and checks that every α's translations
-and scores are the same both ways. In int8 `translate_alphas` itself runs one search per α
-(docs/decoding.md, "Several α in one search"), so compare fp32 or bf16.
+and scores are the same both ways, in every precision (int8 too: its inputs are quantized per
+row, docs/decoding.md, "Several α in one search").
 
     python benchmarks/bench_alpha_grid.py --model QS/model.safetensors \\
         --src ../shared/data/multi30k/val.en --ref ../shared/data/multi30k/val.de --dtype bf16

@@ -2,22 +2,23 @@
 """Which part of int8 decoding costs BLEU: each quantization simulated alone, in fp32.
 
 `quantize_int8` rounds two things: the weights (one scale per output row, 127 levels, or 63
-where the CPU lacks VNNI) and each product's input (fbgemm's dynamic quantization: 8 bits
-over the whole input tensor, asymmetric). This script simulates each in fp32 ("fake
+where the CPU lacks VNNI) and each product's input (8 bits, each row on its own range:
+`Int8Linear`). This script simulates each in fp32 ("fake
 quantization": round to the int8 grid, multiply back), alone and together, on every
 nn.Linear and on the tied pre-softmax projection separately, decodes a real split with each
 variant and prints sacreBLEU beside fp32's and the real int8 kernels'. The simulated "63 /
-tensor / tensor" variant is what the kernels compute, up to their accumulation order.
+row / row" variant (127 with VNNI) is what the kernels compute, up to their accumulation
+order; "tensor" is what they computed before per-row inputs (fbgemm's dynamic quantization).
 
 A variant is WEIGHT_LEVELS:LAYER_INPUTS:PROJECTION_INPUTS, e.g. 63:tensor:tensor. Levels
 ending in g (63g) round the weights by GPTQ (`transformer.gptq`; column by column, each
 rounding error spread over the columns not yet rounded through the inverse of X^T X, X the
 layer's inputs over --calib-sentences of --calib-split, teacher-forced in fp32) instead of
-to the nearest level: the same grid, so the same kernels. Inputs: none (fp32), tensor (8 bits
-per tensor), token (8 bits per row), rownorm (each row divided by its largest |x|, then 8 bits
-per tensor, then multiplied back: per-row ranges that fbgemm's per-tensor kernel can compute
-with one multiply per row outside it), or for the projection also fp32 (no quantization at
-all, weights included).
+to the nearest level: the same grid, so the same kernels. Inputs: none (fp32), row (the
+kernels': 8 bits per row, symmetric), tensor (8 bits per tensor, asymmetric), token (8 bits
+per row, asymmetric), rownorm (each row divided by its largest |x|, then 8 bits per tensor,
+then multiplied back), or for the projection also fp32 (no quantization at all, weights
+included).
 
 BLEU moves by a few tenths between variants on 1,000 sentences, which is the noise of one test
 set; --kl prints instead a smooth measure of the same damage, teacher-forced on the split:
@@ -25,9 +26,9 @@ KL(fp32 || variant) of the next-token distributions per target token, the share 
 whose most probable token is unchanged, and the reference's NLL (seconds per variant).
 
     python benchmarks/int8_error_parts.py --model runs/q/model.safetensors --data runs/q/data \
-        --split test --alpha 1.4 63:none:none 63:tensor:tensor 63:token:token 63:tensor:fp32
+        --split test --alpha 1.4 63:none:none 63:row:row 63:tensor:tensor 63:row:fp32
     python benchmarks/int8_error_parts.py --model runs/q/model.safetensors --data runs/q/data \
-        --split valid --kl 63:tensor:tensor 63g:tensor:tensor 63g:rownorm:rownorm
+        --split valid --kl 127:row:row 127g:row:row 127g:tensor:tensor 127g:none:none
 """
 
 from __future__ import annotations
@@ -46,17 +47,24 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from transformer.bleu import corpus_bleu  # noqa: E402
 from transformer.data import PAD_ID, ParallelSplit, collate, load_prepared  # noqa: E402
 from transformer.gptq import PROJECTION, gptq_round, input_moments, row_scales  # noqa: E402
-from transformer.translate import Translator, quantize_int8  # noqa: E402
+from transformer.translate import Translator, quantize_int8, relu_input_layers  # noqa: E402
 
-INPUT_MODES = ("none", "tensor", "token", "rownorm")
+INPUT_MODES = ("none", "row", "tensor", "token", "rownorm")
 
 
-def fake_quantize_inputs(x: torch.Tensor, mode: str) -> torch.Tensor:
-    """x rounded to an asymmetric 8-bit grid (zero exactly representable, as fbgemm's) whose
-    range is the whole tensor's ("tensor") or each row's ("token"), or the whole tensor's
-    after each row is divided by its largest |x| ("rownorm"); "none": x."""
+def fake_quantize_inputs(x: torch.Tensor, mode: str, nonneg: bool = False) -> torch.Tensor:
+    """x rounded to 8 bits. "row": what `Int8Linear` does, each row on [-m, m] in 254 steps, m
+    its largest |x|, or on [0, m] in 255 where the layer's inputs are never negative (`nonneg`:
+    the FFN's second layer). The others on an asymmetric grid (zero exactly representable, as
+    fbgemm's dynamic quantization) whose range is the whole tensor's ("tensor", the kernels
+    before per-row inputs) or each row's ("token"), or the whole tensor's after each row is
+    divided by its largest |x| ("rownorm"); "none": x."""
     if mode == "none":
         return x
+    if mode == "row":
+        top = x.abs().amax(-1, keepdim=True).clamp(min=torch.finfo(torch.float32).tiny)
+        steps = 255 if nonneg else 127
+        return (x / top * steps).round().clamp(0 if nonneg else -127, steps) * (top / steps)
     if mode == "rownorm":
         s = x.abs().amax(-1, keepdim=True).clamp(min=1e-12)
         return fake_quantize_inputs(x / s, "tensor") * s
@@ -74,7 +82,7 @@ class FakeInt8Linear(nn.Module):
     """y = q(x) q(W)^T + b in fp32, q rounding to the int8 grids described above; the weights
     by GPTQ (`gptq.gptq_round`) when `hessian` (X^T X of the layer's inputs) is given."""
 
-    def __init__(self, weight, bias, levels: float | None, inputs: str, hessian=None):
+    def __init__(self, weight, bias, levels: float | None, inputs: str, hessian=None, nonneg=False):
         super().__init__()
         w = weight.detach().float()
         if levels is not None and hessian is not None:
@@ -83,11 +91,12 @@ class FakeInt8Linear(nn.Module):
         elif levels is not None:
             scale = (w.abs().amax(1, keepdim=True) / levels).clamp(min=1e-12)
             w = (w / scale).round().clamp(-levels, levels) * scale
-        self.weight, self.inputs = w, inputs
+        self.weight, self.inputs, self.nonneg = w, inputs, nonneg
         self.bias = None if bias is None else bias.detach().float()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(fake_quantize_inputs(x.float(), self.inputs), self.weight, self.bias)
+        x = fake_quantize_inputs(x.float(), self.inputs, self.nonneg)
+        return F.linear(x, self.weight, self.bias)
 
 
 def parse_variant(spec: str) -> tuple[float, bool, str, str]:
@@ -111,10 +120,12 @@ def variant(model: nn.Module, spec: str, hessians: dict | None = None) -> nn.Mod
     if gptq and hessians is None:
         raise ValueError(f"variant {spec}: GPTQ needs the layers' input moments (hessians)")
     model = copy.deepcopy(model)
+    relu_inputs = relu_input_layers(model)
     for name, linear in [(n, m) for n, m in model.named_modules() if type(m) is nn.Linear]:
         parent, _, attr = name.rpartition(".")
         h = hessians[name] if gptq else None
-        q = FakeInt8Linear(linear.weight, linear.bias, levels, layer_inputs, h)
+        q = FakeInt8Linear(linear.weight, linear.bias, levels, layer_inputs, h,
+                           nonneg=name in relu_inputs)  # fmt: skip
         setattr(model.get_submodule(parent) if parent else model, attr, q)
     if proj_inputs == "fp32":
         model.projection = FakeInt8Linear(model.output_weight(), None, None, "none")
@@ -160,7 +171,7 @@ def main() -> None:
     ap.add_argument("--kl", action="store_true", help="teacher-forced divergence, not BLEU")
     ap.add_argument("--calib-split", default="train", help="GPTQ's inputs (never --split)")
     ap.add_argument("--calib-sentences", type=int, default=2000)
-    ap.add_argument("variants", nargs="*", default=["63:tensor:tensor"])
+    ap.add_argument("variants", nargs="*", default=["63:row:row"])
     args = ap.parse_args()
     for spec in args.variants:
         parse_variant(spec)  # a malformed one stops here, before any work

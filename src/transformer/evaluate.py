@@ -95,10 +95,10 @@ def evaluate_alphas(
     sentence_stats: bool = False,
 ) -> list[dict]:
     """`evaluate`'s report for each length penalty α in `alphas`, in order, decoded by
-    `Translator.translate_alphas` (one beam search for every α; one per α in int8): each equals
+    `Translator.translate_alphas` (one beam search for every α, in every precision): each equals
     `evaluate` with that α, but for "seconds" and the rates, which time the decoding of all of
     `alphas` (listed as "timed_with_alphas"). Choosing α on a dev set (§6.1) then costs about
-    one decode instead of one per α in fp32 and bf16."""
+    one decode instead of one per α."""
     if not alphas:
         raise ValueError("alphas: give at least one length penalty")
     return _evaluate(

@@ -4,7 +4,7 @@
 tokenizer and decoding options. Lines are batched by source tokens, longest first, and the
 outputs are returned in input order. Precision: fp32, bf16 (the model is cast to bfloat16),
 int8 (`quantize_int8`: int8 weights in every `nn.Linear` and in the tied output projection,
-inputs quantized per call; see docs/decoding.md), or auto (`auto_dtype`).
+each input row quantized on its own range; see docs/decoding.md), or auto (`auto_dtype`).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from transformer.data import read_lines
 from transformer.errors import UserError
 from transformer.gptq import gptq_round, row_scales
 from transformer.model import DTYPES as model_dtypes
-from transformer.model import accelerator_dtype
+from transformer.model import PositionwiseFeedForward, accelerator_dtype
 from transformer.modelfile import PROJECTION, LoadedModel, int8_targets
 from transformer.rundir import resolve_model
 from transformer.search import Constrain, beam_search_alphas, greedy_search
@@ -46,6 +46,7 @@ DTYPES = {**model_dtypes, "int8": "int8"}  # int8: dynamic quantization of the n
 AUTO = "auto"
 assert (AUTO, *DTYPES) == INFERENCE_DTYPES
 # 8-bit dot products (u8 x s8 summed in int32): fbgemm's int8 kernels then take full 8-bit inputs.
+TINY = torch.finfo(torch.float32).tiny
 VNNI_FLAGS = frozenset({"avx512_vnni", "avx_vnni", "amx_int8"})
 
 
@@ -101,8 +102,18 @@ class SentenceAttention:
 
 
 class Int8Linear(nn.Module):
-    """y = x W^T + b with W in int8, one scale per output row (symmetric), and x quantized to
-    8 bits per call from its own range (dynamic quantization; fbgemm's int8 kernels).
+    """y = x W^T + b with W in int8, one scale per output row (symmetric), and each row of x
+    quantized to 8 bits on its own range (fbgemm's int8 kernels).
+
+    Each input row is divided by its largest |x| and rounded on one fixed grid: [-1, 1] in 254
+    steps (u8 1..255, zero point 128), or [0, 1] in 255 where the inputs are never negative
+    (`nonnegative_inputs`: ReLU's outputs, the FFN's second layer, `relu_input_layers`); the
+    product's row is multiplied back by that |x| and the bias added after. So a row's outputs
+    depend on that row alone: a sentence translates the same whatever else is in its batch or
+    search (fbgemm's dynamic quantization, used before, took one range for the whole input, set
+    by the batch's largest value), and int8's damage is halved (docs/decoding.md, "Per-row
+    inputs"). Every step rounds each element once (scale, the kernel, scale back, add the bias:
+    no fused multiply-add whose rounding could depend on where a row sits in the batch).
 
     narrow_weights: the weights take 7 bits (-63..63) instead of 8, which CPUs without VNNI
     need: their kernel (AVX2 `vpmaddubsw`) sums pairs of u8 x s8 products in int16 and
@@ -122,6 +133,7 @@ class Int8Linear(nn.Module):
         out_dtype: torch.dtype | None = None,
         hessian: torch.Tensor | None = None,
         rounded: tuple[torch.Tensor, torch.Tensor] | None = None,
+        nonnegative_inputs: bool = False,
     ):
         super().__init__()
         w = weight.detach().float()
@@ -140,10 +152,14 @@ class Int8Linear(nn.Module):
                 qweight = torch.quantize_per_channel(w, scales, zeros, axis=0, dtype=torch.qint8)
             else:
                 qweight = torch._make_per_channel_quantized_tensor(ints, scales, zeros, 0)
-        b = None if bias is None else bias.detach().float()
-        self.packed = torch.ops.quantized.linear_prepack(qweight, b)
+        # The bias is added after each row is scaled back, so the kernel gets none.
+        self.packed = torch.ops.quantized.linear_prepack(qweight, None)
+        self.bias = None if bias is None else bias.detach().float().contiguous()
         self.in_features, self.out_features = w.size(1), w.size(0)
         self.narrow_weights, self.out_dtype = narrow_weights, out_dtype
+        self.nonnegative_inputs = nonnegative_inputs
+        # The inputs' grid (u8 = round(x / scale) + zero point, x in [-1, 1] or [0, 1]).
+        self.grid = (1 / 255, 0) if nonnegative_inputs else (1 / 127, 128)
 
     @classmethod
     def stacked(cls, parts: Sequence[tuple[Int8Linear, float]]) -> Int8Linear:
@@ -154,25 +170,37 @@ class Int8Linear(nn.Module):
         product (`cache.StepProjections`): one fbgemm call's fixed cost fewer per layer."""
         ints, scales, biases = [], [], []
         for part, factor in parts:
-            qweight, bias = torch.ops.quantized.linear_unpack(part.packed)
+            qweight = torch.ops.quantized.linear_unpack(part.packed)[0]
             ints.append(qweight.int_repr())
             scales.append(qweight.q_per_channel_scales().double() * factor)
             rows = qweight.size(0)
-            biases.append(torch.zeros(rows) if bias is None else bias.float() * factor)
+            biases.append(torch.zeros(rows) if part.bias is None else part.bias * factor)
         first = parts[0][0]
+        if len({part.nonnegative_inputs for part, _ in parts}) > 1:
+            raise ValueError("Int8Linear.stacked: the parts must take the same inputs")
         shape = torch.zeros(()).expand(sum(i.size(0) for i in ints), first.in_features)
         return cls(shape, torch.cat(biases), first.narrow_weights, first.out_dtype,
-                   rounded=(torch.cat(ints), torch.cat(scales)))  # fmt: skip
+                   rounded=(torch.cat(ints), torch.cat(scales)),
+                   nonnegative_inputs=first.nonnegative_inputs)  # fmt: skip
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # reduce_range=False: the inputs take all 8 bits (fbgemm's 7-bit option loses one of
-        # them where narrow weights keep the products exact, docs/decoding.md).
-        y = torch.ops.quantized.linear_dynamic(x.float(), self.packed, False)
+        # Each row's largest |x| (at least TINY: a row of zeros stays 0, not 0/0), and the
+        # row times its inverse (a multiply by a per-row value: cheaper than dividing).
+        top = (x if self.nonnegative_inputs else x.abs()).amax(-1, keepdim=True)
+        top = top.float().clamp_min_(TINY)
+        y = torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32(
+            x * top.reciprocal(), *self.grid, self.packed
+        )
+        y.mul_(top)
+        if self.bias is not None:
+            y.add_(self.bias)
         return y.to(self.out_dtype or x.dtype)
 
     def extra_repr(self) -> str:
         narrow = self.narrow_weights
-        return f"in={self.in_features}, out={self.out_features}, narrow_weights={narrow}"
+        nonneg = self.nonnegative_inputs
+        return (f"in={self.in_features}, out={self.out_features}, narrow_weights={narrow}, "
+                f"nonnegative_inputs={nonneg}")  # fmt: skip
 
 
 class PackedLinear(nn.Module):
@@ -224,6 +252,13 @@ def int8_narrow_weights(flags: set[str] | None = None) -> bool:
     return not (VNNI_FLAGS & (cpu_flags() if flags is None else flags))
 
 
+def relu_input_layers(model: nn.Module) -> set[str]:
+    """The names of `model`'s nn.Linear layers whose inputs are ReLU's outputs, so never
+    negative: each FFN's second layer (§3.3 eq. 2). `Int8Linear` gives them [0, max] in 8 bits."""
+    ffns = (n for n, m in model.named_modules() if isinstance(m, PositionwiseFeedForward))
+    return {f"{name}.w_2" if name else "w_2" for name in ffns}
+
+
 def quantize_int8(
     model: nn.Module,
     activations: torch.dtype = torch.float32,
@@ -247,9 +282,11 @@ def quantize_int8(
         if given is not None and missing:
             raise ValueError(f"quantize_int8: no {what} for {', '.join(missing[:3])}")
     h, r = moments or {}, rounded or {}
+    relu_inputs = relu_input_layers(model)
     for name, linear in linears:
         parent, _, attr = name.rpartition(".")
-        q = Int8Linear(linear.weight, linear.bias, narrow, hessian=h.get(name), rounded=r.get(name))
+        q = Int8Linear(linear.weight, linear.bias, narrow, hessian=h.get(name), rounded=r.get(name),
+                       nonnegative_inputs=name in relu_inputs)  # fmt: skip
         setattr(model.get_submodule(parent) if parent else model, attr, q)
     model.projection = Int8Linear(
         model.output_weight(), None, narrow, torch.float32, h.get(PROJECTION), r.get(PROJECTION)
@@ -402,20 +439,15 @@ class Translator:
     ) -> list[list[list[Translation]]]:
         """`translate` under several length penalties α in one beam search
         (`search.beam_search_alphas`): for each α in order, what `translate` with that α gives.
-        Greedy search (beam size 1) has no α: every α gets its output.
-
-        In int8, one search per α: `Int8Linear` quantizes a batch's activations with one scale,
-        so the sentences one search keeps for a larger α would change the other α's outputs
-        (on Multi30k val, 9-34 of 1,014 translations per α, val BLEU 0.0-0.17 lower for all but
-        the largest α: a bias in the choice of α; docs/decoding.md).
+        Greedy search (beam size 1) has no α: every α gets its output. The same in every
+        precision: a row's values never depend on the other rows of its batch (in int8 too,
+        `Int8Linear` quantizes each row on its own range), so the sentences one search keeps
+        for a larger α change nothing in the others'.
         """
         alphas = tuple(alphas)
         cfgs = [self.options(beam_size, alpha, n_best) for alpha in alphas]  # ConfigError
         if not cfgs:
             raise ValueError("alphas: give at least one length penalty")
-        if self.dtype == "int8" and len(alphas) > 1 and cfgs[0].beam_size > 1:
-            one = (self.translate_alphas(lines, (a,), beam_size, n_best)[0] for a in alphas)
-            return list(one)
         sources = self.encode(lines)
         results = [[[Translation("", [], 0.0)] for _ in lines] for _ in alphas]
         batches = list(self.batches(sources))

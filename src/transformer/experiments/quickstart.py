@@ -26,9 +26,9 @@ LANGUAGES = ("en", "de", "fr", "cs")
 QUICKSTART_PRESET = "quickstart"
 # Training budget: the whole job (prepare + train + average + α on val + translate + score)
 # fits in 20 minutes on the 2-core CPU this project is developed on; the other stages take
-# ~100 s (val decoded once per averaging window at α 1.0, then for the other α: in one search
-# in fp32 or bf16, once per α in int8, the choice of `--dtype auto` on a CPU without AMX;
-# ~8-17 s a pass; test once).
+# ~100 s (val decoded once per averaging window at α 1.0, then for the other α in one search;
+# ~8-17 s a pass; test once). (int8, `--dtype auto`'s choice on a CPU with VNNI and no AMX,
+# searched once per α until its inputs were quantized per row: then ~30 s more.)
 TRAIN_MINUTES = 17.5
 # α candidates, chosen on val: on the 18.5-minute model, val BLEU 36.02 at 0.6, 36.46 at 1.0,
 # 36.31 at 1.4, 35.06 at 1.6 (docs/quickstart.md).

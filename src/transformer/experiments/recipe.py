@@ -24,9 +24,10 @@ logger = logging.getLogger(__name__)
 RECIPES = ("multi30k-full",)
 BUDGET_MINUTES = 120.0  # the whole job, on 2 cores
 # Kept back from the budget for the choices on val (up to 12 averages and beam-4 passes of val
-# at α 1.0, then the other α: one search in fp32/bf16, one per α in int8) and the val and test
-# passes: ~1.2 minutes for the preset's 2.35M-parameter model on 2 cores (runs 6 and 7: 71 s,
-# int8), ~4 for a 26M-parameter one; the rest is a margin. (8 minutes until run 7.)
+# at α 1.0, then the other α in one search; one per α in int8 until per-row int8 inputs) and
+# the val and test passes: ~1.2 minutes for the preset's 2.35M-parameter model on 2 cores (runs
+# 6 and 7: 71 s, int8, one search per α), ~4 for a 26M-parameter one; the rest is a margin.
+# (8 minutes until run 7.)
 SCORING_MINUTES = 5.0
 # How α is chosen on val (`valchoice.ALPHA_RULES`): the smallest α within one standard error of
 # the best since run 10 ("best", the highest val BLEU, until then: docs/multi30k_converged.md).

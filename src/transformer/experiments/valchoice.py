@@ -48,7 +48,7 @@ def check_alpha_rule(rule: str) -> None:
 
 
 # score(model file, alphas) -> an `evaluate` report of val (at least "bleu") for each α, in
-# order: `beam4_scorer` decodes them in one call (one search in fp32/bf16, one per α in int8).
+# order: `beam4_scorer` decodes them in one call (one search for every α, in every precision).
 Scorer = Callable[[Path, Sequence[float]], list[dict]]
 
 
