@@ -112,8 +112,9 @@ class Int8Linear(nn.Module):
     depend on that row alone: a sentence translates the same whatever else is in its batch or
     search (fbgemm's dynamic quantization, used before, took one range for the whole input, set
     by the batch's largest value), and int8's damage is halved (docs/decoding.md, "Per-row
-    inputs"). Every step rounds each element once (scale, the kernel, scale back, add the bias:
-    no fused multiply-add whose rounding could depend on where a row sits in the batch).
+    inputs"). Every step is elementwise or per row, so no value depends on where its row sits
+    in the batch (tested bit for bit, output widths that are and are not a multiple of the
+    vector width).
 
     narrow_weights: the weights take 7 bits (-63..63) instead of 8, which CPUs without VNNI
     need: their kernel (AVX2 `vpmaddubsw`) sums pairs of u8 x s8 products in int16 and
@@ -186,14 +187,16 @@ class Int8Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Each row's largest |x| (at least TINY: a row of zeros stays 0, not 0/0), and the
         # row times its inverse (a multiply by a per-row value: cheaper than dividing).
+        x = x.detach()  # inference only: fbgemm's product has no gradient
         top = (x if self.nonnegative_inputs else x.abs()).amax(-1, keepdim=True)
         top = top.float().clamp_min_(TINY)
         y = torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32(
             x * top.reciprocal(), *self.grid, self.packed
         )
-        y.mul_(top)
-        if self.bias is not None:
-            y.add_(self.bias)
+        if self.bias is None:
+            y.mul_(top)
+        else:  # one pass: y * top + bias, written over y
+            torch.addcmul(self.bias, y, top, out=y)
         return y.to(self.out_dtype or x.dtype)
 
     def extra_repr(self) -> str:
