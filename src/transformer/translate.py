@@ -72,7 +72,7 @@ def auto_dtype(device: str | torch.device, gptq_levels: Sequence[int] = ()) -> t
         if torch.backends.mkldnn.is_available():
             return "bf16", "the CPU has amx_bf16"
         return "fp32", "the CPU has AMX but this torch has no oneDNN"
-    fbgemm = torch.backends.quantized.engine in {"fbgemm", "x86"}
+    fbgemm = int8_kernels()
     vnni = sorted(VNNI_FLAGS & flags)
     if vnni and fbgemm:
         return "int8", f"the CPU has {vnni[0]} and no AMX"
@@ -246,6 +246,12 @@ def packed_projection(model: nn.Module) -> nn.Module:
     return packed
 
 
+def int8_kernels() -> bool:
+    """Whether this torch multiplies `Int8Linear`'s products with fbgemm (x86; its quantized
+    engine "fbgemm" or "x86"): the per-row product `Int8Linear` calls has no other kernel."""
+    return torch.backends.quantized.engine in {"fbgemm", "x86"}
+
+
 def int8_narrow_weights(flags: set[str] | None = None) -> bool:
     """Whether `Int8Linear` must take 7-bit weights on this CPU (`flags`: its feature flags,
     default /proc/cpuinfo's): yes without VNNI, whose AVX2 path (vpmaddubsw) sums pairs of
@@ -337,6 +343,11 @@ class Translator:
         self.dtype_name = names.get(dtype, str(dtype).removeprefix("torch."))  # "fp32", ...
         model = loaded.model.to(self.device).eval()
         if dtype == "int8":
+            if self.device.type != "cpu" or not int8_kernels():
+                engine = torch.backends.quantized.engine
+                raise UserError(f"dtype int8 runs on a CPU with fbgemm's kernels (x86); this is "
+                                f"{self.device.type} with quantized engine {engine!r}: use fp32 "
+                                "or bf16")  # fmt: skip
             # GPTQ's weights for this CPU's grid when the file has them (`transformer quantize`)
             levels = int8_levels()
             rounded = loaded.int8.get(levels)

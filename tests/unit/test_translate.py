@@ -125,6 +125,15 @@ def test_translate_alphas_searches_once_for_every_alpha_in_every_dtype(model_fil
         assert together == [tr.translate(LINES, length_penalty=alpha, n_best=2) for alpha in alphas]
 
 
+def test_int8_without_fbgemm_is_a_one_line_error(model_file, monkeypatch):
+    # The per-row product exists for fbgemm only (x86): elsewhere (qnnpack on ARM, a GPU)
+    # `--dtype int8` must say so, not fail inside a decode; auto never picks it there.
+    monkeypatch.setattr(torch.backends.quantized, "engine", "qnnpack")
+    with pytest.raises(UserError, match="int8 runs on a CPU with fbgemm's kernels.*'qnnpack'"):
+        Translator.from_path(model_file, dtype="int8")
+    assert Translator.from_path(model_file).dtype_name in ("fp32", "bf16")
+
+
 def test_int8_translation_of_a_line_does_not_depend_on_its_batch(model_file):
     # A sentence must translate the same alone, in a batch, or beside whatever other requests
     # `serve` batches with it (one input range per batch changed 211 of 1,708 Multi30k lines).
