@@ -112,9 +112,11 @@ class Int8Linear(nn.Module):
     depend on that row alone: a sentence translates the same whatever else is in its batch or
     search (fbgemm's dynamic quantization, used before, took one range for the whole input, set
     by the batch's largest value), and int8's damage is halved (docs/decoding.md, "Per-row
-    inputs"). Every step is elementwise or per row, so no value depends on where its row sits
-    in the batch (tested bit for bit, output widths that are and are not a multiple of the
-    vector width).
+    inputs"). Every step rounds each element once (scale, the kernel, scale back, add the
+    bias: `addcmul`'s fused multiply-add rounds differently from a multiply and an add, and
+    which path an element takes can depend on where its row sits), so no value depends on its
+    row's place in the batch (tested bit for bit, output widths that are and are not a
+    multiple of the vector width).
 
     narrow_weights: the weights take 7 bits (-63..63) instead of 8, which CPUs without VNNI
     need: their kernel (AVX2 `vpmaddubsw`) sums pairs of u8 x s8 products in int16 and
@@ -193,10 +195,9 @@ class Int8Linear(nn.Module):
         y = torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32(
             x * top.reciprocal(), *self.grid, self.packed
         )
-        if self.bias is None:
-            y.mul_(top)
-        else:  # one pass: y * top + bias, written over y
-            torch.addcmul(self.bias, y, top, out=y)
+        y.mul_(top)
+        if self.bias is not None:  # a multiply, then an add: never a fused multiply-add
+            y.add_(self.bias)
         return y.to(self.out_dtype or x.dtype)
 
     def extra_repr(self) -> str:
