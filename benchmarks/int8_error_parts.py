@@ -47,7 +47,12 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from transformer.bleu import corpus_bleu  # noqa: E402
 from transformer.data import PAD_ID, ParallelSplit, collate, load_prepared  # noqa: E402
 from transformer.gptq import PROJECTION, gptq_round, input_moments, row_scales  # noqa: E402
-from transformer.translate import Translator, quantize_int8, relu_input_layers  # noqa: E402
+from transformer.translate import (  # noqa: E402
+    TINY,
+    Translator,
+    quantize_int8,
+    relu_input_layers,
+)
 
 INPUT_MODES = ("none", "row", "tensor", "token", "rownorm")
 
@@ -62,7 +67,7 @@ def fake_quantize_inputs(x: torch.Tensor, mode: str, nonneg: bool = False) -> to
     if mode == "none":
         return x
     if mode == "row":
-        top = x.abs().amax(-1, keepdim=True).clamp(min=torch.finfo(torch.float32).tiny)
+        top = x.abs().amax(-1, keepdim=True).clamp(min=TINY)
         steps = 255 if nonneg else 127
         return (x / top * steps).round().clamp(0 if nonneg else -127, steps) * (top / steps)
     if mode == "rownorm":

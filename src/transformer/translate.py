@@ -42,11 +42,11 @@ logger = logging.getLogger(__name__)
 # Decoding streams (`Translator._decode_streams`): at most one per this many batches of a job (none
 # below two streams' worth): with fewer, one long batch can leave the other streams idle.
 MIN_BATCHES_PER_STREAM = 2
-DTYPES = {**model_dtypes, "int8": "int8"}  # int8: dynamic quantization of the nn.Linear layers
+DTYPES = {**model_dtypes, "int8": "int8"}  # int8: `quantize_int8`'s int8 products
 AUTO = "auto"
 assert (AUTO, *DTYPES) == INFERENCE_DTYPES
+TINY = torch.finfo(torch.float32).tiny  # `Int8Linear`'s least row scale (a row of zeros)
 # 8-bit dot products (u8 x s8 summed in int32): fbgemm's int8 kernels then take full 8-bit inputs.
-TINY = torch.finfo(torch.float32).tiny
 VNNI_FLAGS = frozenset({"avx512_vnni", "avx_vnni", "amx_int8"})
 
 
