@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# Ours next to the peers (fairseq, HF Marian, OpenNMT-py, nn.Transformer, CTranslate2), each
-# workload in ONE process of the peers' own harness (../shared/peers, see its RESULTS.md),
-# interleaved round-robin, median of --reps. Our side: benchmarks/peers_adapter.py.
+# Ours next to the peers (fairseq, HF Marian, OpenNMT-py, nn.Transformer, CTranslate2) in the
+# peers' own harness (../shared/peers, see its RESULTS.md): training and memory in ONE process,
+# interleaved round-robin, median of --reps; translation (W2) one process per variant in
+# interleaved rounds (below). Our side: benchmarks/peers_adapter.py.
 # Install the peers first (pip extra `peers` + the fairseq/OpenNMT-py steps in docs/performance.md).
 #
 #   bash benchmarks/bench_peers.sh            # everything (~25 min on the 2-core CPU)
@@ -45,14 +46,26 @@ if run train-fp32; then
   $PY $PEERS/bench_train.py --impl fairseq,hf,torch,onmt,$OURS_TRAIN --dtype fp32 \
     --warmup 1 --reps "$REPS" --json "$OUT/w1_train_fp32.json"
 fi
-# Token agreement is measured against the first variant: ct2:float32 (equal to hf:fp32, RESULTS.md).
+# W2: by default each variant runs in its own process (bench_w2_processes.py, W2_ROUNDS
+# interleaved rounds of REPS runs): in one process CTranslate2 binds torch's OpenMP runtime and
+# its idle team makes libgomp throttle every thread's spin-wait, which slows whatever runs beside
+# it (docs/performance.md, "Round eight"). W2_PROCESS=one runs the harness as it comes, every
+# variant in one process, and measures token agreement against the first variant (ct2:float32,
+# equal to hf:fp32, RESULTS.md).
+w2() {  # beams json-name peers
+  if [[ ${W2_PROCESS:-each} == one ]]; then
+    $PY $PEERS/bench_infer.py --variants "$3,$OURS_INFER" --beams "$1" --reps "$REPS" \
+      --json "$OUT/$2"
+  else
+    PEERS_DIR=$PEERS $PY benchmarks/bench_w2_processes.py --python "$PY" --variants "$3,$OURS_INFER" \
+      --beams "$1" --reps "$REPS" --rounds "${W2_ROUNDS:-2}" --json "$OUT/$2"
+  fi
+}
 if run beam; then
-  $PY $PEERS/bench_infer.py --variants $BEAM_PEERS,$OURS_INFER --beams 4 \
-    --reps "$REPS" --json "$OUT/w2_infer_beam4.json"
+  w2 4 w2_infer_beam4.json "$BEAM_PEERS"
 fi
 if run greedy; then
-  $PY $PEERS/bench_infer.py --variants $GREEDY_PEERS,$OURS_INFER --beams 1 \
-    --reps "$REPS" --json "$OUT/w2_infer_greedy.json"
+  w2 1 w2_infer_greedy.json "$GREEDY_PEERS"
 fi
 if run memory; then
   $PY $PEERS/bench_memory.py --impl hf,torch,$OURS_TRAIN --dtype $BF16_DTYPE --sents 128 \

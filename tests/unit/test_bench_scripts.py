@@ -62,3 +62,118 @@ def test_issue19_table_names_what_is_missing(tmp_path):
     assert no_alpha.returncode != 0
     assert "quickstart.json: no α chosen on val (KeyError" in no_alpha.stderr
     assert not (tmp_path / "out" / "w0.log").exists()  # stopped before any benchmark ran
+
+
+# A stand-in for the peers' W2 harness: each variant's tokens/s is fixed by its name (the
+# number after the last colon, times the run's index), so the merge can be checked exactly;
+# a variant named "crash" exits 1 with a message, as a broken install would.
+FAKE_INFER = r"""
+import argparse, json, sys
+ap = argparse.ArgumentParser()
+for a in ("--variants", "--beams", "--reps", "--warmup", "--threads", "--json"):
+    ap.add_argument(a)
+args = ap.parse_args()
+if args.variants == "crash":
+    sys.exit("ModuleNotFoundError: No module named 'ctranslate2'")
+base = float(args.variants.rsplit(":", 1)[1])
+res = []
+for beam in map(int, args.beams.split(",")):
+    tps = [base * beam * (i + 1) for i in range(int(args.reps))]
+    res.append({"variant": args.variants, "beam": beam, "note": "fake", "seconds": [1.0] * len(tps),
+                "tok_per_s": {"median": sorted(tps)[len(tps) // 2], "all": tps}})
+print("variant beam tok/s med")
+json.dump({"env": {"cpu": "fake"}, "args": vars(args), "cfg": {}, "src": {}, "failed": {},
+           "peak_rss_mib": 1.0, "results": res}, open(args.json, "w"))
+"""
+
+
+def _w2(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
+    (tmp_path / "peers").mkdir(exist_ok=True)
+    (tmp_path / "peers" / "bench_infer.py").write_text(FAKE_INFER)
+    return subprocess.run(
+        [
+            sys.executable,
+            str(BENCH / "bench_w2_processes.py"),
+            "--peers",
+            str(tmp_path / "peers"),
+            *args,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def test_w2_processes_interleaves_and_pools_the_rounds(tmp_path):
+    out_json = tmp_path / "w2.json"
+    done = _w2(
+        tmp_path,
+        "--variants",
+        "ct2:int8:100,ours:150",
+        "--ratio-to",
+        "ct2:int8:100",
+        "--beams",
+        "4,1",
+        "--reps",
+        "3",
+        "--rounds",
+        "3",
+        "--json",
+        str(out_json),
+    )
+    assert done.returncode == 0, done.stderr
+    # one process per variant and round, the order reversed every other round (A B, B A, A B)
+    assert "round 2/3: ours:150 (its own process)" in done.stdout
+    merged = json.loads(out_json.read_text())
+    assert [(p["round"], p["variant"]) for p in merged["processes"]] == [
+        (1, "ct2:int8:100"),
+        (1, "ours:150"),
+        (2, "ours:150"),
+        (2, "ct2:int8:100"),
+        (3, "ct2:int8:100"),
+        (3, "ours:150"),
+    ]
+    rows = {(r["variant"], r["beam"]): r for r in merged["results"]}
+    assert [(r["variant"], r["beam"]) for r in merged["results"]] == [
+        ("ct2:int8:100", 4),
+        ("ours:150", 4),
+        ("ct2:int8:100", 1),
+        ("ours:150", 1),
+    ]
+    ours = rows[("ours:150", 4)]
+    assert ours["tok_per_s"]["n"] == 9 and ours["tok_per_s"]["all"] == [600.0, 1200.0, 1800.0] * 3
+    assert ours["tok_per_s"]["median"] == 1200.0 and ours["round_medians"] == [1200.0] * 3
+    assert ours["vs_ct2:int8:100"] == 1.5 and rows[("ct2:int8:100", 1)]["vs_ct2:int8:100"] == 1.0
+    assert "1.50x" in done.stdout
+
+
+def test_w2_processes_names_a_failed_run_and_bad_arguments(tmp_path):
+    crash = _w2(tmp_path, "--variants", "ct2:int8:100,crash", "--rounds", "1")
+    assert crash.returncode == 2 and "Traceback" not in crash.stderr
+    assert crash.stderr.strip() == (
+        "bench_w2_processes.py: crash: the harness exited with 1: "
+        "ModuleNotFoundError: No module named 'ctranslate2'"
+    )
+    for args, message in [
+        (["--variants", "a:1,a:1"], "--variants: distinct comma-separated variants, got 'a:1,a:1'"),
+        (
+            ["--variants", "a:1", "--rounds", "0"],
+            "--reps, --rounds and --threads must be at least 1",
+        ),
+    ]:
+        bad = _w2(tmp_path, *args)
+        assert bad.returncode == 2 and message in bad.stderr, bad.stderr
+    none = subprocess.run(
+        [
+            sys.executable,
+            str(BENCH / "bench_w2_processes.py"),
+            "--variants",
+            "a:1",
+            "--peers",
+            str(tmp_path / "nowhere"),
+        ],
+        capture_output=True,
+        text=True,
+    )
+    assert none.returncode == 2
+    assert f"{tmp_path / 'nowhere' / 'bench_infer.py'}: not found" in none.stderr
