@@ -65,6 +65,18 @@ class BatchStats:
     errors: int = 0
 
 
+def decode_thread() -> ThreadPoolExecutor:
+    """The one worker thread that runs a server's torch work: loading the model and decoding.
+
+    Torch's CPU threads are an OpenMP team per Python thread that has run a parallel op, and
+    GNU OpenMP cuts every waiting thread's spin to 100 turns once its teams hold more threads
+    than there are CPUs (`gomp_managed_threads > gomp_available_cpus`). A model built on the
+    main thread and decoded on a worker left two teams of two on 2 cores: each op's threads
+    then slept between ops and were woken by the kernel, and the server decoded ~35% slower
+    (docs/performance.md, "Round eight"). Everything torch does for a server runs here."""
+    return ThreadPoolExecutor(max_workers=1, thread_name_prefix="decode")
+
+
 class BatchingQueue:
     """Gathers concurrent requests into decoding batches run by one worker thread.
 
@@ -77,6 +89,8 @@ class BatchingQueue:
         wait_s: gathering window in seconds.
         max_sentences: sentences per batch.
         max_pending: sentences waiting or decoding before new requests get a 503.
+        executor: the worker thread (one worker); by default a new one. `serve` passes the
+            thread that built the model (`decode_thread`).
     """
 
     def __init__(
@@ -85,11 +99,12 @@ class BatchingQueue:
         wait_s: float = 0.005,
         max_sentences: int = 64,
         max_pending: int = 1024,
+        executor: ThreadPoolExecutor | None = None,
     ):
         self._run, self.wait_s = run, wait_s
         self.max_sentences, self.max_pending = max_sentences, max_pending
         self._queue: asyncio.Queue[_Pending] = asyncio.Queue()
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="decode")
+        self._executor = executor or decode_thread()
         self._task: asyncio.Task | None = None
         self.stats = BatchStats()
 
@@ -258,8 +273,9 @@ def _resolve(translator, options: Options) -> Options:
     return Options(cfg.beam_size, cfg.length_penalty, cfg.n_best)
 
 
-def create_app(translator, limits: ServeLimits | None = None):
-    """The Starlette application serving `translator` (a `translate.Translator`)."""
+def create_app(translator, limits: ServeLimits | None = None, executor=None):
+    """The Starlette application serving `translator` (a `translate.Translator`), decoding on
+    `executor` (`decode_thread`; default a new one): pass the thread that built the model."""
     from starlette.applications import Starlette
     from starlette.exceptions import HTTPException
     from starlette.responses import FileResponse, JSONResponse
@@ -282,8 +298,9 @@ def create_app(translator, limits: ServeLimits | None = None):
         )
 
     queue = BatchingQueue(
-        run, limits.batch_wait_ms / 1000, limits.max_batch_sentences, limits.max_pending
-    )
+        run, limits.batch_wait_ms / 1000, limits.max_batch_sentences, limits.max_pending,
+        executor,
+    )  # fmt: skip
     state = _State(translator, limits, queue, _model_info(translator, limits))
     too_large = ApiError(413, "request_too_large", f"body > {limits.max_request_bytes} bytes")
 
@@ -435,8 +452,15 @@ def serve(
 
     limits = limits or ServeLimits()
     ensure_file_descriptors(limits.max_connections)
-    translator = Translator.from_path(model_path, dtype=dtype, verify=verify, threads=threads)
-    app = create_app(translator, limits)
+    decoder = decode_thread()  # the model is built on the thread that decodes with it
+    try:
+        translator = decoder.submit(
+            Translator.from_path, model_path, dtype=dtype, verify=verify, threads=threads
+        ).result()
+    except BaseException:
+        decoder.shutdown(wait=False, cancel_futures=True)
+        raise
+    app = create_app(translator, limits, decoder)
     protocol = guarded_protocol(
         limits.max_connections, limits.idle_timeout_s, limits.header_timeout_s
     )

@@ -428,3 +428,48 @@ def test_serve_tunes_its_threads_unless_told(tmp_path, monkeypatch, flags, env, 
     finally:
         torch.set_num_threads(threads)
     assert (made[0].tuner is not None) is tuned
+
+
+def test_serve_builds_the_model_on_the_thread_that_decodes(tmp_path, monkeypatch):
+    """Torch work on two Python threads makes two OpenMP teams, and GNU OpenMP then throttles
+    every spin-wait (`server.decode_thread`): `serve` loads and decodes on one thread."""
+    import threading
+
+    import uvicorn
+    from starlette.testclient import TestClient
+
+    from transformer.serving import server
+    from transformer.translate import Translator
+
+    built, decoded = [], []
+    real_from_path, real_translate = Translator.from_path.__func__, Translator.translate
+
+    def from_path(cls, *args, **kwargs):
+        built.append(threading.get_ident())
+        return real_from_path(cls, *args, **kwargs)
+
+    def translate(self, *args, **kwargs):
+        decoded.append(threading.get_ident())
+        return real_translate(self, *args, **kwargs)
+
+    def run(app, **kwargs):
+        with TestClient(app) as c:
+            for text in multi30k_lines("test_2016_flickr", "en", 2):
+                response = c.post("/v1/translate", json={"texts": [text]})
+                assert response.status_code == 200, response.text
+
+    monkeypatch.setattr(Translator, "from_path", classmethod(from_path))
+    monkeypatch.setattr(Translator, "translate", translate)
+    monkeypatch.setattr(uvicorn, "run", run)
+    server.serve(make_model_file(tmp_path), threads=None)
+    assert len(built) == 1 and len(decoded) == 2
+    assert set(decoded) == set(built) and built[0] != threading.get_ident()
+
+
+def test_serve_reports_a_model_that_fails_to_load(tmp_path):
+    from transformer.errors import UserError
+    from transformer.serving import server
+
+    (tmp_path / "bad.safetensors").write_bytes(b"not a model")
+    with pytest.raises(UserError, match="bad.safetensors"):
+        server.serve(tmp_path / "bad.safetensors")
