@@ -177,3 +177,15 @@ def test_w2_processes_names_a_failed_run_and_bad_arguments(tmp_path):
     )
     assert none.returncode == 2
     assert f"{tmp_path / 'nowhere' / 'bench_infer.py'}: not found" in none.stderr
+
+
+def test_omp_teams_rejects_bad_arguments(tmp_path):
+    def run(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, str(BENCH / "bench_omp_teams.py"), *args],
+                              capture_output=True, text=True, timeout=60)  # fmt: skip
+
+    few = run("--reps", "5")
+    assert few.returncode == 2 and "--reps must be at least 10" in few.stderr
+    nodir = run("--ct2-dir", str(tmp_path))
+    assert nodir.returncode == 2 and "Traceback" not in nodir.stderr
+    assert f"{tmp_path}: no model.bin (a CTranslate2 model directory)" in nodir.stderr
