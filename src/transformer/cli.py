@@ -829,7 +829,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    try:  # building the parser imports the subcommands' modules (torch among them): ~0.5 s
+        args = build_parser().parse_args(argv)
+    except KeyboardInterrupt:
+        print("transformer: interrupted", file=sys.stderr)
+        return 130
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.INFO,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",

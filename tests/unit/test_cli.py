@@ -42,6 +42,18 @@ def test_python_dash_m_runs_the_same_cli() -> None:
     assert "presets" in out
 
 
+def test_ctrl_c_while_the_parser_loads_is_one_line(monkeypatch, capsys) -> None:
+    """Building the parser imports torch (~0.5 s): a Ctrl-C then was a traceback."""
+    import transformer.cli as cli
+
+    def interrupted():
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "build_parser", interrupted)
+    assert main(["presets"]) == 130
+    assert capsys.readouterr().err == "transformer: interrupted\n"
+
+
 def test_unknown_subcommand_is_an_argparse_error() -> None:
     with pytest.raises(SystemExit) as e:
         main(["frobnicate"])
