@@ -161,6 +161,9 @@ def main(argv: list[str] | None = None) -> int:
     except Usage as e:
         print(f"bench_w2_processes.py: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # the harness's process got it too, and has stopped
+        print("bench_w2_processes.py: interrupted", file=sys.stderr)
+        return 130
     merged = merge(runs, variants, args.ratio_to)
     ratio_key = "vs_" + args.ratio_to
     print(
