@@ -163,6 +163,10 @@ def main() -> None:
     ap.add_argument("--max-len-b", type=int, default=10, help="random model's max_len_b")
     ap.add_argument("--batch-wait-ms", type=float, default=5.0)
     args = ap.parse_args()
+    if args.clients < 1 or args.seconds <= 0 or (args.beam is not None and args.beam < 1):
+        ap.error("--clients and --beam must be at least 1, --seconds above 0")
+    if args.threads != "auto" and not (args.threads.isdigit() and int(args.threads) >= 1):
+        ap.error(f"--threads: a count of at least 1 or auto, got {args.threads!r}")
     proc = None
     url = args.url
     with tempfile.TemporaryDirectory() as tmp:

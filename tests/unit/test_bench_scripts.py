@@ -189,3 +189,19 @@ def test_omp_teams_rejects_bad_arguments(tmp_path):
     nodir = run("--ct2-dir", str(tmp_path))
     assert nodir.returncode == 2 and "Traceback" not in nodir.stderr
     assert f"{tmp_path}: no model.bin (a CTranslate2 model directory)" in nodir.stderr
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--clients", "0"], "--clients and --beam must be at least 1, --seconds above 0"),
+        (["--seconds", "-1"], "--clients and --beam must be at least 1, --seconds above 0"),
+        (["--beam", "0"], "--clients and --beam must be at least 1, --seconds above 0"),
+        (["--threads", "two"], "--threads: a count of at least 1 or auto, got 'two'"),
+        (["--threads", "0"], "--threads: a count of at least 1 or auto, got '0'"),
+    ],
+)
+def test_serve_load_refuses_bad_counts_before_starting_a_server(args, message):
+    cmd = [sys.executable, str(BENCH / "bench_serve_load.py"), "--url", "http://127.0.0.1:9"]
+    out = subprocess.run([*cmd, *args], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and message in out.stderr and "Traceback" not in out.stderr
