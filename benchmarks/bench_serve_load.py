@@ -32,6 +32,7 @@ from pathlib import Path
 import httpx2 as httpx
 
 from bench_contention import busy_process  # this script's folder is on sys.path
+from transformer.cli import thread_count
 
 DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "multi30k"
 
@@ -155,7 +156,9 @@ def main() -> None:
     ap.add_argument("--clients", type=int, default=16)
     ap.add_argument("--seconds", type=float, default=30.0)
     ap.add_argument("--beam", type=int, help="beam size per request (default: the model's)")
-    ap.add_argument("--threads", default="auto", help="server's --threads: N or auto")
+    ap.add_argument(
+        "--threads", type=thread_count, default="auto", help="server's --threads: N or auto"
+    )
     ap.add_argument(
         "--busy", action="store_true",
         help="beside one busy process (`python -c 'while True: pass'`) for the timed part",
@@ -165,8 +168,6 @@ def main() -> None:
     args = ap.parse_args()
     if args.clients < 1 or args.seconds <= 0 or (args.beam is not None and args.beam < 1):
         ap.error("--clients and --beam must be at least 1, --seconds above 0")
-    if args.threads != "auto" and not (args.threads.isdigit() and int(args.threads) >= 1):
-        ap.error(f"--threads: a count of at least 1 or auto, got {args.threads!r}")
     proc = None
     url = args.url
     with tempfile.TemporaryDirectory() as tmp:

@@ -23,7 +23,8 @@ def _add_no_verify(p: argparse.ArgumentParser) -> None:
     )  # fmt: skip
 
 
-def _threads(value: str) -> int | str:
+def thread_count(value: str) -> int | str:
+    """argparse type of a `--threads` value: a count of at least 1, or "auto"."""
     if value == "auto":
         return value
     try:
@@ -53,7 +54,7 @@ def _procs_override(args: argparse.Namespace) -> list[str]:
 
 def _add_threads(p: argparse.ArgumentParser) -> None:
     p.add_argument(
-        "--threads", type=_threads, default="auto", metavar="N|auto",
+        "--threads", type=thread_count, default="auto", metavar="N|auto",
         help="CPU threads (default auto: OMP_NUM_THREADS if set, else tuned to the machine's "
         "load as it runs; decoding jobs of 4+ batches then run two batches at once, one "
         "thread each)",

@@ -197,8 +197,8 @@ def test_omp_teams_rejects_bad_arguments(tmp_path):
         (["--clients", "0"], "--clients and --beam must be at least 1, --seconds above 0"),
         (["--seconds", "-1"], "--clients and --beam must be at least 1, --seconds above 0"),
         (["--beam", "0"], "--clients and --beam must be at least 1, --seconds above 0"),
-        (["--threads", "two"], "--threads: a count of at least 1 or auto, got 'two'"),
-        (["--threads", "0"], "--threads: a count of at least 1 or auto, got '0'"),
+        (["--threads", "two"], "argument --threads: a number or auto, not 'two'"),
+        (["--threads", "0"], "argument --threads: at least 1 (or auto), not 0"),
     ],
 )
 def test_serve_load_refuses_bad_counts_before_starting_a_server(args, message):
