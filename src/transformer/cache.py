@@ -29,6 +29,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from transformer.gradhelper import is_linear
+
 # Self-attention keys/values of a new cache: room for this many positions, doubled when full.
 CACHE_CAPACITY = 32
 # Beam search keeps each hypothesis's keys/values where they were computed and follows
@@ -66,7 +68,7 @@ class StepProjections:
         root = math.sqrt(sa.d_k)
         prescaled = root == 2.0 ** round(math.log2(root))  # scaling by a power of 2 is exact
         scale = 1.0 / root if prescaled else 1.0
-        if kind is not nn.Linear:
+        if not is_linear(sa.w_q):
             stacked = getattr(kind, "stacked", None)
             if stacked is None:
                 return None

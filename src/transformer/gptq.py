@@ -27,6 +27,7 @@ from torch import nn
 
 from transformer.data import ParallelSplit, collate
 from transformer.errors import UserError
+from transformer.gradhelper import is_linear
 from transformer.modelfile import INT8_LEVELS, PROJECTION, int8_targets, save_model
 from transformer.threads import ThreadTuner
 from transformer.threads import resolve as resolve_threads
@@ -105,7 +106,7 @@ def input_moments(
     hooks = [
         m.register_forward_hook(lambda _m, inp, _out, name=name: add(name, inp[0]))
         for name, m in model.named_modules()
-        if type(m) is nn.Linear
+        if is_linear(m)
     ]
     n = min(sentences, len(split))
     order = sorted(range(n), key=lambda i: len(split.src_tokens(i)))

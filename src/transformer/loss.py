@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from transformer import gradhelper
 from transformer.tokenizer import PAD_ID
 
 # Rows of the (N, V) logits built at once by the chunked loss: 1024 x 37k fp32 is ~150 MB.
@@ -100,7 +101,11 @@ class _ChunkedProjectionLoss(torch.autograd.Function):
         # bf16 per chunk cast the whole (V, D) product to fp32 first (~2% of a base step).
         fp32_sum = weight.dtype == torch.float32
         grad_weight = None
-        if need_grad and fp32_sum:
+        # Beside a busy process the (V, D) products go to the weight-gradient helper thread
+        # (gradhelper.py), at most two chunks ahead: each holds its (n, V) block until done.
+        helper = gradhelper.active() if ctx.needs_input_grad[1] and weight.is_leaf else None
+        parts: list = []  # the helper's products not yet waited for
+        if need_grad and (fp32_sum or helper is not None):
             grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
         partial = None  # bf16: the sum of probs^T h over the chunks so far
         loss = hidden.new_zeros((), dtype=torch.float32)
@@ -140,7 +145,11 @@ class _ChunkedProjectionLoss(torch.autograd.Function):
                 g_h = (probs @ weight).float()  # (n, D)
                 g_h -= eps_other * w_sum + on_target * weight.index_select(0, t).float()
                 grad_hidden[start:stop] = g_h
-                if fp32_sum:  # accumulated by the product itself: no (V, D) temporary
+                if helper is not None:
+                    parts.append(helper.product(probs, h))
+                    if len(parts) > 2:
+                        grad_weight += parts.pop(0).wait()
+                elif fp32_sum:  # accumulated by the product itself: no (V, D) temporary
                     grad_weight.addmm_(probs.t(), h)
                 elif partial is None:
                     partial = probs.t() @ h  # (V, D)
@@ -150,7 +159,12 @@ class _ChunkedProjectionLoss(torch.autograd.Function):
             # Freed before the next chunk's logits are made (with or without the gradient), not
             # when the name is rebound after them: otherwise two (n, V) blocks are alive at once.
             del probs
-        if need_grad:
+        if need_grad and helper is not None:
+            # d loss / d weight is finished in the helper's `finish`, after backward.
+            ctx.helper, ctx.weight, ctx.parts = helper, weight, parts
+            ctx.weight_rest = (grad_weight, target, hidden, on_target, eps_other * h_sum)
+            ctx.save_for_backward(grad_hidden)
+        elif need_grad:
             if grad_weight is None:  # bf16
                 grad_weight = partial.float() if partial is not None else weight.new_zeros(
                     weight.shape, dtype=torch.float32)  # fmt: skip
@@ -163,9 +177,29 @@ class _ChunkedProjectionLoss(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_loss, grad_nll):  # noqa: ARG004, D102
+        if getattr(ctx, "helper", None) is not None:
+            (grad_hidden,) = ctx.saved_tensors
+            ctx.helper.at_finish(lambda: _finish_weight_grad(ctx, grad_loss))
+            return grad_hidden * grad_loss.to(grad_hidden.dtype), None, None, None, None
         grad_hidden, grad_weight = ctx.saved_tensors
         scale = grad_loss.to(grad_hidden.dtype)
         return grad_hidden * scale, grad_weight * scale, None, None, None
+
+
+def _finish_weight_grad(ctx, grad_loss: torch.Tensor) -> None:
+    """The deferred d loss / d weight (`_ChunkedProjectionLoss` beside a busy process): the
+    helper's products summed in fp32, q's part, the scale; added to the weight's .grad."""
+    grad_weight, target, hidden, on_target, eps_h_sum = ctx.weight_rest
+    for part in ctx.parts:
+        grad_weight += part.wait()
+    grad_weight.index_add_(0, target, hidden.float(), alpha=-on_target)
+    grad_weight -= eps_h_sum
+    grad = (grad_weight * grad_loss).to(ctx.weight.dtype)
+    if ctx.weight.grad is None:
+        ctx.weight.grad = grad
+    else:
+        ctx.weight.grad += grad
+    ctx.parts, ctx.weight_rest = [], None
 
 
 def chunked_label_smoothed_loss(

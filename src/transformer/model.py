@@ -2,8 +2,9 @@
 
 Shapes: B batch, S source length, T target length, D d_model, H heads, K d_k, Vd d_v, V vocab.
 Masks are boolean and True where a position takes part (a real token), as in
-`F.scaled_dot_product_attention`. This module imports only torch, its own config and the
-decoder's incremental-decoding state (cache.py, torch only).
+`F.scaled_dot_product_attention`. This module imports only torch, its own config, the
+decoder's incremental-decoding state (cache.py, torch only) and `gradhelper.Linear` (nn.Linear
+whose weight gradients a training step beside a busy process computes on a second thread).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from torch import nn
 
 from transformer.cache import DecoderCache, LayerCache, StepProjections, padding_bias
 from transformer.config import ModelConfig
+from transformer.gradhelper import Linear
 
 # The floating dtypes of a model's parameters, by their config name (train.dtype).
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -279,9 +281,9 @@ class MultiHeadAttention(nn.Module):
         super().__init__()
         self.n_heads, self.d_k, self.d_v = n_heads, d_k, d_v
         self.p_attn_drop = p_attn_drop
-        self.w_q = nn.Linear(d_model, n_heads * d_k)
-        self.w_kv = nn.Linear(d_model, n_heads * (d_k + d_v))
-        self.w_o = nn.Linear(n_heads * d_v, d_model)
+        self.w_q = Linear(d_model, n_heads * d_k)
+        self.w_kv = Linear(d_model, n_heads * (d_k + d_v))
+        self.w_o = Linear(n_heads * d_v, d_model)
 
     def project_kv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(B, T, D) -> keys (B, H, T, K) and values (B, H, T, Vd)."""
@@ -358,8 +360,8 @@ class PositionwiseFeedForward(nn.Module):
 
     def __init__(self, d_model: int, d_ff: int):
         super().__init__()
-        self.w_1 = nn.Linear(d_model, d_ff)
-        self.w_2 = nn.Linear(d_ff, d_model)
+        self.w_1 = Linear(d_model, d_ff)
+        self.w_2 = Linear(d_ff, d_model)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.w_2(F.relu(self.w_1(x), inplace=True))  # (B, T, d_ff) inside

@@ -21,11 +21,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from torch import nn
 
 from transformer.checkpoint import replace_atomic
 from transformer.config import RunConfig, from_dict, to_dict
 from transformer.errors import UserError
+from transformer.gradhelper import is_linear
 from transformer.model import Transformer
 
 PROJECTION = "projection"  # the tied pre-softmax projection's name among the int8 weights
@@ -221,7 +221,7 @@ def _int8_key(key: str) -> tuple[int, str]:
 def int8_targets(model: Transformer) -> dict[str, torch.Tensor]:
     """The weights that int8 decoding quantizes, by the names the int8 weights carry: every
     nn.Linear's (by module name) and the tied pre-softmax projection's (`PROJECTION`)."""
-    weights = {n: m.weight for n, m in model.named_modules() if type(m) is nn.Linear}
+    weights = {n: m.weight for n, m in model.named_modules() if is_linear(m)}
     weights[PROJECTION] = model.output_weight()
     return weights
 

@@ -26,6 +26,16 @@ import torch
 logger = logging.getLogger(__name__)
 
 AUTO = "auto"
+# The tuner's candidate "one thread, and the weight gradients on a second" (gradhelper.py):
+# training only, where beside a busy process it beats one thread by ~10%.
+HELPER = "1+helper"
+
+
+def label(choice: int | str) -> str:
+    """A candidate as the log says it: "2 CPU threads", "1 CPU thread and a gradient thread"."""
+    if choice == HELPER:
+        return "1 CPU thread and a weight-gradient thread"
+    return f"{choice} CPU thread{'s' if choice != 1 else ''}"
 
 
 class ThreadTuner:
@@ -42,6 +52,8 @@ class ThreadTuner:
         warmup_units: units run with the first candidate and not timed before the first probe
             (a training run's first steps allocate and fill caches: timed, they made the count
             tried first look slower than it is).
+        helper: a `gradhelper.WeightGradHelper`: adds the candidate `HELPER` (one thread, the
+            helper active), timed in a probe where one thread ran fastest of the counts.
     """
 
     def __init__(
@@ -53,14 +65,19 @@ class ThreadTuner:
         drop: float = 0.5,
         clock: Callable[[], float] = time.perf_counter,
         warmup_units: int = 0,
+        helper=None,
     ) -> None:
-        self.candidates = sorted({max(1, int(c)) for c in candidates}, reverse=True)
+        counts = sorted({max(1, int(c)) for c in candidates}, reverse=True)
+        self.candidates: list[int | str] = list(counts)
+        self.helper = helper
+        if helper is not None:
+            self.candidates.append(HELPER)
         self.probe_units, self.every_s, self.max_every_s = probe_units, every_s, max_every_s
         self.base_every_s, self.drop, self.clock = every_s, drop, clock
         self.best = self.candidates[0]
         self.best_rate = 0.0
         self.recent: list[float] = []
-        self._queue: list[int] = []
+        self._queue: list[int | str] = []
         self._rates: dict[int, float] = {}
         self._next_probe = clock()  # probe at the first unit
         self._threads = self.best
@@ -70,11 +87,17 @@ class ThreadTuner:
         self._timed = True  # whether the current unit counts
 
     @classmethod
-    def for_this_machine(cls, **kwargs) -> ThreadTuner:
+    def for_this_machine(cls, helper: bool = False, **kwargs) -> ThreadTuner:
         """Candidates: every core (this process's share of them under torchrun, whose
-        LOCAL_WORLD_SIZE ranks share the node), half of them, one."""
+        LOCAL_WORLD_SIZE ranks share the node), half of them, one; with `helper` (training)
+        also one thread with the weight-gradient helper, where the process has one (a single
+        process on 2 or more usable CPUs, gradhelper.py)."""
         local = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
         cores = max(1, (os.cpu_count() or 1) // local)
+        if helper and local == 1 and usable_cores() >= 2:
+            from transformer.gradhelper import WeightGradHelper
+
+            kwargs["helper"] = WeightGradHelper.for_this_process()
         return cls([cores, cores // 2, 1], **kwargs)
 
     def start(self) -> None:
@@ -86,13 +109,18 @@ class ThreadTuner:
         elif not self._queue and len(self.candidates) > 1 and now >= self._next_probe:
             # After a drop the others come first (the way out); on schedule the current choice
             # does, so that an other that is clearly slower is timed only once.
-            others = [c for c in self.candidates if c != self.best]
+            # The helper is timed only once one thread has won (`stop`), unless it is the
+            # choice: alone, two threads win and the helper's slower units are not spent.
+            others = [c for c in self.candidates if c not in (self.best, HELPER)]
             order = [*others, self.best] if self._after_drop else [self.best, *others]
             self._queue = [c for c in order for _ in range(self.probe_units)]
             self._rates = {}
         self._threads = self._queue[0] if self._queue else self.best
-        if torch.get_num_threads() != self._threads:
-            torch.set_num_threads(self._threads)
+        threads = 1 if self._threads == HELPER else self._threads
+        if self.helper is not None:
+            self.helper.active = self._threads == HELPER
+        if torch.get_num_threads() != threads:
+            torch.set_num_threads(threads)
         self._start = self.clock()
 
     def stop(self, work: float) -> None:
@@ -106,6 +134,9 @@ class ThreadTuner:
             best_so_far = max(self._rates.values())
             if rate < self.drop * best_so_far:  # clearly slower: no second unit of it
                 self._queue = [t for t in self._queue if t != threads]
+            if not self._queue and self._helper_next():
+                # Within ~10% of each other: both timed again, interleaved, twice the units.
+                self._queue = [HELPER, 1] * self.probe_units + [HELPER] * self.probe_units
             if not self._queue:
                 self._choose()
             return
@@ -117,13 +148,20 @@ class ThreadTuner:
             self._next_probe = self.clock()
             self._after_drop = True
 
+    def _helper_next(self) -> bool:
+        """Whether the probe goes on to the helper: it has one, has not timed it, and one
+        thread ran fastest of the counts."""
+        if self.helper is None or HELPER in self._rates:
+            return False
+        return max(self._rates, key=self._rates.get) == 1
+
     def _choose(self) -> None:
         best = max(self._rates, key=self._rates.get)
         if best == self.best:
             self.every_s = min(2 * self.every_s, self.max_every_s)
         else:
-            logger.info("%d CPU threads run fastest now (%s)", best, ", ".join(
-                f"{t}: {r:.0f}/s" for t, r in sorted(self._rates.items())))  # fmt: skip
+            rates = [f"{t}: {self._rates[t]:.0f}/s" for t in self.candidates if t in self._rates]
+            logger.info("%s run fastest now (%s)", label(best), ", ".join(rates))
             self.every_s = self.base_every_s
         self.best, self.best_rate, self.recent = best, self._rates[best], []
         self._after_drop = False

@@ -84,9 +84,12 @@ def _setup_torch(
         set_deterministic(True, config.train.compile)
         torch.set_num_threads(threads if isinstance(threads, int) else 1)
     elif isinstance(threads, int) or device.type == "cpu":
-        # A count is set (and said if above the cores); else auto, as every other command.
+        # A count is set (and said if above the cores); else auto, as every other command, with
+        # the weight-gradient helper as a candidate (gradhelper.py; not under torch.compile,
+        # which would trace its futures).
         tuner = resolve_threads(threads if isinstance(threads, int) else AUTO,
-                                warmup_units=TUNER_WARMUP_STEPS)  # fmt: skip
+                                warmup_units=TUNER_WARMUP_STEPS,
+                                helper=not config.train.compile)  # fmt: skip
         if tuner is not None:
             torch.set_num_threads(tuner.best)  # every core until the first step is timed
         return tuner

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from transformer import checkpoint, distributed, rundir
+from transformer import checkpoint, distributed, gradhelper, rundir
 from transformer.batching import TokenBatchSampler
 from transformer.config import RunConfig, to_dict
 from transformer.data import Batch, ParallelSplit, collate
@@ -162,6 +162,7 @@ class Trainer:
         for batch in batches:
             loss, nll = self._batch_loss(batch)
             loss.backward()
+            gradhelper.finish()  # the weight gradients of a helper thread, if one ran
             self.optimizer.collect_grads()
             loss_sum += loss.detach().float().cpu()
             nll_sum += nll.detach().float().cpu()

@@ -28,6 +28,7 @@ from transformer.cpuinfo import cpu_flags
 from transformer.data import read_lines
 from transformer.errors import UserError
 from transformer.gptq import gptq_round, row_scales
+from transformer.gradhelper import is_linear
 from transformer.model import DTYPES as model_dtypes
 from transformer.model import PositionwiseFeedForward, accelerator_dtype
 from transformer.modelfile import PROJECTION, LoadedModel, int8_targets
@@ -285,7 +286,7 @@ def quantize_int8(
     """
     model = copy.deepcopy(model)
     narrow = int8_narrow_weights()
-    linears = [(n, m) for n, m in model.named_modules() if type(m) is nn.Linear]
+    linears = [(n, m) for n, m in model.named_modules() if is_linear(m)]
     targets = int8_targets(model)
     for what, given in (("input moments", moments), ("rounded weights", rounded)):
         missing = [n for n in targets if n not in (given or {})]

@@ -11,6 +11,7 @@ import torch
 from transformer.config import ModelConfig
 from transformer.data import Batch
 from transformer.gptq import PROJECTION, gptq_round, input_moments, row_scales
+from transformer.gradhelper import is_linear
 from transformer.model import Transformer
 from transformer.translate import Int8Linear, quantize_int8
 
@@ -81,7 +82,7 @@ def test_input_moments_and_quantize_int8_with_them(monkeypatch):
     split.src_lens = np.array([len(p[0]) + 1 for p in split.pairs])  # EOS included
     split.tgt_lens = np.array([len(p[1]) + 1 for p in split.pairs])
     moments = input_moments(model, split, sentences=9, rows=4)
-    linears = {n for n, m in model.named_modules() if type(m) is torch.nn.Linear}
+    linears = {n for n, m in model.named_modules() if is_linear(m)}
     assert set(moments) == linears | {PROJECTION}
     d = model.cfg.d_model
     assert moments[PROJECTION].shape == (d, d) and moments[PROJECTION].dtype == torch.float64
@@ -156,7 +157,7 @@ def test_a_quantized_file_holds_both_grids_and_the_model_is_unchanged(calibrated
                            "data": str(calibrated[2])}  # fmt: skip
     for a, b in zip(q.model.state_dict().values(), p.model.state_dict().values(), strict=True):
         assert torch.equal(a, b)
-    names = {n for n, m in q.model.named_modules() if type(m) is torch.nn.Linear} | {PROJECTION}
+    names = {n for n, m in q.model.named_modules() if is_linear(m)} | {PROJECTION}
     for levels, weights in q.int8.items():
         assert set(weights) == names
         for ints, scales in weights.values():

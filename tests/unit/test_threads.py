@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from transformer.errors import UserError
-from transformer.threads import AUTO, ThreadTuner, resolve
+from transformer.threads import AUTO, HELPER, ThreadTuner, label, resolve
 
 
 class Machine:
@@ -139,3 +139,54 @@ def test_more_threads_than_cores_is_allowed_with_a_warning(monkeypatch, caplog):
             assert (said in caplog.text) is warned
     finally:
         torch.set_num_threads(before)
+
+
+class _Helper:
+    """Stands in for gradhelper.WeightGradHelper: the tuner only sets `active`."""
+
+    active = False
+
+
+class HelpedMachine(Machine):
+    """Machine, plus "1+helper": slower than two threads alone, faster than one beside a busy
+    process (as measured: docs/performance.md, round nine)."""
+
+    ALONE = {2: 1.0, 1: 1.6, HELPER: 1.4}
+    BUSY = {2: 12.0, 1: 1.7, HELPER: 1.5}
+
+    def __init__(self, helper: _Helper) -> None:
+        super().__init__()
+        self.helper = helper
+
+    def work(self, tuner: ThreadTuner):
+        tuner.start()
+        choice = HELPER if self.helper.active else torch.get_num_threads()
+        assert not self.helper.active or torch.get_num_threads() == 1
+        self.now += (self.BUSY if self.busy else self.ALONE)[choice]
+        tuner.stop(1000)
+        return choice
+
+
+def test_the_helper_is_timed_only_where_one_thread_wins_and_chosen_beside_a_busy_process():
+    helper = _Helper()
+    m = HelpedMachine(helper)
+    tuner = ThreadTuner([2, 1], probe_units=2, every_s=30, clock=m.clock, helper=helper)
+    assert tuner.candidates == [2, 1, HELPER]
+    used = [m.work(tuner) for _ in range(200)]
+    assert HELPER not in used and tuner.best == 2  # alone: two threads win, no helper units
+    m.busy = True
+    used = [m.work(tuner) for _ in range(300)]
+    # The drop: one thread first, then two (7x slower: once), then the helper and one thread
+    # interleaved (4 units of the helper, 2 more of one thread); the helper wins.
+    probe = used[used.index(1) :][:9]
+    assert probe[:3] == [1, 1, 2] and probe[3:] == [HELPER, 1, HELPER, 1, HELPER, HELPER]
+    assert tuner.best == HELPER
+    assert used[-1] == HELPER and helper.active
+    m.busy = False
+    used = [m.work(tuner) for _ in range(600)]
+    assert tuner.best == 2 and used[-1] == 2 and not helper.active
+
+
+def test_label():
+    assert label(2) == "2 CPU threads" and label(1) == "1 CPU thread"
+    assert "weight-gradient" in label(HELPER)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -26,6 +27,7 @@ from transformer.cli import main
 from transformer.config import build_config
 from transformer.data import collate, load_prepared
 from transformer.errors import UserError
+from transformer.gradhelper import WeightGradHelper
 from transformer.loss import chunked_label_smoothed_loss
 from transformer.optim import MixedPrecisionAdam, learning_rate
 from transformer.train import auto_train_dtype, build_model, train
@@ -695,3 +697,27 @@ def test_compiled_forward_runs_padded_and_returns_the_packed_rows(
     assert seen == [3]  # the compiled call has no target mask: the padded path
     assert got.shape == want.shape == (int(keep.sum()), trainer.model.cfg.d_model)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+
+
+def test_a_step_with_the_weight_gradient_helper_equals_one_without(data_dir, tmp_path):
+    # The tuner's "1+helper" (gradhelper.py): dW, db and the projection's (V, D) product on a
+    # second thread, added to .grad after each batch's backward; two accumulated batches, the
+    # loss in chunks of 16 rows (several in flight).
+    helper = WeightGradHelper.for_this_process()
+    assert helper is not None
+    cfg = _config("model.p_drop=0.0")
+    loss_fn = functools.partial(chunked_label_smoothed_loss, chunk_rows=16)
+    plain = _trainer(data_dir, tmp_path / "a", cfg, loss_fn)
+    helped = _trainer(data_dir, tmp_path / "b", cfg, loss_fn)
+    grads_plain, grads_helped = _capture_step_grads(plain), _capture_step_grads(helped)
+    halves = [list(range(0, 7)), list(range(7, 20))]
+    out_plain = plain.train_step([collate(plain.train_split, h) for h in halves])
+    helper.active = True
+    try:
+        out_helped = helped.train_step([collate(helped.train_split, h) for h in halves])
+    finally:
+        helper.active = False
+    assert out_helped["loss"] == out_plain["loss"] and out_helped["ok"] == 1.0
+    for g, h in zip(grads_plain[0], grads_helped[0], strict=True):
+        torch.testing.assert_close(h, g, rtol=1e-5, atol=1e-8)
+    assert helper._pending == []

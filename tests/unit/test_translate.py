@@ -17,6 +17,7 @@ from transformer.cli import main
 from transformer.config import ConfigError, DecodeConfig, ModelConfig, RunConfig
 from transformer.data import read_lines
 from transformer.errors import UserError
+from transformer.gradhelper import is_linear
 from transformer.model import Transformer
 from transformer.modelfile import load_model, save_model
 from transformer.rundir import resolve_model
@@ -187,7 +188,7 @@ def test_bf16_and_int8(model_file):
     quantized = [m for m in int8.model.modules() if isinstance(m, Int8Linear)]
     # encoder: 3 attn + 2 ffn; decoder: 6 attn + 2 ffn; and the pre-softmax projection
     assert len(quantized) == 2 * 5 + 2 * 8 + 1
-    assert not [m for m in int8.model.modules() if type(m) is nn.Linear]
+    assert not [m for m in int8.model.modules() if is_linear(m)]
     out = int8.translate_lines(LINES)
     assert out[1] == "" and len(out) == 4
     # Cached steps stack each layer's quantized W^Q and W^KV into one product, once per layer.
@@ -325,7 +326,7 @@ def test_dtype_auto_is_bf16_with_amx_int8_with_vnni_else_fp32(
     if expected == "int8":  # every linear and the tied projection int8, 8-bit weights (VNNI)
         proj = tr.model.projection
         assert isinstance(proj, Int8Linear) and not proj.narrow_weights
-        assert not any(type(m) is torch.nn.Linear for m in tr.model.modules())
+        assert not any(is_linear(m) for m in tr.model.modules())
     else:
         want = {"bf16": torch.bfloat16, "fp32": torch.float32}[expected]
         assert tr.model.output_weight().dtype == want
@@ -579,7 +580,7 @@ def test_quantize_int8_leaves_the_model_unchanged(model_file):
     before = {k: v.clone() for k, v in loaded.model.state_dict().items()}
     q = quantize_int8(loaded.model, torch.bfloat16)
     assert all(torch.equal(v, before[k]) for k, v in loaded.model.state_dict().items())
-    assert [type(m) for m in loaded.model.modules()].count(nn.Linear) == 2 * 5 + 2 * 8
+    assert sum(map(is_linear, loaded.model.modules())) == 2 * 5 + 2 * 8
     assert q.src_embed.weight.dtype == torch.bfloat16 and loaded.model.projection is None
     src = torch.tensor([[5, 6, EOS_ID]])
     logits = q.decode(torch.tensor([[BOS_ID]]), q.encode(src, src > 0), src > 0)

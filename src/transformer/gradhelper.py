@@ -1,0 +1,261 @@
+"""Weight gradients on a second thread, for training beside a busy process on few cores.
+
+Not in the paper. Beside one other busy process on a 2-core CPU, the thread tuner
+(threads.py) trains with one thread: two threads meet at a barrier in every op, and one of
+them is always waiting for the core the other process holds. One thread keeps one core, and a
+step runs at its one-thread rate (~65% of two threads' alone rate, docs/performance.md).
+
+The backward pass has work that nothing on its way waits for: the weight gradients. For
+y = x W^T + b the input gradient dx = dy W is on the path to the layers below; dW = dy^T x and
+db = sum(dy) only have to be ready for the optimizer. `WeightGradHelper` computes them, and the
+(V, D) product of the chunked loss's projection gradient (loss.py), on torch's inter-op thread
+while the training thread goes on, one torch thread each, and `finish()` adds them to the
+parameters' `.grad` in the order they were made. The two threads meet once a step, not once an
+op; beside a busy process the scheduler gives each of the three runnable threads about two
+thirds of a core.
+
+One detail decides whether it works: where the kernel wakes the helper. Woken (by a futex)
+with no idle CPU, Linux queues it on the CPU of the thread that woke it, so the two threads
+take turns on one core and the step runs no faster than one thread. Before each job the
+helper's affinity is set to the usable CPUs other than the one the training thread is on
+(`sched_setaffinity`, one system call); it then shares the busy process's core, where it gets
+half of it. (Alone a helper finds the idle CPU itself, and the tuner keeps two threads then.)
+
+    helper = WeightGradHelper.for_this_process()   # None: fewer than 2 CPUs, or no pool thread
+    helper.active = True                           # threads.ThreadTuner does this per step
+    loss.backward()                                # nn.Linear layers built as `Linear` defer
+    helper.finish()                                # dW, db (and the projection's) in .grad
+
+The inter-op pool is started with one thread, so nothing else in the process may have used it
+(nothing in this package does). TorchScript's `fork` is the way into that pool from Python: a
+job runs in C++ without the GIL, which a Python helper thread would take between ops.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import warnings
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+logger = logging.getLogger(__name__)
+
+_INSTANCE: WeightGradHelper | None = None  # the process's helper, once made
+_MADE = False  # whether `for_this_process` has tried (it tries once)
+
+
+class Linear(nn.Linear):
+    """`nn.Linear` whose weight and bias gradients go to the process's `WeightGradHelper` while
+    it is active; otherwise (and always without autograd) exactly `nn.Linear`."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # noqa: D102
+        helper = _INSTANCE
+        if helper is not None and helper.active and torch.is_grad_enabled():
+            return helper.linear(x, self.weight, self.bias)
+        return F.linear(x, self.weight, self.bias)
+
+
+def is_linear(module: nn.Module) -> bool:
+    """Whether `module` is a plain linear layer: `nn.Linear` or this module's `Linear`."""
+    return type(module) in (nn.Linear, Linear)
+
+
+def _weight_grads(g: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """dW = dy^T x (out, in) and db = sum dy (out,) of y = x W^T + b over all leading dims."""
+    g2 = g.reshape(-1, g.shape[-1])  # (N, out)
+    x2 = x.reshape(-1, x.shape[-1])  # (N, in)
+    return g2.t() @ x2, g2.sum(0)
+
+
+def _product(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a^T b: the loss's (V, n) x (n, D) projection gradient."""
+    return a.t() @ b
+
+
+def _launch_weight_grads(
+    g: torch.Tensor, x: torch.Tensor
+) -> torch.jit.Future[tuple[torch.Tensor, torch.Tensor]]:
+    return torch.jit.fork(_weight_grads, g, x)
+
+
+def _launch_product(a: torch.Tensor, b: torch.Tensor) -> torch.jit.Future[torch.Tensor]:
+    return torch.jit.fork(_product, a, b)
+
+
+class _DeferredLinear(torch.autograd.Function):
+    """y = x W^T + b; backward returns dx now and hands dW, db to the helper."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, helper):  # noqa: D102
+        ctx.save_for_backward(x)
+        # The parameters themselves (leaves): their .grad is where `finish` adds.
+        ctx.helper, ctx.weight, ctx.bias = helper, weight, bias
+        return F.linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx, g):  # noqa: D102
+        (x,) = ctx.saved_tensors
+        grad_x = g @ ctx.weight if ctx.needs_input_grad[0] else None  # the path down: now
+        ctx.helper.defer_linear(g, x, ctx.weight, ctx.bias)
+        return grad_x, None, None, None
+
+
+class WeightGradHelper:
+    """Computes weight gradients on torch's inter-op thread while it is `active`.
+
+    Made by `for_this_process` (one per process: the inter-op pool is the process's).
+    """
+
+    def __init__(self, pool_thread: int, cpus: set[int]) -> None:
+        self.active = False
+        self._pool_thread, self._cpus = pool_thread, cpus
+        self._steer_to: int | None = None  # the CPU the helper was last kept off
+        self._pending: list[tuple[object, Callable]] = []  # (future, what to do with its value)
+        self._getcpu = ctypes.CDLL(None, use_errno=True).sched_getcpu
+        self._launch_weight_grads = _SCRIPTED["weight_grads"]
+        self._launch_product = _SCRIPTED["product"]
+
+    @classmethod
+    def for_this_process(cls) -> WeightGradHelper | None:
+        """The process's helper, made on the first call; None where it cannot help: fewer than
+        2 usable CPUs, no Linux affinity calls, or an inter-op pool already started (by
+        other code) that is not one thread this module can find."""
+        global _INSTANCE, _MADE
+        if _MADE:
+            return _INSTANCE
+        _MADE = True
+        if not hasattr(os, "sched_setaffinity"):
+            return None
+        cpus = set(os.sched_getaffinity(0))
+        if len(cpus) < 2:
+            return None
+        try:
+            torch.set_num_interop_threads(1)
+        except RuntimeError:  # the pool has started: its size is what it is
+            pass
+        if torch.get_num_interop_threads() != 1:
+            return None
+        try:
+            _script()
+        except Exception as e:  # noqa: BLE001 (TorchScript is deprecated: a torch without it)
+            logger.debug("TorchScript unavailable (%s): no weight-gradient helper", e)
+            return None
+        before = _threads()
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)  # the pool thread takes the count current when it starts
+        try:
+            # Three calls each: TorchScript compiles on the first (~20 ms) and profiles on the
+            # next, which would otherwise fall in the tuner's timed units.
+            for _ in range(3):
+                one = torch.zeros(1, 1)
+                _SCRIPTED["product"](one, one).wait()
+                _SCRIPTED["weight_grads"](one, one).wait()
+        finally:
+            torch.set_num_threads(threads)
+        new = [t for t, name in _threads().items() if t not in before and name == "PTThreadPool"]
+        if len(new) != 1:
+            logger.debug("no inter-op pool thread found (%s): no weight-gradient helper", new)
+            return None
+        _INSTANCE = cls(new[0], cpus)
+        return _INSTANCE
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None):
+        """F.linear(x, weight, bias), its weight gradients deferred (when weight needs one)."""
+        if not weight.requires_grad or (bias is not None and not bias.requires_grad):
+            return F.linear(x, weight, bias)
+        return _DeferredLinear.apply(x, weight, bias, self)
+
+    def defer_linear(self, g, x, weight, bias) -> None:
+        """Queue dW = g^T x (and db = sum g) of a linear layer, added to .grad by `finish`."""
+
+        def add(grads):
+            _accumulate(weight, grads[0])
+            if bias is not None:
+                _accumulate(bias, grads[1])
+
+        self._steer()
+        # Detached: the job runs with grad mode on, and x is an activation that needs grad.
+        self._pending.append((self._launch_weight_grads(g.detach(), x.detach()), add))
+
+    def product(self, a: torch.Tensor, b: torch.Tensor):
+        """a^T b, started now: a future (`.wait()` gives the product)."""
+        self._steer()
+        return self._launch_product(a.detach(), b.detach())
+
+    def at_finish(self, use: Callable[[], None]) -> None:
+        """Call use() in `finish`, after the gradients queued before it."""
+        self._pending.append((None, lambda _: use()))
+
+    def finish(self) -> None:
+        """Wait for the queued gradients and add them to .grad, in the order they were queued
+        (a job's error is raised here)."""
+        pending, self._pending = self._pending, []
+        with torch.no_grad():  # as autograd adds to .grad: nothing of it is recorded
+            for future, use in pending:
+                use(None if future is None else future.wait())
+
+    def discard(self) -> None:
+        """Drop queued work (a step that raised before `finish`)."""
+        for future, _ in self._pending:
+            if future is not None:
+                future.wait()
+        self._pending = []
+
+    def _steer(self) -> None:
+        """Keep the helper off the training thread's CPU (module docstring)."""
+        cpu = self._getcpu()
+        if cpu == self._steer_to or cpu < 0:
+            return
+        try:
+            os.sched_setaffinity(self._pool_thread, self._cpus - {cpu} or self._cpus)
+        except OSError:  # a CPU taken away (cpuset) since: let the kernel place it
+            os.sched_setaffinity(self._pool_thread, os.sched_getaffinity(0))
+        self._steer_to = cpu
+
+
+def _accumulate(param: torch.Tensor, grad: torch.Tensor) -> None:
+    """param.grad += grad, as autograd accumulates (set when there is none yet)."""
+    if param.grad is None:
+        param.grad = grad.to(param.dtype)
+    else:
+        param.grad += grad
+
+
+def finish() -> None:
+    """`finish` of the process's helper, if one was made (a no-op otherwise)."""
+    if _INSTANCE is not None:
+        _INSTANCE.finish()
+
+
+def active() -> WeightGradHelper | None:
+    """The process's helper while it is active, else None."""
+    return _INSTANCE if _INSTANCE is not None and _INSTANCE.active else None
+
+
+_SCRIPTED: dict[str, Callable] = {}
+
+
+def _script() -> None:
+    """Compile the launchers: TorchScript's `fork` runs asynchronously only when scripted."""
+    if not _SCRIPTED:
+        with warnings.catch_warnings():  # torch 2.13 calls torch.jit.script deprecated
+            warnings.simplefilter("ignore", DeprecationWarning)
+            _SCRIPTED["weight_grads"] = torch.jit.script(_launch_weight_grads)
+            _SCRIPTED["product"] = torch.jit.script(_launch_product)
+
+
+def _threads() -> dict[int, str]:
+    """This process's threads: id -> name."""
+    out = {}
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/comm", encoding="utf-8") as f:
+                out[int(tid)] = f.read().strip()
+        except OSError:  # ended meanwhile
+            pass
+    return out

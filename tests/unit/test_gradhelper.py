@@ -1,0 +1,166 @@
+"""gradhelper.py: weight gradients on the inter-op thread equal autograd's own."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import threading
+
+import pytest
+import torch
+from torch import nn
+
+from transformer import gradhelper
+from transformer.config import ModelConfig
+from transformer.gradhelper import Linear, WeightGradHelper, is_linear
+from transformer.loss import chunked_label_smoothed_loss
+from transformer.model import Transformer
+
+
+@pytest.fixture
+def helper():
+    """The process's helper (one per process: the inter-op pool is the process's), active."""
+    made = WeightGradHelper.for_this_process()
+    assert made is not None, "this test machine has 2 or more CPUs: the helper must exist"
+    made.active = True
+    yield made
+    made.active = False
+    made.discard()
+
+
+def _pair(dtype=torch.float32) -> tuple[Linear, nn.Linear]:
+    torch.manual_seed(0)
+    ours = Linear(12, 7).to(dtype)
+    plain = nn.Linear(12, 7).to(dtype)
+    plain.load_state_dict(ours.state_dict())
+    return ours, plain
+
+
+def test_inactive_linear_is_nn_linear():
+    ours, plain = _pair()
+    x = torch.randn(3, 5, 12)
+    assert torch.equal(ours(x), plain(x))
+    assert is_linear(ours) and is_linear(plain) and not is_linear(nn.Conv1d(1, 1, 1))
+    gradhelper.finish()  # nothing queued: a no-op
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_deferred_gradients_equal_autograds_over_two_accumulated_backwards(helper, dtype):
+    ours, plain = _pair(dtype)
+    for seed in (1, 2):  # the second backward accumulates into .grad, as autograd does
+        torch.manual_seed(seed)
+        x = torch.randn(4, 6, 12, dtype=dtype, requires_grad=True)
+        x2 = x.detach().clone().requires_grad_()
+        y = ours(x)
+        (y.float() ** 2).sum().backward()
+        assert ours.weight.grad is None or seed == 2  # not before `finish`
+        helper.finish()
+        (plain(x2).float() ** 2).sum().backward()
+        assert torch.equal(y, plain(x2))
+        assert torch.equal(x.grad, x2.grad)  # the input gradient: computed at once, the same
+    # dW as one (out, N) x (N, in) product, where autograd's kernel may block it otherwise.
+    tol = {"rtol": 1e-6, "atol": 1e-5} if dtype == torch.float32 else {}
+    torch.testing.assert_close(ours.weight.grad, plain.weight.grad, **tol)
+    torch.testing.assert_close(ours.bias.grad, plain.bias.grad, **tol)
+    assert ours.weight.grad.dtype == dtype and ours.weight.grad.abs().max() > 1
+    assert not ours.weight.grad.requires_grad and not ours.bias.grad.requires_grad
+
+
+def test_without_autograd_nothing_is_deferred(helper):
+    ours, plain = _pair()
+    with torch.no_grad():
+        assert torch.equal(ours(torch.ones(2, 12)), plain(torch.ones(2, 12)))
+    assert helper._pending == []
+
+
+def test_the_helper_thread_is_kept_off_the_training_threads_cpu(helper):
+    ours, _ = _pair()
+    ours(torch.randn(8, 12, requires_grad=True)).sum().backward()
+    here = ctypes.CDLL(None).sched_getcpu()
+    allowed = os.sched_getaffinity(helper._pool_thread)
+    helper.finish()
+    assert helper._steer_to is not None and helper._steer_to not in allowed
+    assert allowed and allowed <= os.sched_getaffinity(0)
+    assert here >= 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_chunked_losss_projection_gradient_deferred_equals_inline(helper, dtype):
+    # 5 chunks of 8 rows: more than the two products the loss keeps in flight.
+    torch.manual_seed(0)
+    weight = nn.Parameter(torch.randn(50, 16).to(dtype))
+    hidden = torch.randn(37, 16, dtype=dtype, requires_grad=True)
+    target = torch.randint(0, 50, (37,))
+    grads = []
+    for active in (False, True):
+        helper.active = active
+        weight.grad = None
+        h = hidden.detach().clone().requires_grad_()
+        loss, nll = chunked_label_smoothed_loss(h, weight, target, 0.1, chunk_rows=8)
+        (loss * 0.5).backward()
+        if active:
+            assert weight.grad is None  # waits for `finish`
+        helper.finish()
+        assert not weight.grad.requires_grad
+        grads.append((loss.detach(), h.grad, weight.grad.clone()))
+    (loss_a, h_a, w_a), (loss_b, h_b, w_b) = grads
+    assert torch.equal(loss_a, loss_b) and torch.equal(h_a, h_b)
+    if dtype == torch.float32:  # the same products, summed in the same order
+        torch.testing.assert_close(w_b, w_a, rtol=1e-6, atol=1e-7)
+    else:  # bf16 products summed in fp32, not in a bf16 running sum: closer, not equal
+        torch.testing.assert_close(w_b, w_a, rtol=2e-2, atol=1e-2 * w_a.abs().max().item())
+    assert w_a.abs().max() > 1e-3
+
+
+def test_a_whole_models_gradients_with_the_helper_equal_autograds(helper):
+    cfg = ModelConfig(vocab_size=40, n_layers=2, d_model=16, d_ff=32, n_heads=2, d_k=8, d_v=8,
+                      p_drop=0.0, max_len=32)  # fmt: skip
+    torch.manual_seed(0)
+    model = Transformer(cfg).train()
+    src = torch.randint(4, 40, (3, 9))
+    tgt_in = torch.randint(4, 40, (3, 7))
+    keep = torch.ones(3, 7, dtype=torch.bool)
+    keep[0, 5:] = False
+    grads = []
+    for active in (False, True):
+        helper.active = active
+        model.zero_grad(set_to_none=True)
+        hidden = model(src, src != 0, tgt_in, keep)
+        target = tgt_in[keep]
+        loss, _ = chunked_label_smoothed_loss(hidden, model.output_weight(), target, 0.1)
+        loss.backward()
+        gradhelper.finish()
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
+    for name, g in grads[0].items():
+        torch.testing.assert_close(grads[1][name], g, rtol=1e-5, atol=1e-7, msg=name)
+
+
+def test_a_failing_job_is_raised_by_finish(helper):
+    ours, _ = _pair()
+    x = torch.randn(2, 12, requires_grad=True)
+    y = ours(x)
+    # 2 rows of gradient against 4 rows of input: the product fails on the helper's thread.
+    helper.defer_linear(torch.randn(2, 7), torch.randn(4, 12), ours.weight, ours.bias)
+    y.sum().backward()
+    with pytest.raises(RuntimeError):
+        helper.finish()
+    assert helper._pending == []  # dropped: the next step starts clean
+
+
+def test_one_usable_cpu_makes_no_helper(monkeypatch):
+    monkeypatch.setattr(gradhelper, "_MADE", False)
+    monkeypatch.setattr(gradhelper, "_INSTANCE", None)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda _pid: {0})
+    assert WeightGradHelper.for_this_process() is None
+    assert gradhelper.active() is None
+
+
+def test_the_helper_runs_on_another_thread(helper):
+    seen = []
+    ours, _ = _pair()
+    ours(torch.randn(8, 12, requires_grad=True)).sum().backward()
+    seen.append(threading.get_native_id())
+    helper.finish()
+    assert helper._pool_thread != seen[0]
+    with open(f"/proc/self/task/{helper._pool_thread}/comm", encoding="utf-8") as f:
+        assert f.read().strip() == "PTThreadPool"
