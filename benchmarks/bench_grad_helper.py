@@ -26,17 +26,13 @@ from contextlib import nullcontext
 import torch
 
 from bench_contention import busy_process  # this script's folder is on sys.path
+from bench_step_phases import training_setup
 from transformer import gradhelper
 from transformer.allocator import keep_large_blocks
-from transformer.batching import TokenBatchSampler
-from transformer.config import build_config
 from transformer.cpuinfo import cpu_line
-from transformer.data import collate, load_prepared
 from transformer.errors import UserError
 from transformer.loss import chunked_label_smoothed_loss
-from transformer.optim import MixedPrecisionAdam
 from transformer.tokenizer import PAD_ID
-from transformer.train import build_model
 
 MODES = ("one", "two", "helper", "unsteered")
 
@@ -60,25 +56,13 @@ def main() -> None:
     if helper is None and {"helper", "unsteered"} & set(modes):
         ap.error("no weight-gradient helper here (fewer than 2 usable CPUs?)")
     try:
-        data = load_prepared(args.data)
-        split = data.split("train")
-        config = build_config(args.preset, None, [], vocab_size=data.tokenizer.vocab_size)
+        config, model, opt, batches = training_setup(args.data, args.preset, [])
     except UserError as e:
         ap.error(str(e))
-    torch.manual_seed(1)
-    model = build_model(config, torch.device("cpu")).train()
-    opt = MixedPrecisionAdam(model.parameters(), (0.9, 0.98), 1e-9)
-    sampler = TokenBatchSampler(split.src_lens, split.tgt_lens, config.train.max_tokens, seed=1)
-    batches = iter(sampler)
     steer = helper._steer if helper is not None else None
 
     def step() -> int:
-        nonlocal batches
-        indices = next(batches, None)
-        if indices is None:
-            batches = iter(sampler)
-            indices = next(batches)
-        b = collate(split, indices)
+        b = next(batches)
         keep = b.tgt_out != PAD_ID
         hidden = model(b.src, b.src_mask, b.tgt_in, keep)
         target = b.tgt_out[keep]

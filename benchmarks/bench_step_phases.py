@@ -18,21 +18,46 @@ from __future__ import annotations
 
 import argparse
 import time
+from collections.abc import Iterator
 
 import torch
 
 from transformer.allocator import keep_large_blocks
 from transformer.batching import TokenBatchSampler
-from transformer.config import build_config
+from transformer.config import RunConfig, build_config
 from transformer.cpuinfo import cpu_line
-from transformer.data import collate, load_prepared
+from transformer.data import Batch, collate, load_prepared
 from transformer.errors import UserError
 from transformer.loss import chunked_label_smoothed_loss
+from transformer.model import Transformer
 from transformer.optim import MixedPrecisionAdam
 from transformer.tokenizer import PAD_ID
 from transformer.train import build_model
 
 PHASES = ("forward", "loss", "backward", "optimizer")
+
+
+def training_setup(
+    data_dir: str, preset: str, overrides: list[str]
+) -> tuple[RunConfig, Transformer, MixedPrecisionAdam, Iterator[Batch]]:
+    """A preset's model (seed 1, training mode), its optimizer, and its train split's batches,
+    endlessly: what `transformer train` steps through. Raises UserError for a missing corpus,
+    an unknown preset or override."""
+    data = load_prepared(data_dir)
+    split = data.split("train")
+    config = build_config(preset, None, overrides, vocab_size=data.tokenizer.vocab_size)
+    torch.manual_seed(1)
+    model = build_model(config, torch.device("cpu")).train()
+    opt = MixedPrecisionAdam(model.parameters(), (0.9, 0.98), 1e-9)
+    sampler = TokenBatchSampler(split.src_lens, split.tgt_lens, config.train.max_tokens, seed=1)
+    return config, model, opt, endless_batches(sampler, split)
+
+
+def endless_batches(sampler: TokenBatchSampler, split) -> Iterator[Batch]:
+    """The sampler's batches, collated, epoch after epoch (a timed loop never runs dry)."""
+    while True:
+        for indices in sampler:
+            yield collate(split, indices)
 
 
 def main() -> None:
@@ -54,27 +79,15 @@ def main() -> None:
 
     keep_large_blocks()  # as `transformer train` (train._setup_torch)
     try:
-        data = load_prepared(args.data)
-        split = data.split("train")
-        config = build_config(args.preset, None, [f"train.dtype={args.dtype}"],
-                              vocab_size=data.tokenizer.vocab_size)  # fmt: skip
+        config, model, opt, batches = training_setup(args.data, args.preset,
+                                                     [f"train.dtype={args.dtype}"])  # fmt: skip
     except UserError as e:  # a missing corpus, an unknown preset or dtype
         ap.error(str(e))
-    torch.manual_seed(1)
-    model = build_model(config, torch.device("cpu")).train()
-    opt = MixedPrecisionAdam(model.parameters(), (0.9, 0.98), 1e-9)
-    sampler = TokenBatchSampler(split.src_lens, split.tgt_lens, config.train.max_tokens, seed=1)
-    batches = iter(sampler)
     totals = {t: dict.fromkeys(PHASES, 0.0) for t in counts}
     tokens = dict.fromkeys(counts, 0)
 
     def step(timed: dict | None) -> int:
-        nonlocal batches
-        indices = next(batches, None)
-        if indices is None:
-            batches = iter(sampler)
-            indices = next(batches)
-        b = collate(split, indices)
+        b = next(batches)
         marks = [time.perf_counter()]
         keep = b.tgt_out != PAD_ID
         hidden = model(b.src, b.src_mask, b.tgt_in, keep)

@@ -1,5 +1,5 @@
-"""benchmarks/bench_step_phases.py and benchmarks/issue19_table.sh: bad input is one clear line
-(the script, the problem), exit status 2, before any timing starts."""
+"""benchmarks/bench_step_phases.py, bench_grad_helper.py, bench_wakeup.py and issue19_table.sh:
+bad input is one clear line (the script, the problem), exit status 2, before any timing starts."""
 
 from __future__ import annotations
 
@@ -35,6 +35,35 @@ def test_step_phases_rejects_bad_counts(tmp_path, args, message):
 
 def test_step_phases_names_a_missing_corpus(tmp_path):
     out = _phases("--data", str(tmp_path / "none"))
+    assert out.returncode == 2
+    assert f"{tmp_path / 'none' / 'manifest.json'}: not found" in out.stderr
+    assert "Traceback" not in out.stderr
+
+
+def _run(script: str, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(BENCH / script), *args],
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("script", "args", "message"),
+    [
+        ("bench_grad_helper.py", ["--modes", "one,three"], "--modes: some of one, two, helper"),
+        ("bench_grad_helper.py", ["--rounds", "0"], "--batches and --rounds at least 1"),
+        ("bench_grad_helper.py", ["--where", "moon"], "invalid choice: 'moon'"),
+        ("bench_wakeup.py", ["--seconds", "0"], "--seconds must be positive"),
+        ("bench_wakeup.py", ["--rounds", "0"], "--rounds at least 1"),
+    ],
+)
+def test_helper_benchmarks_reject_bad_arguments(tmp_path, script, args, message):
+    out = _run(script, *(["--data", str(tmp_path)] if script == "bench_grad_helper.py" else []),
+               *args)  # fmt: skip
+    assert out.returncode == 2
+    assert message in out.stderr and "Traceback" not in out.stderr
+
+
+def test_grad_helper_names_a_missing_corpus(tmp_path):
+    out = _run("bench_grad_helper.py", "--data", str(tmp_path / "none"))
     assert out.returncode == 2
     assert f"{tmp_path / 'none' / 'manifest.json'}: not found" in out.stderr
     assert "Traceback" not in out.stderr

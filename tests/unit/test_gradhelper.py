@@ -164,3 +164,15 @@ def test_the_helper_runs_on_another_thread(helper):
     assert helper._pool_thread != seen[0]
     with open(f"/proc/self/task/{helper._pool_thread}/comm", encoding="utf-8") as f:
         assert f.read().strip() == "PTThreadPool"
+
+
+def test_a_torch_without_torchscript_makes_no_helper(monkeypatch):
+    # torch 2.13 calls torch.jit.script deprecated; where it is gone, training keeps the
+    # tuner's thread counts (no helper candidate) instead of failing.
+    def gone() -> None:
+        raise RuntimeError("torch.jit.script was removed")
+
+    monkeypatch.setattr(gradhelper, "_MADE", False)
+    monkeypatch.setattr(gradhelper, "_INSTANCE", None)
+    monkeypatch.setattr(gradhelper, "_script", gone)
+    assert WeightGradHelper.for_this_process() is None
