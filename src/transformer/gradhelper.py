@@ -20,6 +20,8 @@ take turns on one core and the step runs no faster than one thread. Before each 
 helper's affinity is set to the usable CPUs other than the one the training thread is on
 (`sched_setaffinity`, one system call); it then shares the busy process's core, where it gets
 half of it. (Alone a helper finds the idle CPU itself, and the tuner keeps two threads then.)
+The cost: each layer's output gradient and input stay alive until the helper has used them
+(the backlog of one backward pass, in this mode only).
 
     helper = WeightGradHelper.for_this_process()   # None: fewer than 2 CPUs, or no pool thread
     helper.active = True                           # threads.ThreadTuner does this per step
