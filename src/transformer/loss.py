@@ -102,7 +102,7 @@ class _ChunkedProjectionLoss(torch.autograd.Function):
         fp32_sum = weight.dtype == torch.float32
         grad_weight = None
         # Beside a busy process the (V, D) products go to the weight-gradient helper thread
-        # (gradhelper.py), at most two chunks ahead: each holds its (n, V) block until done.
+        # (gradhelper.py), at most three in flight: each holds its (n, V) block until done.
         helper = gradhelper.active() if ctx.needs_input_grad[1] and weight.is_leaf else None
         parts: list = []  # the helper's products not yet waited for
         if need_grad and (fp32_sum or helper is not None):

@@ -32,7 +32,8 @@ HELPER = "1+helper"
 
 
 def label(choice: int | str) -> str:
-    """A candidate as the log says it: "2 CPU threads", "1 CPU thread and a gradient thread"."""
+    """A candidate as the log says it: "2 CPU threads", "1 CPU thread and a weight-gradient
+    thread"."""
     if choice == HELPER:
         return "1 CPU thread and a weight-gradient thread"
     return f"{choice} CPU thread{'s' if choice != 1 else ''}"
@@ -78,7 +79,7 @@ class ThreadTuner:
         self.best_rate = 0.0
         self.recent: list[float] = []
         self._queue: list[int | str] = []
-        self._rates: dict[int, float] = {}
+        self._rates: dict[int | str, float] = {}
         self._next_probe = clock()  # probe at the first unit
         self._threads = self.best
         self._start = 0.0
