@@ -7,6 +7,7 @@ helper on torch's inter-op thread (TorchScript `fork`: C++, no GIL), then waits 
     serial    all 32 on the main thread
     fork      the helper where the kernel puts it when it wakes
     steered   the helper's affinity set, before each job, to the CPUs the main thread is not on
+              (`gradhelper.WeightGradHelper`'s own steering, on its pool thread)
 
 Prints iterations/s and the cores the process used (CPU time / wall time), each mode in a fresh
 process, alone and beside `python -c 'while True: pass'`. docs/performance.md, round nine: beside
@@ -19,8 +20,6 @@ steered (~1.33 cores).
 from __future__ import annotations
 
 import argparse
-import ctypes
-import os
 import subprocess
 import sys
 import time
@@ -35,8 +34,12 @@ def one(mode: str, seconds: float) -> None:
     """Run one mode in this process and print its rate."""
     import torch
 
+    from transformer.gradhelper import WeightGradHelper
+
     torch.set_num_threads(1)
-    torch.set_num_interop_threads(1)
+    helper = WeightGradHelper.for_this_process()  # the inter-op pool: one thread, found
+    if helper is None:
+        raise SystemExit("bench_wakeup.py: no helper thread here (fewer than 2 usable CPUs?)")
     a, b = torch.randn(256, 256), torch.randn(256, 256)
 
     @torch.jit.script
@@ -53,17 +56,8 @@ def one(mode: str, seconds: float) -> None:
         for _ in range(24):
             torch.mm(a, b)
 
-    before = set(os.listdir("/proc/self/task"))
     for _ in range(5):
         launch(a, b).wait()
-    pool = [int(t) for t in set(os.listdir("/proc/self/task")) - before]
-    getcpu = ctypes.CDLL(None).sched_getcpu
-    cpus = os.sched_getaffinity(0)
-
-    def steer() -> None:
-        for t in pool:
-            os.sched_setaffinity(t, cpus - {getcpu()} or cpus)
-
     n, start, cpu = 0, time.perf_counter(), time.process_time()
     while time.perf_counter() - start < seconds:
         if mode == "serial":
@@ -71,7 +65,7 @@ def one(mode: str, seconds: float) -> None:
             main_work()
         else:
             if mode == "steered":
-                steer()
+                helper._steer()
             future = launch(a, b)
             main_work()
             future.wait()

@@ -176,9 +176,9 @@ class WeightGradHelper:
         """Queue dW = g^T x (and db = sum g) of a linear layer, added to .grad by `finish`."""
 
         def add(grads):
-            _accumulate(weight, grads[0])
+            accumulate_grad(weight, grads[0])
             if bias is not None:
-                _accumulate(bias, grads[1])
+                accumulate_grad(bias, grads[1])
 
         self._steer()
         # Detached: the job runs with grad mode on, and x is an activation that needs grad.
@@ -220,7 +220,7 @@ class WeightGradHelper:
         self._steer_to = cpu
 
 
-def _accumulate(param: torch.Tensor, grad: torch.Tensor) -> None:
+def accumulate_grad(param: torch.Tensor, grad: torch.Tensor) -> None:
     """param.grad += grad, as autograd accumulates (set when there is none yet)."""
     if param.grad is None:
         param.grad = grad.to(param.dtype)

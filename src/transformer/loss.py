@@ -168,9 +168,7 @@ class _ChunkedProjectionLoss(torch.autograd.Function):
             if grad_weight is None:  # bf16
                 grad_weight = partial.float() if partial is not None else weight.new_zeros(
                     weight.shape, dtype=torch.float32)  # fmt: skip
-            # q's part in fp32: on_target at each row's target, eps_other for every class.
-            grad_weight.index_add_(0, target, hidden.float(), alpha=-on_target)
-            grad_weight -= eps_other * h_sum
+            _subtract_q(grad_weight, target, hidden, on_target, eps_other * h_sum)
             ctx.save_for_backward(grad_hidden, grad_weight.to(weight.dtype))
         ctx.mark_non_differentiable(nll)
         return loss, nll
@@ -189,17 +187,19 @@ class _ChunkedProjectionLoss(torch.autograd.Function):
 def _finish_weight_grad(ctx, grad_loss: torch.Tensor) -> None:
     """The deferred d loss / d weight (`_ChunkedProjectionLoss` beside a busy process): the
     helper's products summed in fp32, q's part, the scale; added to the weight's .grad."""
-    grad_weight, target, hidden, on_target, eps_h_sum = ctx.weight_rest
+    grad_weight, *q = ctx.weight_rest
     for part in ctx.parts:
         grad_weight += part.wait()
+    _subtract_q(grad_weight, *q)
+    gradhelper.accumulate_grad(ctx.weight, (grad_weight * grad_loss).to(ctx.weight.dtype))
+    ctx.parts, ctx.weight_rest = [], None
+
+
+def _subtract_q(grad_weight, target, hidden, on_target: float, eps_h_sum) -> None:
+    """d loss / d weight -= q's part (fp32, in place): on_target times each row's hidden state
+    at its target's row, and eps_other times the sum of the hidden states at every row."""
     grad_weight.index_add_(0, target, hidden.float(), alpha=-on_target)
     grad_weight -= eps_h_sum
-    grad = (grad_weight * grad_loss).to(ctx.weight.dtype)
-    if ctx.weight.grad is None:
-        ctx.weight.grad = grad
-    else:
-        ctx.weight.grad += grad
-    ctx.parts, ctx.weight_rest = [], None
 
 
 def chunked_label_smoothed_loss(

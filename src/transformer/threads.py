@@ -68,8 +68,8 @@ class ThreadTuner:
         warmup_units: int = 0,
         helper=None,
     ) -> None:
-        counts = sorted({max(1, int(c)) for c in candidates}, reverse=True)
-        self.candidates: list[int | str] = list(counts)
+        self.candidates: list[int | str] = sorted({max(1, int(c)) for c in candidates},
+                                                  reverse=True)  # fmt: skip
         self.helper = helper
         if helper is not None:
             self.candidates.append(HELPER)
@@ -95,7 +95,7 @@ class ThreadTuner:
         process on 2 or more usable CPUs, gradhelper.py)."""
         local = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
         cores = max(1, (os.cpu_count() or 1) // local)
-        if helper and local == 1 and usable_cores() >= 2:
+        if helper and local == 1:  # the helper itself needs 2 usable CPUs
             from transformer.gradhelper import WeightGradHelper
 
             kwargs["helper"] = WeightGradHelper.for_this_process()

@@ -13,8 +13,8 @@ import pytest
 BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
 
 
-def _phases(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(BENCH / "bench_step_phases.py"), *args],
+def _run(script: str, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(BENCH / script), *args],
                           capture_output=True, text=True, timeout=120)  # fmt: skip
 
 
@@ -28,21 +28,16 @@ def _phases(*args: str) -> subprocess.CompletedProcess:
     ],
 )
 def test_step_phases_rejects_bad_counts(tmp_path, args, message):
-    out = _phases("--data", str(tmp_path), *args)
+    out = _run("bench_step_phases.py", "--data", str(tmp_path), *args)
     assert out.returncode == 2
     assert message in out.stderr and "Traceback" not in out.stderr
 
 
 def test_step_phases_names_a_missing_corpus(tmp_path):
-    out = _phases("--data", str(tmp_path / "none"))
+    out = _run("bench_step_phases.py", "--data", str(tmp_path / "none"))
     assert out.returncode == 2
     assert f"{tmp_path / 'none' / 'manifest.json'}: not found" in out.stderr
     assert "Traceback" not in out.stderr
-
-
-def _run(script: str, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(BENCH / script), *args],
-                          capture_output=True, text=True, timeout=120)  # fmt: skip
 
 
 @pytest.mark.parametrize(
