@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 from collections.abc import Callable, Sequence
 
@@ -167,6 +168,78 @@ class ThreadTuner:
         self.best, self.best_rate, self.recent = best, self._rates[best], []
         self._after_drop = False
         self._next_probe = self.clock() + self.every_s
+
+
+class OtherLoad:
+    """The cores that other processes kept busy on this process's CPUs, window by window.
+
+    Not in the paper. Linux's /proc/stat counts each CPU's busy time (user, nice, system, irq,
+    softirq; not idle, iowait or steal); this process's own CPU time (all its threads) taken
+    from it leaves the others'. `cores()` gives their mean over the time since the window
+    began, and starts a new window once the old one is `window_s` long. Elsewhere (no
+    /proc/stat, or one it cannot read) it gives None.
+
+        load = OtherLoad()      # the first window starts here
+        ...
+        if (load.cores() or 0.0) >= 0.5: ...   # another process holds half a core or more
+    """
+
+    def __init__(
+        self,
+        window_s: float = 0.5,
+        stat: str | os.PathLike = "/proc/stat",
+        cpus: Sequence[int] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        own_time: Callable[[], float] = time.process_time,
+    ) -> None:
+        self.window_s, self.stat, self.clock, self.own_time = window_s, stat, clock, own_time
+        if cpus is None and hasattr(os, "sched_getaffinity"):
+            cpus = sorted(os.sched_getaffinity(0))
+        self.cpus = {f"cpu{c}" for c in cpus} if cpus is not None else None
+        self.hz = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+        self.last = None  # the cores of the last whole window
+        self._lock = threading.Lock()  # decoding streams ask from their own threads
+        self._begin = self._read()
+
+    def _read(self) -> tuple[float, float, float] | None:
+        """(now, busy seconds of this process's CPUs, this process's CPU seconds), or None."""
+        try:
+            with open(self.stat, encoding="ascii") as f:
+                lines = f.read().splitlines()
+        except (OSError, ValueError):
+            return None
+        busy = 0
+        seen = 0
+        for line in lines:
+            name, *fields = line.split()
+            if not (name.startswith("cpu") and name != "cpu"):
+                continue
+            if self.cpus is not None and name not in self.cpus:
+                continue
+            try:  # user nice system idle iowait irq softirq ...
+                user, nice, system, _, _, irq, softirq = (int(v) for v in fields[:7])
+            except ValueError:
+                return None
+            busy += user + nice + system + irq + softirq
+            seen += 1
+        if not seen:
+            return None
+        return self.clock(), busy / self.hz, self.own_time()
+
+    def cores(self) -> float | None:
+        """The others' mean cores over the current window (or, until it is `window_s` long,
+        the last whole one's); None where this cannot be measured or no window has ended."""
+        with self._lock:
+            if self._begin is None or self.clock() - self._begin[0] < self.window_s:
+                return self.last
+            end = self._read()
+            if end is None:
+                return self.last
+            seconds = end[0] - self._begin[0]
+            others = (end[1] - self._begin[1]) - (end[2] - self._begin[2])
+            self.last = max(0.0, others / seconds)
+            self._begin = end
+            return self.last
 
 
 def usable_cores() -> int:

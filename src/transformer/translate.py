@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import copy
 import logging
+import os
+import threading
 import warnings
 from collections.abc import Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import BinaryIO
@@ -34,7 +35,7 @@ from transformer.model import PositionwiseFeedForward, accelerator_dtype
 from transformer.modelfile import PROJECTION, LoadedModel, int8_targets
 from transformer.rundir import resolve_model
 from transformer.search import Constrain, beam_search_alphas, greedy_search
-from transformer.threads import ThreadTuner
+from transformer.threads import OtherLoad, ThreadTuner
 from transformer.threads import resolve as resolve_threads
 from transformer.tokenizer import BOS_ID, EOS_ID, PAD_ID
 
@@ -43,6 +44,9 @@ logger = logging.getLogger(__name__)
 # Decoding streams (`Translator._decode_streams`): at most one per this many batches of a job (none
 # below two streams' worth): with fewer, one long batch can leave the other streams idle.
 MIN_BATCHES_PER_STREAM = 2
+# Beside other busy processes (`OtherLoad`: at least this many cores kept busy by them) the streams
+# are pinned to the CPUs in turn and one more stream runs (`_decode_streams`).
+CROWDED_CORES = 0.25
 DTYPES = {**model_dtypes, "int8": "int8"}  # int8: `quantize_int8`'s int8 products
 AUTO = "auto"
 assert (AUTO, *DTYPES) == INFERENCE_DTYPES
@@ -366,6 +370,7 @@ class Translator:
         self.constrain: Constrain | None = None  # a search constraint, e.g. parse's trees
         self.tuner: ThreadTuner | None = None  # chooses the CPU threads step by step
         self.streams = 1  # batches decoded at once on CPU (`translate`), each on its threads
+        self.load: OtherLoad | None = None  # other processes' CPU use, for the streams
 
     @classmethod
     def from_path(
@@ -391,6 +396,7 @@ class Translator:
                 # One stream per core and one more: the extra one runs while another holds
                 # the GIL between ops, or while a busy process holds a core (`_decode_streams`).
                 translator.streams = translator.tuner.candidates[0] + 1
+                translator.load = OtherLoad()  # its first window: from here to the first batch
         return translator
 
     def encode(self, lines: Sequence[str]) -> list[list[int]]:
@@ -523,20 +529,71 @@ class Translator:
         process 779 / 876 / 917. docs/performance.md, "Decoding streams".
         Torch ops release the GIL, so the streams run in parallel; each holds its own batch
         (`streams` times the decoding memory of one search).
+
+        Beside other busy processes (`self.load`, from `from_path`: at least CROWDED_CORES of
+        this process's CPUs kept busy by others over the last half second, checked before each
+        batch) stream k keeps to CPU k mod cores and one more stream runs. A stream that waits
+        for the GIL sleeps, and with no CPU idle Linux wakes it on the CPU of the stream that
+        let the GIL go (gradhelper.py found the same for its helper): the streams pile up on
+        one CPU while the busy process has the other to itself. On the 2-core Zen 5, val x 2,
+        int8, beside `python -c 'while True: pass'`: 3 streams as before 2,884 words/s (1.33
+        cores), pinned 3 + 1 3,064 (1.48 cores), medians of 4 rounds; alone, where nothing
+        changes, 4,417 / 4,372 (6 rounds). docs/performance.md, "Round ten".
         """
         before = torch.get_num_threads()
         torch.set_num_threads(max(1, before // streams))  # new threads inherit this count
+        cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_setaffinity") else []
+        load = self.load if len(cpus) >= 2 else None
+        results: list = [None] * len(batches)
+        taken = [0]  # batches handed out so far
+        lock, stop = threading.Lock(), threading.Event()
+        errors: list[BaseException] = []
 
-        def work(batch: list[int]) -> list[list[list[tuple[list[int], float]]]]:
-            with torch.inference_mode():  # thread-local: the caller's does not reach here
-                return self._decode(batch, sources, cfg, None, alphas)
+        def crowded() -> bool:
+            cores = load.cores() if load is not None else None
+            return cores is not None and cores >= CROWDED_CORES
 
-        pool = ThreadPoolExecutor(streams, thread_name_prefix="decode")
+        def work(k: int) -> None:
+            pinned = False
+            try:
+                with torch.inference_mode():  # thread-local: the caller's does not reach here
+                    while not stop.is_set():
+                        now_crowded = crowded()
+                        if k >= streams and not now_crowded:  # the extra stream: crowded only
+                            if taken[0] >= len(batches):
+                                return
+                            stop.wait(0.05)
+                            continue
+                        if now_crowded != pinned:  # CPU k mod cores, or all of them again
+                            os.sched_setaffinity(0, {cpus[k % len(cpus)]} if now_crowded else cpus)
+                            pinned = now_crowded
+                        with lock:
+                            i, taken[0] = taken[0], taken[0] + 1
+                        if i >= len(batches):
+                            return
+                        results[i] = self._decode(batches[i], sources, cfg, None, alphas)
+            except BaseException as e:  # noqa: BLE001 - raised again in the caller's thread
+                errors.append(e)
+                stop.set()
+
+        workers = [
+            threading.Thread(target=work, args=(k,), name=f"decode-{k}", daemon=True)
+            for k in range(streams + (load is not None))
+        ]
         try:
-            return list(pool.map(work, batches))
+            for worker in workers:
+                worker.start()
+            for worker in workers:
+                worker.join()
         finally:  # on an error or Ctrl-C, the batches not yet started are dropped, not run
-            pool.shutdown(wait=True, cancel_futures=True)
+            stop.set()
+            for worker in workers:
+                if worker.ident is not None:
+                    worker.join()
             torch.set_num_threads(before)
+        if errors:
+            raise errors[0]
+        return results
 
     def options(
         self,

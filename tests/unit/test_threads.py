@@ -190,3 +190,51 @@ def test_the_helper_is_timed_only_where_one_thread_wins_and_chosen_beside_a_busy
 def test_label():
     assert label(2) == "2 CPU threads" and label(1) == "1 CPU thread"
     assert "weight-gradient" in label(HELPER)
+
+
+def _stat(path, busy_per_cpu, idle=1000):
+    """A /proc/stat with two CPUs, each `busy_per_cpu` ticks spread over its busy fields, and a
+    third CPU (cpu2) whose load is not this process's business."""
+    lines = [f"cpu  {3 * busy_per_cpu} 0 0 {3 * idle} 0 0 0 0 0 0"]
+    for n in range(3):
+        user, nice, system, irq, softirq = busy_per_cpu - 4, 1, 1, 1, 1
+        steal = 500  # another guest's time on the host: not this machine's load
+        lines.append(f"cpu{n} {user} {nice} {system} {idle} 7 {irq} {softirq} {steal} 0 0")
+    lines.append("intr 1 2 3")
+    path.write_text("\n".join(lines) + "\n")
+
+
+def test_other_load_counts_the_others_busy_time_on_this_processes_cpus(tmp_path, monkeypatch):
+    from transformer.threads import OtherLoad
+
+    stat = tmp_path / "stat"
+    monkeypatch.setattr("os.sysconf", lambda name: 100)
+    now, own = [0.0], [0.0]
+    _stat(stat, busy_per_cpu=100)
+    load = OtherLoad(window_s=0.5, stat=stat, cpus=[0, 1], clock=lambda: now[0],
+                     own_time=lambda: own[0])  # fmt: skip
+    assert load.cores() is None  # no window has ended
+    # 2 s later: each CPU 150 ticks busier (3 s of busy time on cpu0 + cpu1), 1 s of it ours
+    now[0], own[0] = 2.0, 1.0
+    _stat(stat, busy_per_cpu=250)
+    assert load.cores() == pytest.approx((3.0 - 1.0) / 2.0)
+    now[0] = 2.3  # within the next window: the last whole one's figure, /proc/stat not read
+    stat.unlink()
+    assert load.cores() == pytest.approx(1.0)
+    now[0] = 3.0  # unreadable now: still the last figure
+    assert load.cores() == pytest.approx(1.0)
+    _stat(stat, busy_per_cpu=260)  # 0.2 s busy in 1 s, 0.5 s of it ours: never below zero
+    now[0], own[0] = 4.0, 1.5
+    assert load.cores() == 0.0
+
+
+@pytest.mark.parametrize("text", ["", "intr 1 2\n", "cpu0 1 2 x 4 5 6 7\n", "cpu0 1 2\n"])
+def test_other_load_is_none_where_proc_stat_says_nothing_usable(tmp_path, text):
+    from transformer.threads import OtherLoad
+
+    stat = tmp_path / "stat"
+    stat.write_text(text)
+    clock = iter([0.0, 10.0, 20.0])
+    load = OtherLoad(stat=stat, cpus=[0], clock=lambda: next(clock))
+    assert load.cores() is None
+    assert OtherLoad(stat=tmp_path / "missing").cores() is None

@@ -275,6 +275,67 @@ def test_streams_decode_batches_side_by_side_with_the_same_output(model_file, mo
         torch.set_num_threads(before)
 
 
+class _Crowded:
+    """A stand-in for `threads.OtherLoad` whose figure the test sets."""
+
+    def __init__(self, cores):
+        self.value = cores
+
+    def cores(self):
+        return self.value
+
+
+@pytest.mark.parametrize("others", [1.0, 0.1, None])
+def test_beside_a_busy_process_the_streams_keep_to_a_cpu_each_and_one_more_runs(
+    model_file, monkeypatch, others
+):
+    # Another process busy on the CPUs (1.0 core): stream k keeps to CPU k mod 2 (each stream
+    # thread's own affinity, the caller's untouched) and a fourth stream decodes; a machine
+    # used by nothing else (0.1) or one where it cannot be measured (None): three streams, none
+    # pinned. The same outputs every way.
+    import os
+    import threading
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(transformer.threads.os, "cpu_count", lambda: 2)
+    pins, decoders = [], set()
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
+    monkeypatch.setattr(os, "sched_setaffinity", lambda pid, cpus: pins.append(
+        (threading.current_thread().name, pid, sorted(cpus))))  # fmt: skip
+    before = torch.get_num_threads()
+    lines = [f"{w} {v} runs." for w in ("A man", "Two dogs", "The child") for v in LINES] * 3
+    try:
+        seq = Translator.from_path(model_file, threads=1)
+        par = Translator.from_path(model_file, threads="auto")
+        assert par.streams == 3 and par.load is not None
+        par.load = _Crowded(others)
+        for tr in (seq, par):
+            tr.decode = replace(tr.decode, max_tokens=24)
+        assert len(list(par.batches(par.encode(lines)))) >= 12
+        decode = par._decode
+
+        def slow(*args):  # long enough a batch for every stream to start one
+            decoders.add(threading.current_thread().name)
+            threading.Event().wait(0.02)
+            return decode(*args)
+
+        monkeypatch.setattr(par, "_decode", slow)
+        assert par.translate(lines) == seq.translate(lines)
+        if others == 1.0:
+            assert decoders == {"decode-0", "decode-1", "decode-2", "decode-3"}
+            assert sorted(pins) == [(f"decode-{k}", 0, [k % 2]) for k in range(4)]
+        else:
+            assert decoders == {"decode-0", "decode-1", "decode-2"} and pins == []
+        if others == 1.0:  # crowded for a few batches: the streams pinned, then not again
+            pins.clear()
+            calls = iter([0.0] + [1.0] * 8 + [0.0] * 1000)
+            monkeypatch.setattr(par.load, "cores", lambda: next(calls))
+            assert par.translate(lines) == seq.translate(lines)
+            assert ("decode-3", 0, [1]) in pins and any(cpus == [0, 1] for *_, cpus in pins)
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_a_failing_stream_stops_the_job_and_restores_the_threads(model_file, monkeypatch):
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     monkeypatch.setattr(transformer.threads.os, "cpu_count", lambda: 2)
