@@ -14,6 +14,11 @@ parameters' `.grad` in the order they were made. The two threads meet once a ste
 op; beside a busy process the scheduler gives each of the three runnable threads about two
 thirds of a core.
 
+The forward pass has no such work, and there the helper would sit idle: instead each linear
+layer's product (and the loss's two (n, V) x D products) gives the last third of its rows to
+the helper and joins it at once (`split_linear`). Beside a busy process a step then uses ~1.2
+cores where the backward's weight gradients alone used ~1.1 (docs/performance.md, "Round ten").
+
 One detail decides whether it works: where the kernel wakes the helper. Woken (by a futex)
 with no idle CPU, Linux queues it on the CPU of the thread that woke it, so the two threads
 take turns on one core and the step runs no faster than one thread. Before each job the
@@ -47,6 +52,12 @@ from torch import nn
 
 logger = logging.getLogger(__name__)
 
+# Forward products (`split_linear`): the helper's share of the rows, and the least rows split.
+# Beside a busy process the helper shares that process's core; a linear layer's rows split
+# 3:1 between the threads (joined after each product) ran 1.39x one thread's rate there, 1:1
+# no faster than one thread, 2:1 1.29x (docs/performance.md, "Round ten").
+SPLIT_SHARE = 1 / 3
+MIN_SPLIT_ROWS = 256
 _INSTANCE: WeightGradHelper | None = None  # the process's helper, once made
 _MADE = False  # whether `for_this_process` has tried (it tries once)
 
@@ -79,6 +90,21 @@ def _product(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return a.t() @ b
 
 
+def _rows(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor
+) -> torch.Tensor:
+    """out = x W^T (+ b): some rows of a linear layer's output, written in place."""
+    if bias is None:
+        return torch.mm(x, weight.t(), out=out)
+    return torch.addmm(bias, x, weight.t(), out=out)
+
+
+def _launch_rows(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor
+) -> torch.jit.Future[torch.Tensor]:
+    return torch.jit.fork(_rows, x, weight, bias, out)
+
+
 def _launch_weight_grads(
     g: torch.Tensor, x: torch.Tensor
 ) -> torch.jit.Future[tuple[torch.Tensor, torch.Tensor]]:
@@ -97,7 +123,7 @@ class _DeferredLinear(torch.autograd.Function):
         ctx.save_for_backward(x)
         # The parameters themselves (leaves): their .grad is where `finish` adds.
         ctx.helper, ctx.weight, ctx.bias = helper, weight, bias
-        return F.linear(x, weight, bias)
+        return helper.split_linear(x, weight, bias)
 
     @staticmethod
     def backward(ctx, g):  # noqa: D102
@@ -121,6 +147,7 @@ class WeightGradHelper:
         self._getcpu = ctypes.CDLL(None, use_errno=True).sched_getcpu
         self._launch_weight_grads = _SCRIPTED["weight_grads"]
         self._launch_product = _SCRIPTED["product"]
+        self._launch_rows = _SCRIPTED["rows"]
 
     @classmethod
     def for_this_process(cls) -> WeightGradHelper | None:
@@ -157,6 +184,7 @@ class WeightGradHelper:
                 one = torch.zeros(1, 1)
                 _SCRIPTED["product"](one, one).wait()
                 _SCRIPTED["weight_grads"](one, one).wait()
+                _SCRIPTED["rows"](one, one, None, torch.empty(1, 1)).wait()
         finally:
             torch.set_num_threads(threads)
         new = [t for t, name in _threads().items() if t not in before and name == "PTThreadPool"]
@@ -171,6 +199,26 @@ class WeightGradHelper:
         if not weight.requires_grad or (bias is not None and not bias.requires_grad):
             return F.linear(x, weight, bias)
         return _DeferredLinear.apply(x, weight, bias, self)
+
+    def split_linear(
+        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """F.linear(x, weight, bias) with the last SPLIT_SHARE of its rows on the helper, the
+        rest here, at once (forward passes; nothing else is queued on the helper then)."""
+        x2 = x.reshape(-1, x.shape[-1])
+        n = x2.shape[0]
+        rows = int(n * SPLIT_SHARE) // 16 * 16  # whole blocks of rows for either side
+        if n < MIN_SPLIT_ROWS or not x2.is_contiguous():
+            return F.linear(x, weight, bias)
+        # Made in its final shape: an autograd Function may not return a view of its own.
+        out = x.new_empty(*x.shape[:-1], weight.shape[0])
+        out2 = out.view(n, weight.shape[0])
+        w, b = weight.detach(), None if bias is None else bias.detach()
+        self._steer()
+        future = self._launch_rows(x2[n - rows :].detach(), w, b, out2[n - rows :])
+        _rows(x2[: n - rows].detach(), w, b, out2[: n - rows])
+        future.wait()
+        return out
 
     def defer_linear(self, g, x, weight, bias) -> None:
         """Queue dW = g^T x (and db = sum g) of a linear layer, added to .grad by `finish`."""
@@ -249,6 +297,7 @@ def _script() -> None:
             warnings.simplefilter("ignore", DeprecationWarning)
             _SCRIPTED["weight_grads"] = torch.jit.script(_launch_weight_grads)
             _SCRIPTED["product"] = torch.jit.script(_launch_product)
+            _SCRIPTED["rows"] = torch.jit.script(_launch_rows)
 
 
 def _threads() -> dict[int, str]:

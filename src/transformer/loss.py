@@ -117,7 +117,10 @@ class _ChunkedProjectionLoss(torch.autograd.Function):
         for start, stop in _chunks(n_rows, chunk_rows):
             h = hidden[start:stop]  # (n, D)
             t = target[start:stop]  # (n,)
-            logits = F.linear(h, weight)  # (n, V), in the parameters' dtype (bf16 matmul)
+            # Beside a busy process, with nothing of the helper's in flight, a quarter of the
+            # two (n, V) x D products' rows runs on it (`split_linear`).
+            split = helper.split_linear if helper is not None and not parts else F.linear
+            logits = split(h, weight)  # (n, V), in the parameters' dtype (bf16 matmul)
             logit_t = logits.gather(-1, t[:, None]).squeeze(-1).float()  # (n,)
             # The softmax, written over the logits (the kernel reads each row before it writes
             # it; the same values as a new tensor, ~3x faster as no page is newly touched), is
@@ -142,7 +145,7 @@ class _ChunkedProjectionLoss(torch.autograd.Function):
             if need_grad:
                 # d loss / d logits = softmax - q. q (eps_other everywhere, 1 - eps at the target)
                 # is applied to the (n, D) and (V, D) products below instead of to the logits.
-                g_h = (probs @ weight).float()  # (n, D)
+                g_h = split(probs, weight.t()).float()  # (n, D) = probs @ weight
                 g_h -= eps_other * w_sum + on_target * weight.index_select(0, t).float()
                 grad_hidden[start:stop] = g_h
                 if helper is not None:

@@ -85,18 +85,24 @@ def test_the_helper_thread_is_kept_off_the_training_threads_cpu(helper):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_the_chunked_losss_projection_gradient_deferred_equals_inline(helper, dtype):
-    # 5 chunks of 8 rows: more than the two products the loss keeps in flight.
+@pytest.mark.parametrize("rows, chunk_rows", [(37, 8), (300, 1024)])
+def test_the_chunked_losss_projection_gradient_deferred_equals_inline(
+    helper, dtype, rows, chunk_rows, monkeypatch
+):
+    # 5 chunks of 8 rows: more than the two products the loss keeps in flight; one chunk of
+    # 300 rows: its (n, V) x D products split between the threads as well.
     torch.manual_seed(0)
     weight = nn.Parameter(torch.randn(50, 16).to(dtype))
-    hidden = torch.randn(37, 16, dtype=dtype, requires_grad=True)
-    target = torch.randint(0, 50, (37,))
+    hidden = torch.randn(rows, 16, dtype=dtype, requires_grad=True)
+    target = torch.randint(0, 50, (rows,))
+    launch, split = helper._launch_rows, []
+    monkeypatch.setattr(helper, "_launch_rows", lambda *a: split.append(1) or launch(*a))
     grads = []
     for active in (False, True):
         helper.active = active
         weight.grad = None
         h = hidden.detach().clone().requires_grad_()
-        loss, nll = chunked_label_smoothed_loss(h, weight, target, 0.1, chunk_rows=8)
+        loss, nll = chunked_label_smoothed_loss(h, weight, target, 0.1, chunk_rows=chunk_rows)
         (loss * 0.5).backward()
         if active:
             assert weight.grad is None  # waits for `finish`
@@ -104,7 +110,11 @@ def test_the_chunked_losss_projection_gradient_deferred_equals_inline(helper, dt
         assert not weight.grad.requires_grad
         grads.append((loss.detach(), h.grad, weight.grad.clone()))
     (loss_a, h_a, w_a), (loss_b, h_b, w_b) = grads
-    assert torch.equal(loss_a, loss_b) and torch.equal(h_a, h_b)
+    assert len(split) == (2 if rows >= gradhelper.MIN_SPLIT_ROWS else 0)
+    # the row blocks of a split product may round differently from one product's
+    close = {} if split and dtype == torch.bfloat16 else {"rtol": 1e-6, "atol": 1e-6}
+    torch.testing.assert_close(loss_b, loss_a, **close)
+    torch.testing.assert_close(h_b, h_a, **close)
     if dtype == torch.float32:  # the same products, summed in the same order
         torch.testing.assert_close(w_b, w_a, rtol=1e-6, atol=1e-7)
     else:  # bf16 products summed in fp32, not in a bf16 running sum: closer, not equal
@@ -112,15 +122,18 @@ def test_the_chunked_losss_projection_gradient_deferred_equals_inline(helper, dt
     assert w_a.abs().max() > 1e-3
 
 
-def test_a_whole_models_gradients_with_the_helper_equal_autograds(helper):
+@pytest.mark.parametrize("batch", [3, 40])  # 40 x 7 target rows: products split (forward)
+def test_a_whole_models_gradients_with_the_helper_equal_autograds(helper, batch, monkeypatch):
     cfg = ModelConfig(vocab_size=40, n_layers=2, d_model=16, d_ff=32, n_heads=2, d_k=8, d_v=8,
                       p_drop=0.0, max_len=32)  # fmt: skip
     torch.manual_seed(0)
     model = Transformer(cfg).train()
-    src = torch.randint(4, 40, (3, 9))
-    tgt_in = torch.randint(4, 40, (3, 7))
-    keep = torch.ones(3, 7, dtype=torch.bool)
+    src = torch.randint(4, 40, (batch, 9))
+    tgt_in = torch.randint(4, 40, (batch, 7))
+    keep = torch.ones(batch, 7, dtype=torch.bool)
     keep[0, 5:] = False
+    launch, split = helper._launch_rows, []
+    monkeypatch.setattr(helper, "_launch_rows", lambda *a: split.append(1) or launch(*a))
     grads = []
     for active in (False, True):
         helper.active = active
@@ -131,8 +144,31 @@ def test_a_whole_models_gradients_with_the_helper_equal_autograds(helper):
         loss.backward()
         gradhelper.finish()
         grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
+    # each layer's products, and the loss's two, once the rows reach MIN_SPLIT_ROWS
+    assert (len(split) > 20) == (batch * 7 >= gradhelper.MIN_SPLIT_ROWS)
     for name, g in grads[0].items():
         torch.testing.assert_close(grads[1][name], g, rtol=1e-5, atol=1e-7, msg=name)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bias", [True, False])
+def test_split_linear_equals_f_linear(helper, dtype, bias):
+    # 4 x 75 = 300 rows: the last third (96 rows, whole blocks of 16) on the helper's thread.
+    torch.manual_seed(0)
+    x = torch.randn(4, 75, 24, dtype=dtype)
+    weight = torch.randn(40, 24, dtype=dtype)
+    b = torch.randn(40, dtype=dtype) if bias else None
+    got = helper.split_linear(x, weight, b)
+    want = torch.nn.functional.linear(x, weight, b)
+    assert got.shape == (4, 75, 40) and got.dtype == dtype and got.is_contiguous()
+    torch.testing.assert_close(got, want, **({"rtol": 1e-6, "atol": 1e-5} if dtype ==
+                                               torch.float32 else {}))  # fmt: skip
+    # too few rows, or rows that are not one block of memory: F.linear itself
+    assert torch.equal(helper.split_linear(x[:1], weight, b), torch.nn.functional.linear(
+        x[:1], weight, b))  # fmt: skip
+    strided = torch.randn(24, 300, dtype=dtype).t()  # (300, 24), a column-major view
+    assert torch.equal(helper.split_linear(strided, weight, b),
+                       torch.nn.functional.linear(strided, weight, b))  # fmt: skip
 
 
 def test_a_failing_job_is_raised_by_finish(helper):
