@@ -5,7 +5,11 @@ one busy process, in one process, rounds interleaved (docs/performance.md, "Deco
     .venv/bin/python benchmarks/bench_streams.py --model MODEL --streams 2,3 --dtype int8
 
 The CLI sets the count itself (`Translator.from_path` with `--threads auto`: one stream per core
-and one more); this sets `Translator.streams` per run to compare counts on the same job.
+and one more); this sets `Translator.streams` per run to compare counts on the same job. A count
+written "3p" runs as the CLI does: where other processes keep a quarter core busy, the streams
+keep to a CPU each and one more runs (`Translator.load`); "3" never does:
+
+    .venv/bin/python benchmarks/bench_streams.py --model MODEL --streams 3,3p --rounds 4
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from contextlib import nullcontext
 from pathlib import Path
 
 from bench_contention import busy_process, cpu_line  # this script's folder is on sys.path
+from transformer.threads import OtherLoad
 from transformer.translate import Translator
 
 
@@ -25,7 +30,7 @@ def main() -> None:
     p.add_argument("--model", type=Path, required=True, help="a trained model file")
     p.add_argument("--src", type=Path, default=Path("../shared/data/multi30k/val.en"))
     p.add_argument("--repeat", type=int, default=2, help="translate the lines this many times")
-    p.add_argument("--streams", default="2,3,4")
+    p.add_argument("--streams", default="3,3p")
     p.add_argument("--rounds", type=int, default=8)
     p.add_argument("--dtype", default="auto")
     p.add_argument("--beam", type=int, help="default: the model's")
@@ -34,20 +39,26 @@ def main() -> None:
         if not path.is_file():
             p.error(f"{path}: no such file")
     lines = args.src.read_text(encoding="utf-8").splitlines() * args.repeat
-    counts = [int(s) for s in args.streams.split(",")]
+    counts = args.streams.split(",")
+    for c in counts:
+        if not c.removesuffix("p").isdigit() or int(c.removesuffix("p")) < 1:
+            p.error(f"--streams: {c!r} is not a count (N, or Np: pinned beside a busy process)")
     tr = Translator.from_path(args.model, dtype=args.dtype, threads="auto")
     tr.translate(lines[:200], beam_size=args.beam)  # warm-up
     print(f"# {cpu_line()}; {len(lines)} lines, dtype {tr.dtype_name}, {args.rounds} rounds")
 
-    def rate(streams: int) -> float:
-        tr.streams = streams
+    load = OtherLoad()  # one for the whole run: its windows follow each other
+
+    def rate(streams: str) -> float:
+        tr.streams = int(streams.removesuffix("p"))
+        tr.load = load if streams.endswith("p") else None
         start = time.perf_counter()
         out = tr.translate(lines, beam_size=args.beam)
         return sum(len(n[0].text.split()) for n in out) / (time.perf_counter() - start)
 
     medians = {}
     for busy in (False, True):
-        rates: dict[int, list[float]] = {n: [] for n in counts}
+        rates: dict[str, list[float]] = {n: [] for n in counts}
         with busy_process() if busy else nullcontext():
             for _ in range(args.rounds):
                 for n in counts:

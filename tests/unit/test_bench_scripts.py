@@ -1,5 +1,5 @@
-"""benchmarks/bench_step_phases.py, bench_grad_helper.py, bench_wakeup.py and issue19_table.sh:
-bad input is one clear line (the script, the problem), exit status 2, before any timing starts."""
+"""benchmarks/bench_step_phases.py, bench_grad_helper.py, bench_wakeup.py, bench_streams.py and
+issue19_table.sh: bad input is one clear line (the script, the problem), exit status 2, before any timing starts."""
 
 from __future__ import annotations
 
@@ -229,3 +229,14 @@ def test_serve_load_refuses_bad_counts_before_starting_a_server(args, message):
     cmd = [sys.executable, str(BENCH / "bench_serve_load.py"), "--url", "http://127.0.0.1:9"]
     out = subprocess.run([*cmd, *args], capture_output=True, text=True, timeout=60)
     assert out.returncode == 2 and message in out.stderr and "Traceback" not in out.stderr
+
+
+@pytest.mark.parametrize("streams", ["3,x", "0", "3q", ""])
+def test_streams_rejects_a_bad_count_before_loading_the_model(tmp_path, streams):
+    model, src = tmp_path / "model.safetensors", tmp_path / "src.txt"
+    model.write_bytes(b"not read")
+    src.write_text("A man.\n")
+    out = _run("bench_streams.py", "--model", str(model), "--src", str(src), "--streams", streams)
+    assert out.returncode == 2
+    assert "--streams:" in out.stderr and "is not a count" in out.stderr
+    assert "Traceback" not in out.stderr
