@@ -565,7 +565,12 @@ class Translator:
                             stop.wait(0.05)
                             continue
                         if now_crowded != pinned:  # CPU k mod cores, or all of them again
-                            os.sched_setaffinity(0, {cpus[k % len(cpus)]} if now_crowded else cpus)
+                            try:
+                                os.sched_setaffinity(
+                                    0, {cpus[k % len(cpus)]} if now_crowded else cpus
+                                )
+                            except OSError:  # a CPU taken away since (cpuset): left as it is
+                                pass
                             pinned = now_crowded
                         with lock:
                             i, taken[0] = taken[0], taken[0] + 1

@@ -332,6 +332,13 @@ def test_beside_a_busy_process_the_streams_keep_to_a_cpu_each_and_one_more_runs(
             monkeypatch.setattr(par.load, "cores", lambda: next(calls))
             assert par.translate(lines) == seq.translate(lines)
             assert ("decode-3", 0, [1]) in pins and any(cpus == [0, 1] for *_, cpus in pins)
+
+            def refused(pid, cpus):  # a CPU taken away meanwhile: the streams go on unpinned
+                raise OSError(22, "Invalid argument")
+
+            monkeypatch.setattr(os, "sched_setaffinity", refused)
+            monkeypatch.setattr(par.load, "cores", lambda: 1.0)
+            assert par.translate(lines) == seq.translate(lines)
     finally:
         torch.set_num_threads(before)
 
