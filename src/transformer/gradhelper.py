@@ -53,9 +53,10 @@ from torch import nn
 logger = logging.getLogger(__name__)
 
 # Forward products (`split_linear`): the helper's share of the rows, and the least rows split.
-# Beside a busy process the helper shares that process's core; a linear layer's rows split
-# 3:1 between the threads (joined after each product) ran 1.39x one thread's rate there, 1:1
-# no faster than one thread, 2:1 1.29x (docs/performance.md, "Round ten").
+# Beside a busy process the helper shares that process's core: a layer's four products at 1,024
+# rows (`benchmarks/bench_split_rows.py`, 2-core Zen 5) ran 1.30x one thread's rate there with a
+# third of the rows on the helper (d_model 512; 1.12x at the quickstart's 256), 1.23x with a
+# quarter (1.06x), 0.96x with half (docs/performance.md, "Round ten").
 SPLIT_SHARE = 1 / 3
 MIN_SPLIT_ROWS = 256
 _INSTANCE: WeightGradHelper | None = None  # the process's helper, once made

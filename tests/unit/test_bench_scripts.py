@@ -1,5 +1,5 @@
-"""benchmarks/bench_step_phases.py, bench_grad_helper.py, bench_wakeup.py, bench_streams.py and
-issue19_table.sh: bad input is one clear line (the script, the problem), exit status 2, before
+"""benchmarks/bench_step_phases.py, bench_grad_helper.py, bench_wakeup.py, bench_streams.py,
+bench_split_rows.py and issue19_table.sh: bad input is one clear line (the script, the problem), exit status 2, before
 any timing starts."""
 
 from __future__ import annotations
@@ -49,6 +49,9 @@ def test_step_phases_names_a_missing_corpus(tmp_path):
         ("bench_grad_helper.py", ["--where", "moon"], "invalid choice: 'moon'"),
         ("bench_wakeup.py", ["--seconds", "0"], "--seconds must be positive"),
         ("bench_wakeup.py", ["--rounds", "0"], "--rounds at least 1"),
+        ("bench_split_rows.py", ["--modes", "one,split:1.5"], "'split:1.5' is not one, two or"),
+        ("bench_split_rows.py", ["--modes", "split:x"], "'split:x' is not one, two or"),
+        ("bench_split_rows.py", ["--rows", "0"], "--rows, --d-model, --d-ff and --rounds must"),
     ],
 )
 def test_helper_benchmarks_reject_bad_arguments(tmp_path, script, args, message):
