@@ -1,6 +1,6 @@
 """benchmarks/bench_step_phases.py, bench_grad_helper.py, bench_wakeup.py, bench_streams.py,
-bench_split_rows.py and issue19_table.sh: bad input is one clear line (the script, the problem), exit status 2, before
-any timing starts."""
+bench_split_rows.py and issue19_table.sh: bad input is one clear line (the script, the problem),
+exit status 2, before any timing starts."""
 
 from __future__ import annotations
 
