@@ -19,12 +19,10 @@ Prints iterations/s and the cores the process used (CPU time / wall time).
 from __future__ import annotations
 
 import argparse
-import subprocess
-import sys
 import time
-from contextlib import nullcontext
 
-from bench_contention import busy_process, cpu_line  # this script's folder is on sys.path
+from bench_contention import cpu_line  # this script's folder is on sys.path
+from bench_wakeup import run_fresh
 
 
 def one(mode: str, rows: int, d_model: int, d_ff: int, seconds: float) -> None:
@@ -95,18 +93,7 @@ def main() -> None:
     print(f"# {cpu_line()}; rows {args.rows}, d_model {args.d_model}, d_ff {args.d_ff}, bf16; "
           f"{args.rounds} rounds of {args.seconds:g} s, a fresh process each")  # fmt: skip
     sizes = ["--rows", str(args.rows), "--d-model", str(args.d_model), "--d-ff", str(args.d_ff)]
-    for busy in (False, True):
-        where = "beside a busy process" if busy else "alone"
-        with busy_process() if busy else nullcontext():
-            for _ in range(args.rounds):
-                for mode in modes:
-                    out = subprocess.run(
-                        [sys.executable, __file__, "--one", mode, "--seconds", str(args.seconds),
-                         *sizes],
-                        capture_output=True, text=True, check=True,
-                    ).stdout.split()  # fmt: skip
-                    print(f"{mode:10s} {where:21s}: {float(out[0]):6.1f} iterations/s, "
-                          f"{out[1]} cores", flush=True)  # fmt: skip
+    run_fresh(__file__, modes, args.rounds, ["--seconds", str(args.seconds), *sizes])
 
 
 if __name__ == "__main__":

@@ -23,6 +23,7 @@ import argparse
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from contextlib import nullcontext
 
 from bench_contention import busy_process, cpu_line  # this script's folder is on sys.path
@@ -86,16 +87,23 @@ def main() -> None:
     if args.seconds <= 0 or args.rounds < 1:
         ap.error("--seconds must be positive and --rounds at least 1")
     print(f"# {cpu_line()}; {args.rounds} rounds of {args.seconds:g} s, a fresh process each")
+    run_fresh(__file__, MODES, args.rounds, ["--seconds", str(args.seconds)])
+
+
+def run_fresh(script: str, modes: Sequence[str], rounds: int, args: list[str]) -> None:
+    """Each mode in a fresh process (`script --one MODE *args`, which prints "rate cores"),
+    the modes interleaved round by round, alone and then beside a busy process."""
+    width = max(len(m) for m in modes)
     for busy in (False, True):
         where = "beside a busy process" if busy else "alone"
         with busy_process() if busy else nullcontext():
-            for _ in range(args.rounds):
-                for mode in MODES:
+            for _ in range(rounds):
+                for mode in modes:
                     out = subprocess.run(
-                        [sys.executable, __file__, "--one", mode, "--seconds", str(args.seconds)],
+                        [sys.executable, script, "--one", mode, *args],
                         capture_output=True, text=True, check=True,
                     ).stdout.split()  # fmt: skip
-                    print(f"{mode:8s} {where:21s}: {float(out[0]):6.1f} iterations/s, "
+                    print(f"{mode:{width}s} {where:21s}: {float(out[0]):6.1f} iterations/s, "
                           f"{out[1]} cores", flush=True)  # fmt: skip
 
 

@@ -58,7 +58,11 @@ logger = logging.getLogger(__name__)
 # third of the rows on the helper (d_model 512; 1.12x at the quickstart's 256), 1.23x with a
 # quarter (1.06x), 0.96x with half (docs/performance.md, "Round ten").
 SPLIT_SHARE = 1 / 3
+# Smaller products are left whole: a split and its join cost ~50 us alone and ~125 us beside a
+# busy process (bench_split_rows.py at d_model 64: 3x slower split than whole), more than a
+# third of a product of fewer than ~2^25 multiply-adds saves (~0.1 ms on one Zen 5 core).
 MIN_SPLIT_ROWS = 256
+MIN_SPLIT_MACS = 1 << 25
 _INSTANCE: WeightGradHelper | None = None  # the process's helper, once made
 _MADE = False  # whether `for_this_process` has tried (it tries once)
 
@@ -205,11 +209,13 @@ class WeightGradHelper:
         self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     ) -> torch.Tensor:
         """F.linear(x, weight, bias) with the last SPLIT_SHARE of its rows on the helper, the
-        rest here, at once (forward passes; nothing else is queued on the helper then)."""
+        rest here, at once (forward passes; nothing else is queued on the helper then); a
+        product of fewer than MIN_SPLIT_ROWS rows or MIN_SPLIT_MACS multiply-adds stays whole."""
         x2 = x.reshape(-1, x.shape[-1])
         n = x2.shape[0]
         rows = int(n * SPLIT_SHARE) // 16 * 16  # whole blocks of rows for either side
-        if n < MIN_SPLIT_ROWS or not x2.is_contiguous():
+        macs = n * x2.shape[1] * weight.shape[0]
+        if n < MIN_SPLIT_ROWS or macs < MIN_SPLIT_MACS or not x2.is_contiguous():
             return F.linear(x, weight, bias)
         # Made in its final shape: an autograd Function may not return a view of its own.
         out = x.new_empty(*x.shape[:-1], weight.shape[0])

@@ -97,6 +97,7 @@ def test_the_chunked_losss_projection_gradient_deferred_equals_inline(
     target = torch.randint(0, 50, (rows,))
     launch, split = helper._launch_rows, []
     monkeypatch.setattr(helper, "_launch_rows", lambda *a: split.append(1) or launch(*a))
+    monkeypatch.setattr(gradhelper, "MIN_SPLIT_MACS", 0)  # (300, 16) x (16, 50): tiny
     grads = []
     for active in (False, True):
         helper.active = active
@@ -134,6 +135,7 @@ def test_a_whole_models_gradients_with_the_helper_equal_autograds(helper, batch,
     keep[0, 5:] = False
     launch, split = helper._launch_rows, []
     monkeypatch.setattr(helper, "_launch_rows", lambda *a: split.append(1) or launch(*a))
+    monkeypatch.setattr(gradhelper, "MIN_SPLIT_MACS", 0)  # this model's products are tiny
     grads = []
     for active in (False, True):
         helper.active = active
@@ -152,8 +154,11 @@ def test_a_whole_models_gradients_with_the_helper_equal_autograds(helper, batch,
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("bias", [True, False])
-def test_split_linear_equals_f_linear(helper, dtype, bias):
+def test_split_linear_equals_f_linear(helper, dtype, bias, monkeypatch):
     # 4 x 75 = 300 rows: the last third (96 rows, whole blocks of 16) on the helper's thread.
+    launch, split = helper._launch_rows, []
+    monkeypatch.setattr(helper, "_launch_rows", lambda *a: split.append(1) or launch(*a))
+    monkeypatch.setattr(gradhelper, "MIN_SPLIT_MACS", 300 * 24 * 40)
     torch.manual_seed(0)
     x = torch.randn(4, 75, 24, dtype=dtype)
     weight = torch.randn(40, 24, dtype=dtype)
@@ -163,12 +168,18 @@ def test_split_linear_equals_f_linear(helper, dtype, bias):
     assert got.shape == (4, 75, 40) and got.dtype == dtype and got.is_contiguous()
     torch.testing.assert_close(got, want, **({"rtol": 1e-6, "atol": 1e-5} if dtype ==
                                                torch.float32 else {}))  # fmt: skip
-    # too few rows, or rows that are not one block of memory: F.linear itself
+    assert split == [1]
+    # too few rows, too little work, or rows that are not one block of memory: F.linear itself
     assert torch.equal(helper.split_linear(x[:1], weight, b), torch.nn.functional.linear(
         x[:1], weight, b))  # fmt: skip
+    assert torch.equal(
+        helper.split_linear(x, weight[:39], b if b is None else b[:39]),
+        torch.nn.functional.linear(x, weight[:39], b if b is None else b[:39]),
+    )
     strided = torch.randn(24, 300, dtype=dtype).t()  # (300, 24), a column-major view
     assert torch.equal(helper.split_linear(strided, weight, b),
                        torch.nn.functional.linear(strided, weight, b))  # fmt: skip
+    assert split == [1]
 
 
 def test_a_failing_job_is_raised_by_finish(helper):
