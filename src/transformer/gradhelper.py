@@ -213,10 +213,10 @@ class WeightGradHelper:
         product of fewer than MIN_SPLIT_ROWS rows or MIN_SPLIT_MACS multiply-adds stays whole."""
         x2 = x.reshape(-1, x.shape[-1])
         n = x2.shape[0]
-        rows = int(n * SPLIT_SHARE) // 16 * 16  # whole blocks of rows for either side
         macs = n * x2.shape[1] * weight.shape[0]
         if n < MIN_SPLIT_ROWS or macs < MIN_SPLIT_MACS or not x2.is_contiguous():
             return F.linear(x, weight, bias)
+        rows = int(n * SPLIT_SHARE) // 16 * 16  # whole blocks of rows for either side
         # Made in its final shape: an autograd Function may not return a view of its own.
         out = x.new_empty(*x.shape[:-1], weight.shape[0])
         out2 = out.view(n, weight.shape[0])

@@ -117,8 +117,8 @@ class _ChunkedProjectionLoss(torch.autograd.Function):
         for start, stop in _chunks(n_rows, chunk_rows):
             h = hidden[start:stop]  # (n, D)
             t = target[start:stop]  # (n,)
-            # Beside a busy process, with nothing of the helper's in flight, a quarter of the
-            # two (n, V) x D products' rows runs on it (`split_linear`).
+            # Beside a busy process, with nothing of the helper's in flight, a third of the
+            # two (n, V) x D products' rows runs on it (`split_linear`, SPLIT_SHARE).
             split = helper.split_linear if helper is not None and not parts else F.linear
             logits = split(h, weight)  # (n, V), in the parameters' dtype (bf16 matmul)
             logit_t = logits.gather(-1, t[:, None]).squeeze(-1).float()  # (n,)

@@ -181,7 +181,7 @@ class OtherLoad:
 
         load = OtherLoad()      # the first window starts here
         ...
-        if (load.cores() or 0.0) >= 0.5: ...   # another process holds half a core or more
+        if (load.cores() or 0.0) >= 0.25: ...  # others keep a quarter core or more busy
     """
 
     def __init__(
@@ -211,7 +211,7 @@ class OtherLoad:
         busy = 0
         seen = 0
         for line in lines:
-            name, *fields = line.split()
+            name, *fields = line.split() or [""]  # a blank line: no name, skipped
             if not (name.startswith("cpu") and name != "cpu"):
                 continue
             if self.cpus is not None and name not in self.cpus:

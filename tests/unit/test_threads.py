@@ -200,6 +200,7 @@ def _stat(path, busy_per_cpu, idle=1000):
         user, nice, system, irq, softirq = busy_per_cpu - 4, 1, 1, 1, 1
         steal = 500  # another guest's time on the host: not this machine's load
         lines.append(f"cpu{n} {user} {nice} {system} {idle} 7 {irq} {softirq} {steal} 0 0")
+    lines.insert(2, "")  # a blank line among the CPUs': skipped, not an error
     lines.append("intr 1 2 3")
     path.write_text("\n".join(lines) + "\n")
 
