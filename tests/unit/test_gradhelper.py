@@ -5,6 +5,7 @@ from __future__ import annotations
 import ctypes
 import os
 import threading
+import warnings
 
 import pytest
 import torch
@@ -180,6 +181,83 @@ def test_split_linear_equals_f_linear(helper, dtype, bias, monkeypatch):
     assert torch.equal(helper.split_linear(strided, weight, b),
                        torch.nn.functional.linear(strided, weight, b))  # fmt: skip
     assert split == [1]
+
+
+def _spin(flag: torch.Tensor) -> torch.Tensor:
+    while bool(flag[0] == 0):
+        pass
+    return flag
+
+
+def _launch_spin(flag: torch.Tensor) -> torch.jit.Future[torch.Tensor]:
+    return torch.jit.fork(_spin, flag)
+
+
+def _hold_the_helper(flag: torch.Tensor):
+    """Start a job on the helper's thread that runs until flag[0] is set (at the latest
+    after 10 s: a test that fails does not hang)."""
+    with warnings.catch_warnings():  # torch 2.13 calls torch.jit.script deprecated
+        warnings.simplefilter("ignore", DeprecationWarning)
+        launch = torch.jit.script(_launch_spin)
+    timer = threading.Timer(10.0, flag.fill_, (1,))
+    timer.start()
+    return launch(flag), timer
+
+
+def _stack_and_inputs(dtype):
+    torch.manual_seed(0)
+    layers = [Linear(12, 12).to(dtype) for _ in range(4)]
+    plain = [nn.Linear(12, 12).to(dtype) for _ in range(4)]
+    for a, b in zip(layers, plain, strict=True):
+        b.load_state_dict(a.state_dict())
+    return layers, plain, torch.randn(5, 12, dtype=dtype)
+
+
+def _run(layers, x):
+    for layer in layers:
+        x = torch.tanh(layer(x))
+    (x.float() ** 2).sum().backward()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_finish_takes_the_jobs_the_helper_has_not_started(helper, dtype, monkeypatch):
+    # The helper's thread is held by a job that spins until all four layers' gradients were
+    # computed by the training thread in `finish`: it takes them all, from the queue's end,
+    # and the helper's copies, reached later, do nothing. Same gradients as autograd's.
+    layers, plain, x = _stack_and_inputs(dtype)
+    flag = torch.zeros(1, dtype=torch.uint8)
+    held, timer = _hold_the_helper(flag)
+    computed = []
+
+    def on_main(g, x):
+        computed.append(g.shape)
+        if len(computed) == len(layers):
+            flag[0] = 1  # release the helper: every job is claimed
+        return weight_grads(g, x)
+
+    weight_grads = gradhelper._weight_grads
+    monkeypatch.setattr(gradhelper, "_weight_grads", on_main)
+    _run(layers, x)
+    helper.finish()
+    held.wait()
+    timer.cancel()
+    assert helper.taken == len(layers) == len(computed) and helper._jobs == []
+    _run(plain, x)
+    for a, b in zip(layers, plain, strict=True):
+        torch.testing.assert_close(a.weight.grad, b.weight.grad)
+        torch.testing.assert_close(a.bias.grad, b.bias.grad)
+
+
+def test_finish_takes_nothing_the_helper_has_done(helper):
+    layers, plain, x = _stack_and_inputs(torch.float32)
+    _run(layers, x)
+    for future, _ in helper._pending:  # the helper done with everything before `finish`
+        future.wait()
+    helper.finish()
+    assert helper.taken == 0
+    _run(plain, x)
+    for a, b in zip(layers, plain, strict=True):
+        torch.testing.assert_close(a.weight.grad, b.weight.grad, rtol=1e-6, atol=1e-6)
 
 
 def test_a_failing_job_is_raised_by_finish(helper):
