@@ -219,15 +219,14 @@ def _run(layers, x):
     (x.float() ** 2).sum().backward()
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_finish_takes_the_jobs_the_helper_has_not_started(helper, dtype, monkeypatch):
-    # The helper's thread is held by a job that spins until all four layers' gradients were
-    # computed by the training thread in `finish`: it takes them all, from the queue's end,
-    # and the helper's copies, reached later, do nothing. Same gradients as autograd's.
-    layers, plain, x = _stack_and_inputs(dtype)
+def _finish_with_the_helper_held(helper, layers, x, monkeypatch) -> int:
+    """Backward through `layers` while the helper's thread is held by a job that spins until
+    the training thread has computed every layer's weight gradients in `finish`; the number
+    of jobs it computed."""
     flag = torch.zeros(1, dtype=torch.uint8)
     held, timer = _hold_the_helper(flag)
     computed = []
+    weight_grads = gradhelper._weight_grads
 
     def on_main(g, x):
         computed.append(g.shape)
@@ -235,26 +234,57 @@ def test_finish_takes_the_jobs_the_helper_has_not_started(helper, dtype, monkeyp
             flag[0] = 1  # release the helper: every job is claimed
         return weight_grads(g, x)
 
-    weight_grads = gradhelper._weight_grads
-    monkeypatch.setattr(gradhelper, "_weight_grads", on_main)
-    _run(layers, x)
-    helper.finish()
+    with monkeypatch.context() as patch:
+        patch.setattr(gradhelper, "_weight_grads", on_main)
+        _run(layers, x)
+        helper.finish()
     held.wait()
     timer.cancel()
-    assert helper.taken == len(layers) == len(computed) and helper._jobs == []
+    assert helper.taken == len(computed)
+    return helper.taken
+
+
+def _finish_after_the_helper(helper, layers, x) -> int:
+    """Backward through `layers`, the helper done with every job before `finish`."""
+    _run(layers, x)
+    for future, _ in helper._pending:
+        future.wait()
+    helper.finish()
+    return helper.taken
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_finish_takes_the_jobs_the_helper_has_not_started(helper, dtype, monkeypatch):
+    # The training thread takes all four layers' jobs, from the queue's end; the helper's
+    # copies, reached later, do nothing. Same gradients as autograd's.
+    layers, plain, x = _stack_and_inputs(dtype)
+    assert _finish_with_the_helper_held(helper, layers, x, monkeypatch) == len(layers)
+    assert helper._jobs == []
     _run(plain, x)
     for a, b in zip(layers, plain, strict=True):
         torch.testing.assert_close(a.weight.grad, b.weight.grad)
         torch.testing.assert_close(a.bias.grad, b.bias.grad)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_either_threads_gradients_are_the_same_bits(helper, dtype, monkeypatch):
+    # One torch thread each, as in helper mode: whichever thread computes a job, the same bits.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        by_main, _, x = _stack_and_inputs(dtype)
+        by_helper, _, _ = _stack_and_inputs(dtype)
+        assert _finish_with_the_helper_held(helper, by_main, x, monkeypatch) == len(by_main)
+        assert _finish_after_the_helper(helper, by_helper, x) == 0
+    finally:
+        torch.set_num_threads(threads)
+    for a, b in zip(by_main, by_helper, strict=True):
+        assert torch.equal(a.weight.grad, b.weight.grad) and torch.equal(a.bias.grad, b.bias.grad)
+
+
 def test_finish_takes_nothing_the_helper_has_done(helper):
     layers, plain, x = _stack_and_inputs(torch.float32)
-    _run(layers, x)
-    for future, _ in helper._pending:  # the helper done with everything before `finish`
-        future.wait()
-    helper.finish()
-    assert helper.taken == 0
+    assert _finish_after_the_helper(helper, layers, x) == 0
     _run(plain, x)
     for a, b in zip(layers, plain, strict=True):
         torch.testing.assert_close(a.weight.grad, b.weight.grad, rtol=1e-6, atol=1e-6)
