@@ -286,11 +286,11 @@ class WeightGradHelper:
         """Wait for the queued gradients and add them to .grad, in the order they were queued
         (a job's error is raised here).
 
-        Meanwhile the training thread would sit idle while the helper works through its
-        backlog (beside a busy process the helper has half a core, and ~11% of a quickstart
-        step was this wait): it takes the weight-gradient jobs from the end of the helper's
-        queue itself, each one the helper has not started, until it meets one the helper has
-        (the helper takes them in order: every earlier one is then done or running there)."""
+        Rather than wait idle while the helper works through its backlog (beside a busy
+        process the helper has half a core; the wait was ~11% of a quickstart step), the
+        training thread computes the weight-gradient jobs at the end of the helper's queue
+        itself, each one the helper has not started, until it meets one the helper has (the
+        helper takes them in order: every earlier one is then done or running there)."""
         pending, self._pending = self._pending, []
         jobs, self._jobs = self._jobs, []
         self.taken = 0
