@@ -294,16 +294,15 @@ class WeightGradHelper:
         pending, self._pending = self._pending, []
         jobs, self._jobs = self._jobs, []
         self.taken = 0
-        with torch.no_grad():
+        with torch.no_grad():  # as autograd adds to .grad: nothing of it is recorded
             for job in reversed(jobs):
                 if int(job.claim[0]) != 0:
                     break
                 job.claim[0] = 1
                 job.grads = _weight_grads(job.g, job.x)
                 self.taken += 1
-        for job in jobs:  # this side's hold on the activations (a running job keeps its own)
-            job.g = job.x = None
-        with torch.no_grad():  # as autograd adds to .grad: nothing of it is recorded
+            for job in jobs:  # this side's hold on the activations (a running job keeps its own)
+                job.g = job.x = None
             for future, use in pending:
                 use(None if future is None else future.wait())
 
