@@ -9,6 +9,7 @@ whose weight gradients a training step beside a busy process computes on a secon
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -228,7 +229,70 @@ def attention(
         w = masked_softmax(scores, mask)
     if weights is not None:
         weights.append(w)
+    if p_drop == 0.0 and _weighted_rows_apply(w, v):
+        return _weighted_rows(w, v)
     return dropout(w, p_drop, True) @ v  # (B, H, Tq, Vd)
+
+
+# A decoding step's weights-times-values product (a few queries per head) as weighted sums of
+# the value rows (`_weighted_rows`): up to this many queries per head (beams of a sentence
+# attend together; at 8 and more the batched product reads its keys once for all of them and
+# is as fast or faster), and from this many multiply-adds (below it every operand is in the
+# cache and the batched product's one call beats the sums' three small ones).
+WEIGHTED_ROWS_MAX_QUERIES = 6
+WEIGHTED_ROWS_MIN_MACS = 2**18
+
+
+def _weighted_rows_apply(w: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether `_weighted_rows` takes w @ v: a CPU decoding step (no gradient, at most
+    WEIGHTED_ROWS_MAX_QUERIES queries a head, WEIGHTED_ROWS_MIN_MACS multiply-adds or more),
+    fp32 or bf16, each value row one run of memory and every (batch, head) block of rows
+    starting on a row boundary."""
+    if w.device.type != "cpu" or w.dtype != v.dtype or w.dtype not in DTYPES.values():
+        return False
+    if w.size(-2) > WEIGHTED_ROWS_MAX_QUERIES or (
+            torch.is_grad_enabled() and (w.requires_grad or v.requires_grad)):  # fmt: skip
+        return False
+    B, H, L, size = v.shape
+    if B * H * w.size(-2) * L * size < WEIGHTED_ROWS_MIN_MACS:
+        return False
+    s_b, s_h, s_t, s_d = v.stride()
+    return (s_d == 1 and s_t == size and L > 1
+            and (B == 1 or s_b % size == 0) and (H == 1 or s_h % size == 0))  # fmt: skip
+
+
+def _weighted_rows(w: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """w (B, H, Tq, L) @ v (B, H, L, Vd) for a decoding step (`_weighted_rows_apply`): each
+    output row the sum of the L value rows times their weights, `embedding_bag` over v's rows
+    with one bag per query; (B, H, Tq, Vd).
+
+    A batched product of one (or a few) query rows per head is a matrix-vector product per
+    (batch, head), whose fixed costs dominate: (64, 8, 1, 34) x (64, 8, 34, 64) in fp32 took
+    250 us against 64 here, 40 positions of a 64-position cache 357 against 95, bf16 96-166
+    against 33-55 (AMD Zen 5, 2 threads; docs/performance.md). Here every row is read once, as
+    fast as memory gives it. Each query's sum runs over its rows in order in fp32 (bf16 rows
+    widened) on one thread: a result does not depend on the rest of the batch.
+    """
+    B, H, Tq, L = w.shape
+    size = v.size(-1)
+    s_b = v.stride(0) // size if B > 1 else 0  # in rows
+    s_h = v.stride(1) // size if H > 1 else 0
+    index, offsets = _row_bags(B, H, Tq, L, s_b, s_h)
+    # v's rows from its first, as one table (rows between v's blocks, such as a cache's
+    # positions not yet written, are never named by the index)
+    table = v.as_strided((s_b * (B - 1) + s_h * (H - 1) + L, size), (size, 1))
+    out = F.embedding_bag(index, table, offsets, mode="sum", per_sample_weights=w.reshape(-1))
+    return out.view(B, H, Tq, size)
+
+
+@functools.lru_cache(maxsize=16)
+def _row_bags(B: int, H: int, Tq: int, L: int, s_b: int, s_h: int):
+    """The rows (B * H * Tq * L,) that the queries sum, row (b, h, j) at b * s_b + h * s_h + j
+    of the table, and the bags' offsets. Kept for the last few shapes: every layer of a step
+    asks for the same ones."""
+    base = torch.arange(B)[:, None] * s_b + torch.arange(H)[None, :] * s_h  # (B, H)
+    index = base[:, :, None, None] + torch.arange(L)  # (B, H, 1, L)
+    return index.expand(B, H, Tq, L).reshape(-1), torch.arange(0, B * H * Tq * L, L)
 
 
 def masked_softmax(scores: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

@@ -372,6 +372,98 @@ def test_a_query_with_no_legal_key_gets_zero_weights_on_both_paths() -> None:
     torch.testing.assert_close(attention(q, k, v, mask, fused=True), out, rtol=1e-5, atol=1e-5)
 
 
+def _value_layouts(dtype):
+    """(name, v) pairs in the layouts decoding hands to attention: contiguous (the encoder-
+    decoder values), a cache's filled prefix (capacity > positions), one batch row or one head,
+    and `BeamHistory`'s slot-minor buffer read as (C, H, (t + 1) * K, Vd)."""
+    yield "contiguous", torch.randn(3, 4, 7, 8, dtype=dtype)
+    yield "cache prefix", torch.randn(3, 4, 16, 8, dtype=dtype)[:, :, :7]
+    yield "one row", torch.randn(1, 4, 16, 8, dtype=dtype)[:, :, :5]
+    yield "one head", torch.randn(3, 1, 9, 8, dtype=dtype)
+    yield "beam history", torch.randn(2, 4, 5, 3, 8, dtype=dtype)[:, :, :3].reshape(2, 4, 9, 8)
+
+
+@pytest.fixture
+def rows_at_any_size(monkeypatch):
+    """The row-by-row value sums for the small tensors of these tests too."""
+    from transformer import model as model_module
+
+    monkeypatch.setattr(model_module, "WEIGHTED_ROWS_MIN_MACS", 0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_decoding_steps_values_are_summed_row_by_row_as_the_batched_product(
+    dtype, rows_at_any_size
+) -> None:
+    from transformer.model import WEIGHTED_ROWS_MAX_QUERIES, _weighted_rows, _weighted_rows_apply
+
+    torch.manual_seed(0)
+    tol = {torch.float32: 1e-6, torch.bfloat16: 8e-3}[dtype]
+    for name, v in _value_layouts(dtype):
+        B, H, L, _ = v.shape
+        for queries in (1, WEIGHTED_ROWS_MAX_QUERIES):
+            w = torch.randn(B, H, queries, L).softmax(-1).to(dtype)
+            assert _weighted_rows_apply(w, v), name
+            out = _weighted_rows(w, v)
+            assert out.dtype == dtype and out.shape == (B, H, queries, v.size(-1))
+            ref = (w.double() @ v.double()).to(dtype)
+            torch.testing.assert_close(out, ref, rtol=tol, atol=tol, msg=name)
+            # a row's result does not depend on the rest of the batch, to the bit
+            assert torch.equal(_weighted_rows(w[-1:], v[-1:]), out[-1:]), name
+
+
+def test_the_row_by_row_values_are_left_to_the_batched_product_where_they_do_not_apply(
+    monkeypatch,
+) -> None:
+    from transformer import model as model_module
+    from transformer.model import WEIGHTED_ROWS_MAX_QUERIES, _weighted_rows_apply
+
+    big = torch.randn(64, 8, 1, 34).softmax(-1), torch.randn(64, 8, 34, 64)  # W2's cross-attention
+    assert big[0].numel() * 64 >= model_module.WEIGHTED_ROWS_MIN_MACS and _weighted_rows_apply(*big)
+    small = big[0][:2, :3], big[1][:2, :3]
+    assert not _weighted_rows_apply(*small)  # all in the cache: one batched product is faster
+    monkeypatch.setattr(model_module, "WEIGHTED_ROWS_MIN_MACS", 0)
+    v = torch.randn(2, 3, 6, 8)
+    w = torch.randn(2, 3, 1, 6).softmax(-1)
+    assert _weighted_rows_apply(w, v)
+    many = torch.randn(2, 3, WEIGHTED_ROWS_MAX_QUERIES + 1, 6).softmax(-1)
+    assert not _weighted_rows_apply(many, v)  # a whole sequence of queries: training, encoding
+    assert not _weighted_rows_apply(w, v.requires_grad_())  # a gradient wanted
+    with torch.no_grad():
+        assert _weighted_rows_apply(w, v)
+    v = v.detach()
+    assert not _weighted_rows_apply(w, v.transpose(-2, -1).contiguous().transpose(-2, -1))
+    assert not _weighted_rows_apply(w, torch.randn(2, 6, 3, 8).transpose(1, 2))  # rows interleaved
+    assert not _weighted_rows_apply(w.double(), v.double())
+    assert not _weighted_rows_apply(w, v.bfloat16())  # mixed dtypes
+    # through `attention`: the same values either way
+    q, k = torch.randn(2, 3, 1, 8), torch.randn(2, 3, 6, 8)
+    torch.testing.assert_close(attention(q, k, v), _written_out(q, k, v), rtol=1e-6, atol=1e-6)
+
+
+def test_cached_decoding_sums_the_values_row_by_row(monkeypatch, rows_at_any_size) -> None:
+    from transformer import model as model_module
+
+    calls = []
+    real = model_module._weighted_rows
+
+    def spy(w, v):
+        calls.append(w.shape)
+        return real(w, v)
+
+    monkeypatch.setattr(model_module, "_weighted_rows", spy)
+    model = Transformer(tiny()).eval()
+    src, src_mask, tgt = batch()
+    with torch.no_grad():
+        memory = model.encode(src, src_mask)
+        cache = model.new_cache()
+        steps = [model.decode(tgt[:, i : i + 1], memory, src_mask, cache) for i in range(4)]
+        full = model.decode(tgt[:, :4], memory, src_mask)
+    # self- and cross-attention of each layer from the second step on (one key at the first)
+    assert len(calls) == 2 * model.cfg.n_layers * 3 + model.cfg.n_layers
+    torch.testing.assert_close(torch.cat(steps, 1), full, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
 def test_masked_softmax_equals_masked_fill_then_softmax_forward_and_backward(dtype) -> None:
     from transformer.model import masked_softmax
