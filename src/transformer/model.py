@@ -285,11 +285,12 @@ def _weighted_rows(w: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     return out.view(B, H, Tq, size)
 
 
-@functools.lru_cache(maxsize=16)
+@functools.lru_cache(maxsize=4)
 def _row_bags(B: int, H: int, Tq: int, L: int, s_b: int, s_h: int):
     """The rows (B * H * Tq * L,) that the queries sum, row (b, h, j) at b * s_b + h * s_h + j
     of the table, and the bags' offsets. Kept for the last few shapes: every layer of a step
-    asks for the same ones."""
+    asks for the same two (self-attention's, a new one each step, and the encoder-decoder
+    attention's); an entry is as large as the step's attention weights, twice over (int64)."""
     base = torch.arange(B)[:, None] * s_b + torch.arange(H)[None, :] * s_h  # (B, H)
     index = base[:, :, None, None] + torch.arange(L)  # (B, H, 1, L)
     return index.expand(B, H, Tq, L).reshape(-1), torch.arange(0, B * H * Tq * L, L)
