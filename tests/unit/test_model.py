@@ -441,6 +441,24 @@ def test_the_row_by_row_values_are_left_to_the_batched_product_where_they_do_not
     torch.testing.assert_close(attention(q, k, v), _written_out(q, k, v), rtol=1e-6, atol=1e-6)
 
 
+def test_a_bf16_steps_strided_keys_are_copied_whole_before_the_product() -> None:
+    from transformer.model import WEIGHTED_ROWS_MAX_QUERIES, _strided_bf16_step_keys
+
+    bf16 = torch.bfloat16
+    q = torch.randn(2, 3, 1, 8, dtype=bf16)
+    k = torch.randn(2, 3, 16, 8, dtype=bf16)[:, :, :5]  # a greedy cache's prefix
+    assert _strided_bf16_step_keys(q, k)
+    assert not _strided_bf16_step_keys(q, k.contiguous())
+    assert not _strided_bf16_step_keys(q.float(), k.float())  # MKL reads fp32's strides
+    sequence = torch.randn(2, 3, WEIGHTED_ROWS_MAX_QUERIES + 1, 8, dtype=bf16)
+    assert not _strided_bf16_step_keys(sequence, k)  # training, encoding
+    assert not _strided_bf16_step_keys(q, k.detach().requires_grad_())
+    v = torch.randn(2, 3, 5, 8, dtype=bf16)
+    ref = _written_out(q.float(), k.float(), v.float())
+    torch.testing.assert_close(attention(q, k, v).float(), ref, rtol=2e-2, atol=2e-2)
+    assert torch.equal(attention(q, k, v), attention(q, k.contiguous(), v))
+
+
 def test_cached_decoding_sums_the_values_row_by_row(monkeypatch, rows_at_any_size) -> None:
     from transformer import model as model_module
 
