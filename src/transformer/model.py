@@ -245,26 +245,29 @@ WEIGHTED_ROWS_MAX_QUERIES = 6
 WEIGHTED_ROWS_MIN_MACS = 2**18
 
 
+def _cpu_decoding_step(queries: torch.Tensor, other: torch.Tensor) -> bool:
+    """Whether an attention product is a decoding step's on the CPU: at most
+    WEIGHTED_ROWS_MAX_QUERIES queries a head (or weights rows: `queries` (B, H, Tq, .)), no
+    gradient wanted of either operand."""
+    return (queries.device.type == "cpu" and queries.size(-2) <= WEIGHTED_ROWS_MAX_QUERIES
+            and not (torch.is_grad_enabled()
+                     and (queries.requires_grad or other.requires_grad)))  # fmt: skip
+
+
 def _strided_bf16_step_keys(q: torch.Tensor, k: torch.Tensor) -> bool:
     """Whether a decoding step's bf16 keys on the CPU are a strided view (greedy search's cache
     prefix): the batched product through oneDNN then copies k's transpose element by element,
     slower than copying k as it is and multiplying by the transpose of that (W2's 64 x 8 heads x
     40 of 64 positions: 436 against 195 us; fp32's strided products are MKL's, which reads the
     strides, and beam search's prefixes are contiguous already)."""
-    return (k.dtype == torch.bfloat16 and k.device.type == "cpu" and not k.is_contiguous()
-            and q.size(-2) <= WEIGHTED_ROWS_MAX_QUERIES and not (
-                torch.is_grad_enabled() and (q.requires_grad or k.requires_grad)))  # fmt: skip
+    return k.dtype == torch.bfloat16 and not k.is_contiguous() and _cpu_decoding_step(q, k)
 
 
 def _weighted_rows_apply(w: torch.Tensor, v: torch.Tensor) -> bool:
-    """Whether `_weighted_rows` takes w @ v: a CPU decoding step (no gradient, at most
-    WEIGHTED_ROWS_MAX_QUERIES queries a head, WEIGHTED_ROWS_MIN_MACS multiply-adds or more),
-    fp32 or bf16, each value row one run of memory and every (batch, head) block of rows
-    starting on a row boundary."""
-    if w.device.type != "cpu" or w.dtype != v.dtype or w.dtype not in DTYPES.values():
-        return False
-    if w.size(-2) > WEIGHTED_ROWS_MAX_QUERIES or (
-            torch.is_grad_enabled() and (w.requires_grad or v.requires_grad)):  # fmt: skip
+    """Whether `_weighted_rows` takes w @ v: a CPU decoding step (`_cpu_decoding_step`) of
+    WEIGHTED_ROWS_MIN_MACS multiply-adds or more, fp32 or bf16, each value row one run of
+    memory and every (batch, head) block of rows starting on a row boundary."""
+    if w.dtype != v.dtype or w.dtype not in DTYPES.values() or not _cpu_decoding_step(w, v):
         return False
     B, H, L, size = v.shape
     if B * H * w.size(-2) * L * size < WEIGHTED_ROWS_MIN_MACS:
@@ -281,10 +284,11 @@ def _weighted_rows(w: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
 
     A batched product of one (or a few) query rows per head is a matrix-vector product per
     (batch, head), whose fixed costs dominate: (64, 8, 1, 34) x (64, 8, 34, 64) in fp32 took
-    250 us against 64 here, 40 positions of a 64-position cache 357 against 95, bf16 96-166
-    against 33-55 (AMD Zen 5, 2 threads; docs/performance.md). Here every row is read once, as
-    fast as memory gives it. Each query's sum runs over its rows in order in fp32 (bf16 rows
-    widened) on one thread: a result does not depend on the rest of the batch.
+    105 us against 55 here, 40 positions of a 64-position cache 219 against 88, bf16 70-117
+    against 30-49 (AMD Zen 5, 2 threads, out of the cache: `benchmarks/bench_weighted_rows.py`).
+    Here every row is read once, as fast as memory gives it. Each query's sum runs over its
+    rows in order in fp32 (bf16 rows widened) on one thread: a result does not depend on the
+    rest of the batch.
     """
     B, H, Tq, L = w.shape
     size = v.size(-1)
