@@ -343,6 +343,49 @@ def test_scripted_greedy_follows_the_argmax():
     assert tokens == [[A, A], [A]]
 
 
+class EndlessStepper:
+    """A `Stepper` whose every row would go on with token 4: rows end only at their maximum
+    length. Records the rows of each step, the tokens it was given and its reorders."""
+
+    def __init__(self, rows: int, vocab: int = 6):
+        self.ids = list(range(rows))  # the original row of each current row
+        self.vocab, self.rows_per_step, self.fed, self.reorders = vocab, [], [], 0
+
+    def step(self, tokens: torch.Tensor) -> torch.Tensor:
+        self.rows_per_step.append(len(self.ids))
+        self.fed.append(dict(zip(self.ids, tokens.tolist(), strict=True)))
+        logits = torch.zeros(len(self.ids), self.vocab)
+        logits[:, 4] = 1.0
+        return logits
+
+    def reorder(self, index: torch.Tensor, same_sentences: bool = False) -> None:
+        self.ids = [self.ids[i] for i in index.tolist()]
+        self.reorders += 1
+
+
+def test_greedy_drops_ended_rows_once_a_quarter_of_them_have_ended():
+    stepper = EndlessStepper(8)
+    out = greedy_steps(stepper, torch.arange(1, 9))  # row i ends at step i + 1
+    assert out == [[4] * i for i in range(8)]
+    # one row ends a step: dropped when 2 of 8, then 2 of 6, 1 of 4, 1 of 3, ... have ended
+    assert stepper.rows_per_step == [8, 8, 6, 6, 4, 3, 2, 1]
+    assert stepper.reorders == 6
+    assert stepper.fed[1][0] == EOS_ID and stepper.fed[1][1] == 4  # an ended row: EOS
+    assert stepper.fed[3][2] == EOS_ID and stepper.fed[3][3] == 4
+
+
+def test_greedy_with_ended_rows_kept_translates_as_with_rows_dropped_at_once(monkeypatch):
+    model = tiny_model(scale=4.0)
+    src, src_mask = random_batch(6, 20, [7, 3, 5, 6, 2, 4])
+    max_lens = torch.tensor([9, 3, 6, 12, 2, 7])
+    with torch.no_grad():
+        kept = greedy_steps(ModelStepper(model, src, src_mask), max_lens)
+        monkeypatch.setattr(search, "DROP_ENDED", 0.0)  # every ended row dropped at once
+        dropped = greedy_steps(ModelStepper(model, src, src_mask), max_lens)
+    assert kept == dropped
+    assert len({len(t) for t in kept}) > 2  # the rows did end at different steps
+
+
 def test_reorder_within_sentences_keeps_cross_attention_and_equals_full_decoding():
     model = tiny_model()
     src, src_mask = random_batch(2, 20, [6, 4])
