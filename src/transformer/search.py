@@ -222,7 +222,7 @@ def greedy_steps(stepper: Stepper, max_lens: torch.Tensor) -> list[list[int]]:
     """
     B, device = max_lens.size(0), max_lens.device  # the search runs where the model does
     out: list[list[int]] = [[] for _ in range(B)]
-    alive = torch.arange(B, device=device)  # sentence of each live row
+    alive = torch.arange(B, device=device)  # sentence of each row in the batch
     last = torch.full((B,), BOS_ID, dtype=torch.long, device=device)
     shortest = int(max_lens.min()) if B else 0  # before this step no row is forced to end
     ended = None  # (R,) rows whose sentence has ended, still in the batch (None: none)
