@@ -24,15 +24,18 @@ def _add_no_verify(p: argparse.ArgumentParser) -> None:
 
 
 def thread_count(value: str) -> int | str:
-    """argparse type of a `--threads` value: a count of at least 1, or "auto"."""
+    """argparse type of a `--threads` value: a count of 1 to threads.MAX_THREADS, or "auto"."""
     if value == "auto":
         return value
     try:
         count = int(value)
     except ValueError:
         raise argparse.ArgumentTypeError(f"a number or auto, not {value!r}") from None
-    if count < 1:  # said before a model or corpus is loaded, not after
-        raise argparse.ArgumentTypeError(f"at least 1 (or auto), not {count}")
+    from transformer.threads import count_problem
+
+    problem = count_problem(count)
+    if problem is not None:  # said before a model or corpus is loaded, not after
+        raise argparse.ArgumentTypeError(problem)
     return count
 
 
@@ -232,7 +235,8 @@ def _cmd_prepare(args: argparse.Namespace) -> int:
         vocab_size=args.vocab_size, spm_type=args.spm_type, max_len=args.max_len,
         max_ratio=args.max_ratio, train_files=args.train, valid_files=args.valid,
         test_files=args.test, force=args.force, download_dir=args.download_dir,
-        spm_sample=args.spm_sample, num_threads=args.threads, user_symbols=symbols,
+        spm_sample=args.spm_sample, user_symbols=symbols,
+        num_threads=None if args.threads == "auto" else args.threads,
         mirror=args.mirror, checksums=args.checksums, lowercase=args.lowercase,
     )  # fmt: skip
     return 0
@@ -265,7 +269,10 @@ def _add_prepare(sub: argparse._SubParsersAction) -> None:
         "--spm-sample", type=int, default=prepare.DEFAULT_SPM_SAMPLE,
         help="sentences for spm training",
     )  # fmt: skip
-    p.add_argument("--threads", type=int, help="sentencepiece threads")
+    p.add_argument(
+        "--threads", type=thread_count, default="auto", metavar="N|auto",
+        help="sentencepiece threads (default auto: the cores, at most 4)",
+    )  # fmt: skip
     p.add_argument(
         "--user-symbols", type=Path, help="file of tokens (one a line) kept whole in the vocabulary"
     )

@@ -30,6 +30,10 @@ AUTO = "auto"
 # The tuner's candidate "one thread, and the weight gradients on a second" (gradhelper.py):
 # training only, where beside a busy process it beats one thread by ~10%.
 HELPER = "1+helper"
+# The most threads a fixed count may ask for: more than any CPU we run on has, and far below
+# where starting them fails (`--threads 99999` exhausted the process's thread limit, and the
+# tokenizer's next thread failed in a traceback).
+MAX_THREADS = 1024
 
 
 def label(choice: int | str) -> str:
@@ -290,6 +294,16 @@ def omp_threads_fixed() -> bool:
 _warned_omp = False
 
 
+def count_problem(count: int) -> str | None:
+    """What is wrong with a fixed thread count, for "--threads: ..." (None: nothing)."""
+    if count < 1:
+        return f"at least 1 (or auto), not {count}"
+    if count > MAX_THREADS:
+        cores = usable_cores()
+        return f"at most {MAX_THREADS} (this machine has {cores} usable cores), not {count}"
+    return None
+
+
 def resolve(threads: int | str | None, **tuner: int | float) -> ThreadTuner | None:
     """A `--threads` value -> the tuner to use (None: a fixed count, set here, or none at all).
 
@@ -301,10 +315,11 @@ def resolve(threads: int | str | None, **tuner: int | float) -> ThreadTuner | No
         return None
     if threads == AUTO:
         return None if omp_threads_fixed() else ThreadTuner.for_this_machine(**tuner)
-    if int(threads) < 1:
+    problem = count_problem(int(threads))
+    if problem is not None:
         from transformer.errors import UserError
 
-        raise UserError(f"--threads: must be at least 1, got {threads}")
+        raise UserError(f"--threads: {problem}")
     warn_if_oversubscribed(int(threads))
     torch.set_num_threads(int(threads))
     return None

@@ -27,7 +27,7 @@ from transformer.errors import UserError
 from transformer.loss import chunked_label_smoothed_loss
 from transformer.model import DTYPES, Transformer, accelerator_dtype
 from transformer.optim import MixedPrecisionAdam
-from transformer.threads import AUTO, ThreadTuner, usable_cores
+from transformer.threads import AUTO, ThreadTuner, count_problem, usable_cores
 from transformer.threads import resolve as resolve_threads
 from transformer.trainer import Trainer, TrainState
 
@@ -73,8 +73,9 @@ def _setup_torch(
     deterministic run; else OMP_NUM_THREADS if set; else tuned while training (threads.py)
     among this node's share of the cores. Returns the tuner, if any. Large freed blocks stay
     in the heap for the next step's tensors (allocator.py)."""
-    if isinstance(threads, int) and threads < 1:
-        raise UserError(f"--threads: must be at least 1, got {threads}")
+    problem = count_problem(threads) if isinstance(threads, int) else None
+    if problem is not None:  # before anything is set up
+        raise UserError(f"--threads: {problem}")
     if device.type == "cpu":
         keep_large_blocks()
     torch.manual_seed(config.train.seed)

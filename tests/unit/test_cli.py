@@ -63,18 +63,38 @@ def test_unknown_subcommand_is_an_argparse_error() -> None:
 # --- ordinary mistakes are one line and exit 2, never a traceback --------------------------
 
 
+def _naming(command: str, missing: str) -> list[str]:
+    """A command and its first arguments, naming the file `missing`."""
+    return [command, "custom", "--src", missing] if command == "prepare" else [command, missing]
+
+
 @pytest.mark.parametrize(
-    "command", ["translate", "train", "evaluate", "serve", "parse", "quantize"]
+    "command", ["translate", "train", "evaluate", "serve", "parse", "quantize", "prepare"]
 )
 @pytest.mark.parametrize("count", ["0", "-2"])
 def test_threads_below_one_is_refused_before_anything_loads(tmp_path, capsys, command, count):
     """--threads 0 was said only after the model (or corpus) had been read."""
     missing = str(tmp_path / "nothing")
     with pytest.raises(SystemExit) as e:
-        main([command, missing, "--threads", count])
+        main([*_naming(command, missing), "--threads", count])
     assert e.value.code == 2
     err = capsys.readouterr().err
     assert f"--threads: at least 1 (or auto), not {count}" in err and "nothing" not in err
+
+
+@pytest.mark.parametrize(
+    "command", ["translate", "train", "evaluate", "serve", "parse", "quantize", "prepare"]
+)
+def test_threads_past_the_ceiling_is_refused_before_anything_loads(tmp_path, capsys, command):
+    """--threads 99999 started threads until the process's limit, then the tokenizer's own
+    thread failed: a traceback after the model had loaded."""
+    missing = str(tmp_path / "nothing")
+    with pytest.raises(SystemExit) as e:
+        main([*_naming(command, missing), "--threads", "99999"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "--threads: at most 1024 (this machine has" in err and "not 99999" in err
+    assert "nothing" not in err and "Traceback" not in err
 
 
 def _run(shell: str) -> subprocess.CompletedProcess:

@@ -104,8 +104,12 @@ def test_resolve_threads(monkeypatch):
     assert resolve(AUTO) is None  # the user's setting stands
     assert resolve(None) is None
     assert resolve(1) is None and torch.get_num_threads() == 1
-    with pytest.raises(UserError, match="--threads: must be at least 1"):
+    with pytest.raises(UserError, match=r"--threads: at least 1 \(or auto\), not 0"):
         resolve(0)
+    before = torch.get_num_threads()
+    with pytest.raises(UserError, match=r"--threads: at most 1024 \(this machine has \d+ usable"):
+        resolve(99999)  # once exhausted the process's thread limit: a traceback
+    assert torch.get_num_threads() == before  # refused before anything was set
 
 
 @pytest.mark.parametrize(

@@ -566,8 +566,10 @@ def test_thread_count_follows_threads_then_omp_num_threads(monkeypatch):
         monkeypatch.delenv("OMP_NUM_THREADS")
         _setup_torch(RunConfig(), cpu)  # neither: every core
         assert torch.get_num_threads() == max(1, os.cpu_count() or 1)
-        with pytest.raises(UserError, match="--threads: must be at least 1"):
+        with pytest.raises(UserError, match=r"--threads: at least 1 \(or auto\), not 0"):
             _setup_torch(RunConfig(), cpu, threads=0)
+        with pytest.raises(UserError, match="--threads: at most 1024 "):
+            _setup_torch(RunConfig(), cpu, threads=1025)
     finally:
         torch.set_num_threads(before)
         torch.use_deterministic_algorithms(False)
