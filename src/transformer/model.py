@@ -206,8 +206,11 @@ def attention(
         The attended values (B, H, Tq, Vd).
     """
     t_q, t_k = q.size(-2), k.size(-2)
+    # CPU inference computes each row's values the same whatever the rest of its batch is
+    # (`_attention_rowwise`): not through the fused kernels, which split the keys into blocks.
+    rowwise = _cpu_inference(q, k, v) and p_drop == 0.0
     if fused is None:
-        fused = q.device.type != "cpu" or t_k > CPU_EXPLICIT_MAX_KEYS
+        fused = q.device.type != "cpu" or (t_k > CPU_EXPLICIT_MAX_KEYS and not rowwise)
     if causal and (mask is not None or t_q != t_k or not fused or weights is not None):
         # The fused kernels' is_causal aligns the first query with the first key; with a cache
         # (Tq < Tk) or another mask the causal mask is written out.
@@ -218,8 +221,8 @@ def attention(
             q, k, v, attn_mask=mask, dropout_p=p_drop, is_causal=causal,
             scale=1.0 if prescaled else None,
         )  # fmt: skip
-    if _strided_bf16_step_keys(q, k):
-        k = k.contiguous()
+    if rowwise:
+        return _attention_rowwise(q, k, v, mask, weights, prescaled)
     scores = q @ k.transpose(-2, -1)  # (B, H, Tq, Tk)
     if not prescaled:
         scores = scores / math.sqrt(q.size(-1))
@@ -231,47 +234,112 @@ def attention(
         w = masked_softmax(scores, mask)
     if weights is not None:
         weights.append(w)
-    if p_drop == 0.0 and _weighted_rows_apply(w, v):
-        return _weighted_rows(w, v)
     return dropout(w, p_drop, True) @ v  # (B, H, Tq, Vd)
+
+
+def _cpu_inference(*tensors: torch.Tensor) -> bool:
+    """Whether an attention runs on the CPU with no gradient wanted of its operands."""
+    return tensors[0].device.type == "cpu" and not (
+        torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+    )
+
+
+def _attention_rowwise(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    weights: list[torch.Tensor] | None,
+    prescaled: bool,
+) -> torch.Tensor:
+    """`attention` for CPU inference (eq. 1 written out, no dropout), every row's values the
+    same bits however many rows its batch has and wherever it sits in it, so that a server's
+    answer does not depend on who else is asking and a sentence translates the same in any
+    file (docs/decoding.md, "A sentence's translation does not depend on its batch"). Keys
+    padded to a longer batch mate's change nothing but MKL's products of a few queries, which
+    can round a score differently by an fp32 ulp.
+
+    Each of eq. (1)'s reductions is one whose result for a row does not depend on the others:
+    - the scores in fp32 (a bf16 model's q and k widened: exact), by MKL, whose batched
+      products agree row for row at any batch size; oneDNN's bf16 ones did not (1 of 6,400
+      scores rounded differently alone, (4, 1, 64) x (4, 64, 8) against 200 such), and a
+      bf16 score is rounded before the softmax besides;
+    - the softmax in fp64, rounded to fp32 (`_softmax_rowwise`);
+    - a decoding step's weights x values as the sums of value rows (`_weighted_rows`, for any
+      batch: the sums and the batched product round differently, so neither may be chosen by
+      the batch's size), else the batched product in fp32;
+    - operands laid out the same for any batch size (`_heads_merged`).
+    """
+    narrow = v.dtype == torch.bfloat16
+    if narrow:
+        q, k = q.float(), k.float()
+    scores = _heads_merged(q) @ _heads_merged(k).transpose(-2, -1)  # (B, H, Tq, Tk)
+    if not prescaled:
+        scores = scores / math.sqrt(q.size(-1))
+    w = _softmax_rowwise(scores, mask)  # fp32 (fp64 for an fp64 model)
+    if narrow:
+        w_low = w.bfloat16()  # the weights as the bf16 path rounds them
+    if weights is not None:
+        weights.append(w_low if narrow else w)
+    if _weighted_rows_apply(w, v):  # bf16 rows with bf16 weights, summed in fp32
+        return _weighted_rows(w_low if narrow else w, v)
+    if narrow:
+        return (w @ _heads_merged(v.float())).bfloat16()
+    return w @ _heads_merged(v)  # (B, H, Tq, Vd)
+
+
+def _heads_merged(t: torch.Tensor) -> torch.Tensor:
+    """t (B, H, T, .) laid out so that the batched products see B * H matrices the same way
+    for every B. `matmul` merges B and H into one batch dimension, a view where t's strides
+    allow it and a contiguous copy where not; with B = 1 they always allow it, so one sentence
+    alone was multiplied from a strided layout (the encoder's heads, H * d_k apart) and the
+    same sentence in a batch from a copy, by MKL kernels that round differently. A copy here
+    wherever B > 1 would need one."""
+    if t.size(1) > 1 and t.stride(0) != t.size(1) * t.stride(1):
+        return t.contiguous()
+    return t
+
+
+def _softmax_rowwise(scores: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """softmax(scores where mask allows: bool, or float added; or everywhere) over the last
+    dimension, in fp64, rounded to scores' dtype (fp32): each row's weights the same whatever
+    else is in the tensor (the padding of its keys, other rows, where it sits).
+
+    In fp32 they were not: PyTorch's fp32 softmax gave other bits for 564 of 11,592 random rows
+    (lengths 1-69) with padded keys than without, and `_MaskedSoftmax`'s sum and exp depend on
+    the row's length and place (vector lanes by length; a tensor's last few elements go
+    through a scalar exp that rounds differently). fp64's softmax gave the same bits for all
+    11,592 rows with and without padding; and whatever differs in how fp64 values are summed
+    or exponentiated is ~2^-29 of an fp32 rounding step, which rounding to fp32 removes
+    (but where the two values straddle a rounding boundary).
+    A row with no legal key (bool mask) gets zero weights, as `masked_softmax`'s.
+    """
+    f64 = torch.float64
+    if mask is None:
+        return torch.softmax(scores, dim=-1, dtype=f64).to(scores.dtype)
+    if mask.dtype != torch.bool:  # 0 or -inf: the sum is exact in scores' dtype
+        return torch.softmax(scores + mask, dim=-1, dtype=f64).to(scores.dtype)
+    w = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1, dtype=f64)
+    return w.nan_to_num_(0.0).to(scores.dtype)  # a row of -inf: 0/0
 
 
 # A decoding step's weights-times-values product (a few queries per head) as weighted sums of
 # the value rows (`_weighted_rows`): up to this many queries per head (beams of a sentence
 # attend together; at 8 and more the batched product reads its keys once for all of them and
-# is as fast or faster), and from this many multiply-adds (below it every operand is in the
-# cache and the batched product's one call beats the sums' three small ones).
+# is as fast or faster).
 WEIGHTED_ROWS_MAX_QUERIES = 6
-WEIGHTED_ROWS_MIN_MACS = 2**18
-
-
-def _cpu_decoding_step(queries: torch.Tensor, other: torch.Tensor) -> bool:
-    """Whether an attention product is a decoding step's on the CPU: at most
-    WEIGHTED_ROWS_MAX_QUERIES queries a head (or weights rows: `queries` (B, H, Tq, .)), no
-    gradient wanted of either operand."""
-    return (queries.device.type == "cpu" and queries.size(-2) <= WEIGHTED_ROWS_MAX_QUERIES
-            and not (torch.is_grad_enabled()
-                     and (queries.requires_grad or other.requires_grad)))  # fmt: skip
-
-
-def _strided_bf16_step_keys(q: torch.Tensor, k: torch.Tensor) -> bool:
-    """Whether a decoding step's bf16 keys on the CPU are a strided view (greedy search's cache
-    prefix): the batched product through oneDNN then copies k's transpose element by element,
-    slower than copying k as it is and multiplying by the transpose of that (W2's 64 x 8 heads x
-    40 of 64 positions: 436 against 195 us; fp32's strided products are MKL's, which reads the
-    strides, and beam search's prefixes are contiguous already)."""
-    return k.dtype == torch.bfloat16 and not k.is_contiguous() and _cpu_decoding_step(q, k)
 
 
 def _weighted_rows_apply(w: torch.Tensor, v: torch.Tensor) -> bool:
-    """Whether `_weighted_rows` takes w @ v: a CPU decoding step (`_cpu_decoding_step`) of
-    WEIGHTED_ROWS_MIN_MACS multiply-adds or more, fp32 or bf16, each value row one run of
-    memory and every (batch, head) block of rows starting on a row boundary."""
-    if w.dtype != v.dtype or w.dtype not in DTYPES.values() or not _cpu_decoding_step(w, v):
+    """Whether `_weighted_rows` takes w @ v in CPU inference (`_attention_rowwise`'s fp32
+    weights): at most WEIGHTED_ROWS_MAX_QUERIES queries a head, v fp32 or bf16, each value row
+    one run of memory and every (batch, head) block of rows starting on a row boundary.
+    Nothing here depends on the batch's size or padding."""
+    if w.dtype != torch.float32 or v.dtype not in (torch.float32, torch.bfloat16):
+        return False
+    if w.device.type != "cpu" or w.size(-2) > WEIGHTED_ROWS_MAX_QUERIES:
         return False
     B, H, L, size = v.shape
-    if B * H * w.size(-2) * L * size < WEIGHTED_ROWS_MIN_MACS:
-        return False
     s_b, s_h, s_t, s_d = v.stride()
     return (s_d == 1 and s_t == size and L > 1
             and (B == 1 or s_b % size == 0) and (H == 1 or s_h % size == 0))  # fmt: skip
@@ -298,7 +366,9 @@ def _weighted_rows(w: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     # v's rows from its first, as one table (rows between v's blocks, such as a cache's
     # positions not yet written, are never named by the index)
     table = v.as_strided((s_b * (B - 1) + s_h * (H - 1) + L, size), (size, 1))
-    out = F.embedding_bag(index, table, offsets, mode="sum", per_sample_weights=w.reshape(-1))
+    # The op itself (mode 1: sum), not `F.embedding_bag`, whose argument checks cost as much
+    # as the sums at one sentence's sizes (1 x 4 heads x 10 positions: 3.2 against 3.9 us).
+    out = torch.embedding_bag(table, index, offsets, False, 0, False, w.reshape(-1))[0]
     return out.view(B, H, Tq, size)
 
 

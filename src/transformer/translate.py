@@ -114,9 +114,10 @@ class Int8Linear(nn.Module):
     steps (u8 1..255, zero point 128), or [0, 1] in 255 where the inputs are never negative
     (`nonnegative_inputs`: ReLU's outputs, the FFN's second layer, `relu_input_layers`); the
     product's row is multiplied back by that |x| and the bias added after. So a row's outputs
-    depend on that row alone: a sentence translates the same whatever else is in its batch or
-    search (fbgemm's dynamic quantization, used before, took one range for the whole input, set
-    by the batch's largest value), and int8's damage is halved (docs/decoding.md, "Per-row
+    depend on that row alone, as a sentence's translation must not depend on its batch or
+    search (attention: `model._attention_rowwise`; fbgemm's dynamic quantization, used before,
+    took one range for the whole input, set by the batch's largest value), and int8's damage
+    is halved (docs/decoding.md, "Per-row
     inputs"). Every step rounds each element once (scale, the kernel, scale back, add the
     bias: `addcmul`'s fused multiply-add rounds differently from a multiply and an add, and
     which path an element takes can depend on where its row sits), so no value depends on its
