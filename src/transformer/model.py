@@ -277,12 +277,14 @@ def _attention_rowwise(
     if not prescaled:
         scores = scores / math.sqrt(q.size(-1))
     w = _softmax_rowwise(scores, mask)  # fp32 (fp64 for an fp64 model)
-    if narrow:
-        w_low = w.bfloat16()  # the weights as the bf16 path rounds them
+    rows = _weighted_rows_apply(w, v)
+    # The weights in the model's dtype, rounded only where they are read so: the value sums
+    # (bf16 rows with bf16 weights, summed in fp32) and the returned weights.
+    w_model = w.bfloat16() if narrow and (rows or weights is not None) else w
     if weights is not None:
-        weights.append(w_low if narrow else w)
-    if _weighted_rows_apply(w, v):  # bf16 rows with bf16 weights, summed in fp32
-        return _weighted_rows(w_low if narrow else w, v)
+        weights.append(w_model)
+    if rows:
+        return _weighted_rows(w_model, v)
     if narrow:
         return (w @ _heads_merged(v.float())).bfloat16()
     return w @ _heads_merged(v)  # (B, H, Tq, Vd)
