@@ -117,12 +117,11 @@ class Int8Linear(nn.Module):
     depend on that row alone, as a sentence's translation must not depend on its batch or
     search (attention: `model._attention_rowwise`; fbgemm's dynamic quantization, used before,
     took one range for the whole input, set by the batch's largest value), and int8's damage
-    is halved (docs/decoding.md, "Per-row
-    inputs"). Every step rounds each element once (scale, the kernel, scale back, add the
-    bias: `addcmul`'s fused multiply-add rounds differently from a multiply and an add, and
-    which path an element takes can depend on where its row sits), so no value depends on its
-    row's place in the batch (tested bit for bit, output widths that are and are not a
-    multiple of the vector width).
+    is halved (docs/decoding.md, "Per-row inputs"). Every step rounds each element once
+    (scale, the kernel, scale back, add the bias: `addcmul`'s fused multiply-add rounds
+    differently from a multiply and an add, and which path an element takes can depend on where
+    its row sits), so no value depends on its row's place in the batch (tested bit for bit,
+    output widths that are and are not a multiple of the vector width).
 
     narrow_weights: the weights take 7 bits (-63..63) instead of 8, which CPUs without VNNI
     need: their kernel (AVX2 `vpmaddubsw`) sums pairs of u8 x s8 products in int16 and
