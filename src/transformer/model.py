@@ -42,6 +42,12 @@ CPU_EXPLICIT_MAX_KEYS = 256
 # The packed training path keeps its row count a multiple of this (`Packing`): few distinct
 # matrix shapes, so that oneDNN's cache of compiled kernels holds them.
 ROW_ALIGN = 16
+# CPU inference pads a sentence's attention queries and keys (masked) to a multiple of this many
+# positions (the encoder's inside attention, a decoding step's encoder-decoder keys once in the
+# cache), so that they are laid out in the same blocks alone or beside a longer batch mate:
+# MKL's products and PyTorch's fp32 softmax then give its rows the same bits
+# (`_attention_rowwise`; AVX-512's 16 fp32 lanes).
+KEY_BLOCK = 16
 
 
 class Packing:
@@ -188,6 +194,7 @@ def attention(
     weights: list[torch.Tensor] | None = None,
     fused: bool | None = None,
     prescaled: bool = False,
+    aligned: bool = False,
 ) -> torch.Tensor:
     """§3.2.1 eq. (1): softmax(Q K^T / sqrt(d_k)) V.
 
@@ -201,6 +208,8 @@ def attention(
         fused: PyTorch's fused kernels (True) or eq. (1) written out (False); default the
             faster for this device and length. Asking for the weights writes it out.
         prescaled: q is already multiplied by 1 / sqrt(d_k) (`_StepWeights`).
+        aligned: every row's queries and keys are as many whatever its batch, or padded in
+            whole KEY_BLOCKs (a decoding step's; CPU inference, `_attention_rowwise`).
 
     Returns:
         The attended values (B, H, Tq, Vd).
@@ -222,7 +231,7 @@ def attention(
             scale=1.0 if prescaled else None,
         )  # fmt: skip
     if rowwise:
-        return _attention_rowwise(q, k, v, mask, weights, prescaled)
+        return _attention_rowwise(q, k, v, mask, weights, prescaled, aligned)
     scores = q @ k.transpose(-2, -1)  # (B, H, Tq, Tk)
     if not prescaled:
         scores = scores / math.sqrt(q.size(-1))
@@ -235,6 +244,15 @@ def attention(
     if weights is not None:
         weights.append(w)
     return dropout(w, p_drop, True) @ v  # (B, H, Tq, Vd)
+
+
+def _key_blocks(memory: torch.Tensor, src_mask: torch.Tensor):
+    """memory (B, S, D) and src_mask (B, S) padded to a multiple of KEY_BLOCK positions (zero
+    rows, masked), for the decoder cache's encoder-decoder keys and values."""
+    extra = -memory.size(1) % KEY_BLOCK
+    if extra == 0:
+        return memory, src_mask
+    return F.pad(memory, (0, 0, 0, extra)), F.pad(src_mask, (0, extra), value=False)
 
 
 def _cpu_inference(*tensors: torch.Tensor) -> bool:
@@ -251,26 +269,37 @@ def _attention_rowwise(
     mask: torch.Tensor | None,
     weights: list[torch.Tensor] | None,
     prescaled: bool,
+    aligned: bool = False,
 ) -> torch.Tensor:
     """`attention` for CPU inference (eq. 1 written out, no dropout), every row's values the
     same bits however many rows its batch has and wherever it sits in it, so that a server's
     answer does not depend on who else is asking and a sentence translates the same in any
-    file (docs/decoding.md, "A sentence's translation does not depend on its batch"). Keys
-    padded to a longer batch mate's change nothing but MKL's products of a few queries, which
-    can round a score differently by an fp32 ulp.
+    file (docs/decoding.md, "A sentence's translation does not depend on its batch").
 
-    Each of eq. (1)'s reductions is one whose result for a row does not depend on the others:
+    aligned: the caller's queries and keys are as many for a row whatever its batch, or
+    padded (masked) in whole KEY_BLOCKs: a decoding step's (its cache's positions, the same
+    for every row; the encoder-decoder keys stored so, `_key_blocks`). Otherwise (the
+    encoder; decoding without a cache) the queries and keys are padded so here
+    (`_in_key_blocks`): a sentence's own length against a longer batch mate's changed MKL's
+    products (4 of 76 random cases with only the keys padded, 18 with neither; none with
+    both) and PyTorch's fp32 softmax (564 of 11,592 random rows); in whole blocks, neither.
+
+    Each of eq. (1)'s reductions is then one whose result for a row does not depend on the
+    others:
     - the scores in fp32 (a bf16 model's q and k widened: exact), by MKL, whose batched
       products agree row for row at any batch size; oneDNN's bf16 ones did not (1 of 6,400
       scores rounded differently alone, (4, 1, 64) x (4, 64, 8) against 200 such), and a
       bf16 score is rounded before the softmax besides;
-    - the softmax in fp64, rounded to fp32 (`_softmax_rowwise`);
+    - the softmax in fp32 over rows of the same length or of whole blocks (`_softmax_rowwise`);
     - a decoding step's weights x values as the sums of value rows (`_weighted_rows`, for any
       batch: the sums and the batched product round differently, so neither may be chosen by
       the batch's size), else the batched product in fp32;
     - operands laid out the same for any batch size (`_heads_merged`).
     """
     narrow = v.dtype == torch.bfloat16
+    t_q, t_k = q.size(-2), k.size(-2)
+    if not aligned:
+        q, k, v, mask = _in_key_blocks(q, k, v, mask)
     if narrow:
         q, k = q.float(), k.float()
     scores = _heads_merged(q) @ _heads_merged(k).transpose(-2, -1)  # (B, H, Tq, Tk)
@@ -282,12 +311,33 @@ def _attention_rowwise(
     # (bf16 rows with bf16 weights, summed in fp32) and the returned weights.
     w_model = w.bfloat16() if narrow and (rows or weights is not None) else w
     if weights is not None:
-        weights.append(w_model)
+        weights.append(w_model[..., :t_q, :t_k])
     if rows:
         return _weighted_rows(w_model, v)
     if narrow:
-        return (w @ _heads_merged(v.float())).bfloat16()
-    return w @ _heads_merged(v)  # (B, H, Tq, Vd)
+        return (w @ _heads_merged(v.float())).bfloat16()[..., :t_q, :]
+    return (w @ _heads_merged(v))[..., :t_q, :]  # (B, H, Tq, Vd)
+
+
+def _in_key_blocks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None):
+    """q (B, H, Tq, K) and k, v (B, H, Tk, .) padded with zero rows to whole KEY_BLOCKs, and
+    mask (bool or additive; None: every key) to match: the added keys masked, the added
+    queries (whose rows are dropped) allowed every key."""
+    t_q, t_k = q.size(-2), k.size(-2)
+    pad_q, pad_k = -t_q % KEY_BLOCK, -t_k % KEY_BLOCK
+    if pad_q:
+        q = F.pad(q, (0, 0, 0, pad_q))
+    if pad_k:
+        k, v = F.pad(k, (0, 0, 0, pad_k)), F.pad(v, (0, 0, 0, pad_k))
+        if mask is None:
+            mask = torch.arange(t_k + pad_k, device=q.device) < t_k
+        elif mask.dtype == torch.bool:
+            mask = F.pad(mask, (0, pad_k), value=False)
+        else:
+            mask = F.pad(mask, (0, pad_k), value=float("-inf"))
+    if pad_q and mask is not None and mask.dim() > 1 and mask.size(-2) == t_q:
+        mask = F.pad(mask, (0, 0, 0, pad_q), value=True if mask.dtype == torch.bool else 0.0)
+    return q, k, v, mask
 
 
 def _heads_merged(t: torch.Tensor) -> torch.Tensor:
@@ -304,25 +354,20 @@ def _heads_merged(t: torch.Tensor) -> torch.Tensor:
 
 def _softmax_rowwise(scores: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
     """softmax(scores where mask allows: bool, or float added; or everywhere) over the last
-    dimension, in fp64, rounded to scores' dtype (fp32): each row's weights the same whatever
-    else is in the tensor (the padding of its keys, other rows, where it sits).
-
-    In fp32 they were not: PyTorch's fp32 softmax gave other bits for 564 of 11,592 random rows
-    (lengths 1-69) with padded keys than without, and `_MaskedSoftmax`'s sum and exp depend on
-    the row's length and place (vector lanes by length; a tensor's last few elements go
-    through a scalar exp that rounds differently). fp64's softmax gave the same bits for all
-    11,592 rows with and without padding; and whatever differs in how fp64 values are summed
-    or exponentiated is ~2^-29 of an fp32 rounding step, which rounding to fp32 removes
-    (but where the two values straddle a rounding boundary).
+    dimension, for `_attention_rowwise`: rows as long as any batch mate's, or of whole
+    KEY_BLOCKs, get the same bits whatever else is in the tensor. PyTorch's softmax takes a
+    row in vectors of 16 (AVX-512; 8 with AVX2) lanes, a partial one where the row ends: -inf
+    keys added in whole blocks add whole vectors of zeros to the sum, which changes nothing
+    (none of 13,631 random rows of 1-69 keys padded to a block, then 1-4 blocks more; 148 where
+    padded to any length instead).
     A row with no legal key (bool mask) gets zero weights, as `masked_softmax`'s.
     """
-    f64 = torch.float64
     if mask is None:
-        return torch.softmax(scores, dim=-1, dtype=f64).to(scores.dtype)
-    if mask.dtype != torch.bool:  # 0 or -inf: the sum is exact in scores' dtype
-        return torch.softmax(scores + mask, dim=-1, dtype=f64).to(scores.dtype)
-    w = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1, dtype=f64)
-    return w.nan_to_num_(0.0).to(scores.dtype)  # a row of -inf: 0/0
+        return torch.softmax(scores, dim=-1)
+    if mask.dtype != torch.bool:  # 0 or -inf: the sum is exact
+        return torch.softmax(scores + mask, dim=-1)
+    w = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1)
+    return w.nan_to_num_(0.0)  # a row of -inf: 0/0
 
 
 # A decoding step's weights-times-values product (a few queries per head) as weighted sums of
@@ -462,11 +507,13 @@ class MultiHeadAttention(nn.Module):
             return x.view(B, self.n_heads, 1, size)  # (B, H, 1, K)
         return x.view(B, T, self.n_heads, size).transpose(1, 2)  # (B, H, T, K)
 
-    def attend(self, q, k, v, mask, causal=False, weights=None, prescaled=False) -> torch.Tensor:
+    def attend(
+        self, q, k, v, mask, causal=False, weights=None, prescaled=False, aligned=False
+    ) -> torch.Tensor:
         """Eq. (1) per head from projected queries q (B, H, Tq, K), then W^O; (B, Tq, D)."""
         B, _, Tq, _ = q.shape
         p = self.p_attn_drop if self.training else 0.0
-        out = attention(q, k, v, mask, causal, p, weights, prescaled=prescaled)  # (B, H, Tq, Vd)
+        out = attention(q, k, v, mask, causal, p, weights, prescaled=prescaled, aligned=aligned)
         if Tq > 1:  # with one query, (B, H, 1, Vd) is already laid out as (B, 1, H, Vd)
             out = out.transpose(1, 2)  # (B, Tq, H, Vd)
         return self.w_o(out.reshape(B, Tq, self.n_heads * self.d_v))  # (B, Tq, H*Vd) inside
@@ -485,7 +532,7 @@ class MultiHeadAttention(nn.Module):
         q = q.reshape(C, group, H, Tq, K).transpose(1, 2).reshape(C, H, group * Tq, K)
         if live is not None:
             q = q.new_zeros(k.size(0), *q.shape[1:]).index_copy_(0, live, q)
-        out = attention(q, k, v, mask, prescaled=prescaled)  # (C, H, group * Tq, Vd)
+        out = attention(q, k, v, mask, prescaled=prescaled, aligned=True)  # (C, H, group*Tq, Vd)
         if live is not None:
             out = out.index_select(0, live)
         out = out.view(C, H, group, Tq, self.d_v).permute(0, 2, 3, 1, 4)  # (C, group, Tq, H, Vd)
@@ -764,9 +811,9 @@ class DecoderLayer(nn.Module):
             # §3.2.3: no position attends to later positions. A single new query may see
             # every key in the cache, so it needs no mask.
             if self.window is None:
-                return sa.attend(q, k, v, None, causal=T > 1, prescaled=prescaled)
+                return sa.attend(q, k, v, None, causal=T > 1, prescaled=prescaled, aligned=True)
             mask = causal_mask(T, t + T, y.device, self.window)
-            return sa.attend(q, k, v, mask, prescaled=prescaled)
+            return sa.attend(q, k, v, mask, prescaled=prescaled, aligned=True)
 
         def cross_attend(y: torch.Tensor) -> torch.Tensor:
             if lc.cross_k is None:
@@ -776,7 +823,8 @@ class DecoderLayer(nn.Module):
                 lc.cross_k, lc.cross_v = k.contiguous(), v.contiguous()
             q = ca.split_heads(lc.proj.cross_q(y) if lc.proj else ca.w_q(y))
             if cache.group == 1:
-                return ca.attend(q, lc.cross_k, lc.cross_v, cache.cross_bias, prescaled=prescaled)
+                return ca.attend(q, lc.cross_k, lc.cross_v, cache.cross_bias, prescaled=prescaled,
+                                 aligned=True)  # fmt: skip
             live = None if beam is None else beam.live
             return ca.attend_grouped(q, lc.cross_k, lc.cross_v, cache.cross_bias, cache.group,
                                      prescaled, live)  # fmt: skip
@@ -884,6 +932,8 @@ class Transformer(nn.Module):
             cfg = self.cfg
             if not cache.layers:
                 cache.layers = [LayerCache(StepProjections.of(l)) for l in self.decoder_layers]
+                if memory.device.type == "cpu":
+                    memory, src_mask = _key_blocks(memory, src_mask)
                 cache.cross_bias = padding_bias(src_mask, x.dtype)
             shape = (cfg.n_layers, x.size(0), cfg.n_heads)
             cache.reserve(tgt.size(1), shape, cfg.d_k, cfg.d_v, x)

@@ -459,24 +459,57 @@ def test_cpu_inference_attention_of_a_row_does_not_depend_on_its_batch(
 
 
 @pytest.mark.parametrize("mask_kind", ["bool", "float"])
-def test_cpu_inference_softmax_of_a_row_does_not_depend_on_its_padding(mask_kind) -> None:
-    """PyTorch's fp32 softmax gave other bits for 564 of 11,592 random rows with keys padded
-    (masked) than without; `_softmax_rowwise` (fp64, rounded) the same bits."""
-    from transformer.model import _softmax_rowwise
+def test_cpu_inference_softmax_of_a_row_does_not_depend_on_whole_blocks_of_padding(
+    mask_kind,
+) -> None:
+    """`_softmax_rowwise` (PyTorch's fp32 softmax) of a row of L keys padded (masked) to whole
+    KEY_BLOCKs gives the same bits with more blocks of padding; padded to other lengths it
+    did not (148 of 13,631 random rows), which is why `_attention_rowwise` pads in blocks."""
+    from transformer.model import KEY_BLOCK, _softmax_rowwise
 
     torch.manual_seed(0)
     for L in range(1, 40):
         x = torch.randn(5, L) * 3
-        for extra in (1, 9, 31, 300):
-            xp = torch.cat([x, torch.randn(5, extra)], -1)
+        base = -(-L // KEY_BLOCK) * KEY_BLOCK
+        ref = None
+        for width in (base, base + KEY_BLOCK, base + 4 * KEY_BLOCK):
+            xp = torch.cat([x, torch.randn(5, width - L)], -1)
             if mask_kind == "bool":
-                mask, mask_p = torch.ones(1, L, dtype=torch.bool), torch.arange(L + extra) < L
+                mask = torch.arange(width) < L
             else:
-                mask = torch.zeros(1, L)
-                mask_p = torch.zeros(1, L + extra).masked_fill_(
-                    torch.arange(L + extra) >= L, -torch.inf
-                )
-            assert torch.equal(_softmax_rowwise(x, mask), _softmax_rowwise(xp, mask_p)[:, :L])
+                mask = torch.zeros(width).masked_fill_(torch.arange(width) >= L, -torch.inf)
+            w = _softmax_rowwise(xp, mask)
+            assert torch.equal(w[:, L:], torch.zeros(5, width - L))
+            ref = w[:, :L] if ref is None else ref
+            assert torch.equal(w[:, :L], ref), (L, width)
+        torch.testing.assert_close(ref, x.softmax(-1))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("mask_kind", ["none", "bool", "causal"])
+def test_cpu_inference_attention_of_a_sentence_does_not_depend_on_its_batch_mates_length(
+    dtype, mask_kind
+) -> None:
+    """The encoder's (and uncached decoding's) attention: a sentence of L positions alone, and
+    padded to a longer batch mate's S (queries and keys, masked): the same bits at its L rows.
+    `_attention_rowwise` pads both to whole KEY_BLOCKs; with the sentence's own lengths MKL's
+    products rounded 18 of 76 random cases differently, 4 with only the keys padded."""
+    torch.manual_seed(0)
+    H, K = 4, 16
+    for L, S in ((3, 5), (7, 16), (9, 34), (16, 17), (20, 33), (31, 64)):
+        q, k, v = (torch.randn(1, H, L, K, dtype=dtype) for _ in range(3))
+        qb, kb, vb = (torch.randn(2, H, S, K, dtype=dtype) for _ in range(3))
+        for big, small in ((qb, q), (kb, k), (vb, v)):
+            big[1, :, :L] = small[0]
+        lens = torch.tensor([S, L])[:, None, None, None]  # row 0 a full-length batch mate
+        mask = torch.arange(S) < lens  # (2, 1, 1, S): the keys of each row
+        if mask_kind == "causal":
+            mask = mask & causal_mask(S, S, torch.device("cpu"))  # (2, 1, S, S)
+        with torch.inference_mode():
+            own = None if mask_kind == "none" else torch.ones(L, dtype=torch.bool)
+            alone = attention(q, k, v, own, causal=mask_kind == "causal")
+            batched = attention(qb, kb, vb, mask)
+        assert torch.equal(alone[0], batched[1, :, :L]), (L, S)
 
 
 def test_cpu_inference_attention_lays_out_one_row_as_a_batch_of_them() -> None:
