@@ -7,8 +7,9 @@ cached, and why it is laid out as it is (docs/decoding.md, "Incremental decoding
 * self-attention keys/values of every layer in preallocated buffers, written in place; under
   beam search on the CPU in fp32, never reordered, each hypothesis reaching its prefix through
   back-pointers (`BeamHistory`);
-* encoder-decoder keys/values, computed once per sentence, and the source padding as an
-  additive bias;
+* encoder-decoder keys/values, computed once per sentence (on the CPU padded to whole
+  `model.KEY_BLOCK`s, the keys kept as K^T: `model._transposed_keys`), and the source padding
+  as an additive bias;
 * each layer's `StepProjections`: W^Q, W^K, W^V as one matrix, built from the parameters when
   the cache is made (model files and training are unchanged); int8 layers' once per layer.
 
@@ -104,7 +105,7 @@ class LayerCache:
     (computed once per sentence)."""
 
     proj: StepProjections | None = None  # None: the layer's own modules
-    cross_k: torch.Tensor | None = None  # (B, H, S, K)
+    cross_k: torch.Tensor | None = None  # (B, H, S, K); on the CPU a view of K^T (B, H, K, S)
     cross_v: torch.Tensor | None = None  # (B, H, S, Vd)
     self_k: torch.Tensor | None = None  # (B, H, capacity, K): positions [:length] filled
     self_v: torch.Tensor | None = None  # (B, H, capacity, Vd)
@@ -227,7 +228,12 @@ class DecoderCache:
         encoder-decoder rows `rows` (None: the same tensors, nothing copied)."""
 
         def pick(t: torch.Tensor | None) -> torch.Tensor | None:
-            return t if t is None or rows is None else t.index_select(0, rows)
+            if t is None or rows is None:
+                return t
+            if t.dim() == 4 and not t.is_contiguous() and t.transpose(-2, -1).is_contiguous():
+                # keys kept as K^T (model._transposed_keys): picked in that layout
+                return t.transpose(-2, -1).index_select(0, rows).transpose(-2, -1)
+            return t.index_select(0, rows)
 
         layers = [LayerCache(c.proj, pick(c.cross_k), pick(c.cross_v)) for c in self.layers]
         return layers, pick(self.cross_bias)

@@ -563,8 +563,11 @@ def test_cached_decoding_sums_the_values_row_by_row(monkeypatch) -> None:
         cache = model.new_cache()
         steps = [model.decode(tgt[:, i : i + 1], memory, src_mask, cache) for i in range(4)]
         full = model.decode(tgt[:, :4], memory, src_mask)
-    # self- and cross-attention of each layer from the second step on (one key at the first)
-    assert len(calls) == 2 * model.cfg.n_layers * 3 + model.cfg.n_layers
+    # the values of self- and cross-attention of each layer from the second step on (one key
+    # at the first), and the encoder-decoder scores at every step (the keys kept as K^T)
+    n = model.cfg.n_layers
+    assert len(calls) == 2 * n * 3 + n + 4 * n
+    assert calls.count(torch.Size([3, model.cfg.n_heads, 1, model.cfg.d_k])) == 4 * n
     torch.testing.assert_close(torch.cat(steps, 1), full, rtol=1e-5, atol=1e-5)
 
 
