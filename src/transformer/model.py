@@ -257,12 +257,14 @@ def _key_blocks(memory: torch.Tensor, src_mask: torch.Tensor):
 
 def _transposed_keys(k: torch.Tensor) -> torch.Tensor:
     """A decoding step's encoder-decoder keys k (B, H, S, K) as they are kept in the cache: on
-    the CPU (no gradient wanted), a (B, H, S, K) view of K^T (B, H, K, S) in fp32, whose rows
-    `_attention_rowwise` sums weighted by the few queries of a step (a bf16 model's keys
-    widened once here, not at every step); elsewhere contiguous."""
+    the CPU (no gradient wanted), a (B, H, S, K) view of K^T (B, H, K, S) in fp32 (an fp64
+    model's in fp64), whose rows `_attention_rowwise` sums weighted by the few queries of a
+    step (a bf16 model's keys widened once here, not at every step); elsewhere contiguous."""
     if not _cpu_inference(k):
         return k.contiguous()
-    return k.float().transpose(-2, -1).contiguous().transpose(-2, -1)
+    if k.dtype not in (torch.float32, torch.float64):
+        k = k.float()
+    return k.transpose(-2, -1).contiguous().transpose(-2, -1)
 
 
 def _cpu_inference(*tensors: torch.Tensor) -> bool:
