@@ -100,8 +100,9 @@ def test_cpu_decoding_keeps_the_encoder_decoder_keys_transposed(dtype) -> None:
         assert k.size(0) == 2 and k.transpose(-2, -1).is_contiguous()
         rest = model.decode(tgt[keep, 2:], memory[keep], src_mask[keep], cache).float()
         with torch.enable_grad():  # a gradient wanted: the keys as the model computes them
-            grad_cache = Transformer(tiny()).new_cache()
-            Transformer(tiny()).decode(tgt[:, :1], memory.float(), src_mask, grad_cache)
+            fp32_model = Transformer(tiny())
+            grad_cache = fp32_model.new_cache()
+            fp32_model.decode(tgt[:, :1], memory.float(), src_mask, grad_cache)
         assert grad_cache.layers[0].cross_k.is_contiguous()
     tol = {"rtol": 0.05, "atol": 0.05} if dtype == torch.bfloat16 else {"rtol": 1e-5, "atol": 1e-5}
     torch.testing.assert_close(first, full[:, :2], **tol)

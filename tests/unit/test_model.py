@@ -521,8 +521,8 @@ def test_cpu_inference_attention_lays_out_one_row_as_a_batch_of_them() -> None:
     k = x[..., :64].view(3, 10, 4, 16).transpose(1, 2)  # (B, H, S, K)
     assert _heads_merged(k).is_contiguous() and _heads_merged(k[:1]).is_contiguous()
     cache = torch.randn(3, 4, 32, 16)[:, :, :9]  # a cache's prefix: merges as it is
-    assert _heads_merged(cache) is cache and _heads_merged(cache[:1]) is cache[:1] or True
-    assert _heads_merged(cache).data_ptr() == cache.data_ptr()
+    one = cache[:1]
+    assert _heads_merged(cache) is cache and _heads_merged(one) is one
     q = torch.randn(3, 10, 64).view(3, 10, 4, 16).transpose(1, 2)
     with torch.inference_mode():
         batched = attention(q, k, k)
