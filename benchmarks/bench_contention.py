@@ -13,7 +13,8 @@ and prints tokens/s and the ratio, with the CPU model and ISA beside them.
 the CLI chooses (docs/performance.md, "A machine that is not idle"). --procs N trains with
 `--procs N` (N one-thread processes); --preset picks the training model (default quickstart);
 --only train|translate runs one of the two workloads; --rounds R repeats each alone/beside
-pair R times and prints the median of the rounds' ratios as well.
+pair R times and prints the median of the rounds' ratios as well; --json PATH writes the pairs
+and medians (benchmarks/issue19_summary.py reads them).
 """
 
 from __future__ import annotations
@@ -110,14 +111,19 @@ def main() -> None:
     # One pair of runs moves by a few points from the host alone (70.1%, 69.8%, 70.7% for the
     # same translation, docs/performance.md): rounds of alone-then-beside pairs give a median.
     p.add_argument("--rounds", type=int, default=1, help="alone/beside pairs per workload")
+    p.add_argument("--json", type=Path, help="write the pairs and their medians to this file")
     args = p.parse_args()
     if args.repeat < 1:
         p.error(f"--repeat must be at least 1, got {args.repeat}")
     if args.rounds < 1:
         p.error(f"--rounds must be at least 1, got {args.rounds}")
+    if args.json and not args.json.parent.is_dir():  # before minutes of runs, not after
+        p.error(f"--json: no directory {args.json.parent}")
     threads = ["--threads", str(args.threads)] if args.threads else []
     procs = ["--procs", str(args.procs)] if args.procs else []
-    print(f"# {cpu_line()}; load average {os.getloadavg()[0]:.2f} at start")
+    record = {"cpu": cpu_line(), "load_average": os.getloadavg()[0], "threads": args.threads,
+              "procs": args.procs, "preset": args.preset, "workloads": {}}  # fmt: skip
+    print(f"# {record['cpu']}; load average {record['load_average']:.2f} at start")
     print(f"# thread choice: {'--threads ' + str(args.threads) if threads else 'the CLI default'}"
           f"{'; training with --procs ' + str(args.procs) if procs else ''}; "
           f"training preset {args.preset}")  # fmt: skip
@@ -138,15 +144,21 @@ def main() -> None:
             pairs.append((alone, beside))
             print(f"{name:>18}: alone {alone:8.0f}   beside a busy process {beside:8.0f}   "
                   f"kept {beside / alone:6.1%}", flush=True)  # fmt: skip
+        kept = statistics.median(b / a for a, b in pairs)
+        alone_m = statistics.median(a for a, _ in pairs)
+        beside_m = statistics.median(b for _, b in pairs)
+        record["workloads"][name.split()[0]] = {
+            "unit": name.split()[1], "pairs": pairs, "alone": alone_m, "beside": beside_m,
+            "kept": kept,  # the median of the rounds' ratios
+        }  # fmt: skip
         if len(pairs) > 1:
-            kept = statistics.median(b / a for a, b in pairs)
-            alone_m = statistics.median(a for a, _ in pairs)
-            beside_m = statistics.median(b for _, b in pairs)
             print(
                 f"{name:>18}: median of {len(pairs)} rounds: alone {alone_m:8.0f}   beside "
                 f"{beside_m:8.0f}   kept {kept:6.1%} (median of the rounds' ratios)",
                 flush=True,
             )
+    if args.json:
+        args.json.write_text(json.dumps(record, indent=1) + "\n", encoding="utf-8")
 
 
 if __name__ == "__main__":

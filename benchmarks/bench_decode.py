@@ -11,7 +11,8 @@ Two workloads:
 * A real model on a real test set (`--model FILE --data DIR --split test`): normal search with
   early stopping, and for each dtype the sacreBLEU of its output (int8's BLEU cost), the lines
   that differ from the first dtype's and the spread of the BLEU change over paired bootstrap
-  resamples (the noise of comparing the two on this set).
+  resamples (the noise of comparing the two on this set). --json PATH writes them, with what
+  `--dtype auto` picks for this model on this machine (benchmarks/issue19_summary.py reads it).
 
     python benchmarks/bench_decode.py --w2 --reps 1
     python benchmarks/bench_decode.py --model runs/x/model.safetensors --data data/ende
@@ -21,6 +22,7 @@ Two workloads:
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import sys
@@ -151,6 +153,7 @@ def bench_real(args) -> None:
 
     from transformer.bleu import corpus_bleu, paired_bootstrap, sentence_stats
     from transformer.data import load_prepared
+    from transformer.rundir import resolve_model
     from transformer.translate import Translator
 
     data = load_prepared(args.data)
@@ -159,6 +162,11 @@ def bench_real(args) -> None:
     if args.limit:
         sources, refs = sources[: args.limit], refs[: args.limit]
     print(f"\n{args.model} on {args.data} {args.split}: {len(sources)} sentences\n")
+    auto, why = auto_dtype("cpu", list(resolve_model(args.model, "cpu").int8))
+    print(f"# --dtype auto on this CPU: {auto} ({why})\n")
+    record = {"model": str(args.model), "data": str(args.data), "split": args.split,
+              "sentences": len(sources), "alpha": args.alpha, "auto": auto, "auto_why": why,
+              "runs": [], "changes": []}  # fmt: skip
     print("| dtype | beam | sent/s | target tok/s | seconds | sacreBLEU |")
     print("|---|---:|---:|---:|---:|---:|")
     dtypes, beams = args.dtypes.split(","), [int(b) for b in args.beams.split(",")]
@@ -174,9 +182,14 @@ def bench_real(args) -> None:
             n_tok = sum(len(n[0].tokens) + 1 for n in out)
             hyps[dtype, beam] = [n[0].text for n in out]
             bleus[dtype, beam] = corpus_bleu(hyps[dtype, beam], refs).score
+            record["runs"].append(
+                {"dtype": dtype, "beam": beam, "seconds": sec, "tok_per_s": n_tok / sec,
+                 "bleu": bleus[dtype, beam]}
+            )  # fmt: skip
             print(f"| {dtype} | {beam} | {len(out) / sec:.1f} | {n_tok / sec:,.0f} | {sec:.1f} "
                   f"| {bleus[dtype, beam]:.2f} |", flush=True)  # fmt: skip
     if len(dtypes) < 2:
+        _write_json(args.json, record)
         return
     # Each dtype's BLEU change from the first one, with the spread of that change over paired
     # bootstrap resamples of the sentences: the noise of comparing the two on this set.
@@ -191,6 +204,17 @@ def bench_real(args) -> None:
             change = bleus[dtype, beam] - bleus[base, beam]
             low, high = np.percentile(scores[i] - scores[0], [2.5, 97.5])
             print(f"| {dtype} | {beam} | {changed} | {change:+.2f} | {low:+.2f}..{high:+.2f} |")
+            record["changes"].append({"dtype": dtype, "base": base, "beam": beam,
+                                      "lines_changed": changed, "bleu_change": change,
+                                      "low": float(low), "high": float(high)})  # fmt: skip
+    _write_json(args.json, record)
+
+
+def _write_json(path: str | None, record: dict) -> None:
+    if path:
+        with open(path, "w", encoding="utf-8") as f:
+            json.dump(record, f, indent=1)
+            f.write("\n")
 
 
 def profile(args) -> None:
@@ -222,7 +246,10 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=1)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--profile", help="DTYPE:BEAM, print a torch.profiler table of one W2 run")
+    ap.add_argument("--json", help="write the real model's runs and BLEU changes to this file")
     args = ap.parse_args()
+    if args.json and not os.path.isdir(os.path.dirname(os.path.abspath(args.json))):
+        ap.error(f"--json: no directory {os.path.dirname(os.path.abspath(args.json))}")
     torch.set_num_threads(args.threads)
     print(f"# torch {torch.__version__}, threads {torch.get_num_threads()}")
     if args.profile:

@@ -11,6 +11,8 @@
 # QS: a `transformer quickstart --out QS` directory (its data/, model.safetensors and
 # quickstart.json, whose α chosen on val is the one the BLEU table decodes with). PY: the
 # Python that has the peers installed (docs/performance.md, "Reproducing"); REPS (default 5).
+# Ends with the issue's table and a verdict per target (benchmarks/issue19_summary.py, from the
+# JSON files in OUT), also written to OUT/summary.md.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:?usage: QS=QUICKSTART_OUT PY=PEERS_PYTHON bash benchmarks/issue19_table.sh OUT}
@@ -40,8 +42,21 @@ note() { echo "# $(date -u +%FT%TZ) load average: $(cut -d' ' -f1-3 /proc/loadav
   $OURS -c 'from transformer.cpuinfo import cpu_line; print("#", cpu_line())'
   lscpu | grep -E 'Model name|^CPU\(s\)|Flags' | cut -c1-200
 } | tee "$OUT/machine.txt"
+COMMIT=$(git rev-parse --short HEAD 2>/dev/null || echo '?')
+[[ -z $(git status --porcelain --untracked-files=no 2>/dev/null) ]] || COMMIT="$COMMIT (modified)"
+$OURS - "$OUT/machine.json" "$COMMIT" <<'PY'
+import json, os, sys, time
+import torch
+from transformer.cpuinfo import cpu_flags, cpu_line
+record = {"cpu": cpu_line(), "amx": "amx_bf16" in cpu_flags(), "torch": torch.__version__,
+          "commit": sys.argv[2], "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+          "load_average": round(os.getloadavg()[0], 2)}
+with open(sys.argv[1], "w", encoding="utf-8") as f:
+    json.dump(record, f, indent=1)
+PY
 note "W0" | tee "$OUT/w0.log"
-$PY ../shared/peers/bench_matmul.py --threads 2 --dtypes fp32,bf16 2>&1 | tee -a "$OUT/w0.log"
+$PY ../shared/peers/bench_matmul.py --threads 2 --dtypes fp32,bf16 --json "$OUT/w0.json" 2>&1 \
+  | tee -a "$OUT/w0.log"
 for w in train beam greedy memory; do
   note "$w" | tee "$OUT/$w.log"
   OUT=$OUT PY=$PY REPS=$REPS GREEDY_PEERS=${GREEDY_PEERS:-ct2:float32,ct2:int8} \
@@ -49,10 +64,12 @@ for w in train beam greedy memory; do
 done
 note "contention" | tee "$OUT/contention.log"
 $OURS benchmarks/bench_contention.py --data "$QS/data" --model "$QS/model.safetensors" \
-  --lines 1014 --repeat 5 --rounds 3 2>&1 | tee -a "$OUT/contention.log"
+  --lines 1014 --repeat 5 --rounds 3 --json "$OUT/contention.json" 2>&1 | tee -a "$OUT/contention.log"
 note "step phases" | tee "$OUT/step_phases.log"
 $OURS benchmarks/bench_step_phases.py --data "$QS/data" 2>&1 | tee -a "$OUT/step_phases.log"
 note "BLEU of each precision, alpha $ALPHA" | tee "$OUT/dtype_bleu.log"
 $OURS benchmarks/bench_decode.py --model "$QS/model.safetensors" --data "$QS/data" \
-  --dtypes "$DTYPES" --beams 4,1 --reps 1 --alpha "$ALPHA" 2>&1 | tee -a "$OUT/dtype_bleu.log"
+  --dtypes "$DTYPES" --beams 4,1 --reps 1 --alpha "$ALPHA" --json "$OUT/dtype_bleu.json" 2>&1 \
+  | tee -a "$OUT/dtype_bleu.log"
 note "done" | tee -a "$OUT/machine.txt"
+$OURS benchmarks/issue19_summary.py "$OUT" | tee "$OUT/summary.md"

@@ -65,6 +65,19 @@ def test_helper_benchmarks_reject_bad_arguments(tmp_path, script, args, message)
     assert message in out.stderr and "Traceback" not in out.stderr
 
 
+@pytest.mark.parametrize(
+    ("script", "args"),
+    [("bench_contention.py", ["--data", "d", "--model", "m"]),
+     ("bench_decode.py", ["--model", "m", "--data", "d"])],
+)  # fmt: skip
+def test_benchmarks_refuse_a_json_path_in_no_directory_before_running(tmp_path, script, args):
+    # issue19_table.sh's runs take minutes: a --json they cannot write fails at the start.
+    target = tmp_path / "none" / "out.json"
+    out = _run(script, *args, "--json", str(target))
+    assert out.returncode == 2, out.stderr
+    assert f"--json: no directory {target.parent}" in out.stderr and "Traceback" not in out.stderr
+
+
 def test_grad_helper_names_a_missing_corpus(tmp_path):
     out = _run("bench_grad_helper.py", "--data", str(tmp_path / "none"))
     assert out.returncode == 2
