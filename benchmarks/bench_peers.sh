@@ -6,7 +6,7 @@
 # Install the peers first (pip extra `peers` + the fairseq/OpenNMT-py steps in docs/performance.md).
 #
 #   bash benchmarks/bench_peers.sh            # everything (~25 min on the 2-core CPU)
-#   bash benchmarks/bench_peers.sh train      # or: train-fp32 | beam | greedy | memory
+#   bash benchmarks/bench_peers.sh train      # or: train-fp32 | train-each | beam | greedy | memory
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PEERS=${PEERS_DIR:-../shared/peers}
@@ -41,6 +41,14 @@ run() { [[ $WHAT == all || $WHAT == "$1" ]]; }
 if run train && [[ $WHAT == train || $BF16_DTYPE == bf16 ]]; then  # `all`: train-fp32 runs next
   $PY $PEERS/bench_train.py --impl fairseq,hf,torch,onmt,$OURS_TRAIN --dtype $BF16_DTYPE \
     --warmup 1 --reps "$REPS" --json "$OUT/w1_train_$BF16_DTYPE.json"
+fi
+# W1 with each implementation in its own process, interleaved rounds (bench_w1_processes.py):
+# in the harness's one process the peers slow one another by ~15-20% (docs/performance.md,
+# "Round sixteen"); this is the reading without that. Not part of `all`: name it.
+if [[ $WHAT == train-each ]]; then
+  PEERS_DIR=$PEERS $PY benchmarks/bench_w1_processes.py --python "$PY" \
+    --impl fairseq,hf,torch,onmt,$OURS_TRAIN --dtype $BF16_DTYPE --reps "${W1_EACH_REPS:-3}" \
+    --rounds "${W1_ROUNDS:-2}" --json "$OUT/w1_train_${BF16_DTYPE}_each.json"
 fi
 if run train-fp32; then
   $PY $PEERS/bench_train.py --impl fairseq,hf,torch,onmt,$OURS_TRAIN --dtype fp32 \

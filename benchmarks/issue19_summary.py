@@ -115,6 +115,8 @@ def w0_rate(out: Path, dtype: str) -> tuple[float, list[float]] | None:
 
 
 def w1(out: Path, amx: bool, table: Table) -> None:
+    """W1 as the harness runs it (one process), its share of the matmul rate, and W1 with one
+    process per implementation where OUT has it (`bench_w1_processes.py`)."""
     for dtype in ("bf16", "fp32"):
         name = f"w1_train_{dtype}.json"
         data = load(out, name)
@@ -123,40 +125,20 @@ def w1(out: Path, amx: bool, table: Table) -> None:
     else:
         table.missing.append("W1: no w1_train_bf16.json or w1_train_fp32.json")
         return
-    path = str(out / name)
-    results = {r["impl"]: r for r in _field(path, data, "results")}
-    if OURS_TRAIN not in results:
-        raise SummaryError(f"{path}: no result for {OURS_TRAIN}")
-    peers = {k: v for k, v in results.items() if k != OURS_TRAIN}
-    ours = _field(path, results[OURS_TRAIN], "tok_per_s")
-    target = W1_RATIO[0 if amx else 1]
-    if not peers:
-        table.add(f"W1 training, base {dtype} (tok/s)", f"{ours['median']:,.0f}", "no peer ran",
-                  "-", f">= {target}x")  # fmt: skip
-        return
-    best = max(peers, key=lambda k: peers[k]["tok_per_s"]["median"])
-    best_rate = peers[best]["tok_per_s"]["median"]
-    ratio = ours["median"] / best_rate
-    # Round by round: ours / each peer in the same round; each peer's median; the lowest.
-    paired = {
-        k: statistics.median(o / p for o, p in zip(ours["all"], v["tok_per_s"]["all"], strict=True))
-        for k, v in peers.items()
-    }
-    worst = min(paired, key=paired.get)
-    others = rates({k: v for k, v in peers.items() if k != best})
-    table.add(
-        f"W1 training, base {dtype} (target tok/s, median of {ours['n']})",
-        f"**{ours['median']:,.0f}** ({ours['min']:,.0f}-{ours['max']:,.0f})",
-        f"{best} {best_rate:,.0f} ({others})",
-        f"**{fmt_ratio(ratio, target)}** (round by round: {fmt_ratio(paired[worst])} against "
-        f"{worst}): {verdict(ratio >= target)}",
-        f">= {target}x" + (" (AMX)" if amx else " (no AMX)"),
-    )
-    batch = _field(path, data, "batch")
+    ours = w1_row(out, name, data, dtype, ", the harness's one process", amx, table)
+    each = f"w1_train_{dtype}_each.json"
+    data_each = load(out, each)
+    if data_each is None:
+        table.missing.append(f"W1 one process per implementation: no {each}")
+    else:
+        w1_row(out, each, data_each, dtype, ", one process per implementation", amx, table)
     w0 = w0_rate(out, dtype)
+    if ours is None:
+        return
     if w0 is None:
         table.missing.append(f"W1 MFU: no {dtype} rate in w0.json")
         return
+    batch = _field(str(out / name), data, "batch")
     flops = step_flops(batch)
     seconds = batch["tgt_tokens"] / ours["median"]
     achieved = flops / seconds / 1e9
@@ -169,6 +151,42 @@ def w1(out: Path, amx: bool, table: Table) -> None:
         f"**{mfu:.0%}**" + (f": {verdict(mfu >= W1_MFU)}" if amx else ""),
         f">= {W1_MFU:.0%} (AMX)" if amx else "(>= 65% is the AMX target)",
     )
+
+
+def w1_row(out: Path, name: str, data: dict, dtype: str, how: str, amx: bool, table: Table):
+    """One W1 row: ours against the fastest peer (ratio of the medians) and, round by round,
+    against each peer; returns our tok/s stats (None when no peer ran)."""
+    path = str(out / name)
+    results = {r["impl"]: r for r in _field(path, data, "results")}
+    if OURS_TRAIN not in results:
+        raise SummaryError(f"{path}: no result for {OURS_TRAIN}")
+    peers = {k: v for k, v in results.items() if k != OURS_TRAIN}
+    ours = _field(path, results[OURS_TRAIN], "tok_per_s")
+    target = W1_RATIO[0 if amx else 1]
+    if not peers:
+        table.add(f"W1 training, base {dtype}{how} (tok/s)", f"{ours['median']:,.0f}",
+                  "no peer ran", "-", f">= {target}x")  # fmt: skip
+        return None
+    best = max(peers, key=lambda k: peers[k]["tok_per_s"]["median"])
+    best_rate = peers[best]["tok_per_s"]["median"]
+    ratio = ours["median"] / best_rate
+    # Round by round: ours / each peer in the same round (the n-th step of each, seconds or,
+    # one process each, a minute apart); each peer's median of those; the lowest.
+    paired = {
+        k: statistics.median(o / p for o, p in zip(ours["all"], v["tok_per_s"]["all"], strict=True))
+        for k, v in peers.items()
+    }
+    worst = min(paired, key=paired.get)
+    others = rates({k: v for k, v in peers.items() if k != best})
+    table.add(
+        f"W1 training, base {dtype}{how} (target tok/s, median of {ours['n']})",
+        f"**{ours['median']:,.0f}** ({ours['min']:,.0f}-{ours['max']:,.0f})",
+        f"{best} {best_rate:,.0f} ({others})",
+        f"**{fmt_ratio(ratio, target)}** (round by round: {fmt_ratio(paired[worst])} against "
+        f"{worst}): {verdict(ratio >= target)}",
+        f">= {target}x" + (" (AMX)" if amx else " (no AMX)"),
+    )
+    return ours
 
 
 def step_flops(batch: dict) -> float:

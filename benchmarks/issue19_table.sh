@@ -57,7 +57,7 @@ PY
 note "W0" | tee "$OUT/w0.log"
 $PY ../shared/peers/bench_matmul.py --threads 2 --dtypes fp32,bf16 --json "$OUT/w0.json" 2>&1 \
   | tee -a "$OUT/w0.log"
-for w in train beam greedy memory; do
+for w in train train-each beam greedy memory; do
   note "$w" | tee "$OUT/$w.log"
   OUT=$OUT PY=$PY REPS=$REPS GREEDY_PEERS=${GREEDY_PEERS:-ct2:float32,ct2:int8} \
     bash benchmarks/bench_peers.sh "$w" 2>&1 | grep -v -i warn | tee -a "$OUT/$w.log"

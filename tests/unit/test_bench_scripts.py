@@ -261,3 +261,79 @@ def test_streams_rejects_a_bad_count_before_loading_the_model(tmp_path, streams)
     assert out.returncode == 2
     assert "--streams:" in out.stderr and "is not a count" in out.stderr
     assert "Traceback" not in out.stderr
+
+
+# A stand-in for the peers' W1 harness: an implementation's tokens/s is the number after its
+# last colon times the step's index; "crash" exits 1, "nobuild" reports a failed build.
+FAKE_TRAIN = r"""
+import argparse, json, sys
+ap = argparse.ArgumentParser()
+for a in ("--impl", "--dtype", "--reps", "--warmup", "--threads", "--json"):
+    ap.add_argument(a)
+args = ap.parse_args()
+if args.impl == "crash":
+    sys.exit("ImportError: fairseq")
+failed = {args.impl: "RuntimeError: no"} if args.impl == "nobuild" else {}
+res = []
+if not failed:
+    tps = [float(args.impl.rsplit(":", 1)[1]) * (i + 1) for i in range(int(args.reps))]
+    res.append({"impl": args.impl, "dtype": args.dtype, "params": 1, "notes": "fake",
+                "losses": [1.0] * len(tps),
+                "tok_per_s": {"median": sorted(tps)[len(tps) // 2], "all": tps}})
+    for i, t in enumerate(tps):
+        print(f"# rep {i} {args.impl}/{args.dtype}: {t:.0f} tok/s")
+json.dump({"env": {"cpu": "fake"}, "args": vars(args), "batch": {"tgt_tokens": 10},
+           "cfg": {}, "failed": failed, "peak_rss_mib_process": 1.0, "results": res},
+          open(args.json, "w"))
+"""
+
+
+def _w1(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
+    (tmp_path / "peers").mkdir(exist_ok=True)
+    (tmp_path / "peers" / "bench_train.py").write_text(FAKE_TRAIN)
+    cmd = [sys.executable, str(BENCH / "bench_w1_processes.py"), "--peers", str(tmp_path / "peers")]
+    return subprocess.run([*cmd, *args], capture_output=True, text=True, timeout=120)
+
+
+def test_w1_processes_interleaves_and_writes_the_harness_format(tmp_path):
+    out_json = tmp_path / "w1.json"
+    done = _w1(tmp_path, "--impl", "peer:100,ours:210", "--reps", "3", "--rounds", "3",
+               "--json", str(out_json))  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    order = [line.split(": ", 1)[1] for line in done.stdout.splitlines()
+             if line.startswith("# round")]  # fmt: skip
+    assert order == ["peer:100 (its own process)", "ours:210 (its own process)",
+                     "ours:210 (its own process)", "peer:100 (its own process)",
+                     "peer:100 (its own process)", "ours:210 (its own process)"]  # fmt: skip
+    assert "  | # rep 2 ours:210/bf16: 630 tok/s" in done.stdout
+    merged = json.loads(out_json.read_text())
+    assert merged["mode"] == "one process per implementation, 3 interleaved rounds"
+    assert merged["batch"] == {"tgt_tokens": 10} and merged["args"]["rounds"] == 3
+    # the harness's own format (issue19_summary.py reads it as it reads bench_train.py's)
+    ours = merged["results"][1]
+    assert [r["impl"] for r in merged["results"]] == ["peer:100", "ours:210"]
+    assert ours["tok_per_s"]["all"] == [210.0, 420.0, 630.0] * 3
+    assert ours["tok_per_s"]["median"] == 420.0 and ours["round_medians"] == [420.0] * 3
+    assert ours["dtype"] == "bf16" and len(ours["losses"]) == 9
+    assert "2.10" not in done.stdout and "0.48" in done.stdout  # vs best: 200 / 420
+
+
+def test_w1_processes_names_a_failed_run_and_bad_arguments(tmp_path):
+    crash = _w1(tmp_path, "--impl", "peer:1,crash", "--rounds", "1")
+    assert crash.returncode == 2 and "Traceback" not in crash.stderr
+    assert crash.stderr.strip() == (
+        "bench_w1_processes.py: crash: the harness exited with 1: ImportError: fairseq"
+    )
+    nobuild = _w1(tmp_path, "--impl", "nobuild", "--rounds", "1")
+    assert nobuild.returncode == 2
+    assert "nobuild: the harness could not build it: {'nobuild': 'RuntimeError: no'}" in (
+        nobuild.stderr
+    )
+    for args, message in [
+        (["--impl", "a:1,a:1"], "--impl: distinct comma-separated implementations, got 'a:1,a:1'"),
+        (["--impl", "a:1", "--reps", "0"], "--reps, --rounds and --threads must be at least 1"),
+        (["--impl", "a:1", "--json", str(tmp_path / "no" / "x.json")], "--json: no directory"),
+        (["--impl", "a:1", "--peers", str(tmp_path / "none")], "bench_train.py: not found"),
+    ]:
+        bad = _w1(tmp_path, *args)
+        assert bad.returncode == 2 and message in bad.stderr, bad.stderr

@@ -39,6 +39,11 @@ def _table(out: Path, amx: bool = False, bleu_change: float = 0.05, mem: float =
         {"impl": "torch", "tok_per_s": _stats([900.0, 600.0, 650.0])},
         {"impl": OURS_TRAIN, "tok_per_s": _stats([1700.0, 1800.0, 1750.0])},
     ]})  # fmt: skip
+    _write(out, "w1_train_bf16_each.json", {"batch": BATCH, "results": [
+        {"impl": "fairseq", "tok_per_s": _stats([840.0, 850.0, 830.0, 845.0])},
+        {"impl": "onmt", "tok_per_s": _stats([860.0, 800.0, 870.0, 850.0])},
+        {"impl": OURS_TRAIN, "tok_per_s": _stats([1750.0, 1700.0, 1760.0, 1800.0])},
+    ]})  # fmt: skip
     for name, scale in (("w2_infer_beam4.json", 1.0), ("w2_infer_greedy.json", 2.6)):
         _write(out, name, {"results": [
             {"variant": "ct2:int8", "tok_per_s": _stats([1000.0 * scale]),
@@ -92,9 +97,16 @@ def test_a_cpu_without_amx_gets_its_targets_and_auto_precision(tmp_path):
     assert "Test CPU, 2 cores; no AMX" in text and "commit abc1234" in text
     # W1: the ratio of the medians (1,750 / fairseq's 760), and round by round against each
     # peer: fairseq 1700/700, 1800/800, 1750/760 -> median 2.30; torch's median is higher.
-    w1 = _row(text, "W1 training")
+    w1 = _row(text, "W1 training, base bf16, the harness")
     assert "**1,750**" in w1 and "fairseq 760 (torch 650)" in w1
     assert "**2.30x** (round by round: 2.30x against fairseq): met" in w1 and ">= 2.0x" in w1
+    # One process per implementation: its own row, the same target
+    each = _row(text, "W1 training, base bf16, one process per implementation")
+    assert "**1,760**" in each and "fairseq 845 (onmt 860)" not in each
+    assert "onmt 860 (fairseq 845)" in each and "**2.05x**" in each and ": met" in each
+    # round by round against onmt: 1750/860, 1700/800, 1760/870, 1800/850 -> median 2.08
+    # (fairseq's: 2.08, 2.00, 2.12, 2.13 -> 2.10)
+    assert "(round by round: 2.08x against onmt)" in each
     # The share of W0's bf16 median (905 over the four bf16 shapes, not fp32's), not a target
     mfu = _row(text, "W1 share")
     flops = 1.4078718e12
@@ -116,7 +128,7 @@ def test_a_cpu_without_amx_gets_its_targets_and_auto_precision(tmp_path):
 def test_an_amx_cpu_gets_the_higher_targets(tmp_path):
     text = _run(_table(tmp_path / "out", amx=True)).stdout
     assert "; **AMX**" in text
-    w1 = _row(text, "W1 training")
+    w1 = _row(text, "W1 training, base bf16, the harness")
     assert "**not met**" in w1 and ">= 3.5x (AMX)" in w1
     assert "**71%**: met" in _row(text, "W1 share") and ">= 65% (AMX)" in text
     assert ">= 1.5x CT2 int8 (AMX)" in _row(text, "W2 beam 4")
@@ -131,7 +143,13 @@ def test_bleu_outside_the_tenth_and_memory_at_the_edge_are_not_met(tmp_path):
 
 def test_missing_files_are_named_and_the_rest_is_summarized(tmp_path):
     out = _table(tmp_path / "out")
-    for name in ("w0.json", "contention.json", "w2_infer_greedy.json", "machine.json"):
+    for name in (
+        "w0.json",
+        "contention.json",
+        "w2_infer_greedy.json",
+        "machine.json",
+        "w1_train_bf16_each.json",
+    ):
         (out / name).unlink()
     done = _run(out)
     assert done.returncode == 0, done.stderr
@@ -139,6 +157,7 @@ def test_missing_files_are_named_and_the_rest_is_summarized(tmp_path):
     assert "W1 MFU: no bf16 rate in w0.json" in done.stdout
     assert "contention: no contention.json" in done.stdout
     assert "W2 greedy: no w2_infer_greedy.json" in done.stdout
+    assert "W1 one process per implementation: no w1_train_bf16_each.json" in done.stdout
     assert "**2.30x**" in done.stdout and "W2 beam 4" in done.stdout
 
 
