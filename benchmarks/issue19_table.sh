@@ -43,7 +43,9 @@ note() { echo "# $(date -u +%FT%TZ) load average: $(cut -d' ' -f1-3 /proc/loadav
   lscpu | grep -E 'Model name|^CPU\(s\)|Flags' | cut -c1-200
 } | tee "$OUT/machine.txt"
 COMMIT=$(git rev-parse --short HEAD 2>/dev/null || echo '?')
-[[ -z $(git status --porcelain --untracked-files=no 2>/dev/null) ]] || COMMIT="$COMMIT (modified)"
+# "(modified)": the code measured is not the commit's (docs and results do not count)
+[[ -z $(git status --porcelain --untracked-files=no -- src benchmarks pyproject.toml 2>/dev/null) ]] \
+  || COMMIT="$COMMIT (modified)"
 $OURS - "$OUT/machine.json" "$COMMIT" <<'PY'
 import json, os, sys, time
 import torch
