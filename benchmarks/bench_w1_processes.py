@@ -19,13 +19,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
-from bench_w2_processes import PEERS, Usage, order, stats
+from bench_w2_processes import Usage, add_common_args, run_all, stats
 
 
 def merge(runs: list[dict], impls: list[str]) -> dict:
@@ -74,38 +72,13 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--impl", required=True, help="bench_train.py implementations, comma-separated")
     p.add_argument("--dtype", default="bf16", choices=("bf16", "fp32"))
-    p.add_argument("--reps", type=int, default=3, help="timed steps per process")
-    p.add_argument("--warmup", type=int, default=1)
-    p.add_argument("--rounds", type=int, default=2, help="processes per implementation")
-    p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--json", default="", help="write the merged result here")
-    p.add_argument("--peers", type=Path, default=Path(os.environ.get("PEERS_DIR", PEERS)))
-    p.add_argument("--python", default=os.environ.get("PY", sys.executable))
+    add_common_args(p, reps=3, what="steps")
     args = p.parse_args(argv)
-    try:
-        impls = [v for v in args.impl.split(",") if v]
-        if not impls or len(set(impls)) != len(impls):
-            raise Usage(f"--impl: distinct comma-separated implementations, got {args.impl!r}")
-        if min(args.reps, args.rounds, args.threads) < 1 or args.warmup < 0:
-            raise Usage("--reps, --rounds and --threads must be at least 1, --warmup at least 0")
-        if not (args.peers / "bench_train.py").is_file():
-            raise Usage(f"{args.peers / 'bench_train.py'}: not found (--peers or PEERS_DIR)")
-        if args.json and not Path(args.json).resolve().parent.is_dir():
-            raise Usage(f"--json: no directory {Path(args.json).resolve().parent}")
-        runs = []
-        with tempfile.TemporaryDirectory(prefix="w1-") as tmp:
-            for r, names in enumerate(order(impls, args.rounds)):
-                for i, impl in enumerate(names):
-                    print(f"# round {r + 1}/{args.rounds}: {impl} (its own process)", flush=True)
-                    run = run_harness(args.python, args.peers, impl, args,
-                                      Path(tmp) / f"{r}-{i}.json")  # fmt: skip
-                    runs.append(run)
-    except Usage as e:
-        print(f"bench_w1_processes.py: {e}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:  # the harness's process got it too, and has stopped
-        print("bench_w1_processes.py: interrupted", file=sys.stderr)
-        return 130
+    done = run_all("bench_w1_processes.py", args, "--impl", "implementations", "bench_train.py",
+                   run_harness)  # fmt: skip
+    if isinstance(done, int):
+        return done
+    impls, runs = done
     merged = merge(runs, impls)
     best = max(e["tok_per_s"]["median"] for e in merged["results"])
     print(f"\n# W1 train {args.dtype}, one process per implementation, {args.rounds} interleaved "

@@ -57,6 +57,64 @@ def order(variants: list[str], rounds: int) -> list[list[str]]:
     return [variants if r % 2 == 0 else variants[::-1] for r in range(rounds)]
 
 
+def add_common_args(p: argparse.ArgumentParser, reps: int, what: str) -> None:
+    """The arguments W1's and W2's per-process runs share."""
+    p.add_argument("--reps", type=int, default=reps, help=f"timed {what} per process")
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--rounds", type=int, default=2, help="processes per variant, interleaved")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--json", default="", help="write the merged result here")
+    p.add_argument("--peers", type=Path, default=Path(os.environ.get("PEERS_DIR", PEERS)))
+    p.add_argument("--python", default=os.environ.get("PY", sys.executable))
+
+
+def checked_names(args: argparse.Namespace, flag: str, noun: str, harness: str) -> list[str]:
+    """The distinct names `flag` gives (`noun`: what they are), after checking the shared
+    arguments and that the harness exists (Usage)."""
+    value = getattr(args, flag.removeprefix("--"))
+    names = [v for v in value.split(",") if v]
+    if not names or len(set(names)) != len(names):
+        raise Usage(f"{flag}: distinct comma-separated {noun}, got {value!r}")
+    if min(args.reps, args.rounds, args.threads) < 1 or args.warmup < 0:
+        raise Usage("--reps, --rounds and --threads must be at least 1, --warmup at least 0")
+    if not (args.peers / harness).is_file():
+        raise Usage(f"{args.peers / harness}: not found (--peers or PEERS_DIR)")
+    if args.json and not Path(args.json).resolve().parent.is_dir():
+        raise Usage(f"--json: no directory {Path(args.json).resolve().parent}")
+    return names
+
+
+def run_rounds(names: list[str], rounds: int, run_one) -> list[dict]:
+    """run_one(name, json_path) -> its harness JSON, for each name in its own process, in
+    `rounds` interleaved rounds (`order`); each JSON gets its "round" and "variant"."""
+    runs = []
+    with tempfile.TemporaryDirectory(prefix="peers-") as tmp:
+        for r, names_r in enumerate(order(names, rounds)):
+            for i, name in enumerate(names_r):
+                print(f"# round {r + 1}/{rounds}: {name} (its own process)", flush=True)
+                run = run_one(name, Path(tmp) / f"{r}-{i}.json")
+                run["round"], run["variant"] = r + 1, name
+                runs.append(run)
+    return runs
+
+
+def run_all(script: str, args: argparse.Namespace, flag: str, noun: str, harness: str, run_harness):
+    """Checks the arguments, then runs `run_harness(python, peers, name, args, json_path)` for
+    each name `flag` gives, in its own processes (`run_rounds`). (names, runs), or the exit
+    status after a one-line message: 2 for a bad argument or a failed run, 130 on Ctrl-C."""
+    try:
+        names = checked_names(args, flag, noun, harness)
+        runs = run_rounds(names, args.rounds, lambda name, path: run_harness(
+            args.python, args.peers, name, args, path))  # fmt: skip
+    except Usage as e:
+        print(f"{script}: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:  # the harness's process got it too, and has stopped
+        print(f"{script}: interrupted", file=sys.stderr)
+        return 130
+    return names, runs
+
+
 def merge(runs: list[dict], variants: list[str], ratio_to: str) -> dict:
     """One W2 result from per-process harness JSONs (`runs`, in the order they ran): every
     (variant, beam)'s timed runs pooled, the round medians kept, ratios to `ratio_to`."""
@@ -131,39 +189,14 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--variants", required=True, help="bench_infer.py variants, comma-separated")
     p.add_argument("--beams", default="4", help="bench_infer.py --beams (e.g. 4 or 4,1)")
-    p.add_argument("--reps", type=int, default=5, help="timed runs per process")
-    p.add_argument("--warmup", type=int, default=1)
-    p.add_argument("--rounds", type=int, default=2, help="processes per variant, interleaved")
-    p.add_argument("--threads", type=int, default=2)
     p.add_argument("--ratio-to", default="ct2:int8")
-    p.add_argument("--json", default="", help="write the merged result here")
-    p.add_argument("--peers", type=Path, default=Path(os.environ.get("PEERS_DIR", PEERS)))
-    p.add_argument("--python", default=os.environ.get("PY", sys.executable))
+    add_common_args(p, reps=5, what="runs")
     args = p.parse_args(argv)
-    try:
-        variants = [v for v in args.variants.split(",") if v]
-        if not variants or len(set(variants)) != len(variants):
-            raise Usage(f"--variants: distinct comma-separated variants, got {args.variants!r}")
-        if min(args.reps, args.rounds, args.threads) < 1 or args.warmup < 0:
-            raise Usage("--reps, --rounds and --threads must be at least 1, --warmup at least 0")
-        if not (args.peers / "bench_infer.py").is_file():
-            raise Usage(f"{args.peers / 'bench_infer.py'}: not found (--peers or PEERS_DIR)")
-        runs = []
-        with tempfile.TemporaryDirectory(prefix="w2-") as tmp:
-            for r, names in enumerate(order(variants, args.rounds)):
-                for i, variant in enumerate(names):
-                    print(f"# round {r + 1}/{args.rounds}: {variant} (its own process)", flush=True)
-                    run = run_harness(
-                        args.python, args.peers, variant, args, Path(tmp) / f"{r}-{i}.json"
-                    )
-                    run["round"], run["variant"] = r + 1, variant
-                    runs.append(run)
-    except Usage as e:
-        print(f"bench_w2_processes.py: {e}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:  # the harness's process got it too, and has stopped
-        print("bench_w2_processes.py: interrupted", file=sys.stderr)
-        return 130
+    done = run_all("bench_w2_processes.py", args, "--variants", "variants", "bench_infer.py",
+                   run_harness)  # fmt: skip
+    if isinstance(done, int):
+        return done
+    variants, runs = done
     merged = merge(runs, variants, args.ratio_to)
     ratio_key = "vs_" + args.ratio_to
     print(

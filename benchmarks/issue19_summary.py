@@ -100,6 +100,16 @@ class Table:
         return "\n".join(lines)
 
 
+def first_of(out: Path, pattern: str) -> tuple[str, str, dict] | None:
+    """(dtype, file name, contents) of pattern.format(dtype) in OUT, bf16's if there, else
+    fp32's (bench_peers.sh runs W1 and W3 in fp32 on a CPU without native bf16)."""
+    for dtype in ("bf16", "fp32"):
+        data = load(out, pattern.format(dtype))
+        if data is not None:
+            return dtype, pattern.format(dtype), data
+    return None
+
+
 def w0_rate(out: Path, dtype: str) -> tuple[float, list[float]] | None:
     """The median over W0's shapes of each shape's median GFLOP/s in dtype (`bf16`/`fp32`)."""
     w0 = load(out, "w0.json")
@@ -117,14 +127,11 @@ def w0_rate(out: Path, dtype: str) -> tuple[float, list[float]] | None:
 def w1(out: Path, amx: bool, table: Table) -> None:
     """W1 as the harness runs it (one process), its share of the matmul rate, and W1 with one
     process per implementation where OUT has it (`bench_w1_processes.py`)."""
-    for dtype in ("bf16", "fp32"):
-        name = f"w1_train_{dtype}.json"
-        data = load(out, name)
-        if data is not None:
-            break
-    else:
+    found = first_of(out, "w1_train_{}.json")
+    if found is None:
         table.missing.append("W1: no w1_train_bf16.json or w1_train_fp32.json")
         return
+    dtype, name, data = found
     ours = w1_row(out, name, data, dtype, ", the harness's one process", amx, table)
     each = f"w1_train_{dtype}_each.json"
     data_each = load(out, each)
@@ -239,14 +246,11 @@ def w2(out: Path, amx: bool, auto: str | None, table: Table) -> None:
 
 def w3(out: Path, table: Table) -> None:
     for size in ("4k", "16k"):
-        for dtype in ("bf16", "fp32"):
-            name = f"w3_mem_{size}_{dtype}.json"
-            data = load(out, name)
-            if data is not None:
-                break
-        else:
+        found = first_of(out, f"w3_mem_{size}_{{}}.json")
+        if found is None:
             table.missing.append(f"W3 ~{size}: no w3_mem_{size}_bf16.json or _fp32.json")
             continue
+        dtype, name, data = found
         path = str(out / name)
         results = {r["impl"]: r for r in _field(path, data, "results")}
         if OURS_TRAIN not in results:
