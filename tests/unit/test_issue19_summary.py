@@ -185,3 +185,19 @@ def test_a_file_not_as_its_writer_writes_it_is_a_one_line_error(tmp_path, name, 
 def test_not_a_directory(tmp_path):
     done = _run(tmp_path / "nowhere")
     assert done.returncode == 2 and "nowhere: not a directory" in done.stderr
+
+
+def test_a_cpu_without_native_bf16_is_summarized_from_its_fp32_runs(tmp_path):
+    # bench_peers.sh runs W1 and W3 in fp32 there (w1_train_fp32.json, w3_mem_*_fp32.json)
+    out = _table(tmp_path / "out")
+    for old in ("w1_train_bf16.json", "w1_train_bf16_each.json", "w3_mem_4k_bf16.json",
+                "w3_mem_16k_bf16.json"):  # fmt: skip
+        (out / old).rename(out / old.replace("bf16", "fp32"))
+    text = _run(out).stdout
+    assert "**2.30x**" in _row(text, "W1 training, base fp32, the harness")
+    assert "W1 training, base fp32, one process per implementation" in text
+    # the share of W0's fp32 rate (200 GFLOP/s, its one fp32 shape), not of bf16's
+    flops = 1.4078718e12
+    assert f"{flops / (3826 / 1750) / 1e9 / 200:.0%}" in _row(text, "W1 share of the fp32")
+    assert "**0.52x**: met" in _row(text, "W3 peak RSS of a fp32 step, 3,826")
+    assert "Not in OUT" not in text
