@@ -52,7 +52,7 @@ def load(out: Path, name: str) -> dict | None:
     if not path.exists():
         return None
     try:
-        return json.loads(path.read_text(encoding="utf-8"))
+        return json.loads(path.read_text(encoding="utf-8-sig"))  # a BOM an editor added is fine
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise SummaryError(f"{path}: not readable JSON ({type(e).__name__}: {e})") from None
 

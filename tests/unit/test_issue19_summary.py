@@ -182,6 +182,19 @@ def test_a_file_not_as_its_writer_writes_it_is_a_one_line_error(tmp_path, name, 
     assert done.stderr.count("\n") == 1 and "Traceback" not in done.stderr
 
 
+def test_a_bom_and_a_directory_in_place_of_a_file(tmp_path):
+    out = _table(tmp_path / "out")
+    path = out / "contention.json"
+    path.write_bytes(b"\xef\xbb\xbf" + path.read_bytes())  # an editor's BOM: still read
+    assert "**78.2%** kept" in _run(out).stdout
+    path.unlink()
+    path.mkdir()
+    done = _run(out)
+    assert done.returncode == 1 and "contention.json: not readable JSON (IsADirectoryError" in (
+        done.stderr
+    )
+
+
 def test_not_a_directory(tmp_path):
     done = _run(tmp_path / "nowhere")
     assert done.returncode == 2 and "nowhere: not a directory" in done.stderr
