@@ -153,7 +153,6 @@ def bench_real(args) -> None:
 
     from transformer.bleu import corpus_bleu, paired_bootstrap, sentence_stats
     from transformer.data import load_prepared
-    from transformer.rundir import resolve_model
     from transformer.translate import Translator
 
     data = load_prepared(args.data)
@@ -162,11 +161,9 @@ def bench_real(args) -> None:
     if args.limit:
         sources, refs = sources[: args.limit], refs[: args.limit]
     print(f"\n{args.model} on {args.data} {args.split}: {len(sources)} sentences\n")
-    auto, why = auto_dtype("cpu", list(resolve_model(args.model, "cpu").int8))
-    print(f"# --dtype auto on this CPU: {auto} ({why})\n")
     record = {"model": str(args.model), "data": str(args.data), "split": args.split,
-              "sentences": len(sources), "alpha": args.alpha, "auto": auto, "auto_why": why,
-              "runs": [], "changes": []}  # fmt: skip
+              "sentences": len(sources), "alpha": args.alpha, "runs": [],
+              "changes": []}  # fmt: skip
     print("| dtype | beam | sent/s | target tok/s | seconds | sacreBLEU |")
     print("|---|---:|---:|---:|---:|---:|")
     dtypes, beams = args.dtypes.split(","), [int(b) for b in args.beams.split(",")]
@@ -174,6 +171,8 @@ def bench_real(args) -> None:
     bleus: dict[tuple[str, int], float] = {}
     for dtype in dtypes:
         tr = Translator.from_path(args.model, dtype=dtype)
+        if "auto" not in record:  # what `--dtype auto` picks: the file's int8 grids count
+            record["auto"], record["auto_why"] = auto_dtype("cpu", list(tr.loaded.int8))
         tr.translate(sources[:16])  # warm-up
         for beam in beams:
             t0 = time.perf_counter()
@@ -188,6 +187,7 @@ def bench_real(args) -> None:
             )  # fmt: skip
             print(f"| {dtype} | {beam} | {len(out) / sec:.1f} | {n_tok / sec:,.0f} | {sec:.1f} "
                   f"| {bleus[dtype, beam]:.2f} |", flush=True)  # fmt: skip
+    print(f"\n# --dtype auto on this CPU: {record['auto']} ({record['auto_why']})")
     if len(dtypes) < 2:
         _write_json(args.json, record)
         return

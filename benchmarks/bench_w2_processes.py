@@ -239,7 +239,6 @@ def main(argv: list[str] | None = None) -> int:
             ],
             **merged,
         }
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(out, indent=1), encoding="utf-8")
     return 1 if merged["failed"] else 0
 

@@ -116,12 +116,12 @@ def w0_rate(out: Path, dtype: str) -> tuple[float, list[float]] | None:
     if w0 is None:
         return None
     path = str(out / "w0.json")
-    rates = [
+    medians = [
         _field(path, r, "gflops", "median")
         for r in _field(path, w0, "results")
         if r.get("dtype") == dtype and "gflops" in r
     ]
-    return (statistics.median(rates), rates) if rates else None
+    return (statistics.median(medians), medians) if medians else None
 
 
 def w1(out: Path, amx: bool, table: Table) -> None:
@@ -139,9 +139,9 @@ def w1(out: Path, amx: bool, table: Table) -> None:
         table.missing.append(f"W1 one process per implementation: no {each}")
     else:
         w1_row(out, each, data_each, dtype, ", one process per implementation", amx, table)
-    w0 = w0_rate(out, dtype)
     if ours is None:
         return
+    w0 = w0_rate(out, dtype)
     if w0 is None:
         table.missing.append(f"W1 MFU: no {dtype} rate in w0.json")
         return
@@ -328,6 +328,15 @@ def bleu(out: Path, table: Table) -> str | None:
     return auto
 
 
+def guarded(out: Path, files: str, section):
+    """section()'s result; a field of the wrong kind in its files is a SummaryError naming them."""
+    try:
+        return section()
+    except (KeyError, TypeError, IndexError, ValueError, AttributeError, ArithmeticError) as e:
+        raise SummaryError(f"{out}/{files}: not as its writer writes it "
+                           f"({type(e).__name__}: {e})") from None  # fmt: skip
+
+
 def summarize(out: Path) -> str:
     machine = load(out, "machine.json") or {}
     if not machine and (out / "machine.txt").exists():  # a table from before machine.json
@@ -337,23 +346,13 @@ def summarize(out: Path) -> str:
         if cpu:  # cpu_line names the AMX flags where the CPU has them
             machine = {"cpu": cpu, "amx": "amx_bf16" in cpu}
     amx = bool(machine.get("amx", False))
+    # BLEU is read before W2 (W2 reports the precision auto picked) and printed last.
     table, bleu_table = Table(), Table()
-    sections = (
-        ("w1_train_*.json, w0.json", lambda: w1(out, amx, table)),
-        ("dtype_bleu.json", lambda: bleu(out, bleu_table)),
-        ("w2_infer_*.json", lambda: w2(out, amx, auto, table)),
-        ("w3_mem_*.json", lambda: w3(out, table)),
-        ("contention.json", lambda: contention(out, table)),
-    )
-    auto = None
-    for files, section in sections:
-        try:
-            picked = section()
-        except (KeyError, TypeError, IndexError, ValueError, AttributeError, ArithmeticError) as e:
-            raise SummaryError(f"{out}/{files}: not as its writer writes it "
-                               f"({type(e).__name__}: {e})") from None  # fmt: skip
-        if files == "dtype_bleu.json":
-            auto = picked
+    guarded(out, "w1_train_*.json, w0.json", lambda: w1(out, amx, table))
+    auto = guarded(out, "dtype_bleu.json", lambda: bleu(out, bleu_table))
+    guarded(out, "w2_infer_*.json", lambda: w2(out, amx, auto, table))
+    guarded(out, "w3_mem_*.json", lambda: w3(out, table))
+    guarded(out, "contention.json", lambda: contention(out, table))
     table.rows += bleu_table.rows
     table.missing += bleu_table.missing
     head = [f"# Issue 19's table: {out}", ""]
