@@ -2,9 +2,10 @@
 
 Shapes: B batch, S source length, T target length, D d_model, H heads, K d_k, Vd d_v, V vocab.
 Masks are boolean and True where a position takes part (a real token), as in
-`F.scaled_dot_product_attention`. This module imports only torch, its own config, the
-decoder's incremental-decoding state (cache.py, torch only) and `gradhelper.Linear` (nn.Linear
-whose weight gradients a training step beside a busy process computes on a second thread).
+`F.scaled_dot_product_attention`. This module imports only torch, numpy (dropout's random bits
+on the CPU), its own config, the decoder's incremental-decoding state (cache.py, torch only) and
+`gradhelper.Linear` (nn.Linear whose weight gradients a training step beside a busy process
+computes on a second thread).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import functools
 import math
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -1065,20 +1067,23 @@ def dropout(x: torch.Tensor, p: float, training: bool) -> torch.Tensor:
     """§5.4 dropout: zero each element with probability p, scale the rest by 1 / (1 - p).
 
     On CPU, `F.dropout` draws one Mersenne-Twister number per element (`bernoulli_`), 13% of
-    a profiled quickstart training step (2-3% of a timed one). Here one 64-bit draw gives four
-    16-bit uniforms, so p is exact to 2^-16 and the mask costs a quarter of the draws (4x
-    faster measured; docs/performance.md). Same generator, so seeding and resumption are
-    unchanged. CUDA keeps the fused kernel.
+    a profiled quickstart training step (2-3% of a timed one). Here each element gets a 16-bit
+    uniform, so p is exact to 2^-16, four to a 64-bit draw of numpy's PCG64, seeded by one
+    draw from torch's generator: seeding (`torch.manual_seed`) and resumption (torch's RNG
+    state) are unchanged, and the bits come ~2x as fast as torch's Mersenne Twister gives them
+    (`random_`: two 32-bit outputs a 64-bit number; 46 ms of a 2 s base training step) and
+    are compared ~3x as fast (docs/performance.md, round seventeen). CUDA keeps the fused
+    kernel.
     """
     if not training or p == 0.0:
         return x
     if x.device.type != "cpu" or p >= 1.0:
         return F.dropout(x, p, True)
     n = x.numel()
-    bits = torch.empty((n + 3) // 4, dtype=torch.int64).random_(-(2**63), 2**63 - 1)
-    uniform16 = bits.view(torch.int16)[:n].view(x.shape)  # uniform over [-2^15, 2^15)
-    keep = uniform16 >= round(p * 65536) - 32768  # P(drop) = p (to 2^-16)
-    return _KeepScale.apply(x, keep, 1.0 / (1.0 - p))
+    seed = int(torch.empty((), dtype=torch.int64).random_())  # [0, 2^63): torch's generator
+    bits = np.random.PCG64(seed).random_raw((n + 3) // 4)  # uint64, four 16-bit uniforms each
+    keep = bits.view(np.uint16)[:n] >= round(p * 65536)  # P(drop) = p (to 2^-16)
+    return _KeepScale.apply(x, torch.from_numpy(keep).view(x.shape), 1.0 / (1.0 - p))
 
 
 class _KeepScale(torch.autograd.Function):

@@ -716,6 +716,11 @@ def test_dropout_drops_at_rate_p_and_rescales_the_rest():
     torch.manual_seed(3)
     b = dropout(torch.ones(7, 3, dtype=torch.bfloat16), 0.5, True)
     assert torch.equal(a, b) and a.dtype == torch.bfloat16
+    # the mask follows torch's RNG state (a checkpoint's), and each call moves it on
+    state = torch.get_rng_state()
+    c, d = dropout(torch.ones(300, 7), 0.5, True), dropout(torch.ones(300, 7), 0.5, True)
+    torch.set_rng_state(state)
+    assert torch.equal(dropout(torch.ones(300, 7), 0.5, True), c) and not torch.equal(c, d)
     # gradients flow through the kept elements only, scaled like the values
     w = torch.ones(50, 50, requires_grad=True)
     out = dropout(w, 0.3, True)
