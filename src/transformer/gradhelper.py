@@ -47,10 +47,12 @@ import ctypes
 import logging
 import os
 import warnings
+import weakref
 from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
+import torch.utils.weak
 from torch import nn
 
 logger = logging.getLogger(__name__)
@@ -331,6 +333,80 @@ def accumulate_grad(param: torch.Tensor, grad: torch.Tensor) -> None:
         param.grad = grad.to(param.dtype)
     else:
         param.grad += grad
+
+
+# Master gradients (fp32) that a few gradients go to directly, past the parameter's own .grad.
+# Not in the paper. With bf16 parameters (`optim.MixedPrecisionAdam`) the tied (V, D) weight
+# of §3.4 gets three gradients a step: the §5.4 loss's, computed in fp32 (loss.py), and the two
+# embedding lookups'. Through autograd each became a bf16 (V, D) tensor (the loss's rounded
+# from fp32, each lookup's a zero-filled (V, D) tensor with its rows added), autograd summed
+# them in bf16, and the optimizer made the sum fp32 again: eight passes over 16M elements, ~1%
+# of a base training step, and three bf16 roundings of the one gradient that sums over every
+# target token. Now the loss adds its fp32 gradient to the master's and each lookup adds its
+# rows there (`add_to_master`, `MasterEmbedding`); the other parameters are as before.
+_MASTERS = torch.utils.weak.WeakIdKeyDictionary()  # parameter -> weakref to its fp32 master
+
+
+def set_master(param: torch.Tensor, master: torch.Tensor) -> None:
+    """Send param's master-aware gradients (`add_to_master`) to master.grad (fp32). Held
+    weakly both ways: when the optimizer that owns the master goes, they go to param.grad
+    again. CPU only: on CUDA `index_add_` is not deterministic (train.deterministic), and
+    autograd's own embedding gradient is."""
+    if param.device.type == "cpu":
+        _MASTERS[param] = weakref.ref(master)
+
+
+def master_of(param: torch.Tensor) -> torch.Tensor | None:
+    """The fp32 master set for param (`set_master`) while it lives, else None."""
+    ref = _MASTERS.get(param)
+    return None if ref is None else ref()
+
+
+def add_to_master(param: torch.Tensor, grad: torch.Tensor, rows: torch.Tensor | None = None):
+    """master.grad += grad in fp32 (`rows`: grad's rows added at those rows, as an embedding
+    lookup's gradient), where param has a master; param.grad otherwise, as autograd would.
+    A grad that is fp32 and whole may become the master's .grad itself (no copy)."""
+    master = master_of(param)
+    if master is None:
+        if rows is not None:
+            grad = torch.zeros_like(param).index_add_(0, rows, grad.to(param.dtype))
+        accumulate_grad(param, grad)
+        return
+    if rows is not None:
+        if master.grad is None:
+            master.grad = torch.zeros_like(master)
+        master.grad.index_add_(0, rows, grad.float())
+    elif master.grad is None:
+        master.grad = grad if grad.dtype == torch.float32 else grad.float()
+    else:
+        master.grad += grad
+
+
+class MasterEmbedding(torch.autograd.Function):
+    """`F.embedding(ids, weight)` (1-D ids, no padding_idx) whose gradient goes to the
+    weight's master (`add_to_master`): rows added in fp32, no (V, D) bf16 gradient made."""
+
+    @staticmethod
+    def forward(ctx, weight: torch.Tensor, ids: torch.Tensor):  # noqa: D102
+        ctx.save_for_backward(ids)
+        ctx.weight = weight
+        return weight.index_select(0, ids)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad: torch.Tensor):  # noqa: D102
+        (ids,) = ctx.saved_tensors
+        add_to_master(ctx.weight, grad, rows=ids)
+        return None, None
+
+
+def embedding(ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """`F.embedding(ids, weight)`; through `MasterEmbedding` where the gradient would go to a
+    master (1-D ids, gradient wanted)."""
+    if ids.dim() == 1 and torch.is_grad_enabled() and weight.requires_grad:
+        if master_of(weight) is not None:
+            return MasterEmbedding.apply(weight, ids)
+    return F.embedding(ids, weight)
 
 
 def finish() -> None:

@@ -172,7 +172,12 @@ class _ChunkedProjectionLoss(torch.autograd.Function):
                 grad_weight = partial.float() if partial is not None else weight.new_zeros(
                     weight.shape, dtype=torch.float32)  # fmt: skip
             _subtract_q(grad_weight, target, hidden, on_target, eps_other * h_sum)
-            ctx.save_for_backward(grad_hidden, grad_weight.to(weight.dtype))
+            if not fp32_sum and gradhelper.master_of(weight) is not None:
+                # To the weight's fp32 master as it is (gradhelper.add_to_master), in backward.
+                ctx.weight, ctx.grad_weight = weight, grad_weight
+                ctx.save_for_backward(grad_hidden)
+            else:
+                ctx.save_for_backward(grad_hidden, grad_weight.to(weight.dtype))
         ctx.mark_non_differentiable(nll)
         return loss, nll
 
@@ -181,6 +186,15 @@ class _ChunkedProjectionLoss(torch.autograd.Function):
         if getattr(ctx, "helper", None) is not None:
             (grad_hidden,) = ctx.saved_tensors
             ctx.helper.at_finish(lambda: _finish_weight_grad(ctx, grad_loss))
+            return grad_hidden * grad_loss.to(grad_hidden.dtype), None, None, None, None
+        if hasattr(ctx, "grad_weight"):  # for the weight's master
+            if ctx.grad_weight is None:
+                raise RuntimeError("the loss's weight gradient went to its master: one backward")
+            (grad_hidden,) = ctx.saved_tensors
+            grad_weight, ctx.grad_weight = ctx.grad_weight, None  # the master may keep it
+            if bool(grad_loss != 1.0):
+                grad_weight = grad_weight * grad_loss
+            gradhelper.add_to_master(ctx.weight, grad_weight)
             return grad_hidden * grad_loss.to(grad_hidden.dtype), None, None, None, None
         grad_hidden, grad_weight = ctx.saved_tensors
         scale = grad_loss.to(grad_hidden.dtype)
@@ -194,7 +208,10 @@ def _finish_weight_grad(ctx, grad_loss: torch.Tensor) -> None:
     for part in ctx.parts:
         grad_weight += part.wait()
     _subtract_q(grad_weight, *q)
-    gradhelper.accumulate_grad(ctx.weight, (grad_weight * grad_loss).to(ctx.weight.dtype))
+    if gradhelper.master_of(ctx.weight) is not None:
+        gradhelper.add_to_master(ctx.weight, grad_weight * grad_loss)
+    else:
+        gradhelper.accumulate_grad(ctx.weight, (grad_weight * grad_loss).to(ctx.weight.dtype))
     ctx.parts, ctx.weight_rest = [], None
 
 

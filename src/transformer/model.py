@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from transformer import gradhelper
 from transformer.cache import DecoderCache, LayerCache, StepProjections, padding_bias
 from transformer.config import ModelConfig
 from transformer.gradhelper import Linear
@@ -1023,7 +1024,8 @@ class Transformer(nn.Module):
     def _embed_packed(self, tokens, embed: nn.Embedding, pos: PositionalEncoding, p: Packing):
         """`_embed` at the real positions only: (N, D)."""
         table = pos(tokens.size(1)).index_select(0, p.t).to(embed.weight.dtype)  # (N, D)
-        x = embed(p.pack(tokens)) * self.embed_scale + table
+        # The lookup's gradient goes to the weight's fp32 master where it has one (gradhelper).
+        x = gradhelper.embedding(p.pack(tokens), embed.weight) * self.embed_scale + table
         return dropout(x, self.cfg.p_drop, self.training)  # §5.4: dropout on the sums
 
     @torch.no_grad()

@@ -5,6 +5,8 @@ themselves live in bf16, so every matrix product runs in bf16 without per-call a
 `MixedPrecisionAdam` keeps an fp32 master copy of every parameter and fp32 Adam moments:
 after each backward the bf16 gradients are added into fp32 master gradients (accumulation sums
 in fp32), the step clips and updates the fp32 masters, and the result is copied back to bf16.
+The tied embedding's gradients (the loss's and the lookups') are added to its master during
+backward instead, in fp32, never made bf16 (`gradhelper.add_to_master`).
 With fp32 parameters the masters are the parameters themselves: plain Adam.
 """
 
@@ -15,6 +17,8 @@ from collections.abc import Iterable
 
 import torch
 from torch import nn
+
+from transformer import gradhelper
 
 
 def learning_rate(step: int, d_model: int, warmup: int, scale: float = 1.0) -> float:
@@ -144,6 +148,10 @@ class FusedAdam:
 class MixedPrecisionAdam:
     """§5.3 Adam over fp32 master weights of (possibly bf16) model parameters.
 
+    With bf16 parameters on the CPU, the gradients of the tied embedding (§3.4: the loss's and
+    the packed path's lookups) go to its master's .grad during backward, not to the
+    parameter's: read the gradients from `master_grads()`, not from the model.
+
     Args:
         params: the model's parameters (each shared tensor once), in bf16 or fp32.
         betas: (beta1, beta2); §5.3: (0.9, 0.98).
@@ -157,6 +165,10 @@ class MixedPrecisionAdam:
         self.mixed = any(p.dtype != torch.float32 for p in self.params)
         if self.mixed:
             self.masters = [p.detach().float().clone().requires_grad_(True) for p in self.params]
+            for p, m in zip(self.params, self.masters, strict=True):
+                # The gradients our own functions send straight to it (the tied weight's:
+                # gradhelper.add_to_master) skip p.grad: collect_grads adds only the rest.
+                gradhelper.set_master(p, m)
         else:
             self.masters = self.params
         self.adam = FusedAdam(self.masters, betas, eps)

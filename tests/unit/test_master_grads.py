@@ -1,0 +1,159 @@
+"""gradhelper's master gradients: the tied weight's gradients go to its fp32 master in fp32."""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+from torch import nn
+
+from transformer import gradhelper
+from transformer.config import ModelConfig
+from transformer.gradhelper import WeightGradHelper
+from transformer.loss import chunked_label_smoothed_loss
+from transformer.model import Transformer
+from transformer.optim import MixedPrecisionAdam
+
+
+def test_without_a_master_gradients_go_to_grad_as_autograds():
+    weight = nn.Parameter(torch.randn(6, 3))
+    ids = torch.tensor([1, 4, 1, 0])
+    gradhelper.embedding(ids, weight).square().sum().backward()
+    ref = nn.Parameter(weight.detach().clone())
+    nn.functional.embedding(ids, ref).square().sum().backward()
+    torch.testing.assert_close(weight.grad, ref.grad, rtol=0, atol=0)
+    gradhelper.add_to_master(weight, torch.ones(2, 3), rows=torch.tensor([5, 5]))
+    assert torch.equal(weight.grad[5], ref.grad[5] + 2)
+
+
+def test_a_master_takes_the_rows_in_fp32_and_goes_with_its_owner():
+    weight = nn.Parameter(torch.zeros(5, 2, dtype=torch.bfloat16))
+    master = weight.detach().float().requires_grad_()
+    gradhelper.set_master(weight, master)
+    ids = torch.tensor([3, 1, 3])
+    out = gradhelper.embedding(ids, weight)
+    # 1 + 2^-9 twice at one row: bf16 rounds each sum to 1 (or 2), fp32 keeps it
+    tiny = torch.full((3, 2), 1 + 2**-9)
+    out.backward(tiny.bfloat16())
+    assert weight.grad is None
+    assert master.grad.dtype == torch.float32
+    bf16_step = torch.tensor(1 + 2**-9).bfloat16().float()  # what a bf16 gradient row holds
+    torch.testing.assert_close(master.grad[3], 2 * bf16_step.expand(2), rtol=0, atol=0)
+    torch.testing.assert_close(master.grad[1], bf16_step.expand(2), rtol=0, atol=0)
+    assert master.grad[[0, 2, 4]].abs().sum() == 0
+    gradhelper.add_to_master(weight, torch.full((5, 2), 0.5))  # whole, fp32: added
+    assert master.grad[0, 0] == 0.5
+    del master
+    gc.collect()  # the optimizer (the master's owner) is gone: back to weight.grad
+    assert gradhelper.master_of(weight) is None
+    gradhelper.embedding(ids, weight).sum().backward()
+    assert weight.grad is not None and weight.grad[3, 0] == 2
+
+
+@pytest.mark.parametrize("grad_scale", [1.0, 0.25])
+def test_the_losss_weight_gradient_reaches_the_master_unrounded(grad_scale):
+    torch.manual_seed(0)
+    weight = nn.Parameter(torch.randn(50, 16).bfloat16())
+    hidden = torch.randn(37, 16).bfloat16()
+    target = torch.randint(0, 50, (37,))
+    grads = []
+    for with_master in (False, True):
+        weight.grad = None
+        master = weight.detach().float().requires_grad_()
+        if with_master:
+            gradhelper.set_master(weight, master)
+        h = hidden.clone().requires_grad_()
+        loss, _ = chunked_label_smoothed_loss(h, weight, target, 0.1, chunk_rows=8)
+        (loss * grad_scale).backward()
+        grads.append((h.grad, weight.grad, master.grad))
+    (h_a, w_a, _), (h_b, w_b, m_b) = grads
+    assert torch.equal(h_b, h_a)  # the path to the layers below is unchanged
+    assert w_b is None and m_b.dtype == torch.float32
+    assert torch.equal(m_b.bfloat16(), w_a)  # the same gradient, before its bf16 rounding
+    assert not torch.equal(m_b, w_a.float())
+
+
+def _model_and_batch(batch: int = 6):
+    cfg = ModelConfig(vocab_size=40, n_layers=2, d_model=16, d_ff=32, n_heads=2, d_k=8, d_v=8,
+                      p_drop=0.0, max_len=32)  # fmt: skip
+    torch.manual_seed(0)
+    model = Transformer(cfg).train()
+    for p in model.parameters():
+        p.data = p.data.bfloat16()
+    src = torch.randint(4, 40, (batch, 9))
+    src[0, 6:] = 0
+    tgt_in = torch.randint(4, 40, (batch, 7))
+    keep = torch.ones(batch, 7, dtype=torch.bool)
+    keep[0, 5:] = False
+    return model, (src, src != 0, tgt_in, keep)
+
+
+def _step_grads(model, batch, opt: MixedPrecisionAdam | None):
+    src, src_mask, tgt_in, keep = batch
+    model.zero_grad(set_to_none=True)
+    hidden = model(src, src_mask, tgt_in, keep)
+    loss, _ = chunked_label_smoothed_loss(hidden, model.output_weight(), tgt_in[keep], 0.1)
+    loss.backward()
+    gradhelper.finish()
+    if opt is None:
+        return {n: p.grad.float() for n, p in model.named_parameters()}
+    opt.collect_grads()
+    masters = dict(zip([id(p) for p in opt.params], opt.master_grads(), strict=True))
+    return {n: masters[id(p)].clone() for n, p in model.named_parameters()}
+
+
+def test_a_training_step_sends_the_tied_weight_to_its_master_and_nothing_else_changes():
+    model, batch = _model_and_batch()
+    plain = _step_grads(model, batch, None)
+    opt = MixedPrecisionAdam(model.parameters(), (0.9, 0.98), 1e-9)
+    tied = model.output_weight()
+    assert tied is model.src_embed.weight and gradhelper.master_of(tied) is not None
+    ours = _step_grads(model, batch, opt)
+    assert tied.grad is None  # the loss's and both lookups' went to the master
+    for name, g in plain.items():
+        if name in ("src_embed.weight", "tgt_embed.weight"):
+            # three parts summed in fp32, each unrounded: bf16's rounding apart
+            torch.testing.assert_close(ours[name], g, rtol=1e-2, atol=1e-2 * g.abs().max().item())
+            assert not torch.equal(ours[name], g)
+        else:
+            assert torch.equal(ours[name], g), name
+    # two accumulated backward passes: twice one's (the master keeps adding)
+    opt.zero_grad()
+    src, src_mask, tgt_in, keep = batch
+    for _ in range(2):
+        hidden = model(src, src_mask, tgt_in, keep)
+        loss, _ = chunked_label_smoothed_loss(hidden, tied, tgt_in[keep], 0.1)
+        loss.backward()
+        opt.collect_grads()
+    twice = dict(zip([id(p) for p in opt.params], opt.master_grads(), strict=True))[id(tied)]
+    torch.testing.assert_close(twice, 2 * ours["src_embed.weight"], rtol=1e-6, atol=1e-7)
+
+
+def test_beside_a_busy_process_the_helpers_projection_gradient_goes_to_the_master_too():
+    made = WeightGradHelper.for_this_process()
+    assert made is not None, "this test machine has 2 or more CPUs: the helper must exist"
+    model, batch = _model_and_batch()
+    opt = MixedPrecisionAdam(model.parameters(), (0.9, 0.98), 1e-9)
+    inline = _step_grads(model, batch, opt)
+    opt.zero_grad()
+    made.active = True
+    try:
+        deferred = _step_grads(model, batch, opt)
+    finally:
+        made.active = False
+        made.discard()
+    assert model.output_weight().grad is None
+    for name, g in inline.items():
+        torch.testing.assert_close(deferred[name], g, rtol=1e-2, atol=1e-2 * g.abs().max().item())
+
+
+def test_a_second_backward_through_the_loss_says_where_the_gradient_went():
+    weight = nn.Parameter(torch.randn(20, 8).bfloat16())
+    master = weight.detach().float().requires_grad_()
+    gradhelper.set_master(weight, master)
+    hidden = torch.randn(5, 8).bfloat16().requires_grad_()
+    loss, _ = chunked_label_smoothed_loss(hidden, weight, torch.randint(0, 20, (5,)), 0.1)
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="went to its master: one backward"):
+        loss.backward()
