@@ -153,11 +153,15 @@ class Packing:
         return _Gather.apply(x, self.real, self._real_back, self._not_real)
 
     def to_heads(self, y: torch.Tensor, n_heads: int, size: int, parts: int = 1) -> torch.Tensor:
-        """Packed projections (N, parts*H*size) -> (parts, B, H, T, size); the padding holds a
-        copy of a real row (parts = 2: keys and values of one (N, 2*H*K) projection)."""
+        """Packed projections (N, parts*H*size) -> (B, H, T, size), or (parts, B, H, T, size)
+        for parts > 1 (2: keys and values of one (N, 2*H*K) projection); the padding holds a
+        copy of a real row. (Not (1, B, H, T, size) then [0]: the gradient of that select is
+        a zero-filled (1, B, H, T, size) with the gradient copied in.)"""
         rows, slots, _, spares = self._head_index(n_heads, parts)
         # The spares' gradient: a zero row, not their copy's.
         out = _Gather.apply(y.reshape(-1, size), slots, rows, spares)
+        if parts == 1:
+            return out.view(self.B, n_heads, self.T, size)
         return out.view(parts, self.B, n_heads, self.T, size)  # (parts * B * H * T, size) inside
 
     def from_heads(self, x: torch.Tensor) -> torch.Tensor:
@@ -572,12 +576,12 @@ class MultiHeadAttention(nn.Module):
         values from packed kv (Nk, D) laid out by kvs; mask and causal as `attention`'s;
         returns packed (Nq, D). Equal to `forward` on the padded tensors at the real rows."""
         H, K = self.n_heads, self.d_k
-        q = xs.to_heads(self.w_q(x), H, K)[0]  # (B, H, Tq, K)
+        q = xs.to_heads(self.w_q(x), H, K)  # (B, H, Tq, K)
         if K == self.d_v:  # keys and values in one gather
             k, v = kvs.to_heads(self.w_kv(kv), H, K, parts=2)  # (B, H, Tk, K) each
         else:
             k, v = self.w_kv(kv).split([H * K, H * self.d_v], dim=-1)  # (Nk, H*K), (Nk, H*Vd)
-            k, v = kvs.to_heads(k, H, K)[0], kvs.to_heads(v, H, self.d_v)[0]
+            k, v = kvs.to_heads(k, H, K), kvs.to_heads(v, H, self.d_v)
         p = self.p_attn_drop if self.training else 0.0
         out = attention(q, k, v, mask, causal, p)  # (B, H, Tq, Vd)
         return self.w_o(xs.from_heads(out))  # (Nq, D)

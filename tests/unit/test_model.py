@@ -202,7 +202,8 @@ def test_packing_moves_rows_and_their_gradients_exactly() -> None:
     x = torch.arange(2 * 3 * 4, dtype=torch.float64).view(2, 3, 4)
     torch.testing.assert_close(p.pack(x), x[mask])
     y = torch.randn(3, 2 * 2, dtype=torch.float64, requires_grad=True)  # N = 3, H = 2, size 2
-    heads = p.to_heads(y, n_heads=2, size=2)[0]  # (B, H, T, size)
+    heads = p.to_heads(y, n_heads=2, size=2)  # (B, H, T, size)
+    assert heads.shape == (2, 2, 3, 2) and p.to_heads(y, 1, 2, parts=2).shape == (2, 2, 1, 3, 2)
     for n, (b, t) in enumerate([(0, 0), (0, 1), (1, 0)]):
         torch.testing.assert_close(heads[b, :, t], y[n].view(2, 2))
     back = p.from_heads(heads)  # the round trip gives the rows back
@@ -214,7 +215,7 @@ def test_packing_moves_rows_and_their_gradients_exactly() -> None:
     assert torch.equal(g[real], torch.ones(12, dtype=torch.float64))
     assert torch.equal(g[~real], torch.zeros(12, dtype=torch.float64))
     # to_heads: each packed row gets the gradient of its own position only
-    (gy,) = torch.autograd.grad((p.to_heads(y, 2, 2)[0] * torch.ones(2, 2, 3, 2)).sum(), [y])
+    (gy,) = torch.autograd.grad((p.to_heads(y, 2, 2) * torch.ones(2, 2, 3, 2)).sum(), [y])
     assert torch.equal(gy, torch.ones_like(y))
     with pytest.raises(ValueError, match="at least one real token"):
         Packing(torch.zeros(2, 3, dtype=torch.bool))
@@ -240,7 +241,7 @@ def test_packing_appends_spare_rows_when_the_padding_is_short() -> None:
     assert p.n == 4 and p.placed == 3 and p.rows.tolist() == [0, 1, 2, 0]
     assert p.real.tolist() == [0, 1, 2] and p.slots.tolist() == [0, 1, 2]
     y = torch.randn(4, 2 * 2, dtype=torch.float64, requires_grad=True)  # N = 4, H = 2, size 2
-    heads = p.to_heads(y, n_heads=2, size=2)[0]  # (1, H, 3, size): the placed rows only
+    heads = p.to_heads(y, n_heads=2, size=2)  # (B = 1, H, 3, size): the placed rows only
     torch.testing.assert_close(heads[0].transpose(0, 1).reshape(3, 4), y[:3])
     (gy,) = torch.autograd.grad((heads * 2).sum(), [y])
     assert torch.equal(gy[:3], torch.full((3, 4), 2.0).double()) and gy[3].abs().sum() == 0
