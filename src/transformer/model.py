@@ -177,8 +177,8 @@ class _Gather(torch.autograd.Function):
     `zero_rows` (None: none), whose `back` may be any row. Both directions are row copies,
     where autograd's own backward of an indexing is a scatter-add into a zeroed tensor
     (several times slower here). The zeros are written over the gathered rows, not read from
-    a zero row appended to the gradient: that copied the whole gradient (0.6% of a base
-    training step)."""
+    a zero row appended to the gradient: that copied the whole gradient (~5 ms of a 2.1 s base
+    training step, 19 copies)."""
 
     @staticmethod
     def forward(ctx, x, index, back, zero_rows):  # noqa: D102
