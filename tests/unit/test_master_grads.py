@@ -33,14 +33,14 @@ def test_a_master_takes_the_rows_in_fp32_and_goes_with_its_owner():
     gradhelper.set_master(weight, master)
     ids = torch.tensor([3, 1, 3])
     out = gradhelper.embedding(ids, weight)
-    # 1 + 2^-9 twice at one row: bf16 rounds each sum to 1 (or 2), fp32 keeps it
-    tiny = torch.full((3, 2), 1 + 2**-9)
-    out.backward(tiny.bfloat16())
+    # rows 1 and 2^-8 at id 3: their sum 1 + 2^-8 is between two bf16 numbers (a bf16 sum
+    # rounds it to 1), and exact in fp32
+    out.backward(torch.tensor([[1.0, 1.0], [0.5, 0.5], [2**-8, 2**-8]]).bfloat16())
     assert weight.grad is None
     assert master.grad.dtype == torch.float32
-    bf16_step = torch.tensor(1 + 2**-9).bfloat16().float()  # what a bf16 gradient row holds
-    torch.testing.assert_close(master.grad[3], 2 * bf16_step.expand(2), rtol=0, atol=0)
-    torch.testing.assert_close(master.grad[1], bf16_step.expand(2), rtol=0, atol=0)
+    assert torch.equal(master.grad[3], torch.full((2,), 1 + 2**-8))
+    assert torch.equal(master.grad[1], torch.full((2,), 0.5))
+    assert torch.tensor(1 + 2**-8).bfloat16() == 1  # what a bf16 gradient would have held
     assert master.grad[[0, 2, 4]].abs().sum() == 0
     gradhelper.add_to_master(weight, torch.full((5, 2), 0.5))  # whole, fp32: added
     assert master.grad[0, 0] == 0.5
@@ -48,7 +48,7 @@ def test_a_master_takes_the_rows_in_fp32_and_goes_with_its_owner():
     gc.collect()  # the optimizer (the master's owner) is gone: back to weight.grad
     assert gradhelper.master_of(weight) is None
     gradhelper.embedding(ids, weight).sum().backward()
-    assert weight.grad is not None and weight.grad[3, 0] == 2
+    assert weight.grad is not None and weight.grad[3, 0] == 2  # two rows of ones, in bf16
 
 
 @pytest.mark.parametrize("grad_scale", [1.0, 0.25])
