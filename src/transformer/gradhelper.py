@@ -364,13 +364,13 @@ def master_of(param: torch.Tensor) -> torch.Tensor | None:
 
 def add_to_master(param: torch.Tensor, grad: torch.Tensor, rows: torch.Tensor | None = None):
     """master.grad += grad in fp32 (`rows`: grad's rows added at those rows, as an embedding
-    lookup's gradient), where param has a master; param.grad otherwise, as autograd would.
-    A grad that is fp32 and whole may become the master's .grad itself (no copy)."""
+    lookup's gradient), where param has a master; param.grad otherwise, in param's dtype, as
+    autograd would. A grad that is fp32 and whole may become the master's .grad itself."""
     master = master_of(param)
     if master is None:
         if rows is not None:
             grad = torch.zeros_like(param).index_add_(0, rows, grad.to(param.dtype))
-        accumulate_grad(param, grad)
+        accumulate_grad(param, grad.to(param.dtype))
         return
     if rows is not None:
         if master.grad is None:

@@ -208,10 +208,7 @@ def _finish_weight_grad(ctx, grad_loss: torch.Tensor) -> None:
     for part in ctx.parts:
         grad_weight += part.wait()
     _subtract_q(grad_weight, *q)
-    if gradhelper.master_of(ctx.weight) is not None:
-        gradhelper.add_to_master(ctx.weight, grad_weight * grad_loss)
-    else:
-        gradhelper.accumulate_grad(ctx.weight, (grad_weight * grad_loss).to(ctx.weight.dtype))
+    gradhelper.add_to_master(ctx.weight, grad_weight * grad_loss)  # else to .grad, its dtype
     ctx.parts, ctx.weight_rest = [], None
 
 
