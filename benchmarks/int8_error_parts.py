@@ -47,6 +47,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from transformer.bleu import corpus_bleu  # noqa: E402
 from transformer.data import PAD_ID, ParallelSplit, collate, load_prepared  # noqa: E402
 from transformer.gptq import PROJECTION, gptq_round, input_moments, row_scales  # noqa: E402
+from transformer.gradhelper import is_linear  # noqa: E402
 from transformer.translate import (  # noqa: E402
     TINY,
     Translator,
@@ -126,7 +127,7 @@ def variant(model: nn.Module, spec: str, hessians: dict | None = None) -> nn.Mod
         raise ValueError(f"variant {spec}: GPTQ needs the layers' input moments (hessians)")
     model = copy.deepcopy(model)
     relu_inputs = relu_input_layers(model)
-    for name, linear in [(n, m) for n, m in model.named_modules() if type(m) is nn.Linear]:
+    for name, linear in [(n, m) for n, m in model.named_modules() if is_linear(m)]:
         parent, _, attr = name.rpartition(".")
         h = hessians[name] if gptq else None
         q = FakeInt8Linear(linear.weight, linear.bias, levels, layer_inputs, h,

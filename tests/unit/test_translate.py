@@ -727,6 +727,10 @@ def test_int8_study_rownorm_inputs_and_the_divergence():
     b = Batch(src, tgt[:, :-1], tgt[:, 1:], torch.ones(3, 6, dtype=torch.bool), 18, 12, [0, 1, 2])
     same = study.divergence(model, model, [b])
     assert same["kl"] == pytest.approx(0.0, abs=1e-7) and same["top1"] == 1.0
+    # every layer simulated, whatever class its linears are (gradhelper.Linear in the model)
+    simulated = study.variant(model, "127:none:none")
+    assert not [n for n, m in simulated.named_modules() if is_linear(m)]
+    assert isinstance(simulated.decoder_layers[0].ffn.w_2, study.FakeInt8Linear)
     coarse = study.divergence(model, study.variant(model, "3:tensor:tensor"), [b])
     fine = study.divergence(model, study.variant(model, "127:none:none"), [b])
     assert coarse["kl"] > fine["kl"] > 0
