@@ -13,7 +13,7 @@ import os
 import sys
 from pathlib import Path
 
-from transformer.errors import UserError
+from transformer.errors import JobError, UserError
 
 
 def _add_no_verify(p: argparse.ArgumentParser) -> None:
@@ -853,6 +853,8 @@ def main(argv: list[str] | None = None) -> int:
         sys.stdout.flush()  # a full or closed stdout fails here, inside the handlers below
         return status
     except UserError as e:
+        return _fail(args.command, str(e))
+    except JobError as e:  # a process of the job killed from outside: no traceback to read
         return _fail(args.command, str(e))
     except OSError as e:  # disk full, permission denied, stdout closed (`| head -c0`) or full
         if e.filename == STDOUT:  # nothing more can be written there, not even at exit

@@ -23,7 +23,9 @@ import logging
 import multiprocessing.connection
 import os
 import shutil
+import signal
 import socket
+import sys
 import tempfile
 import threading
 import time
@@ -37,7 +39,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from transformer.errors import UserError
+from transformer.errors import JobError, UserError
 
 logger = logging.getLogger(__name__)
 
@@ -128,7 +130,9 @@ def run_local(nprocs: int, fn: Callable[..., Any], args: tuple = ()) -> Any:
     Returns rank 0's return value. If a rank fails, the others are stopped (they would wait
     for it in the next all-reduce) and its failure is raised here: a UserError as a UserError
     (its message alone), an OSError (disk full, ...) as an OSError, Ctrl-C as
-    KeyboardInterrupt, anything else as a RuntimeError carrying the rank's traceback.
+    KeyboardInterrupt, a bug as a RuntimeError carrying the rank's traceback, and a rank that
+    ended without a report (killed by a signal: the out-of-memory killer's SIGKILL, a `kill`)
+    as a JobError that says how it ended.
     """
     if nprocs < 1:
         raise UserError(f"--procs: must be at least 1, got {nprocs}")
@@ -169,11 +173,13 @@ def run_local(nprocs: int, fn: Callable[..., Any], args: tuple = ()) -> Any:
             if not isinstance(ready, int) and ready.poll():
                 _receive(ready, rank, reports)
     finally:
-        for p in procs:
-            if p.is_alive():
-                p.terminate()
+        stopped = [p for p in procs if p.is_alive()]
+        for p in stopped:
+            p.terminate()
         for p in procs:
             p.join()
+        if stopped:  # cut off mid-line, maybe (rank 0's progress bar): the error starts anew
+            sys.stderr.write("\n")
         for reader, _ in pipes:
             reader.close()
         shutil.rmtree(tmp, ignore_errors=True)
@@ -191,7 +197,22 @@ def run_local(nprocs: int, fn: Callable[..., Any], args: tuple = ()) -> Any:
         raise OSError(*reports[first][1])
     if first in reports:
         raise RuntimeError(f"process {first} of {nprocs} failed:\n{reports[first][1]}")
-    raise RuntimeError(f"process {first} of {nprocs} exited with code {dead[first]}")
+    raise JobError(f"process {first} of {nprocs} {_how_it_ended(dead[first])}")
+
+
+def _how_it_ended(exitcode: int) -> str:
+    """A process's end without a report, from its exit code (-N: killed by signal N)."""
+    if exitcode >= 0:
+        return f"exited with code {exitcode} and no report"
+    try:
+        name = signal.Signals(-exitcode).name
+    except ValueError:
+        name = f"signal {-exitcode}"
+    if -exitcode == signal.SIGKILL:  # what the out-of-memory killer sends
+        return (f"was killed by {name} (the kernel's out-of-memory killer sends it: "
+                "`dmesg` says whether it did; fewer processes or smaller batches need less "
+                "memory)")  # fmt: skip
+    return f"was killed by {name}"
 
 
 def _receive(conn, rank: int, reports: dict[int, tuple[str, Any]]) -> None:
@@ -215,6 +236,13 @@ def _rank_main(rank: int, world: int, store: Path, level: int, conn, fn, args) -
     if loopback and "GLOO_SOCKET_IFNAME" not in os.environ:
         os.environ["GLOO_SOCKET_IFNAME"] = loopback  # the ranks talk over 127.0.0.1 only
     threading.Thread(target=_exit_with_parent, args=(os.getppid(),), daemon=True).start()
+    # Rank 0's progress bar: tqdm's default lock is a named semaphore for bars in several
+    # processes, which a rank stopped by `run_local` (SIGTERM) leaves behind, and the resource
+    # tracker then warns of a "leaked semaphore" under the job's error. One bar, one process:
+    # a thread lock does.
+    from tqdm import tqdm
+
+    tqdm.set_lock(threading.RLock())
     try:
         dist.init_process_group("gloo", init_method=store.as_uri(), rank=rank, world_size=world)
         result = fn(*args)

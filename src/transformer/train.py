@@ -23,7 +23,7 @@ from transformer.batching import TokenBatchSampler
 from transformer.config import RunConfig, apply_overrides, parse_overrides
 from transformer.cpuinfo import native_bf16
 from transformer.data import load_prepared
-from transformer.errors import UserError
+from transformer.errors import JobError, UserError
 from transformer.loss import chunked_label_smoothed_loss
 from transformer.model import DTYPES, Transformer, accelerator_dtype
 from transformer.optim import MixedPrecisionAdam
@@ -192,8 +192,22 @@ def train(
         # not after a minute of starting processes that all stop on it.
         _check_lengths(load_prepared(data_dir), config)
         args = (data_dir, out_dir, config, resume, dev, progress, threads)
-        return distributed.run_local(n, _train_job, args)
+        try:
+            return distributed.run_local(n, _train_job, args)
+        except JobError as e:  # a rank killed from outside: say what the run has kept
+            raise JobError(f"train.procs={n}: {e}; {_kept(out_dir)}") from None
     return _train_job(data_dir, out_dir, config, resume, dev, progress, threads)
+
+
+def _kept(out_dir: Path) -> str:
+    """What a stopped run directory holds for `--resume`, in words."""
+    try:
+        path = checkpoint.latest_checkpoint(out_dir)
+    except checkpoint.CheckpointError as e:
+        return str(e)
+    if path is None:
+        return f"{out_dir} holds no checkpoint yet"
+    return f"`transformer train --resume {out_dir}` goes on from its last checkpoint, {path.name}"
 
 
 def _usable_cores() -> int:

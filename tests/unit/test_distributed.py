@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import atexit
 import os
+import signal
 import warnings
 
 import pytest
@@ -11,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from transformer import distributed
-from transformer.errors import UserError
+from transformer.errors import JobError, UserError
 
 
 def _sum_of_ranks(scale: float) -> tuple[int, float]:
@@ -75,8 +76,63 @@ def test_a_bug_carries_the_rank_and_its_traceback():
 
 
 def test_a_rank_that_dies_without_a_word_is_reported():
-    with pytest.raises(RuntimeError, match="process 1 of 2 exited with code 9"):
+    with pytest.raises(JobError, match="process 1 of 2 exited with code 9 and no report"):
         distributed.run_local(2, _rank1_killed)
+
+
+def _rank1_signalled(signum: int) -> None:
+    if int(os.environ["RANK"]) == 1:
+        os.kill(os.getpid(), signum)
+    dist.barrier()
+
+
+def test_a_rank_killed_by_a_signal_is_named_in_one_message():
+    """The out-of-memory killer's SIGKILL (or anyone's kill) is a JobError, which the CLI
+    prints as one line: not a RuntimeError with run_local's own traceback."""
+    with pytest.raises(JobError, match=r"process 1 of 2 was killed by SIGKILL \(the kernel's "
+                       "out-of-memory killer sends it"):  # fmt: skip
+        distributed.run_local(2, _rank1_signalled, (signal.SIGKILL,))
+    with pytest.raises(JobError, match=r"process 1 of 2 was killed by SIGTERM$"):
+        distributed.run_local(2, _rank1_signalled, (signal.SIGTERM,))
+    assert distributed._how_it_ended(-99) == "was killed by signal 99"
+
+
+def test_a_stopped_rank_0_leaves_no_semaphore_and_ends_its_line(tmp_path):
+    """Rank 0 drawing its progress bar when rank 1 is killed: run_local stops it (SIGTERM).
+    Its tqdm lock once was a named semaphore, so the resource tracker warned of a "leaked
+    semaphore" under the error; and the bar's last line ran into the error's."""
+    import subprocess
+    import sys
+
+    code = (
+        f"import sys; sys.path[:0] = {sys.path!r}\n"
+        "from test_distributed import _bar_then_killed\n"
+        "from transformer import distributed\n"
+        "from transformer.errors import JobError\n"
+        "try:\n"
+        "    distributed.run_local(2, _bar_then_killed)\n"
+        "except JobError as e:\n"
+        "    print('error:', e, file=sys.stderr)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], cwd=os.path.dirname(__file__),
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert "\nerror: process 1 of 2 was killed by SIGKILL" in done.stderr, done.stderr
+    assert "leaked semaphore" not in done.stderr
+
+
+def _bar_then_killed() -> None:
+    import signal
+    import time
+
+    from tqdm import tqdm
+
+    if int(os.environ["RANK"]) == 0:
+        bar = tqdm(total=10)
+        bar.update(1)  # drawn, its line not ended
+        while True:
+            time.sleep(0.1)
+    time.sleep(2)
+    os.kill(os.getpid(), signal.SIGKILL)
 
 
 def test_parameters_broadcast_outside_autograd():
@@ -194,3 +250,35 @@ def _ok_then_abort(x: float) -> float:
 
 def test_a_rank_that_aborts_after_reporting_ok_does_not_fail_the_job():
     assert distributed.run_local(2, _ok_then_abort, (3.0,)) == 3.0
+
+
+def test_train_says_what_a_killed_job_kept(tmp_path, monkeypatch, capsys):
+    """`train --procs 2` whose rank was killed: one line that names the process, the signal
+    and what the run directory holds for --resume (nothing yet, or its last checkpoint)."""
+    import transformer.train as train_module
+    from transformer import checkpoint
+    from transformer.cli import main
+    from transformer.config import build_config
+
+    def killed(n, fn, args):
+        raise JobError(f"process 1 of {n} {distributed._how_it_ended(-9)}")
+
+    config = build_config("tiny", overrides=["train.procs=2"], vocab_size=100)
+    monkeypatch.setattr(train_module, "resolve_run", lambda d, o, c, r, ov: (d, c))
+    monkeypatch.setattr(distributed, "run_local", killed)
+    monkeypatch.setattr(train_module, "load_prepared", lambda d: None)  # no corpus here
+    monkeypatch.setattr(train_module, "_check_lengths", lambda data, c: None)
+    run = tmp_path / "run"
+    with pytest.raises(JobError, match=f"train.procs=2: process 1 of 2 was killed by SIGKILL "
+                       rf"\(.*\); {run} holds no checkpoint yet$"):  # fmt: skip
+        train_module.train(tmp_path / "data", run, config, device="cpu")
+    checkpoint.save_checkpoint(run, 40, {"step": 40}, keep_last=2)
+    with pytest.raises(JobError, match=rf"; `transformer train --resume {run}` goes on from its "
+                       "last checkpoint, ckpt_40.pt$"):  # fmt: skip
+        train_module.train(tmp_path / "data", run, config, device="cpu")
+    # the CLI: the message in one line, no traceback
+    monkeypatch.setattr(train_module, "train", lambda *a, **k: killed(2, None, None))
+    assert main(["train", "--resume", str(run)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("transformer train: error: process 1 of 2 was killed by SIGKILL")
+    assert err.count("\n") == 1 and "Traceback" not in err
