@@ -200,14 +200,15 @@ def train(
 
 
 def _kept(out_dir: Path) -> str:
-    """What a stopped run directory holds for `--resume`, in words."""
+    """What a stopped run directory holds for a resume, in words (`train --resume RUN`;
+    `recipe` resumes with its own `--resume`, while `quickstart` starts afresh)."""
     try:
         path = checkpoint.latest_checkpoint(out_dir)
     except checkpoint.CheckpointError as e:
         return str(e)
     if path is None:
         return f"{out_dir} holds no checkpoint yet"
-    return f"`transformer train --resume {out_dir}` goes on from its last checkpoint, {path.name}"
+    return f"{out_dir} keeps its last checkpoint, {path.name}, for a resume"
 
 
 def _usable_cores() -> int:

@@ -273,8 +273,8 @@ def test_train_says_what_a_killed_job_kept(tmp_path, monkeypatch, capsys):
                        rf"\(.*\); {run} holds no checkpoint yet$"):  # fmt: skip
         train_module.train(tmp_path / "data", run, config, device="cpu")
     checkpoint.save_checkpoint(run, 40, {"step": 40}, keep_last=2)
-    with pytest.raises(JobError, match=rf"; `transformer train --resume {run}` goes on from its "
-                       "last checkpoint, ckpt_40.pt$"):  # fmt: skip
+    with pytest.raises(JobError, match=rf"; {run} keeps its last checkpoint, ckpt_40.pt, for a "
+                       "resume$"):  # fmt: skip
         train_module.train(tmp_path / "data", run, config, device="cpu")
     # the CLI: the message in one line, no traceback
     monkeypatch.setattr(train_module, "train", lambda *a, **k: killed(2, None, None))
