@@ -13,7 +13,7 @@ import os
 import sys
 from pathlib import Path
 
-from transformer.errors import JobError, UserError
+from transformer.errors import JobError, UserError, out_of_memory
 
 
 def _add_no_verify(p: argparse.ArgumentParser) -> None:
@@ -854,8 +854,14 @@ def main(argv: list[str] | None = None) -> int:
         return status
     except UserError as e:
         return _fail(args.command, str(e))
-    except JobError as e:  # a process of the job killed from outside: no traceback to read
+    except JobError as e:  # stopped by the machine (memory, a signal): no traceback to read
         return _fail(args.command, str(e))
+    except (MemoryError, RuntimeError) as e:  # an allocation that failed, anywhere else
+        what = out_of_memory(e)
+        if what is None:
+            raise
+        less = "fewer threads (--threads 1)" if "thread" in what else "smaller batches"
+        return _fail(args.command, f"{what}: {less} need less")
     except OSError as e:  # disk full, permission denied, stdout closed (`| head -c0`) or full
         if e.filename == STDOUT:  # nothing more can be written there, not even at exit
             devnull = os.open(os.devnull, os.O_WRONLY)

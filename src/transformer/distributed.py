@@ -39,7 +39,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from transformer.errors import JobError, UserError
+from transformer.errors import JobError, UserError, out_of_memory
 
 logger = logging.getLogger(__name__)
 
@@ -130,9 +130,9 @@ def run_local(nprocs: int, fn: Callable[..., Any], args: tuple = ()) -> Any:
     Returns rank 0's return value. If a rank fails, the others are stopped (they would wait
     for it in the next all-reduce) and its failure is raised here: a UserError as a UserError
     (its message alone), an OSError (disk full, ...) as an OSError, Ctrl-C as
-    KeyboardInterrupt, a bug as a RuntimeError carrying the rank's traceback, and a rank that
-    ended without a report (killed by a signal: the out-of-memory killer's SIGKILL, a `kill`)
-    as a JobError that says how it ended.
+    KeyboardInterrupt, a bug as a RuntimeError carrying the rank's traceback, and a rank out
+    of memory (an allocation that failed) or one that ended without a report (killed by a
+    signal: the out-of-memory killer's SIGKILL, a `kill`) as a JobError that says which.
     """
     if nprocs < 1:
         raise UserError(f"--procs: must be at least 1, got {nprocs}")
@@ -195,6 +195,9 @@ def run_local(nprocs: int, fn: Callable[..., Any], args: tuple = ()) -> Any:
     first = failed[0]  # the others failed because it left the job
     if reports.get(first, ("",))[0] == "os":
         raise OSError(*reports[first][1])
+    if reports.get(first, ("",))[0] == "memory":
+        raise JobError(f"process {first} of {nprocs} ran {reports[first][1]}: "
+                       "smaller batches or fewer processes need less")  # fmt: skip
     if first in reports:
         raise RuntimeError(f"process {first} of {nprocs} failed:\n{reports[first][1]}")
     raise JobError(f"process {first} of {nprocs} {_how_it_ended(dead[first])}")
@@ -255,8 +258,9 @@ def _rank_main(rank: int, world: int, store: Path, level: int, conn, fn, args) -
     except OSError as e:  # disk full, permission denied: the CLI prints these as one line
         conn.send(("os", (e.errno, e.strerror or str(e), e.filename)))
         raise SystemExit(1) from None
-    except BaseException:
-        conn.send(("bug", traceback.format_exc()))
+    except BaseException as e:
+        what = out_of_memory(e)
+        conn.send(("bug", traceback.format_exc()) if what is None else ("memory", what))
         raise SystemExit(1) from None
     conn.send(("ok", result if rank == 0 else None))
 

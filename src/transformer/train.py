@@ -23,7 +23,7 @@ from transformer.batching import TokenBatchSampler
 from transformer.config import RunConfig, apply_overrides, parse_overrides
 from transformer.cpuinfo import native_bf16
 from transformer.data import load_prepared
-from transformer.errors import JobError, UserError
+from transformer.errors import JobError, UserError, out_of_memory
 from transformer.loss import chunked_label_smoothed_loss
 from transformer.model import DTYPES, Transformer, accelerator_dtype
 from transformer.optim import MixedPrecisionAdam
@@ -194,9 +194,17 @@ def train(
         args = (data_dir, out_dir, config, resume, dev, progress, threads)
         try:
             return distributed.run_local(n, _train_job, args)
-        except JobError as e:  # a rank killed from outside: say what the run has kept
+        except JobError as e:  # a rank killed or out of memory: say what the run has kept
             raise JobError(f"train.procs={n}: {e}; {_kept(out_dir)}") from None
-    return _train_job(data_dir, out_dir, config, resume, dev, progress, threads)
+    try:
+        return _train_job(data_dir, out_dir, config, resume, dev, progress, threads)
+    except (MemoryError, RuntimeError) as e:
+        what = out_of_memory(e)
+        if what is None:
+            raise
+        less = ("fewer threads (--threads 1) need" if "thread" in what else
+                f"a smaller train.max_tokens (now {config.train.max_tokens}) needs")  # fmt: skip
+        raise JobError(f"{what}: {less} less; {_kept(out_dir)}") from None
 
 
 def _kept(out_dir: Path) -> str:

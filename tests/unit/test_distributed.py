@@ -282,3 +282,45 @@ def test_train_says_what_a_killed_job_kept(tmp_path, monkeypatch, capsys):
     err = capsys.readouterr().err
     assert err.startswith("transformer train: error: process 1 of 2 was killed by SIGKILL")
     assert err.count("\n") == 1 and "Traceback" not in err
+
+
+def _rank1_out_of_memory() -> None:
+    if int(os.environ["RANK"]) == 1:
+        torch.empty(2**62, dtype=torch.uint8)  # torch's RuntimeError: can't allocate memory
+    dist.barrier()
+
+
+def test_a_rank_out_of_memory_is_one_message_not_a_traceback():
+    with pytest.raises(JobError, match=r"^process 1 of 2 ran out of memory \(\d+\.\d MiB asked "
+                       r"for\): smaller batches or fewer processes need less$"):  # fmt: skip
+        distributed.run_local(2, _rank1_out_of_memory)
+
+
+def test_train_out_of_memory_is_one_line_with_what_the_run_kept(tmp_path, monkeypatch, capsys):
+    """One process out of memory (ulimit -v, a cgroup's limit): the CLI's one line says so,
+    with the batch size to lower and the run's checkpoint; any other RuntimeError stays a bug
+    with its traceback."""
+    import transformer.train as train_module
+    from transformer.cli import main
+
+    def job(*args):
+        torch.empty(2**62, dtype=torch.uint8)
+
+    from transformer.config import build_config
+
+    run = tmp_path / "run"
+    config = build_config("tiny", overrides=["train.max_tokens=1234"], vocab_size=100)
+    monkeypatch.setattr(train_module, "resolve_run", lambda d, o, c, r, ov: (d, config))
+    monkeypatch.setattr(train_module, "_train_job", job)
+    assert main(["train", "--resume", str(run)]) == 2
+    err = capsys.readouterr().err
+    assert err == (f"transformer train: error: out of memory ({2**62 / 2**20:.1f} MiB asked for): "
+                   f"a smaller train.max_tokens (now 1234) needs less; {run} holds no checkpoint "
+                   "yet\n")  # fmt: skip
+
+    def bug(*args):
+        raise RuntimeError("not memory")
+
+    monkeypatch.setattr(train_module, "_train_job", bug)
+    with pytest.raises(RuntimeError, match="not memory"):
+        main(["train", "--resume", str(run)])

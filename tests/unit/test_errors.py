@@ -1,0 +1,71 @@
+"""errors.out_of_memory: the allocation failures the CLI prints as one line, from real errors."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from transformer.errors import JobError, UserError, out_of_memory
+
+
+def _raised(fn) -> BaseException:
+    try:
+        fn()
+    except BaseException as e:  # noqa: BLE001 - the error itself is the test's input
+        return e
+    raise AssertionError("did not raise")
+
+
+def test_real_allocation_failures_are_named_with_their_size():
+    torch_cpu = _raised(lambda: torch.empty(2**62, dtype=torch.uint8))  # torch's RuntimeError
+    assert out_of_memory(torch_cpu) == f"out of memory ({2**62 / 2**20:.1f} MiB asked for)"
+    numpy_cpu = _raised(lambda: np.empty((10**7, 10**7)))  # numpy's MemoryError
+    assert out_of_memory(numpy_cpu) == "out of memory (728. TiB asked for)"
+    assert out_of_memory(MemoryError()) == "out of memory"
+
+
+def test_the_other_shapes_of_an_allocation_that_failed():
+    mmap = RuntimeError(
+        "unable to mmap 45818616 bytes from file <m.safetensors>: Cannot allocate memory (12)"
+    )  # torch.load's mmap under ulimit -v
+    assert out_of_memory(mmap) == "out of memory (43.7 MiB asked for)"
+    cuda = torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (GPU 0)")
+    assert out_of_memory(cuda) == "out of memory (2.00 GiB asked for)"
+    thread = RuntimeError("can't start new thread")  # threading, under a memory limit
+    assert out_of_memory(thread) == "out of memory or threads (a new thread could not start)"
+
+
+@pytest.mark.parametrize(
+    "error",
+    [
+        RuntimeError("shape mismatch"),
+        ValueError("x"),
+        UserError("can't allocate memory"),
+        JobError("x"),
+        OSError(12),
+    ],
+)
+def test_anything_else_is_not_out_of_memory(error):
+    assert out_of_memory(error) is None
+
+
+def test_any_command_out_of_memory_is_one_line(monkeypatch, capsys):
+    """translate, evaluate, ... out of memory (a huge --beam under ulimit -v): the CLI's line,
+    with what to lower; a thread that could not start names threads instead."""
+    import transformer.experiments.table3 as table3
+    from transformer.cli import main
+
+    monkeypatch.setattr(table3, "describe_presets", lambda v: torch.empty(2**62, dtype=torch.uint8))
+    assert main(["presets"]) == 2
+    assert capsys.readouterr().err == (
+        f"transformer presets: error: out of memory ({2**62 / 2**20:.1f} MiB asked for): "
+        "smaller batches need less\n"
+    )
+
+    def no_thread(v):
+        raise RuntimeError("can't start new thread")
+
+    monkeypatch.setattr(table3, "describe_presets", no_thread)
+    assert main(["presets"]) == 2
+    assert capsys.readouterr().err.endswith("fewer threads (--threads 1) need less\n")
