@@ -25,14 +25,32 @@ def _mmapped_blocks() -> int:
     return mallinfo2().hblks
 
 
+def _from_mmap(t: torch.Tensor) -> bool:
+    """Whether glibc gave t's memory its own mmap: the IS_MMAPPED bit (2) of the chunk's size
+    field, the word before the pointer malloc returned (torch.empty's own, at offset 0)."""
+    return bool(ctypes.c_size_t.from_address(t.data_ptr() - 8).value & 2)
+
+
 def test_a_64_mib_tensor_comes_from_the_heap_once_applied() -> None:
+    """Read on the tensor itself: the process's count of mmapped blocks (mallinfo2's hblks)
+    once moved under it, another thread of the test worker's having mapped one meanwhile."""
     assert allocator.keep_large_blocks() is True
     assert allocator.keep_large_blocks() is True  # idempotent
-    before = _mmapped_blocks()
     x = torch.empty(64 << 20, dtype=torch.uint8)  # glibc's default: above 32 MiB, an mmap
     x.fill_(1)
-    assert _mmapped_blocks() == before
+    assert not _from_mmap(x)
     del x
+
+
+def test_the_probe_sees_an_mmapped_block() -> None:
+    """`_from_mmap` against glibc's own count: a 2 GiB block (above keep_large_blocks' 1 GiB)
+    is mmapped even once applied; a small one never is."""
+    allocator.keep_large_blocks()
+    before = _mmapped_blocks()
+    big = torch.empty(2 << 30, dtype=torch.uint8)
+    assert _from_mmap(big) and _mmapped_blocks() >= before + 1
+    del big
+    assert not _from_mmap(torch.empty(1000, dtype=torch.uint8))
 
 
 @pytest.mark.parametrize("env", [{"TRANSFORMER_MALLOC": "system"},
