@@ -43,6 +43,31 @@ def tiny_model_file(tmp_path_factory) -> Path:
     return make_model_file(tmp_path_factory.mktemp("tiny_model"))
 
 
+@pytest.fixture(scope="session")
+def allocation_failures() -> dict[str, BaseException]:
+    """Real errors of an allocation that failed, torch's ("torch": a RuntimeError) and numpy's
+    ("numpy": a MemoryError), made again from the messages a child process got. Never failed
+    here: a malloc that fails moves glibc's calling thread to another arena for good, where a
+    64 MiB block is mmapped whatever the threshold (test_allocator failed after it)."""
+    import json
+    import subprocess
+    import sys
+
+    code = (
+        "import json, numpy, torch\n"
+        "out = {}\n"
+        "try: torch.empty(2**62, dtype=torch.uint8)\n"
+        "except RuntimeError as e: out['torch'] = str(e)\n"
+        "try: numpy.empty((10**7, 10**7))\n"
+        "except MemoryError as e: out['numpy'] = str(e)\n"
+        "print(json.dumps(out))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          check=True, timeout=120)  # fmt: skip
+    messages = json.loads(done.stdout)
+    return {"torch": RuntimeError(messages["torch"]), "numpy": MemoryError(messages["numpy"])}
+
+
 @pytest.fixture
 def cli():
     """Runs `transformer ARGS` in a subprocess: cli("translate", model, stdin=b"...")."""

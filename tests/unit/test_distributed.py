@@ -296,7 +296,9 @@ def test_a_rank_out_of_memory_is_one_message_not_a_traceback():
         distributed.run_local(2, _rank1_out_of_memory)
 
 
-def test_train_out_of_memory_is_one_line_with_what_the_run_kept(tmp_path, monkeypatch, capsys):
+def test_train_out_of_memory_is_one_line_with_what_the_run_kept(
+    tmp_path, monkeypatch, capsys, allocation_failures
+):
     """One process out of memory (ulimit -v, a cgroup's limit): the CLI's one line says so,
     with the batch size to lower and the run's checkpoint; any other RuntimeError stays a bug
     with its traceback."""
@@ -304,7 +306,7 @@ def test_train_out_of_memory_is_one_line_with_what_the_run_kept(tmp_path, monkey
     from transformer.cli import main
 
     def job(*args):
-        torch.empty(2**62, dtype=torch.uint8)
+        raise allocation_failures["torch"]  # torch.empty(2**62)'s, from a child process
 
     from transformer.config import build_config
 

@@ -2,25 +2,16 @@
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 
 from transformer.errors import JobError, UserError, out_of_memory
 
 
-def _raised(fn) -> BaseException:
-    try:
-        fn()
-    except BaseException as e:  # noqa: BLE001 - the error itself is the test's input
-        return e
-    raise AssertionError("did not raise")
-
-
-def test_real_allocation_failures_are_named_with_their_size():
-    torch_cpu = _raised(lambda: torch.empty(2**62, dtype=torch.uint8))  # torch's RuntimeError
+def test_real_allocation_failures_are_named_with_their_size(allocation_failures):
+    torch_cpu = allocation_failures["torch"]  # torch.empty(2**62) in a child process
     assert out_of_memory(torch_cpu) == f"out of memory ({2**62 / 2**20:.1f} MiB asked for)"
-    numpy_cpu = _raised(lambda: np.empty((10**7, 10**7)))  # numpy's MemoryError
+    numpy_cpu = allocation_failures["numpy"]  # numpy.empty((10**7, 10**7)) likewise
     assert out_of_memory(numpy_cpu) == "out of memory (728. TiB asked for)"
     assert out_of_memory(MemoryError()) == "out of memory"
 
@@ -50,13 +41,16 @@ def test_anything_else_is_not_out_of_memory(error):
     assert out_of_memory(error) is None
 
 
-def test_any_command_out_of_memory_is_one_line(monkeypatch, capsys):
+def test_any_command_out_of_memory_is_one_line(monkeypatch, capsys, allocation_failures):
     """translate, evaluate, ... out of memory (a huge --beam under ulimit -v): the CLI's line,
     with what to lower; a thread that could not start names threads instead."""
     import transformer.experiments.table3 as table3
     from transformer.cli import main
 
-    monkeypatch.setattr(table3, "describe_presets", lambda v: torch.empty(2**62, dtype=torch.uint8))
+    def no_memory(v):
+        raise allocation_failures["torch"]
+
+    monkeypatch.setattr(table3, "describe_presets", no_memory)
     assert main(["presets"]) == 2
     assert capsys.readouterr().err == (
         f"transformer presets: error: out of memory ({2**62 / 2**20:.1f} MiB asked for): "
