@@ -32,8 +32,10 @@ def _from_mmap(t: torch.Tensor) -> bool:
 
 
 def test_a_64_mib_tensor_comes_from_the_heap_once_applied() -> None:
-    """Read on the tensor itself: the process's count of mmapped blocks (mallinfo2's hblks)
-    once moved under it, another thread of the test worker's having mapped one meanwhile."""
+    """Read on the tensor itself, not on the process's count of mmapped blocks (mallinfo2's
+    hblks), which any thread moves. It fails where the worker's thread no longer allocates from
+    glibc's main arena: after a malloc that failed there (the suite makes its out-of-memory
+    errors in a child process for this: conftest's `allocation_failures`)."""
     assert allocator.keep_large_blocks() is True
     assert allocator.keep_large_blocks() is True  # idempotent
     x = torch.empty(64 << 20, dtype=torch.uint8)  # glibc's default: above 32 MiB, an mmap
