@@ -1,7 +1,8 @@
 """The errors the CLI prints as one clean message (no traceback): bad user input (files,
-flags, configs), and a job's process that was ended from outside (`JobError`). Anything else
-is a bug and keeps its traceback. Each message names the file, the line or key, or the
-process, and the problem.
+flags, configs: `UserError`), a run stopped by the machine (`JobError`: memory ran out, a
+process killed from outside), and any allocation that failed (`out_of_memory` names it).
+Anything else is a bug and keeps its traceback. Each message names the file, the line or key,
+or the process, and the problem.
 """
 
 from __future__ import annotations
