@@ -10,7 +10,10 @@
 #
 # QS: a `transformer quickstart --out QS` directory (its data/, model.safetensors and
 # quickstart.json, whose α chosen on val is the one the BLEU table decodes with). PY: the
-# Python that has the peers installed (docs/performance.md, "Reproducing"); REPS (default 5).
+# Python that has the peers installed (docs/performance.md, "Reproducing"); REPS (default 5);
+# W2_ROUNDS (default 2: W2's interleaved rounds, each variant in its own process): on a host
+# whose speed moves within minutes (docs/performance.md, "Round nineteen") W2_ROUNDS=6 reads
+# the W2 rows steadier, for ~20 more minutes on a 2-core Zen 4.
 # Ends with the issue's table and a verdict per target (benchmarks/issue19_summary.py, from the
 # JSON files in OUT), also written to OUT/summary.md.
 set -euo pipefail
