@@ -860,8 +860,7 @@ def main(argv: list[str] | None = None) -> int:
         what = out_of_memory(e)
         if what is None:
             raise
-        less = "fewer threads (--threads 1)" if "thread" in what else "smaller batches"
-        return _fail(args.command, f"{what}: {less} need less")
+        return _fail(args.command, f"{what}: {_needs_less(args, what)}")
     except OSError as e:  # disk full, permission denied, stdout closed (`| head -c0`) or full
         if e.filename == STDOUT:  # nothing more can be written there, not even at exit
             devnull = os.open(os.devnull, os.O_WRONLY)
@@ -901,6 +900,15 @@ class _Stdout:
 
     def __getattr__(self, name: str):
         return getattr(self._stream, name)
+
+
+def _needs_less(args: argparse.Namespace, what: str) -> str:
+    """What to lower after `what` (errors.out_of_memory's words), in the command's own flags."""
+    if "thread" in what:
+        return "fewer threads (--threads 1) need less"
+    flags = [flag for flag, dest in (("--max-tokens", "max_tokens"), ("--beam", "beam"))
+             if hasattr(args, dest)]  # fmt: skip
+    return f"a smaller {' or '.join(flags)} needs less" if flags else "smaller batches need less"
 
 
 def _fail(command: str, message: str) -> int:

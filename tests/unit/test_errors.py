@@ -63,3 +63,17 @@ def test_any_command_out_of_memory_is_one_line(monkeypatch, capsys, allocation_f
     monkeypatch.setattr(table3, "describe_presets", no_thread)
     assert main(["presets"]) == 2
     assert capsys.readouterr().err.endswith("fewer threads (--threads 1) need less\n")
+
+
+def test_the_hint_names_the_commands_own_flags():
+    from argparse import Namespace
+
+    from transformer.cli import _needs_less
+
+    memory = "out of memory (12.5 MiB asked for)"
+    translate = Namespace(command="translate", max_tokens=None, beam=None)
+    assert _needs_less(translate, memory) == "a smaller --max-tokens or --beam needs less"
+    assert _needs_less(Namespace(beam=4), memory) == "a smaller --beam needs less"
+    assert _needs_less(Namespace(), memory) == "smaller batches need less"
+    thread = "out of memory or threads (a new thread could not start)"
+    assert _needs_less(translate, thread) == "fewer threads (--threads 1) need less"
