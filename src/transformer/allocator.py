@@ -16,6 +16,11 @@ more, greedy unchanged. The cost is that freed memory is kept by the process for
 than returned to the system (what jemalloc and tcmalloc do too); peak memory of a training step
 changed by -0.1% at ~4k tokens and +2.7% at ~16k (W3).
 
+A thread other than the main one allocates from an arena of its own, whose heaps hold at most
+64 MiB: a larger block there is its own mmap whatever the threshold (a decoding stream's (rows,
+V) scores above 64 MiB: beam 4 ran 27% slower in a thread at a WMT-size batch; one arena for
+all threads is a lock shared beside a busy process: docs/performance.md, "Round twenty-one").
+
 Applied once per process, on Linux with glibc, by every decoder (`search.ModelStepper`) and by
 CPU training (`train._setup_torch`). Not applied where the user chose: `MALLOC_MMAP_THRESHOLD_`
 or `MALLOC_TRIM_THRESHOLD_` set, or `TRANSFORMER_MALLOC=system`.
