@@ -13,7 +13,7 @@ import os
 import sys
 from pathlib import Path
 
-from transformer.errors import JobError, UserError, out_of_memory
+from transformer.errors import JobError, UserError, out_of_memory, what_to_lower
 
 
 def _add_no_verify(p: argparse.ArgumentParser) -> None:
@@ -904,11 +904,10 @@ class _Stdout:
 
 def _needs_less(args: argparse.Namespace, what: str) -> str:
     """What to lower after `what` (errors.out_of_memory's words), in the command's own flags."""
-    if "thread" in what:
-        return "fewer threads (--threads 1) need less"
     flags = [flag for flag, dest in (("--max-tokens", "max_tokens"), ("--beam", "beam"))
              if hasattr(args, dest)]  # fmt: skip
-    return f"a smaller {' or '.join(flags)} needs less" if flags else "smaller batches need less"
+    return what_to_lower(what, f"a smaller {' or '.join(flags)} needs" if flags
+                         else "smaller batches need")  # fmt: skip
 
 
 def _fail(command: str, message: str) -> int:

@@ -193,9 +193,10 @@ def run_local(nprocs: int, fn: Callable[..., Any], args: tuple = ()) -> Any:
         if kind == "interrupt":
             raise KeyboardInterrupt
     first = failed[0]  # the others failed because it left the job
-    if reports.get(first, ("",))[0] == "os":
+    kind = reports.get(first, ("",))[0]
+    if kind == "os":
         raise OSError(*reports[first][1])
-    if reports.get(first, ("",))[0] == "memory":
+    if kind == "memory":
         raise JobError(f"process {first} of {nprocs} ran {reports[first][1]}: "
                        "smaller batches or fewer processes need less")  # fmt: skip
     if first in reports:

@@ -43,6 +43,12 @@ def out_of_memory(e: BaseException) -> str | None:
     return None
 
 
+def what_to_lower(what: str, smaller: str) -> str:
+    """After `out_of_memory`'s words `what`: fewer threads where a thread could not start, else
+    `smaller` ("a smaller --beam needs", its verb included) "less"."""
+    return "fewer threads (--threads 1) need less" if "thread" in what else f"{smaller} less"
+
+
 def _asked(amount: re.Match | str | None) -> str:
     if isinstance(amount, re.Match):
         amount = amount.group(1)

@@ -23,7 +23,7 @@ from transformer.batching import TokenBatchSampler
 from transformer.config import RunConfig, apply_overrides, parse_overrides
 from transformer.cpuinfo import native_bf16
 from transformer.data import load_prepared
-from transformer.errors import JobError, UserError, out_of_memory
+from transformer.errors import JobError, UserError, out_of_memory, what_to_lower
 from transformer.loss import chunked_label_smoothed_loss
 from transformer.model import DTYPES, Transformer, accelerator_dtype
 from transformer.optim import MixedPrecisionAdam
@@ -202,9 +202,8 @@ def train(
         what = out_of_memory(e)
         if what is None:
             raise
-        less = ("fewer threads (--threads 1) need" if "thread" in what else
-                f"a smaller train.max_tokens (now {config.train.max_tokens}) needs")  # fmt: skip
-        raise JobError(f"{what}: {less} less; {_kept(out_dir)}") from None
+        smaller = f"a smaller train.max_tokens (now {config.train.max_tokens}) needs"
+        raise JobError(f"{what}: {what_to_lower(what, smaller)}; {_kept(out_dir)}") from None
 
 
 def _kept(out_dir: Path) -> str:

@@ -121,7 +121,6 @@ def test_a_stopped_rank_0_leaves_no_semaphore_and_ends_its_line(tmp_path):
 
 
 def _bar_then_killed() -> None:
-    import signal
     import time
 
     from tqdm import tqdm
@@ -304,11 +303,10 @@ def test_train_out_of_memory_is_one_line_with_what_the_run_kept(
     with its traceback."""
     import transformer.train as train_module
     from transformer.cli import main
+    from transformer.config import build_config
 
     def job(*args):
         raise allocation_failures["torch"]  # torch.empty(2**62)'s, from a child process
-
-    from transformer.config import build_config
 
     run = tmp_path / "run"
     config = build_config("tiny", overrides=["train.max_tokens=1234"], vocab_size=100)
