@@ -17,9 +17,11 @@ than returned to the system (what jemalloc and tcmalloc do too); peak memory of 
 changed by -0.1% at ~4k tokens and +2.7% at ~16k (W3).
 
 A thread other than the main one allocates from an arena of its own, whose heaps hold at most
-64 MiB: a larger block there is its own mmap whatever the threshold (a decoding stream's (rows,
-V) scores above 64 MiB: beam 4 ran 27% slower in a thread at a WMT-size batch; one arena for
-all threads is a lock shared beside a busy process: docs/performance.md, "Round twenty-one").
+64 MiB: a larger block there is its own mmap whatever the threshold. A decoding stream's (rows,
+V) scores above 64 MiB made beam 4 27-34% slower in a thread at a WMT-size batch; search makes
+them in blocks of at most 32 MiB instead (`search.STEP_BLOCK_BYTES`). One arena for all threads
+(M_ARENA_MAX 1) was tried: a lock shared beside a busy process, and +38% peak memory for
+`translate` at that size (docs/performance.md, "Round twenty-one", "Round twenty-two").
 
 Applied once per process, on Linux with glibc, by every decoder (`search.ModelStepper`) and by
 CPU training (`train._setup_torch`). Not applied where the user chose: `MALLOC_MMAP_THRESHOLD_`

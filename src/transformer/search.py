@@ -12,7 +12,7 @@ Shapes: B sentences, K beam size, R live rows (B * K, fewer once sentences finis
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -82,6 +82,13 @@ class Stepper(Protocol):
 # Decoder steps per unit of work timed by the thread tuner (`ModelStepper.step`).
 TUNER_STEPS = 8
 
+# A step's scores (rows, V) in fp32 larger than this are made and searched in blocks of rows
+# (`ModelStepper.step_blocks`). glibc serves a block above 64 MiB in a thread other than the
+# main one (a decoding stream of `translate`, `serve`'s decoder) with a fresh mmap, faulted in
+# page by page at every step (allocator.py): beam 4 over a WMT-size batch, (592, 37,000) fp32
+# scores, 84 MiB, ran 27% slower in such a thread (docs/performance.md, "Round twenty-two").
+STEP_BLOCK_BYTES = 32 << 20
+
 # Wraps a decoder's stepper given the batch's (src, src_mask): a constraint on what may be
 # emitted next (e.g. `parse.TreeConstraint`), applied by masking the stepper's scores.
 Constrain = Callable[["Stepper", torch.Tensor, torch.Tensor], "Stepper"]
@@ -112,8 +119,32 @@ class ModelStepper:
         self.cache: DecoderCache = model.new_cache()
         self.steps = 0  # decoder steps so far
         self._unit_steps = self._unit_rows = 0  # the tuner's current unit of work
+        self._tune = False  # whether the step under way is timed by the tuner
 
     def step(self, tokens: torch.Tensor) -> torch.Tensor:
+        hidden = self._hidden(tokens)
+        out = self._scores(hidden)
+        self._step_done(len(tokens))
+        return out
+
+    def block_rows(self) -> int:
+        """Rows per block of `step_blocks`: as many as STEP_BLOCK_BYTES of fp32 scores hold."""
+        return max(1, STEP_BLOCK_BYTES // (4 * self.model.cfg.target_vocab_size))
+
+    def step_blocks(self, tokens: torch.Tensor) -> Iterator[torch.Tensor]:
+        """`step`'s result as blocks of `block_rows()` consecutive rows (the last one shorter),
+        in order: no step tensor of the size of all rows' scores is made. Each row's scores
+        are the same values as `step`'s (the projection's and the softmax's rows do not depend
+        on the rows beside them: docs/decoding.md, "A sentence's translation does not depend
+        on its batch"). A block is read before the next one is made."""
+        hidden = self._hidden(tokens)
+        rows = self.block_rows()
+        for start in range(0, hidden.size(0), rows):
+            yield self._scores(hidden[start : start + rows])
+        self._step_done(len(tokens))
+
+    def _hidden(self, tokens: torch.Tensor) -> torch.Tensor:
+        """The decoder's output at the new position of each row, (R, D); the cache extended."""
         # From the second step on, cross-attention reads its keys/values from the cache, so
         # `memory` (still B rows) is not touched and needs no reordering.
         # The tuner's unit of work is TUNER_STEPS decoder steps (one step's time varies too much
@@ -121,17 +152,23 @@ class ModelStepper:
         # on: the first also computes the encoder-decoder keys and values, and under beam
         # search has B rows against the others' K*B. A unit still open when the search ends
         # is dropped (the next search's first unit restarts its clock).
-        tune = self.tuner is not None and self.steps > 0
-        if tune and self._unit_steps == 0:
+        self._tune = self.tuner is not None and self.steps > 0
+        if self._tune and self._unit_steps == 0:
             self.tuner.start()
         hidden = self.model.decode_hidden(tokens[:, None], self.memory, self.src_mask, self.cache)
-        logits = self.model.project(hidden[:, -1])  # (R, V): only the new position
-        if tune:
-            self._unit_steps, self._unit_rows = self._unit_steps + 1, self._unit_rows + len(tokens)
+        return hidden[:, -1]  # (R, D): only the new position
+
+    def _step_done(self, rows: int) -> None:
+        if self._tune:
+            self._unit_steps, self._unit_rows = self._unit_steps + 1, self._unit_rows + rows
             if self._unit_steps == TUNER_STEPS:
                 self.tuner.stop(self._unit_rows)
                 self._unit_steps = self._unit_rows = 0
         self.steps += 1
+
+    def _scores(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Log-probs (or logits, log_probs=False) (R, V) of the decoder outputs hidden (R, D)."""
+        logits = self.model.project(hidden)
         if not self.log_probs:
             return logits
         # fp32 log-softmax read straight from bf16 logits: the same values as `.float()`
@@ -230,8 +267,10 @@ def greedy_steps(stepper: Stepper, max_lens: torch.Tensor) -> list[list[int]]:
     while alive.numel() > 0:
         t += 1
         force_eos = max_lens[alive] <= t if t >= shortest else None
-        lprobs = _mask_specials(stepper.step(last), force_eos, t)
-        last = row_argmax(lprobs)  # (R,)
+        if _in_blocks(stepper, last.numel()):
+            last = torch.cat([row_argmax(b) for b in _masked_blocks(stepper, last, force_eos, t)])
+        else:
+            last = row_argmax(_mask_specials(stepper.step(last), force_eos, t))  # (R,)
         if ended is not None:
             last = last.masked_fill(ended, EOS_ID)  # an ended row stays ended
         for row, token in zip(alive.tolist(), last.tolist(), strict=True):
@@ -427,8 +466,14 @@ def beam_steps_alphas(
         force_eos = None
         if t >= shortest:
             force_eos = (max_lens[state.sentences] <= t).repeat_interleave(k)
-        lprobs = _mask_specials(stepper.step(last), force_eos, t)  # (Ba * k, V)
-        cand_scores, cand_beams, cand_tokens = _top_candidates(state.scores, lprobs, beam_size)
+        if _in_blocks(stepper, last.numel()):
+            blocks = _masked_blocks(stepper, last, force_eos, t)
+            cand_scores, cand_beams, cand_tokens = _top_candidates_of_blocks(
+                state.scores, blocks, beam_size
+            )
+        else:
+            lprobs = _mask_specials(stepper.step(last), force_eos, t)  # (Ba * k, V)
+            cand_scores, cand_beams, cand_tokens = _top_candidates(state.scores, lprobs, beam_size)
         ranks = cand_scores.size(1) if stop == "t2t" else beam_size
         _finalize(state, cand_scores, cand_beams, cand_tokens, ranks, t, alphas)
         scores, beams, tokens = _select_live(cand_scores, cand_beams, cand_tokens, beam_size)
@@ -464,15 +509,54 @@ def _top_candidates(
     Returns:
         Candidate cumulative log-probs, parent beams and tokens, each (Ba, C), best first.
     """
-    Ba, k = scores.shape
-    V = lprobs.size(-1)
-    n = min(2 * beam_size, V)
     # A sentence's best 2K (beam, token) pairs are among each beam's own best 2K tokens: rank
     # k * 2K pairs, not k * V.
-    ids = _row_top(lprobs, n)  # (Ba * k, n) token ids
-    total = scores[:, :, None] + lprobs.gather(1, ids).view(Ba, k, n)
+    ids = _row_top(lprobs, min(2 * beam_size, lprobs.size(-1)))  # (Ba * k, n) token ids
+    return _best_pairs(scores, ids, lprobs.gather(1, ids), beam_size)
+
+
+def _top_candidates_of_blocks(
+    scores: torch.Tensor, blocks: Iterator[torch.Tensor], beam_size: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`_top_candidates` of the log-probs given as blocks of consecutive rows, in order
+    (`_masked_blocks`): the same candidates, each block's rows reduced to their best 2K
+    tokens before the next block is made."""
+    ids, values = [], []
+    for block in blocks:
+        top = _row_top(block, min(2 * beam_size, block.size(-1)))
+        ids.append(top)
+        values.append(block.gather(1, top))
+    return _best_pairs(scores, torch.cat(ids), torch.cat(values), beam_size)
+
+
+def _best_pairs(
+    scores: torch.Tensor, ids: torch.Tensor, values: torch.Tensor, beam_size: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The top 2K (beam, token) pairs per sentence among each beam's n tokens ids (Ba * k, n)
+    with log-probs values (Ba * k, n); as `_top_candidates` returns them."""
+    Ba, k = scores.shape
+    n = ids.size(1)
+    total = scores[:, :, None] + values.view(Ba, k, n)
     cand_scores, flat = total.view(Ba, k * n).topk(min(2 * beam_size, k * n), dim=1)  # (Ba, C)
     return cand_scores, flat // n, ids.view(Ba, k * n).gather(1, flat)
+
+
+def _in_blocks(stepper: Stepper, rows: int) -> bool:
+    """Whether a step of `rows` rows makes its scores in blocks of rows
+    (`ModelStepper.step_blocks`; other steppers, such as a search constraint's, never)."""
+    block_rows = getattr(stepper, "block_rows", None)
+    return block_rows is not None and block_rows() < rows
+
+
+def _masked_blocks(
+    stepper: Stepper, last: torch.Tensor, force_eos: torch.Tensor | None, t: int
+) -> Iterator[torch.Tensor]:
+    """`_mask_specials(stepper.step(last), force_eos, t)` as blocks of consecutive rows."""
+    start = 0
+    for block in stepper.step_blocks(last):
+        end = start + block.size(0)
+        yield _mask_specials(block, None if force_eos is None else force_eos[start:end], t)
+        start = end
 
 
 # Columns per block of `_row_top`; rows shorter than _BLOCK * _MIN_BLOCKS use a plain topk.

@@ -516,6 +516,68 @@ def test_stepper_times_units_of_several_steps_after_the_first():
             assert torch.equal(plain.step(tok), timed.step(tok))
 
 
+def _blocks_model(dtype: str) -> Transformer:
+    torch.manual_seed(1)
+    cfg = ModelConfig(vocab_size=300, n_layers=2, d_model=32, d_ff=64, n_heads=2, d_k=16, d_v=16,
+                      p_drop=0.0)  # fmt: skip
+    model = Transformer(cfg).eval()
+    with torch.no_grad():  # a larger logit spread: searches that differ would show it
+        model.src_embed.weight.mul_(20.0)
+    if dtype == "bf16":
+        return model.to(torch.bfloat16)
+    from transformer.translate import packed_projection, quantize_int8
+
+    # As `Translator` decodes: fp32 with its projection packed for oneDNN, whose rows are the
+    # same bits in any batch (MKL's F.linear rounds a row by the batch's size: blocks of rows
+    # would change the last bits of an unpacked fp32 model's scores, as batches do)
+    return quantize_int8(model) if dtype == "int8" else packed_projection(model)
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16", "int8"])
+def test_a_steps_scores_in_blocks_of_rows_give_the_same_search(dtype, monkeypatch):
+    # Scores above STEP_BLOCK_BYTES are made and searched a block of rows at a time (a 64 MiB
+    # block is a fresh mmap every step in a decoding thread): the same hypotheses and scores,
+    # bit for bit, and no projection of more rows than a block.
+    model = _blocks_model(dtype)
+    src, src_mask = random_batch(6, 300, [9, 4, 12, 7, 10, 5])
+
+    def searches():
+        return (beam_search(model, src, src_mask, beam_size=4, n_best=4),
+                greedy_search(model, src, src_mask))  # fmt: skip
+
+    whole = searches()
+    projected = []
+    project = model.project
+    monkeypatch.setattr(model, "project", lambda h: projected.append(len(h)) or project(h))
+    monkeypatch.setattr(search, "STEP_BLOCK_BYTES", 5 * 4 * 300)  # 5 rows; beam 4 has 24
+    blocked = searches()
+    assert max(projected) == 5 and len(projected) > 2 * 20  # every step in blocks
+    for got, want in zip(blocked[0], whole[0], strict=True):
+        assert [(h.tokens, h.score, h.log_prob) for h in got] == [
+            (h.tokens, h.score, h.log_prob) for h in want
+        ]
+    assert blocked[1] == whole[1]
+
+
+def test_a_stepper_in_blocks_times_the_same_units(monkeypatch):
+    monkeypatch.setattr(search, "STEP_BLOCK_BYTES", 2 * 4 * 300)  # 2 rows a block
+    model = _blocks_model("int8")
+    src, src_mask = random_batch(3, 300, [5, 7, 4])
+    plain, blocked = RecordingTuner(), RecordingTuner()
+    steppers = (ModelStepper(model, src, src_mask, tuner=plain),
+                ModelStepper(model, src, src_mask, tuner=blocked))  # fmt: skip
+    tokens = torch.full((3,), BOS_ID)
+    with torch.inference_mode():
+        for _ in range(1 + search.TUNER_STEPS + 2):
+            whole = steppers[0].step(tokens)
+            parts = list(steppers[1].step_blocks(tokens))
+            assert [len(p) for p in parts] == [2, 1]
+            assert torch.equal(torch.cat(parts), whole)
+            tokens = torch.randint(4, 300, (3,))
+    assert plain.units == blocked.units == [3 * search.TUNER_STEPS]
+    assert steppers[0].steps == steppers[1].steps == 1 + search.TUNER_STEPS + 2
+
+
 # ------------------------------------------------------------------- several α in one search
 
 
