@@ -86,7 +86,8 @@ TUNER_STEPS = 8
 # (`ModelStepper.step_blocks`). glibc serves a block above 64 MiB in a thread other than the
 # main one (a decoding stream of `translate`, `serve`'s decoder) with a fresh mmap, faulted in
 # page by page at every step (allocator.py): beam 4 over a WMT-size batch, (592, 37,000) fp32
-# scores, 84 MiB, ran 27% slower in such a thread (docs/performance.md, "Round twenty-two").
+# scores, 84 MiB, ran 27-34% slower in such a thread (docs/performance.md, "Round twenty-two").
+# 32 MiB keeps the Multi30k and W2 shapes (beam 4: (256, 32,000), 31.25 MiB) in one block.
 STEP_BLOCK_BYTES = 32 << 20
 
 # Wraps a decoder's stepper given the batch's (src, src_mask): a constraint on what may be
