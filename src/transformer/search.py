@@ -510,10 +510,15 @@ def _top_candidates(
     Returns:
         Candidate cumulative log-probs, parent beams and tokens, each (Ba, C), best first.
     """
-    # A sentence's best 2K (beam, token) pairs are among each beam's own best 2K tokens: rank
-    # k * 2K pairs, not k * V.
-    ids = _row_top(lprobs, min(2 * beam_size, lprobs.size(-1)))  # (Ba * k, n) token ids
-    return _best_pairs(scores, ids, lprobs.gather(1, ids), beam_size)
+    return _best_pairs(scores, *_rows_best(lprobs, beam_size), beam_size)
+
+
+def _rows_best(lprobs: torch.Tensor, beam_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's best min(2K, V) tokens (R, n), in no set order, and their log-probs (R, n).
+    A sentence's best 2K (beam, token) pairs are among each beam's own best 2K tokens: rank
+    k * 2K pairs, not k * V."""
+    ids = _row_top(lprobs, min(2 * beam_size, lprobs.size(-1)))
+    return ids, lprobs.gather(1, ids)
 
 
 def _top_candidates_of_blocks(
@@ -522,11 +527,7 @@ def _top_candidates_of_blocks(
     """`_top_candidates` of the log-probs given as blocks of consecutive rows, in order
     (`_masked_blocks`): the same candidates, each block's rows reduced to their best 2K
     tokens before the next block is made."""
-    ids, values = [], []
-    for block in blocks:
-        top = _row_top(block, min(2 * beam_size, block.size(-1)))
-        ids.append(top)
-        values.append(block.gather(1, top))
+    ids, values = zip(*(_rows_best(block, beam_size) for block in blocks), strict=True)
     return _best_pairs(scores, torch.cat(ids), torch.cat(values), beam_size)
 
 
