@@ -55,9 +55,63 @@ def test_the_probe_sees_an_mmapped_block() -> None:
     assert not _from_mmap(torch.empty(1000, dtype=torch.uint8))
 
 
+# In a second thread, with glibc's malloc itself: a 40 MiB block A kept (the arena's first
+# heap), a second one B that does not fit beside it (a heap of its own), B freed (that heap
+# then holds nothing), then a 30 MiB block C: the process's minor page faults while C is
+# filled. Where the arena deleted B's heap, C's 7,680 pages are all new; where it kept it, C
+# takes B's pages. (torch's own aligned blocks leave a small chunk at a heap's start, which
+# keeps this toy's heap either way; a real search's heaps came and went, docs/performance.md.)
+_THREAD_REFILL = """
+import ctypes, resource, threading
+import transformer.allocator as allocator
+assert allocator.keep_large_blocks()
+libc = ctypes.CDLL(None)
+libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
+libc.free.argtypes = [ctypes.c_void_p]
+libc.memset.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t]
+MiB = 1 << 20
+out = []
+def work():
+    a = libc.malloc(40 * MiB)
+    libc.memset(a, 1, 40 * MiB)
+    b = libc.malloc(40 * MiB)
+    libc.memset(b, 2, 40 * MiB)
+    libc.free(b)
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    c = libc.malloc(30 * MiB)
+    libc.memset(c, 3, 30 * MiB)
+    out.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+    libc.free(c)
+    libc.free(a)
+t = threading.Thread(target=work)
+t.start()
+t.join()
+print(out[0])
+"""
+
+
+def _refill_faults(**env: str) -> int:
+    import os
+    import subprocess
+
+    clean = {k: v for k, v in os.environ.items() if not k.startswith(("MALLOC_", "GLIBC_TUN"))}
+    done = subprocess.run([sys.executable, "-c", _THREAD_REFILL], env=clean | env,
+                          capture_output=True, text=True, check=True, timeout=120)  # fmt: skip
+    return int(done.stdout)
+
+
+def test_a_threads_heaps_are_kept_between_blocks() -> None:
+    """The top pad (a whole heap) keeps glibc from deleting a thread arena's heap when its
+    blocks are freed: C reuses B's pages. With glibc's own pad (the user's choice, left
+    alone) they are faulted in afresh: the probe sees it."""
+    assert _refill_faults() < 500
+    assert _refill_faults(MALLOC_TOP_PAD_="131072") > 7000
+
+
 @pytest.mark.parametrize("env", [{"TRANSFORMER_MALLOC": "system"},
                                  {"MALLOC_MMAP_THRESHOLD_": "65536"},
-                                 {"MALLOC_TRIM_THRESHOLD_": "0"}])  # fmt: skip
+                                 {"MALLOC_TRIM_THRESHOLD_": "0"},
+                                 {"GLIBC_TUNABLES": "glibc.malloc.trim_threshold=0"}])  # fmt: skip
 def test_the_users_choice_is_left_alone(monkeypatch, env) -> None:
     calls = []
     monkeypatch.setattr(allocator.ctypes, "CDLL", lambda name: calls.append(name))
@@ -66,3 +120,19 @@ def test_the_users_choice_is_left_alone(monkeypatch, env) -> None:
     monkeypatch.setattr(allocator, "_applied", None)
     assert allocator.keep_large_blocks() is False
     assert calls == []  # mallopt never looked up
+
+
+def test_a_users_top_pad_is_left_alone(monkeypatch) -> None:
+    calls = []
+
+    class _Libc:
+        @staticmethod
+        def mallopt(option, value):
+            calls.append(option)
+            return 1
+
+    monkeypatch.setattr(allocator.ctypes, "CDLL", lambda name: _Libc)
+    monkeypatch.setattr(allocator, "_applied", None)
+    monkeypatch.setenv("MALLOC_TOP_PAD_", "131072")
+    assert allocator.keep_large_blocks() is True
+    assert allocator.M_TOP_PAD not in calls and allocator.M_MMAP_THRESHOLD in calls
