@@ -19,19 +19,21 @@ changed by -0.1% at ~4k tokens and +2.7% at ~16k (W3).
 A thread other than the main one allocates from an arena of its own, whose heaps hold at most
 64 MiB: a larger block there is its own mmap whatever the threshold. A decoding stream's (rows,
 V) scores above 64 MiB made beam 4 27-34% slower in a thread at a WMT-size batch; search makes
-them in blocks of at most 32 MiB instead (`search.STEP_BLOCK_BYTES`). One arena for all threads
+them in blocks of at most 8 MiB instead (`search.STEP_BLOCK_BYTES`). One arena for all threads
 (M_ARENA_MAX 1) was tried: a lock shared beside a busy process, and +38% peak memory for
 `translate` at that size (docs/performance.md, "Round twenty-one", "Round twenty-two").
 
 Such an arena deletes a heap (munmap) as soon as the blocks in it are freed, unless the heap
 before it has the top pad's room free, and the trim threshold does not stop it: a decoding
 thread made and deleted a 64 MiB heap about twice a step at that size, each faulted in afresh
-(520,000-810,000 minor faults a 30-step search, ~10 in the main thread). The top pad is
+(520,000-870,000 minor faults a 30-step search, ~10 in the main thread). The top pad is
 therefore set to a whole heap (64 MiB), which glibc's `heap_trim` never finds room for: a
 thread's heaps stay, as the main arena's pages do. In the main arena the pad only makes each
 `sbrk` ask for 64 MiB more address space, not touched until used. Measured: beam 4 at that
 batch in a long-lived second thread 9.36 / 9.16 -> 8.27 / 8.13 s (the main thread's 7.9-8.0),
-`translate` of 800 newstest2014 lines 4-6% faster, peak memory +0.2-0.7 GB of ~5.5
+`translate` of 800 newstest2014 lines 4% faster (93.7 against 97.6 s, five alternated pairs).
+Each decoding stream's arena then keeps its own largest heaps: peak memory +0.5 GB of 5.4 with
+32 MiB score blocks, and as it was (5.38 GB) with the 8 MiB ones that search now makes
 (docs/performance.md, "Round twenty-three").
 
 Applied once per process, on Linux with glibc, by every decoder (`search.ModelStepper`) and by
