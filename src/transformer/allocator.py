@@ -29,7 +29,9 @@ thread made and deleted a 64 MiB heap about twice a step at that size, each faul
 (520,000-870,000 minor faults a 30-step search, ~10 in the main thread). The top pad is
 therefore set to a whole heap (64 MiB), which glibc's `heap_trim` never finds room for: a
 thread's heaps stay, as the main arena's pages do. In the main arena the pad only makes each
-`sbrk` ask for 64 MiB more address space, not touched until used. Measured: beam 4 at that
+`sbrk` ask for 64 MiB more address space, not touched until used; a new thread arena's heap is
+64 MiB of read-write address space from the start (not resident until touched; under strict
+overcommit, `vm.overcommit_memory=2`, it counts against the commit limit). Measured: beam 4 at that
 batch in a long-lived second thread 9.36 / 9.16 -> 8.27 / 8.13 s (the main thread's 7.9-8.0),
 `translate` of 800 newstest2014 lines 4% faster (93.7 against 97.6 s, five alternated pairs).
 Each decoding stream's arena then keeps its own largest heaps: peak memory +0.5 GB of 5.4 with
