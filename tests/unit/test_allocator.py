@@ -122,7 +122,9 @@ def test_the_users_choice_is_left_alone(monkeypatch, env) -> None:
     assert calls == []  # mallopt never looked up
 
 
-def test_a_users_top_pad_is_left_alone(monkeypatch) -> None:
+@pytest.mark.parametrize("env", [("MALLOC_TOP_PAD_", "131072"),
+                                 ("GLIBC_TUNABLES", "glibc.malloc.top_pad=131072")])  # fmt: skip
+def test_a_users_top_pad_is_left_alone(monkeypatch, env) -> None:
     calls = []
 
     class _Libc:
@@ -133,6 +135,6 @@ def test_a_users_top_pad_is_left_alone(monkeypatch) -> None:
 
     monkeypatch.setattr(allocator.ctypes, "CDLL", lambda name: _Libc)
     monkeypatch.setattr(allocator, "_applied", None)
-    monkeypatch.setenv("MALLOC_TOP_PAD_", "131072")
+    monkeypatch.setenv(*env)
     assert allocator.keep_large_blocks() is True
     assert allocator.M_TOP_PAD not in calls and allocator.M_MMAP_THRESHOLD in calls
