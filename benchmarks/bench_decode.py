@@ -36,7 +36,12 @@ from transformer.config import ModelConfig  # noqa: E402
 from transformer.model import Transformer  # noqa: E402
 from transformer.search import ModelStepper, beam_steps, greedy_steps  # noqa: E402
 from transformer.tokenizer import EOS_ID, PAD_ID  # noqa: E402
-from transformer.translate import auto_dtype, packed_projection, quantize_int8  # noqa: E402
+from transformer.translate import (  # noqa: E402
+    auto_dtype,
+    packed_bf16,
+    packed_projection,
+    quantize_int8,
+)
 
 PEERS_DIR = "/work/shared/peers"
 
@@ -62,7 +67,9 @@ def base_model(dtype: str) -> Transformer:
         print(f"# auto: {dtype}")
     torch.manual_seed(1)
     model = Transformer(ModelConfig(vocab_size=32000, max_len=256)).eval()
-    if dtype == "bf16":
+    if dtype == "bf16":  # every linear layer packed for oneDNN, as `transformer translate`
+        return packed_bf16(model)
+    if dtype == "bf16-unpacked":  # F.linear, as before packed_bf16
         return model.to(torch.bfloat16)
     if dtype == "int8":
         return quantize_int8(model)
@@ -237,7 +244,7 @@ def main() -> None:
     ap.add_argument(
         "--dtypes",
         default="fp32,bf16,int8",
-        help="any of auto,fp32,bf16,int8 (W2 also fp32-unpacked)",
+        help="any of auto,fp32,bf16,int8 (W2 also fp32-unpacked, bf16-unpacked)",
     )
     ap.add_argument("--beams", default="4,1")
     ap.add_argument("--alpha", type=float, help="length penalty (default: the model's)")

@@ -258,11 +258,12 @@ class Infer:
 
     fp32: our model as loaded, its projection packed for oneDNN as `transformer translate`
     does (`translate.packed_projection`); fp32-unpacked: without that (F.linear, MKL); bf16:
-    all weights bf16; int8: `translate.quantize_int8`
-    (int8 weights in every nn.Linear and the tied projection, fp32 activations); int8-bf16: the
-    same with bf16 activations (embeddings, LayerNorm, attention, cache); auto: what
-    `transformer translate` picks on this machine (`translate.auto_dtype`: bf16 with AMX, int8
-    with VNNI, else fp32).
+    all weights bf16, every linear layer packed for oneDNN as `transformer translate` does
+    (`translate.packed_bf16`); bf16-unpacked: the same through F.linear; int8:
+    `translate.quantize_int8` (int8 weights in every nn.Linear and the tied projection, fp32
+    activations); int8-bf16: the same with bf16 activations (embeddings, LayerNorm, attention,
+    cache); auto: what `transformer translate` picks on this machine (`translate.auto_dtype`:
+    bf16 with AMX, int8 with VNNI, else fp32).
     """
 
     def __init__(self, variant: str, ctx: dict, model_cls: type = Transformer) -> None:
@@ -272,6 +273,10 @@ class Infer:
             variant = auto_dtype("cpu")[0]
         model = load_marian(ctx["hf_dir"], model_cls)
         if variant == "bf16":
+            from transformer.translate import packed_bf16
+
+            model = packed_bf16(model)
+        elif variant == "bf16-unpacked":
             model = model.to(torch.bfloat16)
         elif variant in ("int8", "int8-bf16"):
             from transformer.translate import quantize_int8
@@ -283,7 +288,7 @@ class Infer:
 
             model = packed_projection(model)
         elif variant != "fp32-unpacked":
-            choices = "fp32, fp32-unpacked, bf16, int8, int8-bf16 or auto"
+            choices = "fp32, fp32-unpacked, bf16, bf16-unpacked, int8, int8-bf16 or auto"
             raise ValueError(f"variant must be {choices}, got {variant!r}")
         self.model, self.pad = model, model.cfg.vocab_size - 1
         self.note = f"transformer (ours) {variant}, forced-length search over ModelStepper"

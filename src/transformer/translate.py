@@ -25,7 +25,7 @@ from torch import nn
 
 from transformer.batching import batch_by_tokens
 from transformer.config import INFERENCE_DTYPES, DecodeConfig
-from transformer.cpuinfo import cpu_flags
+from transformer.cpuinfo import cpu_flags, native_bf16
 from transformer.data import read_lines
 from transformer.errors import UserError
 from transformer.gptq import gptq_round, row_scales
@@ -213,31 +213,63 @@ class Int8Linear(nn.Module):
 
 
 class PackedLinear(nn.Module):
-    """y = x W^T (+ b) in fp32 on CPU with W reordered once into oneDNN's blocked layout
-    (`torch.ops.mkldnn._reorder_linear_weight`), for decoding, where the weights are constant.
+    """y = x W^T (+ b) on CPU with W reordered once into oneDNN's blocked layout
+    (`torch.ops.mkldnn._reorder_linear_weight`), for decoding, where the weights are constant;
+    in fp32 or bf16 (`dtype`: the weight's and the output's; x is cast to it).
 
-    The pre-softmax projection of a greedy decoder step, (64, 512) x (512, 32,000), ran at
-    ~77 GFLOP/s through MKL and ~126 this way (AMD EPYC Zen 3, 2 threads); W2 in fp32, peers'
-    harness: greedy +9%, beam 4 +13% (docs/performance.md). The values are fp32 products
-    summed in another order: equal to F.linear's to ~1e-6 relative. A copy of W in the packed
-    layout (V x D fp32: 62.5 MiB at V = 32,000, D = 512). rows: the batch rows oneDNN chooses
-    its layout for.
+    A plain weight is reordered by oneDNN inside every call instead. fp32: the pre-softmax
+    projection of a greedy decoder step, (64, 512) x (512, 32,000), ran at ~77 GFLOP/s through
+    MKL and ~126 this way (AMD EPYC Zen 3, 2 threads); W2 in fp32, peers' harness: greedy +9%,
+    beam 4 +13% (docs/performance.md); the values are fp32 products summed in another order:
+    equal to F.linear's to ~1e-6 relative. bf16 (`packed_bf16`, every linear layer of a bf16
+    decoder): a decoder step's products at 64 rows took 1.6-2.2x as long through F.linear on an
+    Intel Xeon with AMX (docs/performance.md, "Round twenty-four"). A copy of W in the packed
+    layout (V x D: 62.5 MiB at V = 32,000, D = 512 in fp32; half that in bf16); `weight` and
+    `bias` are the plain ones (kept for `stacked`; for the fp32 projection, the embedding).
+    rows: the batch rows oneDNN chooses its layout for.
+
+    bf16 on an AMX Xeon: oneDNN sums a row's products in an order that depends on the call's
+    row count (with d_model 512, a row alone and in a batch of 47 or more can round
+    differently; above 64 rows, with d_ff 2048, also on the thread count), through F.linear
+    as well as here: the same rows differ either way (docs/decoding.md, "bf16 on an AMX
+    Xeon"). Calls of a fixed 64 rows would make every row's sums the same, but took beam 4 on
+    W2 to 688 tokens/s, against F.linear's 789 in the same run (64-row calls run the AMX
+    tiles at about half their rate at 256).
     """
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, rows: int = 64):
+    def __init__(
+        self,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        rows: int = 64,
+        dtype: torch.dtype = torch.float32,
+    ):
         super().__init__()
-        w = weight.detach().float().contiguous()
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(w, rows)
-        self.bias = None if bias is None else bias.detach().float()
-        self.in_features, self.out_features = w.size(1), w.size(0)
+        self.weight = weight.detach().to(dtype).contiguous()
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight, rows)
+        self.bias = None if bias is None else bias.detach().to(dtype)
+        self.in_features, self.out_features = self.weight.size(1), self.weight.size(0)
+        self.rows, self.dtype = rows, dtype
+
+    @classmethod
+    def stacked(cls, parts: Sequence[tuple[PackedLinear, float]]) -> PackedLinear:
+        """One layer whose outputs are the parts' side by side, each times its factor (a power
+        of two: exact), as `cache.StepProjections` stacks a decoder step's W^Q and W^KV."""
+        first = parts[0][0]
+        if any(part.bias is None for part, _ in parts):
+            raise ValueError("PackedLinear.stacked: every part must have a bias")
+        weight = torch.cat([part.weight * factor for part, factor in parts])
+        bias = torch.cat([part.bias * factor for part, factor in parts])
+        return cls(weight, bias, first.rows, first.dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x2 = x.float().reshape(-1, self.in_features)
+        x2 = x.to(self.dtype).reshape(-1, self.in_features)
         y = torch.ops.mkldnn._linear_pointwise(x2, self.packed, self.bias, "none", [], "")
         return y.view(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
-        return f"in={self.in_features}, out={self.out_features}, oneDNN-packed"
+        dtype = str(self.dtype).removeprefix("torch.")
+        return f"in={self.in_features}, out={self.out_features}, {dtype}, oneDNN-packed"
 
 
 def packed_projection(model: nn.Module) -> nn.Module:
@@ -250,6 +282,34 @@ def packed_projection(model: nn.Module) -> nn.Module:
     packed._modules = dict(model._modules)  # setting `projection` leaves `model`'s alone
     packed.projection = PackedLinear(model.output_weight(), None)
     return packed
+
+
+def bf16_packs() -> bool:
+    """Whether bf16 decoding on this CPU takes `packed_bf16`'s layers: oneDNN is there and the
+    CPU multiplies bf16 natively (AVX512-BF16 or AMX); elsewhere bf16 runs in slow fallbacks
+    that a packed layout would not help."""
+    return torch.backends.mkldnn.is_available() and bool(native_bf16())
+
+
+def packed_bf16(model: nn.Module) -> nn.Module:
+    """A bf16 copy of `model` for decoding on CPU with every nn.Linear and the pre-softmax
+    projection (a copy of the tied embedding, §3.4) a bf16 `PackedLinear`, where `bf16_packs`;
+    otherwise `model` in bf16. The same products as `model.to(torch.bfloat16)`'s, their sums
+    in oneDNN's order for the packed layout (bf16 rounds a few outputs differently). `model`
+    is left unchanged."""
+    if not bf16_packs():
+        return model.to(torch.bfloat16)
+    # Each parameter copied once, straight to bf16 (shared ones stay shared): no fp32 copy.
+    memo = {id(p): nn.Parameter(p.detach().to(torch.bfloat16), p.requires_grad)
+            for p in model.parameters()}  # fmt: skip
+    model = copy.deepcopy(model, memo).to(torch.bfloat16)
+    for name, linear in [(n, m) for n, m in model.named_modules() if is_linear(m)]:
+        parent, _, attr = name.rpartition(".")
+        setattr(model.get_submodule(parent) if parent else model, attr,
+                PackedLinear(linear.weight, linear.bias, dtype=torch.bfloat16))  # fmt: skip
+    if model.projection is None:
+        model.projection = PackedLinear(model.output_weight(), None, dtype=torch.bfloat16)
+    return model
 
 
 def int8_kernels() -> bool:
@@ -361,6 +421,8 @@ class Translator:
                 logger.info("int8: weights rounded to the nearest of %d levels (`transformer "
                             "quantize` stores GPTQ's, closer to fp32)", levels)  # fmt: skip
             model = quantize_int8(model, rounded=rounded)
+        elif dtype == torch.bfloat16 and self.device.type == "cpu":
+            model = packed_bf16(model)
         elif dtype != torch.float32:
             model = model.to(dtype)
         elif self.device.type == "cpu":

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import copy
 import io
 import logging
 from dataclasses import replace
@@ -410,11 +411,15 @@ def test_dtype_auto_is_bf16_with_amx_int8_with_vnni_else_fp32(
     else:
         want = {"bf16": torch.bfloat16, "fp32": torch.float32}[expected]
         assert tr.model.output_weight().dtype == want
-        # fp32: the projection through oneDNN with the weights packed once (PackedLinear)
-        packed = expected == "fp32" and torch.backends.mkldnn.is_available()
+        # The projection through oneDNN with the weights packed once (PackedLinear): fp32's,
+        # and bf16's with every linear layer (the faked CPU multiplies bf16 natively)
+        packed = torch.backends.mkldnn.is_available()
         assert (
             isinstance(tr.model.projection, PackedLinear) if packed else tr.model.projection is None
         )
+        if packed:
+            assert tr.model.projection.dtype == want
+            assert any(is_linear(m) for m in tr.model.modules()) == (expected == "fp32")
     assert len(tr.translate_lines(LINES)) == 4
 
 
@@ -749,6 +754,81 @@ def test_packed_linear_equals_linear(bias):
         got = layer(x)
         assert got.shape == want.shape and got.dtype == torch.float32
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_bf16_packed_linear_equals_linear_on_a_row_and_keeps_rows_apart(bias):
+    # bf16 products with the weights packed once (packed_bf16). A row alone: F.linear's
+    # values bit for bit; in any batch, F.linear's to bf16's rounding. At the test models' size
+    # a row's values do not depend on the other rows nor on the thread count (a sentence's
+    # translation does not depend on its batch); at d_model 512 on an AMX Xeon oneDNN rounds
+    # some rows by the batch's size, through F.linear too (docs/decoding.md, "bf16 on an AMX
+    # Xeon"; PackedLinear's docstring).
+    torch.manual_seed(0)
+    threads = torch.get_num_threads()
+    try:
+        for out, inp in ((300, 48), (64, 16), (1536, 512), (512, 2048)):
+            weight = (torch.randn(out, inp) * 0.05).bfloat16()
+            b = torch.randn(out).bfloat16() if bias else None
+            layer = PackedLinear(weight, b, dtype=torch.bfloat16)
+            x = torch.randn(130, inp).bfloat16()
+            torch.set_num_threads(1)
+            alone = torch.cat([layer(x[i : i + 1]) for i in range(x.size(0))])
+            plain = torch.nn.functional.linear(x, weight, b)
+            assert torch.equal(alone[:1], torch.nn.functional.linear(x[:1], weight, b))
+            torch.testing.assert_close(layer(x), plain, rtol=1e-2, atol=1e-2)
+            got = layer(x[:130].view(10, 13, inp))
+            assert got.shape == (10, 13, out) and got.dtype == torch.bfloat16
+            if inp >= 512:
+                continue
+            for n_threads in (1, 2):
+                torch.set_num_threads(n_threads)
+                for rows in (2, 33, 47, 64, 65, 128, 130):
+                    assert torch.equal(layer(x[:rows]), alone[:rows]), (out, inp, rows, n_threads)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_bf16_packed_linears_stack_as_their_parts():
+    # A decoder step's W^Q (times 1/8, exact) and W^KV as one product (cache.StepProjections).
+    torch.manual_seed(0)
+    bf16 = torch.bfloat16
+    parts = [(PackedLinear(torch.randn(n, 64).to(bf16), torch.randn(n).to(bf16), dtype=bf16), f)
+             for n, f in ((64, 0.125), (128, 1.0))]  # fmt: skip
+    x = torch.randn(5, 64).bfloat16()
+    want = torch.cat([part(x) * f for part, f in parts], dim=-1)
+    torch.testing.assert_close(PackedLinear.stacked(parts)(x), want, rtol=1e-2, atol=1e-2)
+    stacked = PackedLinear.stacked(parts)
+    assert torch.equal(stacked.weight, torch.cat([p.weight * f for p, f in parts]))
+    with pytest.raises(ValueError, match="every part must have a bias"):
+        PackedLinear.stacked([(PackedLinear(torch.randn(4, 64), None), 1.0)])
+
+
+def test_packed_bf16_packs_every_linear_and_leaves_the_model_alone(model_file, monkeypatch):
+    from transformer import translate
+    from transformer.cache import StepProjections
+
+    model = Translator.from_path(model_file).loaded.model.eval()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    packed = translate.packed_bf16(model)
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    assert model.projection is None and model.output_weight().dtype == torch.float32
+    assert not any(is_linear(m) for m in packed.modules())
+    assert isinstance(packed.projection, PackedLinear) and packed.projection.dtype == torch.bfloat16
+    # §3.4: the two embeddings stay one bf16 matrix, and the packed projection is its copy
+    assert packed.src_embed.weight is packed.tgt_embed.weight
+    assert torch.equal(packed.projection.weight, model.output_weight().bfloat16())
+    assert StepProjections.of(packed.decoder_layers[0]) is not None  # W^Q and W^KV stacked
+    # Its translations are bf16's through F.linear, but for a few sums rounded otherwise.
+    src = torch.tensor([[5, 6, 7, 8, 3], [9, 10, 3, 0, 0]])
+    hidden = packed.decode_hidden(src[:, :2], packed.encode(src, src != 0), src != 0)
+    plain = copy.deepcopy(model).bfloat16()
+    ref = plain.decode_hidden(src[:, :2], plain.encode(src, src != 0), src != 0)
+    torch.testing.assert_close(hidden.float(), ref.float(), rtol=0.05, atol=0.05)
+    # A CPU without native bf16 products: the model in bf16, F.linear as before.
+    monkeypatch.setattr(translate, "native_bf16", lambda: [])
+    unpacked = translate.packed_bf16(copy.deepcopy(model))
+    assert unpacked.projection is None and any(is_linear(m) for m in unpacked.modules())
 
 
 def test_packed_projection_shares_the_parameters_and_leaves_the_model_alone(model_file):
