@@ -432,8 +432,11 @@ def test_row_top_finds_each_rows_largest_values(V):
         assert torch.equal(got, x.topk(n, dim=1).values)
 
 
+@pytest.mark.parametrize("bf16_read", [True, False])
 @pytest.mark.parametrize("V", [5, 511, 512, 1000, 1024, 32000])
-def test_row_argmax_gives_argmaxs_indices(V):
+def test_row_argmax_gives_argmaxs_indices(V, bf16_read, monkeypatch):
+    # bf16 rows read as they are (a CPU with native bf16) or through an fp32 copy (without)
+    monkeypatch.setattr(search, "_BF16_MAX", bf16_read)
     g = torch.Generator().manual_seed(V)
     x = torch.randn(41, V, generator=g)
     x[3] = NEG_INF  # no finite value: the first column, as argmax says
