@@ -299,7 +299,8 @@ def packed_bf16(model: nn.Module) -> nn.Module:
     is left unchanged."""
     if not bf16_packs():
         return model.to(torch.bfloat16)
-    # Each parameter copied once, straight to bf16 (shared ones stay shared): no fp32 copy.
+    # Each parameter copied once, straight to bf16 (shared ones stay shared): no fp32 copy; a
+    # bf16 model's parameters are shared, not copied (`Tensor.to` of the same dtype).
     memo = {id(p): nn.Parameter(p.detach().to(torch.bfloat16), p.requires_grad)
             for p in model.parameters()}  # fmt: skip
     model = copy.deepcopy(model, memo).to(torch.bfloat16)
@@ -422,7 +423,9 @@ class Translator:
                             "quantize` stores GPTQ's, closer to fp32)", levels)  # fmt: skip
             model = quantize_int8(model, rounded=rounded)
         elif dtype == torch.bfloat16 and self.device.type == "cpu":
-            model = packed_bf16(model)
+            # Cast in place first, as for any dtype: the packed copy then shares the bf16
+            # parameters (no fp32 copy kept beside them) and adds the packed weights.
+            model = packed_bf16(model.to(dtype))
         elif dtype != torch.float32:
             model = model.to(dtype)
         elif self.device.type == "cpu":
