@@ -18,8 +18,12 @@ import torch.nn.functional as F
 from transformer import gradhelper
 from transformer.tokenizer import PAD_ID
 
-# Rows of the (N, V) logits built at once by the chunked loss: 1024 x 37k fp32 is ~150 MB.
-CHUNK_ROWS = 1024
+# Rows of the (N, V) logits built at once by the chunked loss: 2048 x 37k is ~150 MB in bf16
+# (~300 MB in fp32). On an AMX Xeon a W1 step (3,826 target rows, V 32,000, bf16) took 1,944 ms
+# at 1,024 rows, 1,830 at 2,048 and 1,818 at 4,096 (one chunk), alternated step by step: the
+# (n, V) x (V, D) products run at twice the rate with twice the rows (docs/performance.md, "Round
+# twenty-four"); on a Zen 5 the loss took 473 / 476 / 469 ms at the three sizes ("Round fifteen").
+CHUNK_ROWS = 2048
 # Below this target probability the chunked loss takes log-sum-exp from the logits themselves
 # instead of from the (bf16) softmax, whose values lose precision near the float range's end.
 UNDERFLOW = 1e-30
