@@ -294,16 +294,16 @@ def bf16_packs() -> bool:
 def packed_bf16(model: nn.Module) -> nn.Module:
     """A bf16 copy of `model` for decoding on CPU with every nn.Linear and the pre-softmax
     projection (a copy of the tied embedding, §3.4) a bf16 `PackedLinear`, where `bf16_packs`;
-    otherwise `model` in bf16. The same products as `model.to(torch.bfloat16)`'s, their sums
+    otherwise just the bf16 copy. The same products as `model.to(torch.bfloat16)`'s, their sums
     in oneDNN's order for the packed layout (bf16 rounds a few outputs differently). `model`
     is left unchanged."""
-    if not bf16_packs():
-        return model.to(torch.bfloat16)
     # Each parameter copied once, straight to bf16 (shared ones stay shared): no fp32 copy; a
     # bf16 model's parameters are shared, not copied (`Tensor.to` of the same dtype).
     memo = {id(p): nn.Parameter(p.detach().to(torch.bfloat16), p.requires_grad)
             for p in model.parameters()}  # fmt: skip
     model = copy.deepcopy(model, memo).to(torch.bfloat16)
+    if not bf16_packs():
+        return model
     for name, linear in [(n, m) for n, m in model.named_modules() if is_linear(m)]:
         parent, _, attr = name.rpartition(".")
         setattr(model.get_submodule(parent) if parent else model, attr,

@@ -827,8 +827,10 @@ def test_packed_bf16_packs_every_linear_and_leaves_the_model_alone(model_file, m
     torch.testing.assert_close(hidden.float(), ref.float(), rtol=0.05, atol=0.05)
     # A CPU without native bf16 products: the model in bf16, F.linear as before.
     monkeypatch.setattr(translate, "native_bf16", lambda: [])
-    unpacked = translate.packed_bf16(copy.deepcopy(model))
+    unpacked = translate.packed_bf16(model)
     assert unpacked.projection is None and any(is_linear(m) for m in unpacked.modules())
+    assert unpacked.output_weight().dtype == torch.bfloat16
+    assert model.output_weight().dtype == torch.float32  # left unchanged there too
 
 
 def test_packed_projection_shares_the_parameters_and_leaves_the_model_alone(model_file):
