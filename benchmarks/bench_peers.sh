@@ -7,6 +7,8 @@
 #
 #   bash benchmarks/bench_peers.sh            # everything (~25 min on the 2-core CPU)
 #   bash benchmarks/bench_peers.sh train      # or: train-fp32 | train-each | beam | greedy | memory
+#   OURS_TRAIN=ext:peers_adapter:make_train_torch_layouts,ext:peers_adapter:make_train \
+#     bash benchmarks/bench_peers.sh train    # W1 before/after the row-major weight gradients
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PEERS=${PEERS_DIR:-../shared/peers}
@@ -15,7 +17,7 @@ OUT=${OUT:-benchmarks/results/peers}
 REPS=${REPS:-3}
 export PYTHONPATH=$PWD/benchmarks${PYTHONPATH:+:$PYTHONPATH}
 mkdir -p "$OUT"
-OURS_TRAIN=ext:peers_adapter:make_train
+OURS_TRAIN=${OURS_TRAIN:-ext:peers_adapter:make_train}
 # Peers per workload (RESULTS.md measured hf:fp32/hf:bf16/ct2:int16 too; they are slower than
 # ct2:int8, the target, and take minutes per round). Override to run them all.
 BEAM_PEERS=${BEAM_PEERS:-ct2:float32,ct2:int8}

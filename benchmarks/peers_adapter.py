@@ -36,6 +36,7 @@ import os
 
 import torch
 
+from transformer import gradhelper
 from transformer.allocator import keep_large_blocks
 from transformer.config import build_config
 from transformer.loss import chunked_label_smoothed_loss
@@ -88,8 +89,11 @@ class OurTrain:
     `.n_params()`, `.notes`. One model + optimizer per dtype, built on first use (so the
     memory benchmark, one dtype per process, holds only one)."""
 
-    def __init__(self, cfg: dict, model_cls: type = Transformer, loss_fn=None) -> None:
+    def __init__(
+        self, cfg: dict, model_cls: type = Transformer, loss_fn=None, row_major_grads=None
+    ) -> None:
         self.cfg, self.model_cls = cfg, model_cls
+        self.row_major_grads = row_major_grads  # None: as the CPU decides (gradhelper)
         self.loss_fn = loss_fn or chunked_label_smoothed_loss
         keep_large_blocks()  # as `transformer train` sets up its process (train._setup_torch)
         self.runs: dict[str, tuple[Transformer, MixedPrecisionAdam]] = {}
@@ -136,7 +140,15 @@ class OurTrain:
     def step(self, p: dict, amp: torch.dtype | None) -> float:
         model, opt = self._run("fp32" if amp is None else "bf16")
         model.train()
-        loss = train_step(model, opt, self.loss_fn, p, self.cfg["label_smoothing"], self.cfg["lr"])
+        eps, lr = self.cfg["label_smoothing"], self.cfg["lr"]
+        if self.row_major_grads is None:
+            loss = train_step(model, opt, self.loss_fn, p, eps, lr)
+        else:  # this adapter's choice for its own steps only
+            saved, gradhelper.ROW_MAJOR_GRADS = gradhelper.ROW_MAJOR_GRADS, self.row_major_grads
+            try:
+                loss = train_step(model, opt, self.loss_fn, p, eps, lr)
+            finally:
+                gradhelper.ROW_MAJOR_GRADS = saved
         return float(loss.detach()) / p["ntokens"]
 
     @property
@@ -151,6 +163,12 @@ class OurTrain:
 def make_train(cfg: dict) -> OurTrain:
     """Factory for `bench_train.py --impl ext:peers_adapter:make_train`."""
     return OurTrain(cfg)
+
+
+def make_train_torch_layouts(cfg: dict) -> OurTrain:
+    """`make_train` with every weight gradient in torch's layouts (gradhelper.ROW_MAJOR_GRADS
+    off): the before of a same-run before/after on an AMX CPU, beside `make_train`."""
+    return OurTrain(cfg, row_major_grads=False)
 
 
 def marian_sinusoids(n_pos: int, d: int) -> torch.Tensor:

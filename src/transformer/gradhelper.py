@@ -55,6 +55,8 @@ import torch.nn.functional as F
 import torch.utils.weak
 from torch import nn
 
+from transformer import cpuinfo, kernels
+
 logger = logging.getLogger(__name__)
 
 # Forward products (`split_linear`): the helper's share of the rows, and the least rows split.
@@ -77,10 +79,64 @@ class Linear(nn.Linear):
     it is active; otherwise (and always without autograd) exactly `nn.Linear`."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # noqa: D102
-        helper = _INSTANCE
-        if helper is not None and helper.active and torch.is_grad_enabled():
-            return helper.linear(x, self.weight, self.bias)
+        if torch.is_grad_enabled():
+            helper = _INSTANCE
+            if helper is not None and helper.active:
+                return helper.linear(x, self.weight, self.bias)
+            if row_major_grads(self.weight):
+                # 2-D inside the Function: a view made in there could not be changed in place
+                if x.dim() == 2:
+                    return _RowMajorGradLinear.apply(x, self.weight, self.bias)
+                y = _RowMajorGradLinear.apply(x.reshape(-1, x.size(-1)), self.weight, self.bias)
+                return y.view(*x.shape[:-1], y.size(-1))
         return F.linear(x, self.weight, self.bias)
+
+
+# Weight gradients from row-major copies (`_RowMajorGradLinear`): None decides on first use,
+# on where the CPU has AMX and the compiled transposing copy builds (kernels.py).
+ROW_MAJOR_GRADS: bool | None = None
+
+
+def row_major_grads(weight: torch.Tensor) -> bool:
+    """Whether a layer of this weight takes its dW from a row-major copy: a bf16 CPU weight
+    that is not square (a square layer's copy costs what its product saves), on an AMX CPU."""
+    global ROW_MAJOR_GRADS
+    if weight.dtype != torch.bfloat16 or weight.device.type != "cpu" or not weight.requires_grad:
+        return False
+    if ROW_MAJOR_GRADS is None:
+        amx = "amx_bf16" in cpuinfo.cpu_flags()
+        ROW_MAJOR_GRADS = amx and kernels.unavailable() is None
+    square = weight.size(0) == weight.size(1)
+    return ROW_MAJOR_GRADS and not square and not torch.compiler.is_compiling()
+
+
+def row_major_weight_grad(g: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """dW = g^T x (out, in) for g (N, out), x (N, in), with the product's left operand a
+    row-major copy of the narrower side: g^T when the layer narrows, else (x^T g)^T. oneDNN's
+    AMX kernels run a left operand that is a transposed view at half their rate (1,027-1,126
+    against 1,988-2,262 GFLOP/s at the base model's shapes, docs/performance.md)."""
+    if g.size(1) < x.size(1):
+        return kernels.transposed(g) @ x
+    return kernels.transposed(kernels.transposed(x) @ g)
+
+
+class _RowMajorGradLinear(torch.autograd.Function):
+    """y = x W^T + b (x 2-D) whose dW comes from `row_major_weight_grad`; dx, db as autograd's."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias):  # noqa: D102
+        ctx.save_for_backward(x, weight)
+        ctx.has_bias = bias is not None
+        return F.linear(x, weight, bias)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, g):  # noqa: D102
+        x, weight = ctx.saved_tensors  # x (N, in), g (N, out)
+        grad_x = g @ weight if ctx.needs_input_grad[0] else None
+        grad_w = row_major_weight_grad(g, x) if ctx.needs_input_grad[1] else None
+        grad_b = g.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        return grad_x, grad_w, grad_b
 
 
 def is_linear(module: nn.Module) -> bool:

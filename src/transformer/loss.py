@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from transformer import gradhelper
+from transformer import gradhelper, kernels
 from transformer.tokenizer import PAD_ID
 
 # Rows of the (N, V) logits built at once by the chunked loss: 2048 x 37k is ~150 MB in bf16
@@ -112,6 +112,9 @@ class _ChunkedProjectionLoss(torch.autograd.Function):
         if need_grad and (fp32_sum or helper is not None):
             grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
         partial = None  # bf16: the sum of probs^T h over the chunks so far
+        # On AMX as (D, V) = h^T probs, whose left operand is then a row-major copy: oneDNN runs
+        # probs^T (a transposed view) at half its rate there (gradhelper.row_major_grads).
+        row_major = ctx.needs_input_grad[1] and gradhelper.row_major_grads(weight)
         loss = hidden.new_zeros((), dtype=torch.float32)
         nll = hidden.new_zeros((), dtype=torch.float32)
         eps_other = eps / (n_classes - 1)
@@ -158,6 +161,9 @@ class _ChunkedProjectionLoss(torch.autograd.Function):
                         grad_weight += parts.pop(0).wait()
                 elif fp32_sum:  # accumulated by the product itself: no (V, D) temporary
                     grad_weight.addmm_(probs.t(), h)
+                elif row_major:  # (D, V) = h^T probs from a row-major copy of h^T
+                    h_t = kernels.transposed(h)  # (D, n)
+                    partial = h_t @ probs if partial is None else partial.addmm_(h_t, probs)
                 elif partial is None:
                     partial = probs.t() @ h  # (V, D)
                 else:
@@ -173,6 +179,8 @@ class _ChunkedProjectionLoss(torch.autograd.Function):
             ctx.save_for_backward(grad_hidden)
         elif need_grad:
             if grad_weight is None:  # bf16
+                if partial is not None and row_major:
+                    partial = kernels.transposed(partial)  # (D, V) -> (V, D)
                 grad_weight = partial.float() if partial is not None else weight.new_zeros(
                     weight.shape, dtype=torch.float32)  # fmt: skip
             _subtract_q(grad_weight, target, hidden, on_target, eps_other * h_sum)

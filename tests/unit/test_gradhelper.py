@@ -9,6 +9,7 @@ import warnings
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from transformer import gradhelper
@@ -331,3 +332,97 @@ def test_a_torch_without_torchscript_makes_no_helper(monkeypatch):
     monkeypatch.setattr(gradhelper, "_INSTANCE", None)
     monkeypatch.setattr(gradhelper, "_script", gone)
     assert WeightGradHelper.for_this_process() is None
+
+
+# Weight gradients from row-major copies (AMX: `row_major_grads`), forced on here whatever the CPU.
+
+
+def _graph_nodes(fn) -> set[str]:
+    """The names of the autograd nodes reachable from fn."""
+    seen, todo = set(), [fn]
+    while todo:
+        f = todo.pop()
+        if f is not None and type(f).__name__ not in seen:
+            seen.add(type(f).__name__)
+            todo.extend(n for n, _ in f.next_functions)
+    return seen
+
+
+@pytest.mark.parametrize("n_in,n_out", [(24, 40), (40, 24), (512, 2048), (2048, 512)])
+def test_row_major_weight_grad_is_g_transposed_x(n_in, n_out):
+    torch.manual_seed(0)
+    g = torch.randn(300, n_out).bfloat16()
+    x = torch.randn(300, n_in).bfloat16()
+    got = gradhelper.row_major_weight_grad(g, x)
+    ref = g.double().t() @ x.double()
+    assert got.shape == (n_out, n_in) and got.dtype == torch.bfloat16 and got.is_contiguous()
+    assert float((got.double() - ref).norm() / ref.norm()) < 1e-2
+
+
+@pytest.mark.parametrize("shape", [(37, 12), (3, 5, 12)])
+@pytest.mark.parametrize("bias", [True, False])
+def test_a_row_major_layer_is_nn_linear_up_to_dws_rounding(shape, bias, monkeypatch):
+    monkeypatch.setattr(gradhelper, "ROW_MAJOR_GRADS", True)
+    torch.manual_seed(0)
+    ours = Linear(12, 7, bias=bias).bfloat16()
+    plain = nn.Linear(12, 7, bias=bias).bfloat16()
+    plain.load_state_dict(ours.state_dict())
+    x = torch.randn(*shape).bfloat16()
+    xa, xb = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
+    ya, yb = ours(xa), plain(xb)
+    assert torch.equal(ya, yb)
+    assert "_RowMajorGradLinearBackward" in _graph_nodes(ya.grad_fn)
+    ya, yb = F.relu(ya, inplace=True), F.relu(yb, inplace=True)  # as the FFN does
+    g = torch.randn_like(ya)
+    ya.backward(g)
+    yb.backward(g)
+    assert torch.equal(xa.grad, xb.grad)  # dx = g W, the same product
+    if bias:
+        assert torch.equal(ours.bias.grad, plain.bias.grad)
+    torch.testing.assert_close(
+        ours.weight.grad.float(), plain.weight.grad.float(), rtol=1e-2, atol=1e-2
+    )
+
+
+def test_row_major_grads_only_for_bf16_non_square_trained_cpu_weights(monkeypatch):
+    monkeypatch.setattr(gradhelper, "ROW_MAJOR_GRADS", True)
+    assert gradhelper.row_major_grads(torch.zeros(7, 12, dtype=torch.bfloat16, requires_grad=True))
+    for w in (
+        torch.zeros(12, 12, dtype=torch.bfloat16, requires_grad=True),  # square: no gain
+        torch.zeros(7, 12, requires_grad=True),  # fp32
+        torch.zeros(7, 12, dtype=torch.bfloat16),  # frozen
+    ):
+        assert not gradhelper.row_major_grads(w)
+    monkeypatch.setattr(gradhelper, "ROW_MAJOR_GRADS", False)
+    assert not gradhelper.row_major_grads(
+        torch.zeros(7, 12, dtype=torch.bfloat16, requires_grad=True)
+    )
+
+
+@pytest.mark.parametrize("flags,expected", [({"avx512f"}, False), ({"amx_bf16", "avx512f"}, True)])
+def test_row_major_grads_is_decided_by_amx(flags, expected, monkeypatch):
+    monkeypatch.setattr(gradhelper, "ROW_MAJOR_GRADS", None)
+    monkeypatch.setattr(gradhelper.cpuinfo, "cpu_flags", lambda: flags)
+    w = torch.zeros(7, 12, dtype=torch.bfloat16, requires_grad=True)
+    assert gradhelper.row_major_grads(w) is expected
+    assert gradhelper.ROW_MAJOR_GRADS is expected
+
+
+def test_a_whole_bf16_models_gradients_row_major_close_to_autograds(monkeypatch):
+    cfg = ModelConfig(vocab_size=40, n_layers=2, d_model=16, d_ff=32, n_heads=2, d_k=8, d_v=8,
+                      p_drop=0.0, max_len=32)  # fmt: skip
+    src = torch.randint(4, 40, (20, 9))
+    tgt_in = torch.randint(4, 40, (20, 7))
+    keep = torch.ones(20, 7, dtype=torch.bool)
+    keep[0, 5:] = False
+    grads = []
+    for row_major in (False, True):
+        monkeypatch.setattr(gradhelper, "ROW_MAJOR_GRADS", row_major)
+        torch.manual_seed(0)
+        model = Transformer(cfg).bfloat16().train()
+        hidden = model(src, src != 0, tgt_in, keep)
+        loss, _ = chunked_label_smoothed_loss(hidden, model.output_weight(), tgt_in[keep], 0.1)
+        loss.backward()
+        grads.append({n: p.grad.float() for n, p in model.named_parameters()})
+    for name, ref in grads[0].items():
+        assert float((grads[1][name] - ref).norm()) <= 3e-2 * float(ref.norm()) + 1e-6, name

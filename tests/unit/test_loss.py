@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from transformer import gradhelper
 from transformer.loss import (
     chunked_label_smoothed_loss,
     label_smoothed_cross_entropy,
@@ -145,6 +146,41 @@ def test_chunked_bf16_gradients_close_to_fp64_reference():
     loss.backward()
     for got, ref in ((h16.grad, hidden.grad), (w16.grad, weight.grad)):
         assert float((got.double() - ref).norm() / ref.norm()) < 2e-2
+
+
+@pytest.mark.parametrize("row_major", [False, True])
+def test_chunked_bf16_weight_gradient_as_d_by_v_close_to_fp64(row_major, monkeypatch):
+    # On AMX the (V, D) sum is taken as (D, V) = h^T probs from a row-major copy of h^T
+    # (gradhelper.row_major_grads); forced both ways here, whatever this CPU is.
+    monkeypatch.setattr(gradhelper, "ROW_MAJOR_GRADS", row_major)
+    torch.manual_seed(0)
+    hidden = torch.randn(50, 24, dtype=torch.float64, requires_grad=True)
+    weight = (torch.randn(40, 24, dtype=torch.float64) * 0.3).requires_grad_(True)
+    target = torch.randint(1, 40, (50,))
+    ref_loss, _ = _reference(hidden, weight, target, 0.1)
+    ref_loss.backward()
+    h16 = hidden.detach().bfloat16().requires_grad_(True)
+    w16 = weight.detach().bfloat16().requires_grad_(True)
+    loss, _ = chunked_label_smoothed_loss(h16, w16, target, 0.1, 16)  # 4 chunks summed
+    loss.backward()
+    for got, ref in ((h16.grad, hidden.grad), (w16.grad, weight.grad)):
+        assert float((got.double() - ref).norm() / ref.norm()) < 2e-2
+
+
+def test_chunked_bf16_row_major_sum_is_the_same_loss_and_hidden_gradient(monkeypatch):
+    torch.manual_seed(0)
+    hidden = torch.randn(50, 24).bfloat16()
+    weight = (torch.randn(40, 24) * 0.3).bfloat16()
+    target = torch.randint(1, 40, (50,))
+    out = []
+    for row_major in (False, True):
+        monkeypatch.setattr(gradhelper, "ROW_MAJOR_GRADS", row_major)
+        h, w = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
+        loss, _ = chunked_label_smoothed_loss(h, w, target, 0.1, 16)
+        loss.backward()
+        out.append((loss, h.grad, w.grad))
+    assert torch.equal(out[0][0], out[1][0]) and torch.equal(out[0][1], out[1][1])
+    torch.testing.assert_close(out[0][2].float(), out[1][2].float(), rtol=2e-2, atol=1e-2)
 
 
 @pytest.mark.gpu
