@@ -83,7 +83,7 @@ class Linear(nn.Linear):
             helper = _INSTANCE
             if helper is not None and helper.active:
                 return helper.linear(x, self.weight, self.bias)
-            if row_major_grads(self.weight):
+            if row_major_grads(self.weight) and x.numel() >= ROW_MAJOR_ROWS * x.size(-1):
                 # 2-D inside the Function: a view made in there could not be changed in place
                 if x.dim() == 2:
                     return _RowMajorGradLinear.apply(x, self.weight, self.bias)
@@ -95,6 +95,10 @@ class Linear(nn.Linear):
 # Weight gradients from row-major copies (`_RowMajorGradLinear`): None decides on first use,
 # on where the CPU has AMX and the compiled transposing copy builds (kernels.py).
 ROW_MAJOR_GRADS: bool | None = None
+# ... for products over at least this many rows (a layer's input rows, the loss's hidden
+# rows): the W1 step's 3,826 gained 4-9% a step; the quickstart's ~1,000 (d_model 256) lost
+# 2.8% in the layers and 2.2% in the loss (docs/performance.md, "Round twenty-six").
+ROW_MAJOR_ROWS = 2048
 
 
 def row_major_grads(weight: torch.Tensor) -> bool:

@@ -363,6 +363,7 @@ def test_row_major_weight_grad_is_g_transposed_x(n_in, n_out):
 @pytest.mark.parametrize("bias", [True, False])
 def test_a_row_major_layer_is_nn_linear_up_to_dws_rounding(shape, bias, monkeypatch):
     monkeypatch.setattr(gradhelper, "ROW_MAJOR_GRADS", True)
+    monkeypatch.setattr(gradhelper, "ROW_MAJOR_ROWS", 0)  # this layer is tiny
     torch.manual_seed(0)
     ours = Linear(12, 7, bias=bias).bfloat16()
     plain = nn.Linear(12, 7, bias=bias).bfloat16()
@@ -416,6 +417,7 @@ def test_a_whole_bf16_models_gradients_row_major_close_to_autograds(monkeypatch)
     keep = torch.ones(20, 7, dtype=torch.bool)
     keep[0, 5:] = False
     grads = []
+    monkeypatch.setattr(gradhelper, "ROW_MAJOR_ROWS", 0)  # this model's layers are tiny
     for row_major in (False, True):
         monkeypatch.setattr(gradhelper, "ROW_MAJOR_GRADS", row_major)
         torch.manual_seed(0)
@@ -426,3 +428,14 @@ def test_a_whole_bf16_models_gradients_row_major_close_to_autograds(monkeypatch)
         grads.append({n: p.grad.float() for n, p in model.named_parameters()})
     for name, ref in grads[0].items():
         assert float((grads[1][name] - ref).norm()) <= 3e-2 * float(ref.norm()) + 1e-6, name
+
+
+def test_a_layer_on_fewer_than_row_major_rows_keeps_torchs_layouts(monkeypatch):
+    monkeypatch.setattr(gradhelper, "ROW_MAJOR_GRADS", True)
+    layer = Linear(12, 7).bfloat16()
+    x = torch.randn(3, 10, 12).bfloat16().requires_grad_(True)  # 30 rows
+    monkeypatch.setattr(gradhelper, "ROW_MAJOR_ROWS", 31)
+    assert type(layer(x).grad_fn).__name__ == "ViewBackward0"
+    assert "_RowMajorGradLinearBackward" not in _graph_nodes(layer(x).grad_fn)
+    monkeypatch.setattr(gradhelper, "ROW_MAJOR_ROWS", 30)
+    assert "_RowMajorGradLinearBackward" in _graph_nodes(layer(x).grad_fn)

@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from transformer import gradhelper
+from transformer import gradhelper, kernels
 from transformer.loss import (
     chunked_label_smoothed_loss,
     label_smoothed_cross_entropy,
@@ -138,6 +138,7 @@ def test_chunked_bf16_gradients_close_to_fp64_reference(row_major, monkeypatch):
     # the (V, D) sum is taken as (D, V) = h^T probs from a row-major copy of h^T
     # (gradhelper.row_major_grads); forced both ways here, whatever this CPU is.
     monkeypatch.setattr(gradhelper, "ROW_MAJOR_GRADS", row_major)
+    monkeypatch.setattr(gradhelper, "ROW_MAJOR_ROWS", 0)  # 40 rows
     torch.manual_seed(0)
     hidden = torch.randn(40, 16, dtype=torch.float64, requires_grad=True)
     weight = (torch.randn(30, 16, dtype=torch.float64) * 0.3).requires_grad_(True)
@@ -158,6 +159,7 @@ def test_chunked_bf16_row_major_sum_is_the_same_loss_and_hidden_gradient(monkeyp
     weight = (torch.randn(40, 24) * 0.3).bfloat16()
     target = torch.randint(1, 40, (50,))
     out = []
+    monkeypatch.setattr(gradhelper, "ROW_MAJOR_ROWS", 0)  # 50 rows
     for row_major in (False, True):
         monkeypatch.setattr(gradhelper, "ROW_MAJOR_GRADS", row_major)
         h, w = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
@@ -221,3 +223,19 @@ def test_chunked_holds_one_vocabulary_block_at_a_time(grad):
         loss, _ = chunked_label_smoothed_loss(hidden, weight, target, 0.1, n)
     assert peak[0] == 1
     torch.testing.assert_close(loss, ref_loss)
+
+
+@pytest.mark.parametrize("rows,copies", [(50, 0), (60, 2)])
+def test_the_row_major_sum_only_from_row_major_rows(rows, copies, monkeypatch):
+    # Fewer hidden rows than gradhelper.ROW_MAJOR_ROWS: the (V, D) sum in torch's layout (the
+    # copies cost more than they save there); from it on, h^T once a chunk and the sum once.
+    monkeypatch.setattr(gradhelper, "ROW_MAJOR_GRADS", True)
+    monkeypatch.setattr(gradhelper, "ROW_MAJOR_ROWS", 60)
+    made = []
+    real = kernels.transposed
+    monkeypatch.setattr(kernels, "transposed", lambda x: made.append(x.shape) or real(x))
+    hidden = torch.randn(rows, 24).bfloat16().requires_grad_(True)
+    weight = (torch.randn(40, 24) * 0.3).bfloat16().requires_grad_(True)
+    loss, _ = chunked_label_smoothed_loss(hidden, weight, torch.randint(1, 40, (rows,)), 0.1, 64)
+    loss.backward()
+    assert len(made) == copies
