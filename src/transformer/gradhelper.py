@@ -83,7 +83,7 @@ class Linear(nn.Linear):
             helper = _INSTANCE
             if helper is not None and helper.active:
                 return helper.linear(x, self.weight, self.bias)
-            if row_major_grads(self.weight) and x.numel() >= ROW_MAJOR_ROWS * x.size(-1):
+            if row_major_grads(self.weight, x.shape[:-1].numel()):
                 # 2-D inside the Function: a view made in there could not be changed in place
                 if x.dim() == 2:
                     return _RowMajorGradLinear.apply(x, self.weight, self.bias)
@@ -101,11 +101,14 @@ ROW_MAJOR_GRADS: bool | None = None
 ROW_MAJOR_ROWS = 2048
 
 
-def row_major_grads(weight: torch.Tensor) -> bool:
-    """Whether a layer of this weight takes its dW from a row-major copy: a bf16 CPU weight
-    that is not square (a square layer's copy costs what its product saves), on an AMX CPU."""
+def row_major_grads(weight: torch.Tensor, rows: int) -> bool:
+    """Whether a product of this weight over `rows` rows takes its dW from a row-major copy: a
+    bf16 CPU weight that is not square (a square layer's copy costs what its product saves),
+    `ROW_MAJOR_ROWS` rows or more, on an AMX CPU."""
     global ROW_MAJOR_GRADS
     if weight.dtype != torch.bfloat16 or weight.device.type != "cpu" or not weight.requires_grad:
+        return False
+    if rows < ROW_MAJOR_ROWS:
         return False
     if ROW_MAJOR_GRADS is None:
         amx = "amx_bf16" in cpuinfo.cpu_flags()

@@ -114,8 +114,7 @@ class _ChunkedProjectionLoss(torch.autograd.Function):
         partial = None  # bf16: the sum of probs^T h over the chunks so far
         # On AMX as (D, V) = h^T probs, whose left operand is then a row-major copy: oneDNN runs
         # probs^T (a transposed view) at half its rate there (gradhelper.row_major_grads).
-        row_major = ctx.needs_input_grad[1] and gradhelper.row_major_grads(weight)
-        row_major = row_major and n_rows >= gradhelper.ROW_MAJOR_ROWS
+        row_major = ctx.needs_input_grad[1] and gradhelper.row_major_grads(weight, n_rows)
         loss = hidden.new_zeros((), dtype=torch.float32)
         nll = hidden.new_zeros((), dtype=torch.float32)
         eps_other = eps / (n_classes - 1)

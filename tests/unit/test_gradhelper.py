@@ -387,17 +387,18 @@ def test_a_row_major_layer_is_nn_linear_up_to_dws_rounding(shape, bias, monkeypa
 
 def test_row_major_grads_only_for_bf16_non_square_trained_cpu_weights(monkeypatch):
     monkeypatch.setattr(gradhelper, "ROW_MAJOR_GRADS", True)
-    assert gradhelper.row_major_grads(torch.zeros(7, 12, dtype=torch.bfloat16, requires_grad=True))
-    for w in (
+    rows = gradhelper.ROW_MAJOR_ROWS
+    w = torch.zeros(7, 12, dtype=torch.bfloat16, requires_grad=True)
+    assert gradhelper.row_major_grads(w, rows)
+    assert not gradhelper.row_major_grads(w, rows - 1)  # too few rows: the copies cost more
+    for other in (
         torch.zeros(12, 12, dtype=torch.bfloat16, requires_grad=True),  # square: no gain
         torch.zeros(7, 12, requires_grad=True),  # fp32
         torch.zeros(7, 12, dtype=torch.bfloat16),  # frozen
     ):
-        assert not gradhelper.row_major_grads(w)
+        assert not gradhelper.row_major_grads(other, rows)
     monkeypatch.setattr(gradhelper, "ROW_MAJOR_GRADS", False)
-    assert not gradhelper.row_major_grads(
-        torch.zeros(7, 12, dtype=torch.bfloat16, requires_grad=True)
-    )
+    assert not gradhelper.row_major_grads(w, rows)
 
 
 @pytest.mark.parametrize("flags,expected", [({"avx512f"}, False), ({"amx_bf16", "avx512f"}, True)])
@@ -405,7 +406,7 @@ def test_row_major_grads_is_decided_by_amx(flags, expected, monkeypatch):
     monkeypatch.setattr(gradhelper, "ROW_MAJOR_GRADS", None)
     monkeypatch.setattr(gradhelper.cpuinfo, "cpu_flags", lambda: flags)
     w = torch.zeros(7, 12, dtype=torch.bfloat16, requires_grad=True)
-    assert gradhelper.row_major_grads(w) is expected
+    assert gradhelper.row_major_grads(w, gradhelper.ROW_MAJOR_ROWS) is expected
     assert gradhelper.ROW_MAJOR_GRADS is expected
 
 
