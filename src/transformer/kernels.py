@@ -1,4 +1,5 @@
-"""A compiled CPU kernel torch lacks: a fast transposing copy of a 16-bit (bf16) matrix.
+"""Compiled CPU kernels torch lacks: a fast transposing copy of a 16-bit (bf16) matrix, and the
+post-norm residual sub-layer's add, dropout and LayerNorm in one pass, forward and backward.
 
 Not in the paper. On an AMX CPU, oneDNN multiplies bf16 at ~2,000 GFLOP/s when its left
 operand is row-major, but at half that when the operand is a transposed view, as it is in every
@@ -8,14 +9,25 @@ row-major copy of dy^T (or of x^T) the same product runs at the full rate, but t
 transposing copies of bf16 run at 4-12 GB/s, which eats the gain; this module's copy runs at
 15-27 GB/s on two threads (cache-blocked 8 x 8 transposes in SSE2, which every x86-64 CPU has).
 
-The kernel is C, compiled on first use with the system's C compiler (`$CC`, else `cc`, `gcc`
+Each of a base model's 30 sub-layers ends in LayerNorm(x + Dropout(f)) (§3.1, §5.4): in torch,
+five passes over (N, D) bf16 forward (scale, mask, add, LayerNorm's statistics and its output)
+and three more backward beside LayerNorm's own, whose bf16 kernel also sums the gain's and
+bias's gradients in bf16 (errors of 6-10% of the largest, against 2^-9 here). `residual_norm`
+does the forward in one pass over the rows (fp32 inside, each of torch's bf16 roundings kept:
+s = x + t is the same bits), `residual_norm_backward` the backward in another, with AVX-512F
+(docs/performance.md, "Round twenty-seven"). CPUs without AVX-512F keep torch's ops.
+
+The kernels are C, compiled on first use with the system's C compiler (`$CC`, else `cc`, `gcc`
 or `clang`) into a cache folder (`$TRANSFORMER_KERNELS`, else `$XDG_CACHE_HOME/transformer`,
 else `~/.cache/transformer`), keyed by the source's and compiler's hash, and loaded with
-ctypes; it is checked against torch's copy once before it is used. Where it cannot be built
-(no compiler, another architecture, a read-only home) `transposed` is torch's own copy, and
-`unavailable()` says why. Nothing in a model file reaches this code.
+ctypes; they are checked against torch once before they are used. Where they cannot be built
+(no compiler, another architecture, a read-only home) `transposed` is torch's own copy,
+`residual_norm_supported()` is False, and `unavailable()` says why. Nothing in a model file
+reaches this code.
 
     out = transposed(x)      # (C, R) contiguous, the same values as x.t().contiguous()
+    y, s, mean, rstd = residual_norm(x, f, keep, scale, weight, bias, eps)
+    dx, df, dw, db = residual_norm_backward(gy, s, mean, rstd, weight, keep, scale)
 """
 
 from __future__ import annotations
@@ -32,6 +44,8 @@ from pathlib import Path
 
 import torch
 
+from transformer import cpuinfo
+
 logger = logging.getLogger(__name__)
 
 # OpenMP's threads share out the copy's 32 x 32 tiles; below this many elements one thread
@@ -40,7 +54,9 @@ MIN_THREADED = 1 << 16
 
 _SOURCE = r"""
 #include <stdint.h>
-#include <emmintrin.h>
+#include <math.h>
+#include <omp.h>
+#include <immintrin.h>
 
 /* an 8 x 8 block of 16-bit values: s (row stride ls) -> d (row stride ld), transposed */
 static inline void t8x8(const uint16_t *s, int64_t ls, uint16_t *d, int64_t ld) {
@@ -91,9 +107,194 @@ int transpose16(const uint16_t *s, uint16_t *d, int64_t rows, int64_t cols, int6
     }
   return 0;
 }
+
+/* ---- the post-norm residual sub-layer (§3.1, §5.4): y = LayerNorm(x + Dropout(f)) ---- */
+
+typedef union { uint32_t u; float f; } bits32;
+static inline float bf(uint16_t h) { bits32 v; v.u = (uint32_t)h << 16; return v.f; }
+/* fp32 -> bf16 to nearest even, a NaN made quiet: torch's c10::BFloat16 conversion */
+static inline uint16_t tobf(float f) {
+  bits32 v; v.f = f;
+  return (uint16_t)(f != f ? 0x7fc0u : (v.u + 0x7fffu + ((v.u >> 16) & 1u)) >> 16);
+}
+
+#define AVX512 __attribute__((target("avx512f")))
+AVX512 static inline __m512 ld16(const uint16_t *p) { /* 16 bf16 -> fp32 */
+  return _mm512_castsi512_ps(_mm512_slli_epi32(
+      _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+}
+AVX512 static inline __m512 widen(__m256i h) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+AVX512 static inline __m256i narrow(__m512 v) { /* tobf, 16 at a time */
+  __m512i u = _mm512_castps_si512(v);
+  __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  __m512i r = _mm512_srli_epi32(
+      _mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16);
+  r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7fc0));
+  return _mm512_cvtepi32_epi16(r);
+}
+AVX512 static inline __m512 ldk(const uint8_t *p) { /* 16 keep bytes (0 or 1) -> fp32 */
+  return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p)));
+}
+
+/* rows [r0, r1) of d values: s = x + t with t = (f * scale) * keep, or t = f without keep,
+   each op rounded to bf16 as torch's are; y = (s - mean) * rstd * w + b, over fp32 s kept in
+   buf (d floats); s, mean and rstd kept for the backward */
+AVX512 static void norm_fwd_rows(const uint16_t *x, const uint16_t *f, const uint8_t *keep,
+                                 float scale, const float *w, const float *b, float eps,
+                                 int64_t d, int64_t r0, int64_t r1, uint16_t *s, uint16_t *y,
+                                 float *mean, float *rstd, float *buf) {
+  const int64_t dv = d & ~(int64_t)15;
+  const __m512 vs = _mm512_set1_ps(scale);
+  for (int64_t r = r0; r < r1; ++r) {
+    const uint16_t *xr = x + r * d, *fr = f + r * d;
+    const uint8_t *kr = keep ? keep + r * d : 0;
+    uint16_t *sr = s + r * d, *yr = y + r * d;
+    __m512 acc = _mm512_setzero_ps();
+    for (int64_t j = 0; j < dv; j += 16) {
+      __m512 t = ld16(fr + j);
+      if (kr) t = _mm512_mul_ps(widen(narrow(_mm512_mul_ps(t, vs))), ldk(kr + j));
+      __m256i h = narrow(_mm512_add_ps(ld16(xr + j), t));
+      __m512 v = widen(h);
+      _mm256_storeu_si256((__m256i *)(sr + j), h);
+      _mm512_storeu_ps(buf + j, v);
+      acc = _mm512_add_ps(acc, v);
+    }
+    float sum = _mm512_reduce_add_ps(acc);
+    for (int64_t j = dv; j < d; ++j) {
+      float t = kr ? bf(tobf(bf(fr[j]) * scale)) * (float)kr[j] : bf(fr[j]);
+      sr[j] = tobf(bf(xr[j]) + t);
+      buf[j] = bf(sr[j]);
+      sum += buf[j];
+    }
+    const float mu = sum / (float)d;
+    const __m512 vmu = _mm512_set1_ps(mu);
+    __m512 vacc = _mm512_setzero_ps();
+    for (int64_t j = 0; j < dv; j += 16) {
+      __m512 c = _mm512_sub_ps(_mm512_loadu_ps(buf + j), vmu);
+      vacc = _mm512_fmadd_ps(c, c, vacc);
+    }
+    float var = _mm512_reduce_add_ps(vacc);
+    for (int64_t j = dv; j < d; ++j) var += (buf[j] - mu) * (buf[j] - mu);
+    const float rs = 1.f / sqrtf(var / (float)d + eps);
+    const __m512 vrs = _mm512_set1_ps(rs);
+    mean[r] = mu;
+    rstd[r] = rs;
+    for (int64_t j = 0; j < dv; j += 16) {
+      __m512 c = _mm512_mul_ps(_mm512_sub_ps(_mm512_loadu_ps(buf + j), vmu), vrs);
+      __m512 o = _mm512_fmadd_ps(c, _mm512_loadu_ps(w + j), _mm512_loadu_ps(b + j));
+      _mm256_storeu_si256((__m256i *)(yr + j), narrow(o));
+    }
+    for (int64_t j = dv; j < d; ++j) yr[j] = tobf((buf[j] - mu) * rs * w[j] + b[j]);
+  }
+}
+
+/* its gradient for rows [r0, r1): x_hat = (s - mean) * rstd (kept in buf), dx = rstd * (g w -
+   mean(g w) - x_hat mean(g w x_hat)) in bf16, df = (dx * keep) * scale (or dx); the rows' sums
+   of g x_hat and g added into dw and db (fp32) */
+AVX512 static void norm_bwd_rows(const uint16_t *gy, const uint16_t *s, const float *mean,
+                                 const float *rstd, const float *w, const uint8_t *keep,
+                                 float scale, int64_t d, int64_t r0, int64_t r1, uint16_t *dx,
+                                 uint16_t *df, float *dw, float *db, float *buf) {
+  const int64_t dv = d & ~(int64_t)15;
+  const __m512 vs = _mm512_set1_ps(scale);
+  for (int64_t r = r0; r < r1; ++r) {
+    const uint16_t *gr = gy + r * d, *sr = s + r * d;
+    const uint8_t *kr = keep ? keep + r * d : 0;
+    uint16_t *dxr = dx + r * d, *dfr = df + r * d;
+    const float mu = mean[r], rs = rstd[r];
+    const __m512 vmu = _mm512_set1_ps(mu), vrs = _mm512_set1_ps(rs);
+    __m512 va = _mm512_setzero_ps(), vc = _mm512_setzero_ps();
+    for (int64_t j = 0; j < dv; j += 16) {
+      __m512 xh = _mm512_mul_ps(_mm512_sub_ps(ld16(sr + j), vmu), vrs), g = ld16(gr + j);
+      __m512 gw = _mm512_mul_ps(g, _mm512_loadu_ps(w + j));
+      _mm512_storeu_ps(buf + j, xh);
+      _mm512_storeu_ps(dw + j, _mm512_fmadd_ps(g, xh, _mm512_loadu_ps(dw + j)));
+      _mm512_storeu_ps(db + j, _mm512_add_ps(g, _mm512_loadu_ps(db + j)));
+      va = _mm512_add_ps(va, gw);
+      vc = _mm512_fmadd_ps(gw, xh, vc);
+    }
+    float a = _mm512_reduce_add_ps(va), c = _mm512_reduce_add_ps(vc);
+    for (int64_t j = dv; j < d; ++j) {
+      float xh = (bf(sr[j]) - mu) * rs, g = bf(gr[j]);
+      buf[j] = xh;
+      dw[j] += g * xh;
+      db[j] += g;
+      a += g * w[j];
+      c += g * w[j] * xh;
+    }
+    a /= (float)d;
+    c /= (float)d;
+    const __m512 vA = _mm512_set1_ps(a), vC = _mm512_set1_ps(c);
+    for (int64_t j = 0; j < dv; j += 16) {
+      __m512 gw = _mm512_mul_ps(ld16(gr + j), _mm512_loadu_ps(w + j));
+      __m512 t = _mm512_fnmadd_ps(_mm512_loadu_ps(buf + j), vC, _mm512_sub_ps(gw, vA));
+      __m256i h = narrow(_mm512_mul_ps(vrs, t));
+      _mm256_storeu_si256((__m256i *)(dxr + j), h);
+      if (kr) h = narrow(_mm512_mul_ps(_mm512_mul_ps(widen(h), ldk(kr + j)), vs));
+      _mm256_storeu_si256((__m256i *)(dfr + j), h);
+    }
+    for (int64_t j = dv; j < d; ++j) {
+      dxr[j] = tobf(rs * ((bf(gr[j]) * w[j] - a) - buf[j] * c));
+      dfr[j] = kr ? tobf(bf(dxr[j]) * (float)kr[j] * scale) : dxr[j];
+    }
+  }
+}
+
+static void my_rows(int64_t n, int64_t *r0, int64_t *r1) { /* this thread's share, in order */
+  int64_t nt = omp_get_num_threads(), t = omp_get_thread_num(), q = n / nt, m = n % nt;
+  *r0 = t * q + (t < m ? t : m);
+  *r1 = *r0 + q + (t < m);
+}
+
+/* x, f, s, y: (n, d) bf16; keep: (n, d) bytes or NULL; w, b: d floats; mean, rstd: n floats;
+   work: nthreads * d floats */
+int residual_norm_fwd(const uint16_t *x, const uint16_t *f, const uint8_t *keep, float scale,
+                      const float *w, const float *b, float eps, int64_t n, int64_t d,
+                      uint16_t *s, uint16_t *y, float *mean, float *rstd, float *work,
+                      int nthreads) {
+#pragma omp parallel num_threads(nthreads)
+  {
+    int64_t r0, r1;
+    my_rows(n, &r0, &r1);
+    norm_fwd_rows(x, f, keep, scale, w, b, eps, d, r0, r1, s, y, mean, rstd,
+                  work + omp_get_thread_num() * d);
+  }
+  return 0;
+}
+
+/* gy, s, dx, df: (n, d) bf16; dw, db: d floats, written (the threads' partial sums added in
+   thread order: the same bits run after run at one thread count); work: nthreads * 3 * d */
+int residual_norm_bwd(const uint16_t *gy, const uint16_t *s, const float *mean,
+                      const float *rstd, const float *w, const uint8_t *keep, float scale,
+                      int64_t n, int64_t d, uint16_t *dx, uint16_t *df, float *dw, float *db,
+                      float *work, int nthreads) {
+  int teams = 1;
+#pragma omp parallel num_threads(nthreads)
+  {
+    int64_t r0, r1;
+    float *part = work + omp_get_thread_num() * 3 * d;
+    for (int64_t j = 0; j < 2 * d; ++j) part[j] = 0.f;
+    my_rows(n, &r0, &r1);
+    norm_bwd_rows(gy, s, mean, rstd, w, keep, scale, d, r0, r1, dx, df, part, part + d,
+                  part + 2 * d);
+#pragma omp single
+    teams = omp_get_num_threads();
+  }
+  for (int64_t j = 0; j < d; ++j) dw[j] = db[j] = 0.f;
+  for (int t = 0; t < teams; ++t)
+    for (int64_t j = 0; j < d; ++j) {
+      dw[j] += work[t * 3 * d + j];
+      db[j] += work[t * 3 * d + d + j];
+    }
+  return 0;
+}
 """
 
 _FLAGS = ["-O2", "-shared", "-fPIC", "-fopenmp"]
+# The residual LayerNorm's rows are AVX-512F code; without it the CPU keeps torch's ops.
+_AVX512 = "avx512f" in cpuinfo.cpu_flags()
 _LIB: ctypes.PyDLL | None = None
 _WHY: str | None = None  # why there is no library, once `_library` has tried
 _TRIED = False
@@ -118,12 +319,12 @@ def _build(cc: str) -> Path:
     """The shared library for this source and compiler, compiled once into the cache folder."""
     key = hashlib.sha256("\0".join([_SOURCE, os.path.realpath(cc), *_FLAGS]).encode())
     folder = cache_dir()
-    path = folder / f"transpose16-{key.hexdigest()[:16]}.so"
+    path = folder / f"kernels-{key.hexdigest()[:16]}.so"
     if path.exists():
         return path
     folder.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
-        src = Path(tmp) / "transpose16.c"
+        src = Path(tmp) / "kernels.c"
         src.write_text(_SOURCE)
         fd, name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=folder)
         os.close(fd)
@@ -142,13 +343,32 @@ def _build(cc: str) -> Path:
 
 
 def _check(lib: ctypes.PyDLL) -> None:
-    """Raise unless the library's copy equals torch's on shapes with every kind of edge."""
+    """Raise unless the library's copy equals torch's on shapes with every kind of edge, and
+    (on an AVX-512F CPU) its residual LayerNorm agrees with torch's, forward and backward."""
     for rows, cols in ((1, 1), (8, 8), (37, 70), (300, 260)):
         x = torch.arange(rows * cols, dtype=torch.int16).reshape(rows, cols)
         out = torch.empty((cols, rows), dtype=torch.int16)
         lib.transpose16(x.data_ptr(), out.data_ptr(), rows, cols, cols, 2)
         if not torch.equal(out, x.t()):
             raise OSError("its transposing copy differs from torch's")
+    if not _AVX512:
+        return
+    g = torch.Generator().manual_seed(0)
+    x, f, gy = (torch.randn(5, 40, generator=g).to(torch.bfloat16) for _ in range(3))
+    keep = torch.rand(5, 40, generator=g) >= 0.25
+    w, b = torch.rand(40, generator=g) + 0.5, torch.randn(40, generator=g)
+    y, s, mean, rstd = _residual_norm(lib, x, f, keep, 4 / 3, w, b, 1e-5)
+    dx, df, dw, db = _residual_norm_backward(lib, gy, s, mean, rstd, w, keep, 4 / 3)
+    with torch.enable_grad():  # (first called inside a forward, perhaps)
+        xs = x.double().requires_grad_()
+        t = (f * (4 / 3)).mul_(keep.to(torch.bfloat16)).double()
+        ref = torch.nn.functional.layer_norm(xs + t, (40,), w.double(), b.double(), 1e-5)
+        ref.backward(gy.double())
+    ok = torch.equal(s, (xs + t).detach().to(torch.bfloat16))
+    for ours, theirs in ((y, ref.detach()), (dx, xs.grad)):
+        ok = ok and bool(((ours.double() - theirs).abs() <= 1e-2 * theirs.abs().max()).all())
+    if not ok:
+        raise OSError("its residual LayerNorm differs from torch's")
 
 
 def _gomp() -> set[str]:
@@ -184,6 +404,10 @@ def _library() -> ctypes.PyDLL | None:
         lib.transpose16.argtypes = [ctypes.c_void_p, ctypes.c_void_p] + [ctypes.c_int64] * 3
         lib.transpose16.argtypes += [ctypes.c_int]
         lib.transpose16.restype = ctypes.c_int
+        p, i64, f32, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
+        lib.residual_norm_fwd.argtypes = [p, p, p, f32, p, p, f32, i64, i64, p, p, p, p, p, i32]
+        lib.residual_norm_bwd.argtypes = [p, p, p, p, p, p, f32, i64, i64, p, p, p, p, p, i32]
+        lib.residual_norm_fwd.restype = lib.residual_norm_bwd.restype = ctypes.c_int
         _check(lib)
         _LIB = lib
     except (OSError, subprocess.SubprocessError) as e:
@@ -210,3 +434,71 @@ def transposed(x: torch.Tensor) -> torch.Tensor:
         threads = torch.get_num_threads() if x.numel() >= MIN_THREADED else 1
         _LIB.transpose16(x.data_ptr(), out.data_ptr(), rows, cols, x.stride(0), threads)
     return out
+
+
+def residual_norm_supported() -> bool:
+    """Whether `residual_norm` runs here: the library built, and the CPU has AVX-512F."""
+    return _AVX512 and _library() is not None
+
+
+def _threads(n: int) -> int:
+    return torch.get_num_threads() if n >= MIN_THREADED else 1
+
+
+def _residual_norm(lib, x, f, keep, scale, weight, bias, eps):
+    n, d = x.shape
+    y, s = torch.empty_like(x), torch.empty_like(x)
+    mean, rstd = torch.empty(n), torch.empty(n)
+    w, b = weight.detach().float().contiguous(), bias.detach().float().contiguous()
+    threads = _threads(x.numel())
+    work = torch.empty(threads * d)
+    lib.residual_norm_fwd(
+        x.data_ptr(), f.data_ptr(), None if keep is None else keep.data_ptr(), scale,
+        w.data_ptr(), b.data_ptr(), eps, n, d, s.data_ptr(), y.data_ptr(), mean.data_ptr(),
+        rstd.data_ptr(), work.data_ptr(), threads,
+    )  # fmt: skip
+    return y, s, mean, rstd
+
+
+def _residual_norm_backward(lib, gy, s, mean, rstd, weight, keep, scale):
+    n, d = s.shape
+    dx, df = torch.empty_like(s), torch.empty_like(s)
+    dw, db = torch.empty(d), torch.empty(d)
+    w = weight.detach().float().contiguous()
+    threads = _threads(s.numel())
+    work = torch.empty(threads * 3 * d)
+    lib.residual_norm_bwd(
+        gy.data_ptr(), s.data_ptr(), mean.data_ptr(), rstd.data_ptr(), w.data_ptr(),
+        None if keep is None else keep.data_ptr(), scale, n, d, dx.data_ptr(), df.data_ptr(),
+        dw.data_ptr(), db.data_ptr(), work.data_ptr(), threads,
+    )  # fmt: skip
+    return dx, df, dw, db
+
+
+def _rows(*tensors: torch.Tensor | None) -> None:
+    if not residual_norm_supported():
+        raise RuntimeError(f"residual_norm: not on this machine ({unavailable() or 'no AVX-512F'})")
+    n_d = tensors[0].shape
+    for t in tensors:
+        if t is not None and not (t.shape == n_d and t.is_contiguous() and t.device.type == "cpu"):
+            raise ValueError("residual_norm: (N, D) contiguous CPU tensors of one shape")
+
+
+def residual_norm(x, f, keep, scale: float, weight, bias, eps: float):
+    """LayerNorm(s) with s = x + (f * scale) * keep (keep None: s = x + f), in one pass.
+
+    x, f: (N, D) bf16, contiguous; keep: (N, D) bool or None; weight, bias: (D,). Returns y
+    (N, D) bf16, and for `residual_norm_backward` s (bf16, the same bits as torch's x + t),
+    mean and 1 / std (N,) fp32. Only where `residual_norm_supported()`.
+    """
+    _rows(x, f, keep)
+    if x.dtype != torch.bfloat16 or f.dtype != torch.bfloat16:
+        raise ValueError("residual_norm: x and f in bf16")
+    return _residual_norm(_LIB, x, f, keep, scale, weight, bias, eps)
+
+
+def residual_norm_backward(gy, s, mean, rstd, weight, keep, scale: float):
+    """The gradients of `residual_norm`'s y = LayerNorm(s) from gy (N, D) bf16: dx (= ds) and
+    df = (dx * keep) * scale (keep None: dx), bf16, and the gain's and bias's, (D,) fp32."""
+    _rows(gy, s, keep)
+    return _residual_norm_backward(_LIB, gy, s, mean, rstd, weight, keep, scale)

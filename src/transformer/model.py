@@ -5,7 +5,8 @@ Masks are boolean and True where a position takes part (a real token), as in
 `F.scaled_dot_product_attention`. This module imports only torch, numpy (dropout's random bits
 on the CPU), its own config, the decoder's incremental-decoding state (cache.py, torch only) and
 `gradhelper.Linear` (nn.Linear whose weight gradients a training step beside a busy process
-computes on a second thread).
+computes on a second thread) and `kernels` (compiled CPU kernels: the post-norm sub-layer's add,
+dropout and LayerNorm in one pass when training in bf16).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from transformer import gradhelper
+from transformer import gradhelper, kernels
 from transformer.cache import DecoderCache, LayerCache, StepProjections, padding_bias
 from transformer.config import ModelConfig
 from transformer.gradhelper import Linear
@@ -738,7 +739,68 @@ class _Residual(nn.Module):
     def forward(self, x: torch.Tensor, sublayer) -> torch.Tensor:
         if self.norm_first:
             return x + dropout(sublayer(layer_norm(self.norm, x)), self.p_drop, self.training)
-        return layer_norm(self.norm, x + dropout(sublayer(x), self.p_drop, self.training))
+        f = sublayer(x)
+        if _fused_residual_norm(x, f, self.norm):
+            p = self.p_drop if self.training else 0.0
+            keep = None if p == 0.0 else dropout_keep(f, p)
+            scale = 1.0 if keep is None else 1.0 / (1.0 - p)
+            norm = self.norm
+            return _ResidualNorm.apply(x, f, keep, scale, norm.weight, norm.bias, norm.eps)
+        return layer_norm(self.norm, x + dropout(f, self.p_drop, self.training))
+
+
+def _fused_residual_norm(x: torch.Tensor, f: torch.Tensor, norm: nn.LayerNorm) -> bool:
+    """Whether LayerNorm(x + Dropout(f)) goes through `_ResidualNorm`: when training in bf16
+    on a CPU with the compiled kernel (kernels.residual_norm_supported), x and f contiguous
+    and alike, the norm with a bf16 gain and bias over the last dimension."""
+    w, b = norm.weight, norm.bias
+    return (
+        torch.is_grad_enabled()
+        and (x.requires_grad or f.requires_grad)
+        and x.dtype == f.dtype == torch.bfloat16
+        and x.device.type == "cpu"
+        and x.shape == f.shape
+        and x.is_contiguous()
+        and f.is_contiguous()
+        and w is not None
+        and b is not None
+        and w.dtype == b.dtype == torch.bfloat16
+        and tuple(norm.normalized_shape) == (x.size(-1),)
+        and not torch.compiler.is_compiling()
+        and kernels.residual_norm_supported()
+    )
+
+
+class _ResidualNorm(torch.autograd.Function):
+    """LayerNorm(x + (f * scale) * keep) (§3.1, §5.4: the post-norm sub-layer's add, dropout
+    and norm) in one pass of `kernels.residual_norm`, and its gradient in one more: the values
+    of `layer_norm(norm, x + dropout(f))` with the same mask, s = x + t to the same bits, y and
+    dx within bf16 rounding, the gain's and bias's gradients summed in fp32 (torch's bf16
+    LayerNorm backward sums them in bf16). Saves what that path saves: s, its mean and
+    1 / std, and the bool mask."""
+
+    @staticmethod
+    def forward(ctx, x, f, keep, scale, weight, bias, eps):  # noqa: D102
+        d = x.size(-1)
+        y, s, mean, rstd = kernels.residual_norm(
+            x.view(-1, d), f.view(-1, d), None if keep is None else keep.view(-1, d),
+            scale, weight, bias, eps,
+        )  # fmt: skip
+        ctx.save_for_backward(s, mean, rstd, weight, keep)
+        ctx.scale, ctx.shape = scale, x.shape
+        return y.view(x.shape)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad: torch.Tensor):  # noqa: D102
+        s, mean, rstd, weight, keep = ctx.saved_tensors
+        d = s.size(-1)
+        dx, df, dw, db = kernels.residual_norm_backward(
+            grad.contiguous().view(-1, d), s, mean, rstd, weight,
+            None if keep is None else keep.view(-1, d), ctx.scale,
+        )  # fmt: skip
+        dw, db = dw.to(weight.dtype), db.to(weight.dtype)
+        return dx.view(ctx.shape), df.view(ctx.shape), None, None, dw, db, None
 
 
 class EncoderLayer(nn.Module):
@@ -1085,11 +1147,17 @@ def dropout(x: torch.Tensor, p: float, training: bool) -> torch.Tensor:
         return x
     if x.device.type != "cpu" or p >= 1.0:
         return F.dropout(x, p, True)
+    return _KeepScale.apply(x, dropout_keep(x, p), 1.0 / (1.0 - p))
+
+
+def dropout_keep(x: torch.Tensor, p: float) -> torch.Tensor:
+    """`dropout`'s mask for a CPU tensor x: bool, x's shape, True where an element is kept.
+    One draw from torch's generator seeds the PCG64 bits (0 < p < 1)."""
     n = x.numel()
     seed = int(torch.empty((), dtype=torch.int64).random_())  # [0, 2^63): torch's generator
     bits = np.random.PCG64(seed).random_raw((n + 3) // 4)  # uint64, four 16-bit uniforms each
     keep = bits.view(np.uint16)[:n] >= round(p * 65536)  # P(drop) = p (to 2^-16)
-    return _KeepScale.apply(x, torch.from_numpy(keep).view(x.shape), 1.0 / (1.0 - p))
+    return torch.from_numpy(keep).view(x.shape)
 
 
 class _KeepScale(torch.autograd.Function):

@@ -82,7 +82,7 @@ def test_a_failing_compiler_means_torchs_copy(fresh, monkeypatch):
 
 def test_it_is_built_once_into_the_cache_folder(fresh):
     assert kernels.unavailable() is None
-    (built,) = fresh.glob("transpose16-*.so")
+    (built,) = fresh.glob("kernels-*.so")
     stamp = built.stat().st_mtime_ns
     kernels._LIB, kernels._WHY, kernels._TRIED = None, None, False
     assert kernels.unavailable() is None  # loaded again, not rebuilt
@@ -118,3 +118,105 @@ def test_the_cache_folder_follows_xdg(monkeypatch, tmp_path):
     monkeypatch.delenv("TRANSFORMER_KERNELS", raising=False)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     assert kernels.cache_dir() == tmp_path / "transformer"
+
+
+def _reference(x, f, keep, scale, w, b, gy):
+    """torch's bf16 s = x + (f * scale) * keep, and LayerNorm(s) with its gradients in fp64."""
+    t = f if keep is None else (f * scale).mul_(keep.to(torch.bfloat16))
+    s = x + t
+    sd = s.double().requires_grad_()
+    wd, bd = w.double().requires_grad_(), b.double().requires_grad_()
+    y = torch.nn.functional.layer_norm(sd, (x.size(1),), wd, bd, 1e-5)
+    y.backward(gy.double())
+    df = sd.grad if keep is None else sd.grad * keep.double() * scale
+    return s, y.detach(), sd.grad, df, wd.grad, bd.grad
+
+
+def _close(ours, ref, rel):
+    assert torch.isfinite(ours).all()
+    assert (ours.double() - ref).abs().max() <= rel * ref.abs().max()
+
+
+@pytest.mark.parametrize("n, d", [(1, 16), (5, 40), (37, 512), (300, 520), (3001, 256)])
+@pytest.mark.parametrize("p", [0.0, 0.1])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_residual_norm_matches_layer_norm_of_x_plus_dropout(n, d, p, threads):
+    """s to the bit; y and the gradients within bf16 rounding of fp64 LayerNorm of that s;
+    the gain's and bias's gradients summed in fp32 (to 2^-9 of the largest after rounding)."""
+    if not kernels.residual_norm_supported():  # a CPU without AVX-512F: torch's ops instead
+        with pytest.raises(RuntimeError, match="not on this machine"):
+            kernels.residual_norm(*[torch.zeros(1, 16, dtype=torch.bfloat16)] * 2, None, 1.0,
+                                  torch.ones(16), torch.zeros(16), 1e-5)  # fmt: skip
+        return
+    g = torch.Generator().manual_seed(n * d)
+    x = (3 + torch.randn(n, d, generator=g)).to(torch.bfloat16)  # a mean far from 0
+    f, gy = (torch.randn(n, d, generator=g).to(torch.bfloat16) for _ in range(2))
+    keep = None if p == 0.0 else torch.rand(n, d, generator=g) >= p
+    scale = 1.0 if keep is None else 1.0 / (1.0 - p)
+    w = (1 + 0.2 * torch.randn(d, generator=g)).to(torch.bfloat16)
+    b = (0.2 * torch.randn(d, generator=g)).to(torch.bfloat16)
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        y, s, mean, rstd = kernels.residual_norm(x, f, keep, scale, w, b, 1e-5)
+        dx, df, dw, db = kernels.residual_norm_backward(gy, s, mean, rstd, w, keep, scale)
+    finally:
+        torch.set_num_threads(old)
+    s_ref, y_ref, dx_ref, df_ref, dw_ref, db_ref = _reference(x, f, keep, scale, w, b, gy)
+    assert torch.equal(s, s_ref) and s.dtype == y.dtype == dx.dtype == df.dtype == torch.bfloat16
+    _close(y, y_ref, 2**-7)
+    _close(dx, dx_ref, 2**-7)
+    _close(df, df_ref, 2**-7)
+    _close(dw.to(torch.bfloat16), dw_ref, 2**-8)
+    _close(db.to(torch.bfloat16), db_ref, 2**-8)
+    torch.testing.assert_close(mean.double(), s_ref.double().mean(1), rtol=1e-5, atol=1e-5)
+    # the dropped elements get no gradient; the kept ones dx's, times the scale, in bf16
+    if keep is not None:
+        assert torch.equal(df, (dx * keep.to(torch.bfloat16)).mul_(scale))
+    else:
+        assert torch.equal(df, dx)
+
+
+def test_residual_norm_is_the_same_bits_run_after_run():
+    if not kernels.residual_norm_supported():
+        return  # torch's ops run instead (the test above checks the refusal)
+    g = torch.Generator().manual_seed(1)
+    x, f, gy = (torch.randn(700, 512, generator=g).to(torch.bfloat16) for _ in range(3))
+    keep = torch.rand(700, 512, generator=g) >= 0.1
+    w, b = torch.ones(512, dtype=torch.bfloat16), torch.zeros(512, dtype=torch.bfloat16)
+    runs = []
+    for _ in range(2):
+        y, s, mean, rstd = kernels.residual_norm(x, f, keep, 1 / 0.9, w, b, 1e-5)
+        runs.append((y, *kernels.residual_norm_backward(gy, s, mean, rstd, w, keep, 1 / 0.9)))
+    assert all(torch.equal(a, b) for a, b in zip(*runs, strict=True))
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        lambda x: (x.t(), x),  # not contiguous
+        lambda x: (x[:-1], x),  # shapes differ
+        lambda x: (x.float(), x.float()),  # not bf16
+    ],
+)
+def test_residual_norm_refuses_what_it_cannot_read(bad):
+    if not kernels.residual_norm_supported():
+        return
+    a, b = bad(torch.zeros(16, 16, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="residual_norm"):
+        kernels.residual_norm(a, b, None, 1.0, torch.ones(16), torch.zeros(16), 1e-5)
+
+
+def test_without_avx512f_there_is_no_residual_norm(monkeypatch):
+    monkeypatch.setattr(kernels, "_AVX512", False)
+    assert not kernels.residual_norm_supported()
+    assert kernels.unavailable() is None  # the transposing copy still runs
+
+
+def test_a_library_whose_norm_errs_is_not_used(fresh, monkeypatch):
+    if not kernels._AVX512:
+        return  # the check runs the norm only where the CPU can
+    wrong = kernels._SOURCE.replace("(float)d + eps", "(float)d + 1")  # eps = 1
+    monkeypatch.setattr(kernels, "_SOURCE", wrong)
+    assert "residual LayerNorm differs" in kernels.unavailable()
+    assert not kernels.residual_norm_supported()

@@ -8,6 +8,7 @@ from dataclasses import replace
 import pytest
 import torch
 
+from transformer import kernels
 from transformer.config import PRESETS, ModelConfig, build_config
 from transformer.model import (
     Packing,
@@ -865,3 +866,67 @@ def test_loading_a_model_file_does_not_import_torch_dynamo(tmp_path):
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False", out.stderr
+
+
+def _bf16_step(cfg, fused: bool, dtype=torch.bfloat16, train: bool = True):
+    """One forward and backward of a seeded model in `dtype`, fused residual norms allowed or
+    not; returns the output, the gradients and how many sub-layers took `_ResidualNorm`."""
+    from transformer import model as model_module
+
+    torch.manual_seed(0)
+    model = Transformer(cfg).train(train)
+    for p in model.parameters():
+        p.data = p.data.to(torch.bfloat16).to(dtype)  # the same starting values in each dtype
+    src, src_mask, tgt = batch(4, 9, 8)
+    calls = [0]
+    real_apply = model_module._ResidualNorm.apply
+
+    def counted(*args):
+        calls[0] += 1
+        return real_apply(*args)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(model_module._ResidualNorm, "apply", counted)
+        if not fused:
+            mp.setattr(kernels, "residual_norm_supported", lambda: False)
+        torch.manual_seed(5)
+        out = model(src, src_mask, tgt)
+        probe = torch.randn(out.shape, generator=torch.Generator().manual_seed(3))
+        (out.float() * probe).sum().backward()
+    grads = {n: p.grad.double() for n, p in model.named_parameters() if p.grad is not None}
+    return out.detach().double(), grads, calls[0]
+
+
+@pytest.mark.parametrize("p_drop", [0.0, 0.3])
+def test_bf16_training_fuses_each_post_norm_sublayer_as_accurately(p_drop):
+    cfg = tiny(p_drop=p_drop)
+    sublayers = 2 * cfg.n_layers + 3 * cfg.n_layers
+    out, grads, calls = _bf16_step(cfg, fused=True)
+    out_t, grads_t, calls_t = _bf16_step(cfg, fused=False)
+    out_32, grads_32, calls_32 = _bf16_step(cfg, fused=True, dtype=torch.float32)
+    assert calls == (sublayers if kernels.residual_norm_supported() else 0)
+    assert calls_t == calls_32 == 0  # torch's ops: not asked for, or fp32
+    # the same dropout masks: the outputs agree to bf16 rounding, the gradients (against the
+    # fp32 model's) are as close as torch's bf16 ops get
+    torch.testing.assert_close(out, out_t, rtol=2**-7, atol=2**-7)
+    for name, ref in grads_32.items():
+        scale = ref.abs().max()
+        err, err_t = ((g[name] - ref).abs().max() / scale for g in (grads, grads_t))
+        assert err <= 1.5 * err_t + 0.01, name
+
+
+def test_no_fused_norm_for_pre_norm_or_without_gradients(monkeypatch):
+    from transformer import model as model_module
+
+    supported = kernels.residual_norm_supported()
+    # evaluation with gradients (no dropout): fused, without a mask
+    assert _bf16_step(tiny(p_drop=0.1), fused=True, train=False)[2] == (
+        5 * tiny().n_layers if supported else 0
+    )
+    assert _bf16_step(tiny(p_drop=0.1, norm_first=True), fused=True)[2] == 0
+    calls = []
+    monkeypatch.setattr(model_module._ResidualNorm, "apply", lambda *a: calls.append(a))
+    model = Transformer(tiny()).to(torch.bfloat16)
+    with torch.no_grad():
+        out = model(*batch())  # torch's LayerNorm: nothing to save for a backward
+    assert calls == [] and torch.isfinite(out).all()
