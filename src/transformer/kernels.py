@@ -290,6 +290,68 @@ int residual_norm_bwd(const uint16_t *gy, const uint16_t *s, const float *mean,
     }
   return 0;
 }
+/* ---- §3.3 eq. (2)'s max(0, h) on bf16, in place, and its gradient ---- */
+
+/* h (n bf16 values) = max(0, h): a negative value that is not a NaN (its bits 0x8000 to
+   0xff80) becomes +0, everything else (NaNs too) is left as it is */
+AVX512 static void relu_span(uint16_t *h, int64_t i0, int64_t i1) {
+  const __m512i lo = _mm512_set1_epi32(0x8000), span = _mm512_set1_epi32(0xff80 - 0x8000);
+  int64_t i = i0;
+  for (; i + 16 <= i1; i += 16) {
+    __m512i v = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(h + i)));
+    __mmask16 neg = _mm512_cmple_epu32_mask(_mm512_sub_epi32(v, lo), span);
+    v = _mm512_maskz_mov_epi32(~neg, v);
+    _mm256_storeu_si256((__m256i *)(h + i), _mm512_cvtepi32_epi16(v));
+  }
+  for (; i < i1; ++i)
+    if ((uint16_t)(h[i] - 0x8000u) <= 0xff80u - 0x8000u) h[i] = 0;
+}
+
+/* dh = g, and +0 where h <= 0 (+0, or bits 0x8000 to 0xff80: -0 and the negative values):
+   torch's threshold_backward, which passes the gradient at a NaN */
+AVX512 static void relu_grad_span(const uint16_t *g, const uint16_t *h, uint16_t *dh,
+                                  int64_t i0, int64_t i1) {
+  const __m512i lo = _mm512_set1_epi32(0x8000), span = _mm512_set1_epi32(0xff80 - 0x8000);
+  const __m512i zero = _mm512_setzero_si512();
+  int64_t i = i0;
+  for (; i + 16 <= i1; i += 16) {
+    __m512i v = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(h + i)));
+    __m512i d = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(g + i)));
+    __mmask16 off = _mm512_cmple_epu32_mask(_mm512_sub_epi32(v, lo), span)
+                    | _mm512_cmpeq_epi32_mask(v, zero);
+    d = _mm512_maskz_mov_epi32(~off, d);
+    _mm256_storeu_si256((__m256i *)(dh + i), _mm512_cvtepi32_epi16(d));
+  }
+  for (; i < i1; ++i)
+    dh[i] = (h[i] == 0 || (uint16_t)(h[i] - 0x8000u) <= 0xff80u - 0x8000u) ? 0 : g[i];
+}
+
+static void my_span(int64_t n, int64_t *i0, int64_t *i1) { /* whole 64-value blocks */
+  int64_t blocks = (n + 63) / 64, b0, b1;
+  my_rows(blocks, &b0, &b1);
+  *i0 = b0 * 64 < n ? b0 * 64 : n;
+  *i1 = b1 * 64 < n ? b1 * 64 : n;
+}
+
+int relu16(uint16_t *h, int64_t n, int nthreads) {
+#pragma omp parallel num_threads(nthreads)
+  {
+    int64_t i0, i1;
+    my_span(n, &i0, &i1);
+    relu_span(h, i0, i1);
+  }
+  return 0;
+}
+
+int relu16_grad(const uint16_t *g, const uint16_t *h, uint16_t *dh, int64_t n, int nthreads) {
+#pragma omp parallel num_threads(nthreads)
+  {
+    int64_t i0, i1;
+    my_span(n, &i0, &i1);
+    relu_grad_span(g, h, dh, i0, i1);
+  }
+  return 0;
+}
 """
 
 _FLAGS = ["-O2", "-shared", "-fPIC", "-fopenmp"]
@@ -408,6 +470,8 @@ def _library() -> ctypes.PyDLL | None:
         lib.residual_norm_fwd.argtypes = [p, p, p, f32, p, p, f32, i64, i64, p, p, p, p, p, i32]
         lib.residual_norm_bwd.argtypes = [p, p, p, p, p, p, f32, i64, i64, p, p, p, p, p, i32]
         lib.residual_norm_fwd.restype = lib.residual_norm_bwd.restype = ctypes.c_int
+        lib.relu16.argtypes, lib.relu16_grad.argtypes = [p, i64, i32], [p, p, p, i64, i32]
+        lib.relu16.restype = lib.relu16_grad.restype = ctypes.c_int
         _check(lib)
         _LIB = lib
     except (OSError, subprocess.SubprocessError) as e:
@@ -502,3 +566,32 @@ def residual_norm_backward(gy, s, mean, rstd, weight, keep, scale: float):
     df = (dx * keep) * scale (keep None: dx), bf16, and the gain's and bias's, (D,) fp32."""
     _rows(gy, s, keep)
     return _residual_norm_backward(_LIB, gy, s, mean, rstd, weight, keep, scale)
+
+
+def relu_(h: torch.Tensor) -> torch.Tensor:
+    """§3.3's max(0, h) in place on a contiguous bf16 CPU tensor: torch's values (a NaN stays
+    one, -0 becomes +0). Only where `residual_norm_supported()` (the same library and CPU)."""
+    _contiguous_bf16(h)
+    if h.numel():
+        _LIB.relu16(h.data_ptr(), h.numel(), _threads(h.numel()))
+    return h
+
+
+def relu_grad(g: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+    """The gradient through `relu_`'s output h: g, with +0 where h <= 0 (torch's
+    threshold_backward: a NaN passes it); a new tensor."""
+    _contiguous_bf16(g, h)
+    if g.shape != h.shape:
+        raise ValueError("relu_grad: the gradient and the output differ in shape")
+    out = torch.empty_like(h)
+    if h.numel():
+        _LIB.relu16_grad(g.data_ptr(), h.data_ptr(), out.data_ptr(), h.numel(), _threads(h.numel()))
+    return out
+
+
+def _contiguous_bf16(*tensors: torch.Tensor) -> None:
+    if not residual_norm_supported():
+        raise RuntimeError(f"relu: not on this machine ({unavailable() or 'no AVX-512F'})")
+    for t in tensors:
+        if not (t.dtype == torch.bfloat16 and t.is_contiguous() and t.device.type == "cpu"):
+            raise ValueError("relu: contiguous bf16 CPU tensors")

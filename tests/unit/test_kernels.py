@@ -220,3 +220,37 @@ def test_a_library_whose_norm_errs_is_not_used(fresh, monkeypatch):
     monkeypatch.setattr(kernels, "_SOURCE", wrong)
     assert "residual LayerNorm differs" in kernels.unavailable()
     assert not kernels.residual_norm_supported()
+
+
+SPECIALS = [0.0, -0.0, 1.0, -1.0, float("inf"), float("-inf"), float("nan"), -float("nan"), 1e-40]
+
+
+@pytest.mark.parametrize("n", [0, 1, 15, 17, 64, 1000, 3 * 2048 + 5])
+def test_relu_and_its_gradient_are_torchs(n):
+    if not kernels.residual_norm_supported():
+        with pytest.raises(RuntimeError, match="not on this machine"):
+            kernels.relu_(torch.zeros(4, dtype=torch.bfloat16))
+        return
+    g = torch.Generator().manual_seed(n)
+    h = torch.cat([torch.tensor(SPECIALS), torch.randn(n, generator=g)]).to(torch.bfloat16)[:n]
+    grad = torch.randn(h.shape, generator=g).to(torch.bfloat16)
+    ref = torch.relu(h)
+    out = kernels.relu_(h)  # in place
+    assert out.data_ptr() == h.data_ptr()
+    assert torch.equal(out.isnan(), ref.isnan()) and bool(
+        (out[~ref.isnan()] == ref[~ref.isnan()]).all()
+    )
+    dh = kernels.relu_grad(grad, out)
+    assert torch.equal(dh, torch.ops.aten.threshold_backward(grad, ref, 0))
+
+
+def test_relu_refuses_what_it_cannot_read():
+    if not kernels.residual_norm_supported():
+        return
+    for bad in (torch.zeros(8, 8, dtype=torch.bfloat16).t(), torch.zeros(8)):
+        with pytest.raises(ValueError, match="relu"):
+            kernels.relu_(bad)
+    with pytest.raises(ValueError, match="differ in shape"):
+        kernels.relu_grad(
+            torch.zeros(4, dtype=torch.bfloat16), torch.zeros(5, dtype=torch.bfloat16)
+        )

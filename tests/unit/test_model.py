@@ -930,3 +930,27 @@ def test_no_fused_norm_for_pre_norm_or_without_gradients(monkeypatch):
     with torch.no_grad():
         out = model(*batch())  # torch's LayerNorm: nothing to save for a backward
     assert calls == [] and torch.isfinite(out).all()
+
+
+def test_bf16_training_takes_the_compiled_relu_with_torchs_values(monkeypatch):
+    from transformer import model as model_module
+    from transformer.model import PositionwiseFeedForward
+
+    torch.manual_seed(0)
+    ffn = PositionwiseFeedForward(16, 64).to(torch.bfloat16)
+    x = torch.randn(40, 16).to(torch.bfloat16)
+    g = torch.randn(40, 16).to(torch.bfloat16)
+    calls = []
+    real_apply, real_choice = model_module._ReLU.apply, model_module._compiled_relu
+    monkeypatch.setattr(model_module._ReLU, "apply", lambda h: (calls.append(1), real_apply(h))[1])
+    runs = []
+    for compiled in (True, False):
+        calls.clear()
+        monkeypatch.setattr(model_module, "_compiled_relu", lambda h: compiled and real_choice(h))  # noqa: B023
+        xs = x.clone().requires_grad_()
+        ffn.zero_grad()
+        out = ffn(xs)
+        out.backward(g)
+        runs.append((out.detach(), xs.grad, *[p.grad.clone() for p in ffn.parameters()]))
+        assert len(calls) == (1 if compiled and kernels.residual_norm_supported() else 0)
+    assert all(torch.equal(a, b) for a, b in zip(*runs, strict=True))
