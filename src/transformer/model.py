@@ -1186,12 +1186,17 @@ def dropout(x: torch.Tensor, p: float, training: bool) -> torch.Tensor:
 
 def dropout_keep(x: torch.Tensor, p: float) -> torch.Tensor:
     """`dropout`'s mask for a CPU tensor x: bool, x's shape, True where an element is kept.
-    One draw from torch's generator seeds the PCG64 bits (0 < p < 1)."""
+    One draw from torch's generator seeds the PCG64 bits (0 < p < 1); `kernels.pcg64_keep`
+    makes numpy's stream on the threads (0.57 against 1.2 ms for 2M values), the same mask."""
     n = x.numel()
     seed = int(torch.empty((), dtype=torch.int64).random_())  # [0, 2^63): torch's generator
-    bits = np.random.PCG64(seed).random_raw((n + 3) // 4)  # uint64, four 16-bit uniforms each
-    keep = bits.view(np.uint16)[:n] >= round(p * 65536)  # P(drop) = p (to 2^-16)
-    return torch.from_numpy(keep).view(x.shape)
+    generator, threshold = np.random.PCG64(seed), round(p * 65536)  # P(drop) = p (to 2^-16)
+    state = generator.state["state"]
+    keep = kernels.pcg64_keep(state["state"], state["inc"], threshold, n)  # numpy's bits
+    if keep is None:  # no compiled kernels: numpy's stream itself, on one thread
+        bits = generator.random_raw((n + 3) // 4)  # uint64, four 16-bit uniforms each
+        keep = torch.from_numpy(bits.view(np.uint16)[:n] >= threshold)
+    return keep.view(x.shape)
 
 
 class _KeepScale(torch.autograd.Function):

@@ -254,3 +254,26 @@ def test_relu_refuses_what_it_cannot_read():
         kernels.relu_grad(
             torch.zeros(4, dtype=torch.bfloat16), torch.zeros(5, dtype=torch.bfloat16)
         )
+
+
+@pytest.mark.parametrize("n", [0, 1, 3, 4, 5, 63, 1000, 65536 + 7, 3840 * 512 + 2])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_the_dropout_mask_is_numpys_pcg64_stream(n, threads):
+    import numpy as np
+
+    for seed, p in ((0, 0.1), (12345, 0.5), (2**63 - 1, 0.9)):
+        state = np.random.PCG64(seed).state["state"]
+        threshold = round(p * 65536)
+        ref = np.random.PCG64(seed).random_raw((n + 3) // 4).view(np.uint16)[:n] >= threshold
+        old = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            keep = kernels.pcg64_keep(state["state"], state["inc"], threshold, n)
+        finally:
+            torch.set_num_threads(old)
+        assert keep.dtype == torch.bool and torch.equal(keep, torch.from_numpy(ref)), (n, seed)
+
+
+def test_no_library_means_no_compiled_mask(fresh, monkeypatch):
+    monkeypatch.setenv("CC", "no-such-compiler-here")
+    assert kernels.pcg64_keep(1, 3, 100, 10) is None

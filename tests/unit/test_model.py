@@ -954,3 +954,15 @@ def test_bf16_training_takes_the_compiled_relu_with_torchs_values(monkeypatch):
         runs.append((out.detach(), xs.grad, *[p.grad.clone() for p in ffn.parameters()]))
         assert len(calls) == (1 if compiled and kernels.residual_norm_supported() else 0)
     assert all(torch.equal(a, b) for a, b in zip(*runs, strict=True))
+
+
+def test_the_dropout_mask_is_the_same_with_or_without_the_compiled_kernels(monkeypatch):
+    from transformer.model import dropout_keep
+
+    x = torch.empty(301, 37)
+    torch.manual_seed(4)
+    compiled = dropout_keep(x, 0.1)
+    monkeypatch.setattr(kernels, "pcg64_keep", lambda *a: None)  # numpy's stream itself
+    torch.manual_seed(4)
+    assert torch.equal(dropout_keep(x, 0.1), compiled) and compiled.shape == x.shape
+    assert abs(compiled.float().mean().item() - 0.9) < 0.01
