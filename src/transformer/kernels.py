@@ -429,13 +429,142 @@ int dropout_keep(uint64_t state_hi, uint64_t state_lo, uint64_t inc_hi, uint64_t
   }
   return 0;
 }
+
+/* ---- §3.2.1 eq. (1)'s softmax over masked, scaled scores, and its gradient ---- */
+
+/* exp(x) for x <= 0 (the scores less their row's max), to ~1 ulp: 2^n exp(r), |r| <= ln 2 / 2,
+   a degree-6 polynomial; below -104 it is 0 */
+AVX512 static inline __m512 exp_nonpositive(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-104.f));
+  __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
+                                  _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.f / 720);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+  return _mm512_scalef_ps(p, n);
+}
+
+#define AVX512BW __attribute__((target("avx512f,avx512bw,avx512vl")))
+
+/* rows [r0, r1) of (B, H, Tq, Tk), row r = ((b H + h) Tq + i): w = softmax(v) with v_j =
+   bf16(x_j / c) (c > 0; c = 0: x_j) where mask[b mb + h mh + i mi + j mj] is nonzero, -inf
+   elsewhere; a row with no legal key gets w = 0. buf: Tk rounded up to 16 floats, written
+   with whole vectors only (a vector load of smaller stores stalls). */
+AVX512BW static void softmax_rows(const uint16_t *x, const uint8_t *mask, int64_t H,
+                                  int64_t Tq, int64_t Tk, int64_t mb, int64_t mh, int64_t mi,
+                                  int64_t mj, float c, int64_t r0, int64_t r1, uint16_t *w,
+                                  float *buf) {
+  const int64_t tp = (Tk + 15) & ~(int64_t)15;
+  const __m512 vninf = _mm512_set1_ps(-__builtin_inff()), vc = _mm512_set1_ps(c);
+  uint8_t row_mask[16];
+  int64_t i = r0 % Tq, h = (r0 / Tq) % H, b = r0 / (Tq * H); /* counted on, not divided */
+  for (int64_t r = r0; r < r1; ++r, ++i) {
+    if (i == Tq) {
+      i = 0;
+      if (++h == H) h = 0, ++b;
+    }
+    const uint16_t *xr = x + r * Tk;
+    const uint8_t *mr = mask + b * mb + h * mh + i * mi;
+    __m512 top = vninf;
+    for (int64_t j = 0; j < tp; j += 16) {
+      const __mmask16 in = Tk - j >= 16 ? 0xffff : (__mmask16)((1u << (Tk - j)) - 1);
+      __m512 v = widen(_mm256_maskz_loadu_epi16(in, xr + j));
+      if (c > 0.f) v = widen(narrow(_mm512_div_ps(v, vc)));
+      const uint8_t *mk = mr + j * mj;
+      if (mj != 1) { /* a mask strided along the keys: its bytes gathered first */
+        for (int64_t k = 0; k < 16; ++k) row_mask[k] = j + k < Tk ? mk[k * mj] : 0;
+        mk = row_mask;
+      }
+      __mmask16 legal = _mm512_mask_cmpneq_epi32_mask(
+          in, _mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(in, mk)), _mm512_setzero_si512());
+      v = _mm512_mask_mov_ps(vninf, legal, v);
+      _mm512_storeu_ps(buf + j, v);
+      top = _mm512_max_ps(top, v);
+    }
+    float t = _mm512_reduce_max_ps(top);
+    if (t == -__builtin_inff()) t = -3.40282347e38f; /* no legal key: exp(-inf) = 0 */
+    const __m512 vt = _mm512_set1_ps(t);
+    __m512 acc = _mm512_setzero_ps();
+    for (int64_t j = 0; j < tp; j += 16) {
+      __m512 v = _mm512_loadu_ps(buf + j);
+      __mmask16 legal = _mm512_cmp_ps_mask(v, vninf, _CMP_NEQ_UQ);
+      __m512 e = _mm512_maskz_mov_ps(legal, exp_nonpositive(_mm512_sub_ps(v, vt)));
+      _mm512_storeu_ps(buf + j, e);
+      acc = _mm512_add_ps(acc, e);
+    }
+    float sum = _mm512_reduce_add_ps(acc);
+    const __m512 vs = _mm512_set1_ps(sum < 1.f ? 1.f : sum); /* a legal row's sum is >= 1 */
+    for (int64_t j = 0; j < tp; j += 16) {
+      const __mmask16 in = Tk - j >= 16 ? 0xffff : (__mmask16)((1u << (Tk - j)) - 1);
+      __m256i o = narrow(_mm512_div_ps(_mm512_loadu_ps(buf + j), vs));
+      _mm256_mask_storeu_epi16(w + r * Tk + j, in, o);
+    }
+  }
+}
+
+/* its gradient for rows [r0, r1): dx = bf16(bf16(w (g - sum_k g_k w_k)) / c) (c = 0: no
+   division): torch's softmax backward, then the division's, each rounded to bf16 */
+AVX512BW static void softmax_grad_rows(const uint16_t *g, const uint16_t *w, int64_t Tk,
+                                       float c, int64_t r0, int64_t r1, uint16_t *dx) {
+  const __m512 vc = _mm512_set1_ps(c);
+  for (int64_t r = r0; r < r1; ++r) {
+    const uint16_t *gr = g + r * Tk, *wr = w + r * Tk;
+    __m512 acc = _mm512_setzero_ps();
+    for (int64_t j = 0; j < Tk; j += 16) {
+      const __mmask16 in = Tk - j >= 16 ? 0xffff : (__mmask16)((1u << (Tk - j)) - 1);
+      acc = _mm512_fmadd_ps(widen(_mm256_maskz_loadu_epi16(in, gr + j)),
+                            widen(_mm256_maskz_loadu_epi16(in, wr + j)), acc);
+    }
+    const __m512 vd = _mm512_set1_ps(_mm512_reduce_add_ps(acc));
+    for (int64_t j = 0; j < Tk; j += 16) {
+      const __mmask16 in = Tk - j >= 16 ? 0xffff : (__mmask16)((1u << (Tk - j)) - 1);
+      __m512 gv = widen(_mm256_maskz_loadu_epi16(in, gr + j));
+      __m512 wv = widen(_mm256_maskz_loadu_epi16(in, wr + j));
+      __m512 hv = widen(narrow(_mm512_mul_ps(wv, _mm512_sub_ps(gv, vd))));
+      if (c > 0.f) hv = _mm512_div_ps(hv, vc);
+      _mm256_mask_storeu_epi16(dx + r * Tk + j, in, narrow(hv));
+    }
+  }
+}
+
+int masked_softmax_fwd(const uint16_t *x, const uint8_t *mask, int64_t B, int64_t H,
+                       int64_t Tq, int64_t Tk, int64_t mb, int64_t mh, int64_t mi, int64_t mj,
+                       float c, uint16_t *w, float *work, int nthreads) {
+  const int64_t tp = (Tk + 15) & ~(int64_t)15;
+#pragma omp parallel num_threads(nthreads)
+  {
+    int64_t r0, r1;
+    my_rows(B * H * Tq, &r0, &r1);
+    softmax_rows(x, mask, H, Tq, Tk, mb, mh, mi, mj, c, r0, r1, w,
+                 work + omp_get_thread_num() * tp);
+  }
+  return 0;
+}
+
+int masked_softmax_bwd(const uint16_t *g, const uint16_t *w, int64_t rows, int64_t Tk, float c,
+                       uint16_t *dx, int nthreads) {
+#pragma omp parallel num_threads(nthreads)
+  {
+    int64_t r0, r1;
+    my_rows(rows, &r0, &r1);
+    softmax_grad_rows(g, w, Tk, c, r0, r1, dx);
+  }
+  return 0;
+}
 """
 
 # -O3: the dropout mask's four PCG64 runs stay in registers (0.57 against 1.9 ms at -O2 for
 # 2M values, 2 threads); the other kernels as fast or faster.
 _FLAGS = ["-O3", "-shared", "-fPIC", "-fopenmp"]
-# The residual LayerNorm's rows are AVX-512F code; without it the CPU keeps torch's ops.
-_AVX512 = "avx512f" in cpuinfo.cpu_flags()
+# The residual LayerNorm's, ReLU's and the attention softmax's rows are AVX-512 code (F, BW and
+# VL: every AVX-512 CPU but the Xeon Phi has the three); without it the CPU keeps torch's ops.
+_AVX512 = {"avx512f", "avx512bw", "avx512vl"} <= cpuinfo.cpu_flags()
 _LIB: ctypes.PyDLL | None = None
 _WHY: str | None = None  # why there is no library, once `_library` has tried
 _TRIED = False
@@ -554,6 +683,9 @@ def _library() -> ctypes.PyDLL | None:
         u64 = ctypes.c_uint64
         lib.dropout_keep.argtypes = [u64, u64, u64, u64, ctypes.c_uint32, p, i64, i32]
         lib.dropout_keep.restype = ctypes.c_int
+        lib.masked_softmax_fwd.argtypes = [p, p] + [i64] * 8 + [f32, p, p, i32]
+        lib.masked_softmax_bwd.argtypes = [p, p, i64, i64, f32, p, i32]
+        lib.masked_softmax_fwd.restype = lib.masked_softmax_bwd.restype = ctypes.c_int
         _check(lib)
         _LIB = lib
     except (OSError, subprocess.SubprocessError) as e:
@@ -693,3 +825,46 @@ def pcg64_keep(state: int, inc: int, threshold: int, n: int) -> torch.Tensor | N
             _threads(n),
         )  # fmt: skip
     return keep
+
+
+def masked_softmax(x: torch.Tensor, mask: torch.Tensor, c: float) -> torch.Tensor:
+    """softmax over the last dimension of bf16(x / c) (c = 0: of x) with -inf where `mask`
+    (bool, broadcastable to x's (B, H, Tq, Tk)) is False, w = 0 in a row with no legal key;
+    x contiguous bf16. `model.attention`'s `scores / sqrt(d_k)` and `masked_softmax` in one
+    pass, fp32 inside, the output bf16. Only where `residual_norm_supported()`."""
+    if not residual_norm_supported():
+        raise RuntimeError(
+            f"masked_softmax: not on this machine ({unavailable() or 'no AVX-512F'})"
+        )
+    if x.dim() != 4 or x.dtype != torch.bfloat16 or not x.is_contiguous() or x.device.type != "cpu":
+        raise ValueError("masked_softmax: a contiguous (B, H, Tq, Tk) bf16 CPU tensor")
+    if mask.dtype != torch.bool:
+        raise ValueError("masked_softmax: a bool mask")
+    m = mask.expand(x.shape)  # strides 0 where it broadcasts
+    B, H, Tq, Tk = x.shape
+    w = torch.empty_like(x)
+    if x.numel():
+        threads = _threads(x.numel())
+        work = torch.empty(threads * ((Tk + 15) // 16 * 16))
+        _LIB.masked_softmax_fwd(
+            x.data_ptr(), m.data_ptr(), B, H, Tq, Tk, *m.stride(), c, w.data_ptr(),
+            work.data_ptr(), threads,
+        )  # fmt: skip
+    return w
+
+
+def masked_softmax_backward(g: torch.Tensor, w: torch.Tensor, c: float) -> torch.Tensor:
+    """The gradient of `masked_softmax` with respect to x, from g and its output w (bf16, one
+    shape, contiguous): torch's softmax backward rounded to bf16, then divided by c (c = 0:
+    not) and rounded again, as the two ops it replaces give it."""
+    if not (g.shape == w.shape and g.is_contiguous() and w.is_contiguous()):
+        raise ValueError("masked_softmax_backward: contiguous g and w of one shape")
+    if g.dtype != torch.bfloat16 or w.dtype != torch.bfloat16:
+        raise ValueError("masked_softmax_backward: bf16 g and w")
+    dx = torch.empty_like(w)
+    if w.numel():
+        tk = w.size(-1)
+        _LIB.masked_softmax_bwd(
+            g.data_ptr(), w.data_ptr(), w.numel() // tk, tk, c, dx.data_ptr(), _threads(w.numel())
+        )
+    return dx

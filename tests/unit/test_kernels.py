@@ -277,3 +277,54 @@ def test_the_dropout_mask_is_numpys_pcg64_stream(n, threads):
 def test_no_library_means_no_compiled_mask(fresh, monkeypatch):
     monkeypatch.setenv("CC", "no-such-compiler-here")
     assert kernels.pcg64_keep(1, 3, 100, 10) is None
+
+
+def _masks(B, Tq, Tk):
+    pad = torch.rand(B, 1, 1, Tk, generator=torch.Generator().manual_seed(Tk)) > 0.25
+    pad[0] = False  # a sentence whose keys are all padding: zero weights
+    causal = torch.ones(Tq, Tk, dtype=torch.bool).tril(Tk - Tq)
+    strided = torch.ones(B, 1, Tk, Tq, dtype=torch.bool).tril().transpose(-1, -2)  # keys strided
+    return {"padding": pad, "causal": causal, "both": pad & causal, "strided": strided}
+
+
+@pytest.mark.parametrize("shape", [(2, 3, 5, 5), (4, 2, 34, 34), (3, 2, 7, 40), (1, 1, 3, 16)])
+@pytest.mark.parametrize("c", [8.0, 5.656854, 0.0])
+def test_masked_softmax_is_the_models_to_bf16_rounding(shape, c):
+    from transformer.model import masked_softmax
+
+    B, H, Tq, Tk = shape
+    g = torch.Generator().manual_seed(B * Tk)
+    x = (4 * torch.randn(shape, generator=g)).to(torch.bfloat16)
+    gy = torch.randn(shape, generator=g).to(torch.bfloat16)
+    for name, mask in _masks(B, Tq, Tk).items():
+        if not kernels.residual_norm_supported():
+            with pytest.raises(RuntimeError, match="not on this machine"):
+                kernels.masked_softmax(x, mask, c)
+            return
+        if mask.shape[-2:] != (Tq, Tk) and mask.shape[-2] != 1:
+            continue
+        xs = x.clone().requires_grad_()
+        ref = masked_softmax(xs / c if c else xs, mask)
+        ref.backward(gy)
+        w = kernels.masked_softmax(x, mask, c)
+        dx = kernels.masked_softmax_backward(gy, w, c)
+        assert w.dtype == dx.dtype == torch.bfloat16 and w.shape == shape
+        # bf16 rounding of ~1-ulp fp32 differences: at most one bf16 step, rarely
+        assert (w.float() - ref.float()).abs().max() <= 2**-8 * ref.float().abs().max(), name
+        assert torch.equal(w == 0, ref == 0), name  # the same masked (and empty) positions
+        ref_dx = xs.grad.float()
+        assert (dx.float() - ref_dx).abs().max() <= 2**-6 * ref_dx.abs().max(), name
+        if name == "padding":
+            assert bool((w[0] == 0).all()) and bool((dx[0] == 0).all())
+
+
+def test_masked_softmax_refuses_what_it_cannot_read():
+    if not kernels.residual_norm_supported():
+        return
+    x = torch.zeros(2, 2, 3, 3, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="contiguous"):
+        kernels.masked_softmax(x.transpose(-1, -2), torch.ones(3, 3, dtype=torch.bool), 1.0)
+    with pytest.raises(ValueError, match="bool mask"):
+        kernels.masked_softmax(x, torch.ones(3, 3), 1.0)
+    with pytest.raises(ValueError, match="one shape"):
+        kernels.masked_softmax_backward(x, x[:1], 1.0)

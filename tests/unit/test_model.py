@@ -966,3 +966,23 @@ def test_the_dropout_mask_is_the_same_with_or_without_the_compiled_kernels(monke
     torch.manual_seed(4)
     assert torch.equal(dropout_keep(x, 0.1), compiled) and compiled.shape == x.shape
     assert abs(compiled.float().mean().item() - 0.9) < 0.01
+
+
+def test_bf16_training_attention_takes_the_compiled_softmax(monkeypatch):
+    from transformer import model as model_module
+
+    calls = []
+    real = model_module._ScaledMaskedSoftmax.apply
+    monkeypatch.setattr(
+        model_module._ScaledMaskedSoftmax, "apply", lambda *a: (calls.append(a[2]), real(*a))[1]
+    )
+    cfg = tiny(p_drop=0.1)
+    _bf16_step(cfg, fused=True)
+    if kernels.residual_norm_supported():
+        # every attention of the packed step: encoder, decoder self and encoder-decoder
+        assert len(calls) == 3 * cfg.n_layers and set(calls) == {math.sqrt(cfg.d_k)}
+    else:
+        assert calls == []
+    calls.clear()
+    _bf16_step(cfg, fused=True, dtype=torch.float32)
+    assert calls == []  # fp32: torch's ops
