@@ -9,6 +9,8 @@
 #   bash benchmarks/bench_peers.sh train      # or: train-fp32 | train-each | beam | greedy | memory
 #   OURS_TRAIN=ext:peers_adapter:make_train_torch_layouts,ext:peers_adapter:make_train \
 #     bash benchmarks/bench_peers.sh train    # W1 before/after the row-major weight gradients
+#   OURS_TRAIN=ext:peers_adapter:make_train_torch_ops,ext:peers_adapter:make_train \
+#     bash benchmarks/bench_peers.sh train    # W1 before/after the fused kernels (round 27)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PEERS=${PEERS_DIR:-../shared/peers}

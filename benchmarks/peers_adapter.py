@@ -36,7 +36,7 @@ import os
 
 import torch
 
-from transformer import gradhelper
+from transformer import gradhelper, kernels
 from transformer.allocator import keep_large_blocks
 from transformer.config import build_config
 from transformer.loss import chunked_label_smoothed_loss
@@ -90,10 +90,16 @@ class OurTrain:
     memory benchmark, one dtype per process, holds only one)."""
 
     def __init__(
-        self, cfg: dict, model_cls: type = Transformer, loss_fn=None, row_major_grads=None
+        self,
+        cfg: dict,
+        model_cls: type = Transformer,
+        loss_fn=None,
+        row_major_grads=None,
+        fused: bool = True,
     ) -> None:
         self.cfg, self.model_cls = cfg, model_cls
         self.row_major_grads = row_major_grads  # None: as the CPU decides (gradhelper)
+        self.fused = fused  # False: kernels.FUSED off for this adapter's own steps
         self.loss_fn = loss_fn or chunked_label_smoothed_loss
         keep_large_blocks()  # as `transformer train` sets up its process (train._setup_torch)
         self.runs: dict[str, tuple[Transformer, MixedPrecisionAdam]] = {}
@@ -141,14 +147,15 @@ class OurTrain:
         model, opt = self._run("fp32" if amp is None else "bf16")
         model.train()
         eps, lr = self.cfg["label_smoothing"], self.cfg["lr"]
-        if self.row_major_grads is None:
+        # this adapter's choices for its own steps only
+        saved = gradhelper.ROW_MAJOR_GRADS, kernels.FUSED
+        if self.row_major_grads is not None:
+            gradhelper.ROW_MAJOR_GRADS = self.row_major_grads
+        kernels.FUSED = self.fused and saved[1]
+        try:
             loss = train_step(model, opt, self.loss_fn, p, eps, lr)
-        else:  # this adapter's choice for its own steps only
-            saved, gradhelper.ROW_MAJOR_GRADS = gradhelper.ROW_MAJOR_GRADS, self.row_major_grads
-            try:
-                loss = train_step(model, opt, self.loss_fn, p, eps, lr)
-            finally:
-                gradhelper.ROW_MAJOR_GRADS = saved
+        finally:
+            gradhelper.ROW_MAJOR_GRADS, kernels.FUSED = saved
         return float(loss.detach()) / p["ntokens"]
 
     @property
@@ -163,6 +170,13 @@ class OurTrain:
 def make_train(cfg: dict) -> OurTrain:
     """Factory for `bench_train.py --impl ext:peers_adapter:make_train`."""
     return OurTrain(cfg)
+
+
+def make_train_torch_ops(cfg: dict) -> OurTrain:
+    """`make_train` with torch's own ops where the fused kernels would run (kernels.FUSED off:
+    residual LayerNorm, ReLU, the attention softmax): the before of round twenty-seven's
+    same-run before/after, beside `make_train`."""
+    return OurTrain(cfg, fused=False)
 
 
 def make_train_torch_layouts(cfg: dict) -> OurTrain:

@@ -714,9 +714,16 @@ def transposed(x: torch.Tensor) -> torch.Tensor:
     return out
 
 
+# The fused training kernels (residual LayerNorm, ReLU, the attention softmax) may be used:
+# `TRANSFORMER_FUSED_KERNELS=0` keeps torch's ops (a check, a before/after); the transposing copy
+# and the dropout mask (the same bits either way) are not affected.
+FUSED = os.environ.get("TRANSFORMER_FUSED_KERNELS", "1") != "0"
+
+
 def residual_norm_supported() -> bool:
-    """Whether `residual_norm` runs here: the library built, and the CPU has AVX-512F."""
-    return _AVX512 and _library() is not None
+    """Whether the fused kernels (`residual_norm`, `relu_`, `masked_softmax`) run here: `FUSED`,
+    the library built, and the CPU has AVX-512 F, BW and VL."""
+    return FUSED and _AVX512 and _library() is not None
 
 
 def _threads(n: int) -> int:

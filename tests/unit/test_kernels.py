@@ -328,3 +328,9 @@ def test_masked_softmax_refuses_what_it_cannot_read():
         kernels.masked_softmax(x, torch.ones(3, 3), 1.0)
     with pytest.raises(ValueError, match="one shape"):
         kernels.masked_softmax_backward(x, x[:1], 1.0)
+
+
+def test_fused_off_keeps_torchs_ops(monkeypatch):
+    monkeypatch.setattr(kernels, "FUSED", False)
+    assert not kernels.residual_norm_supported()
+    assert kernels.unavailable() is None  # the transposing copy and the mask are unaffected

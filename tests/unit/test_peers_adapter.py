@@ -53,3 +53,27 @@ def test_forced_length_search_equals_ranking_every_pair(beam):
     assert [len(t) for t in got] == [9] * 5
     assert not {t for row in got for t in row} & set(banned)
     assert got == _every_pair(model, src, src_mask, beam, 9, banned)
+
+
+def test_the_torch_ops_adapter_turns_the_fused_kernels_off_for_its_own_steps(monkeypatch):
+    import peers_adapter
+    from transformer import kernels
+
+    seen = []
+    real = peers_adapter.train_step
+    monkeypatch.setattr(
+        peers_adapter, "train_step", lambda *a: (seen.append(kernels.FUSED), real(*a))[1]
+    )
+    cfg = dict(
+        d_model=32, d_ff=64, heads=2, layers=1, dropout=0.1, max_pos=64, vocab=300, seed=1,
+        betas=(0.9, 0.98), eps=1e-9, label_smoothing=0.1, lr=1e-4,
+    )  # fmt: skip
+    src = torch.randint(4, 300, (3, 6))
+    tgt = torch.randint(4, 300, (3, 5))
+    batch = {"src": src, "tgt_in": tgt, "tgt_out": tgt.roll(-1, 1)}
+    before = kernels.FUSED
+    for make in (peers_adapter.make_train_torch_ops, peers_adapter.make_train):
+        adapter = make(cfg)
+        loss = adapter.step(adapter.prepare(batch), torch.bfloat16)
+        assert loss > 0 and kernels.FUSED == before  # restored after the step
+    assert seen == [False, before]
