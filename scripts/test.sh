@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The README's test command (and CI's, .ci/run): install what the suite needs, then run it all.
 # - Debian's chromium for the browser test of the web page, when no chromium is on PATH,
-#   and gcc for the compiled kernel (kernels.py), when there is no C compiler (apt-get; as
+#   and gcc for the compiled kernels (kernels.py), when there is no C compiler (apt-get; as
 #   root, else through sudo);
 # - a virtual environment .venv with the package and its dev extras;
 # then ruff (lint and format) and the whole suite, one pytest-xdist worker per core, each with
@@ -32,7 +32,7 @@ if ! has_chromium; then
     fi
 fi
 
-# A C compiler with OpenMP for the compiled transposing copy (src/transformer/kernels.py).
+# A C compiler with OpenMP for the compiled kernels (src/transformer/kernels.py).
 if ! command -v "${CC:-cc}" >/dev/null && ! command -v gcc >/dev/null; then
     if command -v apt-get >/dev/null; then
         apt_install gcc libc6-dev
