@@ -378,8 +378,10 @@ def test_a_row_major_layer_is_nn_linear_up_to_dws_rounding(shape, bias, monkeypa
     ya.backward(g)
     yb.backward(g)
     assert torch.equal(xa.grad, xb.grad)  # dx = g W, the same product
-    if bias:
-        assert torch.equal(ours.bias.grad, plain.bias.grad)
+    if bias:  # fp32 column sums (kernels.column_sums on AVX-512), rounded once to bf16
+        torch.testing.assert_close(
+            ours.bias.grad.float(), plain.bias.grad.float(), rtol=2**-7, atol=2**-7
+        )
     torch.testing.assert_close(
         ours.weight.grad.float(), plain.weight.grad.float(), rtol=1e-2, atol=1e-2
     )

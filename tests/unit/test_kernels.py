@@ -334,3 +334,24 @@ def test_fused_off_keeps_torchs_ops(monkeypatch):
     monkeypatch.setattr(kernels, "FUSED", False)
     assert not kernels.residual_norm_supported()
     assert kernels.unavailable() is None  # the transposing copy and the mask are unaffected
+
+
+@pytest.mark.parametrize("shape", [(1, 16), (3, 5), (7, 37), (3888, 2048), (4001, 520)])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_column_sums_are_fp32_sums(shape, threads):
+    x = torch.randn(shape, generator=torch.Generator().manual_seed(shape[1])).to(torch.bfloat16)
+    if not kernels.residual_norm_supported():
+        with pytest.raises(RuntimeError, match="not on this machine"):
+            kernels.column_sums(x)
+        return
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        out = kernels.column_sums(x)
+    finally:
+        torch.set_num_threads(old)
+    ref = x.double().sum(0)
+    assert out.dtype == torch.bfloat16 and out.shape == (shape[1],)
+    assert (out.double() - ref).abs().max() <= 2**-8 * ref.abs().max() + 1e-6
+    with pytest.raises(ValueError, match="column_sums"):
+        kernels.column_sums(x[:, ::2])  # rows not contiguous
