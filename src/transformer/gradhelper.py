@@ -146,8 +146,7 @@ class _RowMajorGradLinear(torch.autograd.Function):
         grad_w = row_major_weight_grad(g, x) if ctx.needs_input_grad[1] else None
         grad_b = None
         if ctx.has_bias and ctx.needs_input_grad[2]:
-            fast = g.dtype == torch.bfloat16 and g.is_contiguous()
-            fast = fast and kernels.residual_norm_supported()
+            fast = g.dtype == torch.bfloat16 and g.is_contiguous() and kernels.fused_supported()
             grad_b = kernels.column_sums(g) if fast else g.sum(0)  # fp32 sums either way
         return grad_x, grad_w, grad_b
 

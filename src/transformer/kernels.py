@@ -22,7 +22,7 @@ or `clang`) into a cache folder (`$TRANSFORMER_KERNELS`, else `$XDG_CACHE_HOME/t
 else `~/.cache/transformer`), keyed by the source's and compiler's hash, and loaded with
 ctypes; they are checked against torch once before they are used. Where they cannot be built
 (no compiler, another architecture, a read-only home) `transposed` is torch's own copy,
-`residual_norm_supported()` is False, and `unavailable()` says why. Nothing in a model file
+`fused_supported()` is False, and `unavailable()` says why. Nothing in a model file
 reaches this code.
 
     out = transposed(x)      # (C, R) contiguous, the same values as x.t().contiguous()
@@ -753,8 +753,7 @@ def transposed(x: torch.Tensor) -> torch.Tensor:
     rows, cols = x.shape
     out = torch.empty((cols, rows), dtype=x.dtype)
     if x.numel():
-        threads = torch.get_num_threads() if x.numel() >= MIN_THREADED else 1
-        _LIB.transpose16(x.data_ptr(), out.data_ptr(), rows, cols, x.stride(0), threads)
+        _LIB.transpose16(x.data_ptr(), out.data_ptr(), rows, cols, x.stride(0), _threads(x.numel()))
     return out
 
 
@@ -764,14 +763,27 @@ def transposed(x: torch.Tensor) -> torch.Tensor:
 FUSED = os.environ.get("TRANSFORMER_FUSED_KERNELS", "1") != "0"
 
 
-def residual_norm_supported() -> bool:
+def fused_supported() -> bool:
     """Whether the fused kernels (`residual_norm`, `relu_`, `masked_softmax`) run here: `FUSED`,
     the library built, and the CPU has AVX-512 F, BW and VL."""
     return FUSED and _AVX512 and _library() is not None
 
 
 def _threads(n: int) -> int:
+    """OpenMP threads for a kernel over n values: torch's count, one below MIN_THREADED."""
     return torch.get_num_threads() if n >= MIN_THREADED else 1
+
+
+def _require(what: str, *tensors: torch.Tensor, bf16: bool = True) -> None:
+    """Raise RuntimeError unless the fused kernels run here, ValueError naming `what` unless
+    every tensor is a contiguous CPU tensor (and bf16, with `bf16`)."""
+    if not fused_supported():
+        raise RuntimeError(f"{what}: not on this machine ({unavailable() or 'no AVX-512'})")
+    for t in tensors:
+        if not (t.is_contiguous() and t.device.type == "cpu") or (
+            bf16 and t.dtype != torch.bfloat16
+        ):
+            raise ValueError(f"{what}: contiguous {'bf16 ' if bf16 else ''}CPU tensors")
 
 
 def _residual_norm(lib, x, f, keep, scale, weight, bias, eps):
@@ -804,13 +816,13 @@ def _residual_norm_backward(lib, gy, s, mean, rstd, weight, keep, scale):
     return dx, df, dw, db
 
 
-def _rows(*tensors: torch.Tensor | None) -> None:
-    if not residual_norm_supported():
-        raise RuntimeError(f"residual_norm: not on this machine ({unavailable() or 'no AVX-512F'})")
-    n_d = tensors[0].shape
-    for t in tensors:
-        if t is not None and not (t.shape == n_d and t.is_contiguous() and t.device.type == "cpu"):
-            raise ValueError("residual_norm: (N, D) contiguous CPU tensors of one shape")
+def _rows(what: str, *tensors: torch.Tensor, keep: torch.Tensor | None) -> None:
+    """`_require` for (N, D) bf16 tensors of one shape and a bool mask of it (or None)."""
+    _require(what, *tensors)
+    if keep is not None:
+        _require(what, keep, bf16=False)
+    if any(t.shape != tensors[0].shape for t in (*tensors, keep) if t is not None):
+        raise ValueError(f"{what}: (N, D) tensors of one shape")
 
 
 def residual_norm(x, f, keep, scale: float, weight, bias, eps: float):
@@ -818,25 +830,23 @@ def residual_norm(x, f, keep, scale: float, weight, bias, eps: float):
 
     x, f: (N, D) bf16, contiguous; keep: (N, D) bool or None; weight, bias: (D,). Returns y
     (N, D) bf16, and for `residual_norm_backward` s (bf16, the same bits as torch's x + t),
-    mean and 1 / std (N,) fp32. Only where `residual_norm_supported()`.
+    mean and 1 / std (N,) fp32. Only where `fused_supported()`.
     """
-    _rows(x, f, keep)
-    if x.dtype != torch.bfloat16 or f.dtype != torch.bfloat16:
-        raise ValueError("residual_norm: x and f in bf16")
+    _rows("residual_norm", x, f, keep=keep)
     return _residual_norm(_LIB, x, f, keep, scale, weight, bias, eps)
 
 
 def residual_norm_backward(gy, s, mean, rstd, weight, keep, scale: float):
     """The gradients of `residual_norm`'s y = LayerNorm(s) from gy (N, D) bf16: dx (= ds) and
     df = (dx * keep) * scale (keep None: dx), bf16, and the gain's and bias's, (D,) fp32."""
-    _rows(gy, s, keep)
+    _rows("residual_norm_backward", gy, s, keep=keep)
     return _residual_norm_backward(_LIB, gy, s, mean, rstd, weight, keep, scale)
 
 
 def relu_(h: torch.Tensor) -> torch.Tensor:
     """§3.3's max(0, h) in place on a contiguous bf16 CPU tensor: torch's values (a NaN stays
-    one, -0 becomes +0). Only where `residual_norm_supported()` (the same library and CPU)."""
-    _contiguous_bf16(h)
+    one, -0 becomes +0). Only where `fused_supported()` (the same library and CPU)."""
+    _require("relu", h)
     if h.numel():
         _LIB.relu16(h.data_ptr(), h.numel(), _threads(h.numel()))
     return h
@@ -845,21 +855,13 @@ def relu_(h: torch.Tensor) -> torch.Tensor:
 def relu_grad(g: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
     """The gradient through `relu_`'s output h: g, with +0 where h <= 0 (torch's
     threshold_backward: a NaN passes it); a new tensor."""
-    _contiguous_bf16(g, h)
+    _require("relu", g, h)
     if g.shape != h.shape:
         raise ValueError("relu_grad: the gradient and the output differ in shape")
     out = torch.empty_like(h)
     if h.numel():
         _LIB.relu16_grad(g.data_ptr(), h.data_ptr(), out.data_ptr(), h.numel(), _threads(h.numel()))
     return out
-
-
-def _contiguous_bf16(*tensors: torch.Tensor) -> None:
-    if not residual_norm_supported():
-        raise RuntimeError(f"relu: not on this machine ({unavailable() or 'no AVX-512F'})")
-    for t in tensors:
-        if not (t.dtype == torch.bfloat16 and t.is_contiguous() and t.device.type == "cpu"):
-            raise ValueError("relu: contiguous bf16 CPU tensors")
 
 
 def pcg64_keep(state: int, inc: int, threshold: int, n: int) -> torch.Tensor | None:
@@ -882,12 +884,9 @@ def masked_softmax(x: torch.Tensor, mask: torch.Tensor, c: float) -> torch.Tenso
     """softmax over the last dimension of bf16(x / c) (c = 0: of x) with -inf where `mask`
     (bool, broadcastable to x's (B, H, Tq, Tk)) is False, w = 0 in a row with no legal key;
     x contiguous bf16. `model.attention`'s `scores / sqrt(d_k)` and `masked_softmax` in one
-    pass, fp32 inside, the output bf16. Only where `residual_norm_supported()`."""
-    if not residual_norm_supported():
-        raise RuntimeError(
-            f"masked_softmax: not on this machine ({unavailable() or 'no AVX-512F'})"
-        )
-    if x.dim() != 4 or x.dtype != torch.bfloat16 or not x.is_contiguous() or x.device.type != "cpu":
+    pass, fp32 inside, the output bf16. Only where `fused_supported()`."""
+    _require("masked_softmax", x)
+    if x.dim() != 4:
         raise ValueError("masked_softmax: a contiguous (B, H, Tq, Tk) bf16 CPU tensor")
     if mask.dtype != torch.bool:
         raise ValueError("masked_softmax: a bool mask")
@@ -908,10 +907,9 @@ def masked_softmax_backward(g: torch.Tensor, w: torch.Tensor, c: float) -> torch
     """The gradient of `masked_softmax` with respect to x, from g and its output w (bf16, one
     shape, contiguous): torch's softmax backward rounded to bf16, then divided by c (c = 0:
     not) and rounded again, as the two ops it replaces give it."""
-    if not (g.shape == w.shape and g.is_contiguous() and w.is_contiguous()):
-        raise ValueError("masked_softmax_backward: contiguous g and w of one shape")
-    if g.dtype != torch.bfloat16 or w.dtype != torch.bfloat16:
-        raise ValueError("masked_softmax_backward: bf16 g and w")
+    _require("masked_softmax_backward", g, w)
+    if g.shape != w.shape:
+        raise ValueError("masked_softmax_backward: g and w of one shape")
     dx = torch.empty_like(w)
     if w.numel():
         tk = w.size(-1)
@@ -924,10 +922,9 @@ def masked_softmax_backward(g: torch.Tensor, w: torch.Tensor, c: float) -> torch
 def column_sums(x: torch.Tensor) -> torch.Tensor:
     """x (N, C) bf16, contiguous -> (C,) in x's dtype: the column sums, accumulated in fp32 on
     the threads (a linear layer's bias gradient; torch's bf16 `sum(0)` is slower). Only where
-    `residual_norm_supported()`."""
-    if not residual_norm_supported():
-        raise RuntimeError(f"column_sums: not on this machine ({unavailable() or 'no AVX-512F'})")
-    if x.dim() != 2 or x.dtype != torch.bfloat16 or not x.is_contiguous() or x.device.type != "cpu":
+    `fused_supported()`."""
+    _require("column_sums", x)
+    if x.dim() != 2:
         raise ValueError("column_sums: a contiguous (N, C) bf16 CPU tensor")
     n, c = x.shape
     out = torch.empty(c)

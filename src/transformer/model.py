@@ -473,15 +473,20 @@ def _compiled_softmax(scores: torch.Tensor) -> bool:
     training in bf16 on a CPU with the compiled kernels (`kernels.masked_softmax`), the
     (B, H, Tq, Tk) scores contiguous. Torch's ops take 2.9-3.3 ms forward on (128, 8, 34, 34)
     (a division, an fp32 copy, masked_fill, max, exp, sum, divide, a bf16 copy), the kernel 1.1."""
+    return scores.requires_grad and scores.dim() == 4 and _fused_training(scores)
+
+
+def _fused_training(*tensors: torch.Tensor) -> bool:
+    """Whether a fused kernel (`kernels.fused_supported`) may take these tensors: gradients on
+    (training), each contiguous bf16 on the CPU, not inside torch.compile's trace."""
     return (
         torch.is_grad_enabled()
-        and scores.requires_grad
-        and scores.dtype == torch.bfloat16
-        and scores.device.type == "cpu"
-        and scores.dim() == 4
-        and scores.is_contiguous()
+        and all(
+            t.dtype == torch.bfloat16 and t.device.type == "cpu" and t.is_contiguous()
+            for t in tensors
+        )
         and not torch.compiler.is_compiling()
-        and kernels.residual_norm_supported()
+        and kernels.fused_supported()
     )
 
 
@@ -641,7 +646,7 @@ class PositionwiseFeedForward(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.w_1(x)  # (B, T, d_ff)
-        if h.requires_grad and h.dtype == torch.bfloat16 and _compiled_relu(h):
+        if h.requires_grad and _compiled_relu(h):
             return self.w_2(_ReLU.apply(h))
         return self.w_2(F.relu(h, inplace=True))
 
@@ -650,13 +655,7 @@ def _compiled_relu(h: torch.Tensor) -> bool:
     """Whether max(0, h) goes through `_ReLU` (`kernels.relu_`): training in bf16 on a CPU
     with the compiled kernels, h contiguous (torch's clamp_min_ and threshold_backward run at
     about a third of the kernels' rate there: 1.2 against 0.4 ms forward on (3840, 2048))."""
-    return (
-        torch.is_grad_enabled()
-        and h.device.type == "cpu"
-        and h.is_contiguous()
-        and not torch.compiler.is_compiling()
-        and kernels.residual_norm_supported()
-    )
+    return _fused_training(h)
 
 
 class _ReLU(torch.autograd.Function):
@@ -828,23 +827,16 @@ class _Residual(nn.Module):
 
 def _fused_residual_norm(x: torch.Tensor, f: torch.Tensor, norm: nn.LayerNorm) -> bool:
     """Whether LayerNorm(x + Dropout(f)) goes through `_ResidualNorm`: when training in bf16
-    on a CPU with the compiled kernel (kernels.residual_norm_supported), x and f contiguous
-    and alike, the norm with a bf16 gain and bias over the last dimension."""
+    on a CPU with the compiled kernels (`_fused_training`), x and f alike, the norm with a
+    bf16 gain and bias over the last dimension."""
     w, b = norm.weight, norm.bias
     return (
-        torch.is_grad_enabled()
-        and (x.requires_grad or f.requires_grad)
-        and x.dtype == f.dtype == torch.bfloat16
-        and x.device.type == "cpu"
+        (x.requires_grad or f.requires_grad)
         and x.shape == f.shape
-        and x.is_contiguous()
-        and f.is_contiguous()
         and w is not None
         and b is not None
-        and w.dtype == b.dtype == torch.bfloat16
         and tuple(norm.normalized_shape) == (x.size(-1),)
-        and not torch.compiler.is_compiling()
-        and kernels.residual_norm_supported()
+        and _fused_training(x, f, w, b)
     )
 
 

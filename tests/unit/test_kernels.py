@@ -1,13 +1,25 @@
-"""kernels.py: the compiled transposing copy equals torch's, and without it torch's is used."""
+"""kernels.py: each compiled kernel against torch (and fp64); torch's ops where none can run."""
 
 from __future__ import annotations
 
+import contextlib
 import platform
 
 import pytest
 import torch
 
 from transformer import kernels
+
+
+@contextlib.contextmanager
+def threads_of(n: int):
+    """torch (and so the kernels' OpenMP teams) at n threads inside, as it was after."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(old)
 
 
 @pytest.fixture
@@ -32,12 +44,8 @@ def test_it_builds_on_this_x86_64_machine():
 @pytest.mark.parametrize("threads", [1, 2])
 def test_transposed_equals_torchs_copy(dtype, shape, threads):
     x = torch.arange(shape[0] * shape[1]).reshape(shape).to(dtype)
-    old = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
+    with threads_of(threads):
         out = kernels.transposed(x)
-    finally:
-        torch.set_num_threads(old)
     assert out.is_contiguous() and out.dtype == dtype and torch.equal(out, x.t())
 
 
@@ -143,7 +151,7 @@ def _close(ours, ref, rel):
 def test_residual_norm_matches_layer_norm_of_x_plus_dropout(n, d, p, threads):
     """s to the bit; y and the gradients within bf16 rounding of fp64 LayerNorm of that s;
     the gain's and bias's gradients summed in fp32 (to 2^-9 of the largest after rounding)."""
-    if not kernels.residual_norm_supported():  # a CPU without AVX-512F: torch's ops instead
+    if not kernels.fused_supported():  # a CPU without AVX-512F: torch's ops instead
         with pytest.raises(RuntimeError, match="not on this machine"):
             kernels.residual_norm(*[torch.zeros(1, 16, dtype=torch.bfloat16)] * 2, None, 1.0,
                                   torch.ones(16), torch.zeros(16), 1e-5)  # fmt: skip
@@ -155,13 +163,9 @@ def test_residual_norm_matches_layer_norm_of_x_plus_dropout(n, d, p, threads):
     scale = 1.0 if keep is None else 1.0 / (1.0 - p)
     w = (1 + 0.2 * torch.randn(d, generator=g)).to(torch.bfloat16)
     b = (0.2 * torch.randn(d, generator=g)).to(torch.bfloat16)
-    old = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
+    with threads_of(threads):
         y, s, mean, rstd = kernels.residual_norm(x, f, keep, scale, w, b, 1e-5)
         dx, df, dw, db = kernels.residual_norm_backward(gy, s, mean, rstd, w, keep, scale)
-    finally:
-        torch.set_num_threads(old)
     s_ref, y_ref, dx_ref, df_ref, dw_ref, db_ref = _reference(x, f, keep, scale, w, b, gy)
     assert torch.equal(s, s_ref) and s.dtype == y.dtype == dx.dtype == df.dtype == torch.bfloat16
     _close(y, y_ref, 2**-7)
@@ -178,7 +182,7 @@ def test_residual_norm_matches_layer_norm_of_x_plus_dropout(n, d, p, threads):
 
 
 def test_residual_norm_is_the_same_bits_run_after_run():
-    if not kernels.residual_norm_supported():
+    if not kernels.fused_supported():
         return  # torch's ops run instead (the test above checks the refusal)
     g = torch.Generator().manual_seed(1)
     x, f, gy = (torch.randn(700, 512, generator=g).to(torch.bfloat16) for _ in range(3))
@@ -200,7 +204,7 @@ def test_residual_norm_is_the_same_bits_run_after_run():
     ],
 )
 def test_residual_norm_refuses_what_it_cannot_read(bad):
-    if not kernels.residual_norm_supported():
+    if not kernels.fused_supported():
         return
     a, b = bad(torch.zeros(16, 16, dtype=torch.bfloat16))
     with pytest.raises(ValueError, match="residual_norm"):
@@ -209,7 +213,7 @@ def test_residual_norm_refuses_what_it_cannot_read(bad):
 
 def test_without_avx512f_there_is_no_residual_norm(monkeypatch):
     monkeypatch.setattr(kernels, "_AVX512", False)
-    assert not kernels.residual_norm_supported()
+    assert not kernels.fused_supported()
     assert kernels.unavailable() is None  # the transposing copy still runs
 
 
@@ -219,7 +223,7 @@ def test_a_library_whose_norm_errs_is_not_used(fresh, monkeypatch):
     wrong = kernels._SOURCE.replace("(float)d + eps", "(float)d + 1")  # eps = 1
     monkeypatch.setattr(kernels, "_SOURCE", wrong)
     assert "residual LayerNorm differs" in kernels.unavailable()
-    assert not kernels.residual_norm_supported()
+    assert not kernels.fused_supported()
 
 
 SPECIALS = [0.0, -0.0, 1.0, -1.0, float("inf"), float("-inf"), float("nan"), -float("nan"), 1e-40]
@@ -227,7 +231,7 @@ SPECIALS = [0.0, -0.0, 1.0, -1.0, float("inf"), float("-inf"), float("nan"), -fl
 
 @pytest.mark.parametrize("n", [0, 1, 15, 17, 64, 1000, 3 * 2048 + 5])
 def test_relu_and_its_gradient_are_torchs(n):
-    if not kernels.residual_norm_supported():
+    if not kernels.fused_supported():
         with pytest.raises(RuntimeError, match="not on this machine"):
             kernels.relu_(torch.zeros(4, dtype=torch.bfloat16))
         return
@@ -245,7 +249,7 @@ def test_relu_and_its_gradient_are_torchs(n):
 
 
 def test_relu_refuses_what_it_cannot_read():
-    if not kernels.residual_norm_supported():
+    if not kernels.fused_supported():
         return
     for bad in (torch.zeros(8, 8, dtype=torch.bfloat16).t(), torch.zeros(8)):
         with pytest.raises(ValueError, match="relu"):
@@ -265,12 +269,8 @@ def test_the_dropout_mask_is_numpys_pcg64_stream(n, threads):
         state = np.random.PCG64(seed).state["state"]
         threshold = round(p * 65536)
         ref = np.random.PCG64(seed).random_raw((n + 3) // 4).view(np.uint16)[:n] >= threshold
-        old = torch.get_num_threads()
-        torch.set_num_threads(threads)
-        try:
+        with threads_of(threads):
             keep = kernels.pcg64_keep(state["state"], state["inc"], threshold, n)
-        finally:
-            torch.set_num_threads(old)
         assert keep.dtype == torch.bool and torch.equal(keep, torch.from_numpy(ref)), (n, seed)
 
 
@@ -297,7 +297,7 @@ def test_masked_softmax_is_the_models_to_bf16_rounding(shape, c):
     x = (4 * torch.randn(shape, generator=g)).to(torch.bfloat16)
     gy = torch.randn(shape, generator=g).to(torch.bfloat16)
     for name, mask in _masks(B, Tq, Tk).items():
-        if not kernels.residual_norm_supported():
+        if not kernels.fused_supported():
             with pytest.raises(RuntimeError, match="not on this machine"):
                 kernels.masked_softmax(x, mask, c)
             return
@@ -319,7 +319,7 @@ def test_masked_softmax_is_the_models_to_bf16_rounding(shape, c):
 
 
 def test_masked_softmax_refuses_what_it_cannot_read():
-    if not kernels.residual_norm_supported():
+    if not kernels.fused_supported():
         return
     x = torch.zeros(2, 2, 3, 3, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="contiguous"):
@@ -332,7 +332,7 @@ def test_masked_softmax_refuses_what_it_cannot_read():
 
 def test_fused_off_keeps_torchs_ops(monkeypatch):
     monkeypatch.setattr(kernels, "FUSED", False)
-    assert not kernels.residual_norm_supported()
+    assert not kernels.fused_supported()
     assert kernels.unavailable() is None  # the transposing copy and the mask are unaffected
 
 
@@ -340,16 +340,12 @@ def test_fused_off_keeps_torchs_ops(monkeypatch):
 @pytest.mark.parametrize("threads", [1, 2])
 def test_column_sums_are_fp32_sums(shape, threads):
     x = torch.randn(shape, generator=torch.Generator().manual_seed(shape[1])).to(torch.bfloat16)
-    if not kernels.residual_norm_supported():
+    if not kernels.fused_supported():
         with pytest.raises(RuntimeError, match="not on this machine"):
             kernels.column_sums(x)
         return
-    old = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
+    with threads_of(threads):
         out = kernels.column_sums(x)
-    finally:
-        torch.set_num_threads(old)
     ref = x.double().sum(0)
     assert out.dtype == torch.bfloat16 and out.shape == (shape[1],)
     assert (out.double() - ref).abs().max() <= 2**-8 * ref.abs().max() + 1e-6

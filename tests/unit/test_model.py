@@ -888,7 +888,7 @@ def _bf16_step(cfg, fused: bool, dtype=torch.bfloat16, train: bool = True):
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(model_module._ResidualNorm, "apply", counted)
         if not fused:
-            mp.setattr(kernels, "residual_norm_supported", lambda: False)
+            mp.setattr(kernels, "fused_supported", lambda: False)
         torch.manual_seed(5)
         out = model(src, src_mask, tgt)
         probe = torch.randn(out.shape, generator=torch.Generator().manual_seed(3))
@@ -904,7 +904,7 @@ def test_bf16_training_fuses_each_post_norm_sublayer_as_accurately(p_drop):
     out, grads, calls = _bf16_step(cfg, fused=True)
     out_t, grads_t, calls_t = _bf16_step(cfg, fused=False)
     out_32, grads_32, calls_32 = _bf16_step(cfg, fused=True, dtype=torch.float32)
-    assert calls == (sublayers if kernels.residual_norm_supported() else 0)
+    assert calls == (sublayers if kernels.fused_supported() else 0)
     assert calls_t == calls_32 == 0  # torch's ops: not asked for, or fp32
     # the same dropout masks: the outputs agree to bf16 rounding, the gradients (against the
     # fp32 model's) are as close as torch's bf16 ops get
@@ -918,7 +918,7 @@ def test_bf16_training_fuses_each_post_norm_sublayer_as_accurately(p_drop):
 def test_no_fused_norm_for_pre_norm_or_without_gradients(monkeypatch):
     from transformer import model as model_module
 
-    supported = kernels.residual_norm_supported()
+    supported = kernels.fused_supported()
     # evaluation with gradients (no dropout): fused, without a mask
     assert _bf16_step(tiny(p_drop=0.1), fused=True, train=False)[2] == (
         5 * tiny().n_layers if supported else 0
@@ -952,7 +952,7 @@ def test_bf16_training_takes_the_compiled_relu_with_torchs_values(monkeypatch):
         out = ffn(xs)
         out.backward(g)
         runs.append((out.detach(), xs.grad, *[p.grad.clone() for p in ffn.parameters()]))
-        assert len(calls) == (1 if compiled and kernels.residual_norm_supported() else 0)
+        assert len(calls) == (1 if compiled and kernels.fused_supported() else 0)
     assert all(torch.equal(a, b) for a, b in zip(*runs, strict=True))
 
 
@@ -978,7 +978,7 @@ def test_bf16_training_attention_takes_the_compiled_softmax(monkeypatch):
     )
     cfg = tiny(p_drop=0.1)
     _bf16_step(cfg, fused=True)
-    if kernels.residual_norm_supported():
+    if kernels.fused_supported():
         # every attention of the packed step: encoder, decoder self and encoder-decoder
         assert len(calls) == 3 * cfg.n_layers and set(calls) == {math.sqrt(cfg.d_k)}
     else:
