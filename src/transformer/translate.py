@@ -285,10 +285,22 @@ def packed_projection(model: nn.Module) -> nn.Module:
 
 
 def bf16_packs() -> bool:
-    """Whether bf16 decoding on this CPU takes `packed_bf16`'s layers: oneDNN is there and the
-    CPU multiplies bf16 natively (AVX512-BF16 or AMX); elsewhere bf16 runs in slow fallbacks
-    that a packed layout would not help."""
-    return torch.backends.mkldnn.is_available() and bool(native_bf16())
+    """Whether bf16 decoding on this CPU takes `packed_bf16`'s layers: oneDNN is there, the
+    CPU multiplies bf16 natively (AVX512-BF16 or AMX), and oneDNN's own check of the CPU
+    passes (its bf16 layout needs AVX-512 BW/VL/DQ or AVX-NE-CONVERT, and refuses to pack on a
+    CPU without them, such as a Zen 3: `_reorder_linear_weight` raises there, so flags that
+    claim more than the CPU has, as a container's or a test's can, must not decide alone);
+    elsewhere bf16 runs in slow fallbacks that a packed layout would not help."""
+    return torch.backends.mkldnn.is_available() and bool(native_bf16()) and onednn_bf16()
+
+
+def onednn_bf16() -> bool:
+    """Whether oneDNN multiplies and packs bf16 on this CPU (torch's check of the CPU itself,
+    not of /proc/cpuinfo's flags)."""
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):  # a torch built without oneDNN
+        return False
 
 
 def packed_bf16(model: nn.Module) -> nn.Module:
