@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import copy
+import functools
 import io
 import logging
 from dataclasses import replace
@@ -38,12 +39,22 @@ from transformer.translate import (
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-# oneDNN packs bf16 weights only on a CPU with AVX-512 BW/VL/DQ or AVX-NE-CONVERT (every CPU
-# with native bf16 products has them; a Zen 3, AVX2 only, has not, and there bf16 decoding
-# takes F.linear: `translate.bf16_packs`). Like CUDA, hardware the machine may lack.
-needs_onednn_bf16 = pytest.mark.skipif(
-    not onednn_bf16(), reason="needs a CPU whose oneDNN packs bf16 (AVX-512 BW/VL/DQ)"
-)
+
+def needs_onednn_bf16(test):
+    """oneDNN packs bf16 weights only on a CPU with AVX-512 BW/VL/DQ or AVX-NE-CONVERT (every
+    CPU with native bf16 products has them; a Zen 3, AVX2 only, has not, and there bf16
+    decoding takes F.linear: `translate.bf16_packs`). On such a CPU the test checks that
+    instead: packing refuses, and bf16 decoding does not pack."""
+    if onednn_bf16():
+        return test
+
+    @functools.wraps(test)
+    def refused(*args, **kwargs):
+        with pytest.raises(RuntimeError, match="bf16"):
+            PackedLinear(torch.zeros(4, 8).bfloat16(), None, dtype=torch.bfloat16)
+        assert not bf16_packs()
+
+    return refused
 
 
 WORDS = "a man woman dog cat runs sits on the red blue street park ball with two young".split()
