@@ -299,7 +299,7 @@ def onednn_bf16() -> bool:
     not of /proc/cpuinfo's flags)."""
     try:
         return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
-    except (AttributeError, RuntimeError):  # a torch built without oneDNN
+    except (AttributeError, RuntimeError):  # a torch without this op
         return False
 
 

@@ -855,16 +855,17 @@ def test_packed_bf16_packs_every_linear_and_leaves_the_model_alone(model_file):
     torch.testing.assert_close(hidden.float(), ref.float(), rtol=0.05, atol=0.05)
 
 
-@pytest.mark.parametrize("lacks", ["native_bf16", "onednn_bf16"])
-def test_packed_bf16_without_native_bf16_is_the_model_in_bf16(model_file, monkeypatch, lacks):
+@pytest.mark.parametrize(("native", "onednn"), [([], True), (["amx_bf16"], False)])
+def test_packed_bf16_where_the_cpu_cannot_pack_is_the_model_in_bf16(
+    model_file, monkeypatch, native, onednn
+):
     # A CPU without native bf16 products, or whose oneDNN refuses bf16's layout (a Zen 3; or
     # flags claiming more than the CPU has): the model in bf16, F.linear as before, no error.
     from transformer import translate
 
     model = Translator.from_path(model_file).loaded.model.eval()
-    monkeypatch.setattr(translate, lacks, lambda: [] if lacks == "native_bf16" else False)
-    if lacks == "onednn_bf16":
-        monkeypatch.setattr(translate, "native_bf16", lambda: ["amx_bf16"])
+    monkeypatch.setattr(translate, "native_bf16", lambda: native)
+    monkeypatch.setattr(translate, "onednn_bf16", lambda: onednn)
     unpacked = translate.packed_bf16(model)
     assert unpacked.projection is None and any(is_linear(m) for m in unpacked.modules())
     assert unpacked.output_weight().dtype == torch.bfloat16
