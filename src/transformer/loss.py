@@ -121,13 +121,28 @@ class _ChunkedProjectionLoss(torch.autograd.Function):
         on_target = 1.0 - eps - eps_other  # q at the target minus the eps_other every class has
         w_sum = weight.float().sum(0)  # (D,): sum over classes of the logits = h . w_sum
         h_sum = torch.zeros(hidden.size(1), dtype=torch.float32, device=hidden.device)
-        for start, stop in _chunks(n_rows, chunk_rows):
+        bounds = _chunks(n_rows, chunk_rows)
+        # Every chunk's logits in one (n, V) block, made once and overwritten chunk by chunk.
+        # A block freed and made again per chunk could land above the one before: glibc
+        # may split the freed block to serve a small allocation made in between, and the
+        # next chunk's no longer fits in what is left (W3's peak at ~4k tokens then +245 MB
+        # in fp32 in some processes: docs/performance.md, "Round thirty-three"). The helper
+        # holds its chunks' blocks until its products are done: a block each there.
+        block = None
+        if helper is None and bounds:
+            rows = max(stop - start for start, stop in bounds)
+            block = torch.empty((rows, n_classes), dtype=weight.dtype, device=weight.device)
+        for start, stop in bounds:
             h = hidden[start:stop]  # (n, D)
             t = target[start:stop]  # (n,)
             # Beside a busy process, with nothing of the helper's in flight, a third of the
             # two (n, V) x D products' rows runs on it (`split_linear`, SPLIT_SHARE).
             split = helper.split_linear if helper is not None and not parts else F.linear
-            logits = split(h, weight)  # (n, V), in the parameters' dtype (bf16 matmul)
+            # (n, V), in the parameters' dtype (bf16 matmul)
+            if block is not None:
+                logits = torch.mm(h, weight.t(), out=block[: stop - start])
+            else:
+                logits = split(h, weight)
             logit_t = logits.gather(-1, t[:, None]).squeeze(-1).float()  # (n,)
             # The softmax, written over the logits (the kernel reads each row before it writes
             # it; the same values as a new tensor, ~3x faster as no page is newly touched), is
@@ -169,9 +184,11 @@ class _ChunkedProjectionLoss(torch.autograd.Function):
                 else:
                     partial.addmm_(probs.t(), h)
                 h_sum += h32.sum(0)
-            # Freed before the next chunk's logits are made (with or without the gradient), not
-            # when the name is rebound after them: otherwise two (n, V) blocks are alive at once.
+            # With the helper: freed before the next chunk's logits are made (with or without
+            # the gradient), not when the name is rebound after them: otherwise two (n, V)
+            # blocks are alive at once.
             del probs
+        del block
         if need_grad and helper is not None:
             # d loss / d weight is finished in the helper's `finish`, after backward.
             ctx.helper, ctx.weight, ctx.parts = helper, weight, parts

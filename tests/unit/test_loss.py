@@ -7,6 +7,8 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 from transformer import gradhelper, kernels
 from transformer.loss import (
@@ -97,6 +99,45 @@ def test_chunked_equals_reference_with_gradients(chunk_rows):
     # The chunked loss runs its log-softmax in fp32 whatever the input dtype.
     torch.testing.assert_close(g_h, hidden.grad, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(g_w, weight.grad, rtol=1e-5, atol=1e-6)
+
+
+class _LogitBlocks(TorchDispatchMode):
+    """Keeps every (n > 1, V) tensor an op makes (so none is freed and its memory reused)."""
+
+    def __init__(self, n_classes: int, weight: torch.Tensor) -> None:
+        super().__init__()
+        self.n_classes, self.weight, self.kept = n_classes, weight.untyped_storage(), []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_leaves(out):
+            shaped = isinstance(t, torch.Tensor) and t.dim() == 2 and t.size(0) > 1
+            if shaped and t.size(1) == self.n_classes:
+                if t.untyped_storage().data_ptr() != self.weight.data_ptr():  # not W^T
+                    self.kept.append(t)
+        return out
+
+    def storages(self) -> int:
+        return len({t.untyped_storage().data_ptr() for t in self.kept})
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_chunked_logits_of_every_chunk_in_one_block(dtype):
+    # One (n, V) block made once for all chunks (the last one shorter), not one per chunk: a
+    # block freed and made again could land above the last (W3's peak, +1 block).
+    torch.manual_seed(0)
+    hidden = torch.randn(40, 8).to(dtype).requires_grad_(True)
+    weight = torch.randn(64, 8).to(dtype).requires_grad_(True)
+    target = torch.randint(1, 64, (40,))
+    blocks = _LogitBlocks(64, weight)
+    with blocks:
+        loss, _ = chunked_label_smoothed_loss(hidden, weight, target, 0.1, 16)  # 16 + 16 + 8
+    assert {tuple(t.shape) for t in blocks.kept} >= {(16, 64), (8, 64)}
+    assert blocks.storages() == 1
+    ref, _ = _reference(hidden.detach().double(), weight.detach().double(), target, 0.1)
+    torch.testing.assert_close(
+        loss, ref.float(), rtol=2e-2 if dtype == torch.bfloat16 else 1e-5, atol=0.0
+    )
 
 
 def test_chunked_bf16_close_to_fp32():
