@@ -97,6 +97,11 @@ def model_file(tmp_path_factory) -> Path:
 
 
 LINES = ["A man runs.", "", "Two young dogs sit on the red street with a ball.", "A cat."]
+# The streams' tests: several small batches, and outputs capped at a quarter of the source's
+# length + 6 tokens. The random model runs every search to its cap (17-63 tokens under the
+# fixture's 1.0 x length + 8): capped, the outputs still differ by line and in length (7-20
+# tokens), and these tests take under half the time.
+SMALL_BATCHES = {"max_tokens": 24, "max_len_a": 0.25, "max_len_b": 6}
 
 
 def test_batched_translation_keeps_input_order_and_equals_one_at_a_time(model_file):
@@ -255,7 +260,7 @@ def test_int8_streams_share_each_layers_stacked_projections(model_file, monkeypa
         par = Translator.from_path(model_file, dtype="int8", threads="auto")
         assert par.streams == 3
         for tr in (seq, par):
-            tr.decode = replace(tr.decode, max_tokens=24)  # several small batches
+            tr.decode = replace(tr.decode, **SMALL_BATCHES)
         want = seq.translate_lines(lines)
         n_layers = len(par.model.decoder_layers)
         built.clear()
@@ -278,7 +283,7 @@ def test_streams_decode_batches_side_by_side_with_the_same_output(model_file, mo
         par = Translator.from_path(model_file, threads="auto")
         assert seq.streams == 1 and par.streams == 3
         for tr in (seq, par):
-            tr.decode = replace(tr.decode, max_tokens=24)  # several small batches
+            tr.decode = replace(tr.decode, **SMALL_BATCHES)
         n_batches = len(list(par.batches(par.encode(lines))))
         assert n_batches >= 6
         used = []
@@ -343,7 +348,7 @@ def test_beside_a_busy_process_the_streams_keep_to_a_cpu_each_and_one_more_runs(
         assert par.streams == 3 and par.load is not None
         par.load = _Crowded(others)
         for tr in (seq, par):
-            tr.decode = replace(tr.decode, max_tokens=24)
+            tr.decode = replace(tr.decode, **SMALL_BATCHES)
         assert len(list(par.batches(par.encode(lines)))) >= 12
         decode = par._decode
 

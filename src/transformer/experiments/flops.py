@@ -22,7 +22,6 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from transformer import rundir
 from transformer.config import ModelConfig
 from transformer.errors import UserError
 
@@ -177,6 +176,7 @@ def _report(name, cfg, steps, src_tok, tgt_tok, src_len, tgt_len, hours, devices
 def _data_lengths(run_dir: Path) -> tuple[float, float] | None:
     """Mean source and target lengths (EOS included) of the run's training split, if found."""
     try:
+        from transformer import rundir
         from transformer.data import load_prepared
 
         split = load_prepared(rundir.read_data_dir(run_dir)).split("train")
@@ -206,6 +206,8 @@ def run_report(
         src_len, tgt_len: mean sentence lengths; None takes them from the run's training data,
             or DEFAULT_MEAN_LEN when that cannot be read.
     """
+    from transformer import rundir  # torch's import: not for the analytic counts above
+
     cfg, totals = rundir.read_config(run_dir), rundir.training_totals(run_dir)
     if src_len is None or tgt_len is None:
         lengths = _data_lengths(run_dir) or (DEFAULT_MEAN_LEN, DEFAULT_MEAN_LEN)

@@ -86,3 +86,22 @@ def test_run_report_errors_name_the_file(tmp_path) -> None:
     (tmp_path / "metrics.jsonl").write_text('{"kind": "valid", "step": 1}\nnot json\n')
     with pytest.raises(UserError, match="metrics.jsonl:2"):
         run_report(tmp_path, device_tflops=1.0)
+
+
+def test_the_analytic_counts_do_not_import_torch():
+    # benchmarks/issue19_summary.py counts a W1 step's FLOPs with training_flops: ~0.1 s, not
+    # the ~2.5 s of torch's import (rundir's), which only run_report needs.
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "from transformer.config import build_config\n"
+        "from transformer.experiments.flops import training_flops\n"
+        "cfg = build_config('base', None, [], vocab_size=32000).model\n"
+        "assert training_flops(cfg, 100, 100, 20.0, 20.0) > 0\n"
+        "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          check=True, timeout=120)  # fmt: skip
+    assert done.stdout.strip() == "[]"
