@@ -21,8 +21,6 @@ from contextlib import nullcontext
 from pathlib import Path
 
 from bench_contention import busy_process, cpu_line  # this script's folder is on sys.path
-from transformer.threads import OtherLoad
-from transformer.translate import Translator
 
 
 def main() -> None:
@@ -43,6 +41,9 @@ def main() -> None:
     for c in counts:
         if not c.removesuffix("p").isdigit() or int(c.removesuffix("p")) < 1:
             p.error(f"--streams: {c!r} is not a count (N, or Np: pinned beside a busy process)")
+    from transformer.threads import OtherLoad  # torch's import (~2.5 s) after the checks
+    from transformer.translate import Translator
+
     tr = Translator.from_path(args.model, dtype=args.dtype, threads="auto")
     tr.translate(lines[:200], beam_size=args.beam)  # warm-up
     print(f"# {cpu_line()}; {len(lines)} lines, dtype {tr.dtype_name}, {args.rounds} rounds")
