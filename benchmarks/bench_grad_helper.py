@@ -23,15 +23,11 @@ import statistics
 import time
 from contextlib import nullcontext
 
-import torch
-
 from bench_contention import busy_process  # this script's folder is on sys.path
 from bench_step_phases import training_setup
-from transformer import gradhelper
 from transformer.allocator import keep_large_blocks
 from transformer.cpuinfo import cpu_line
 from transformer.errors import UserError
-from transformer.loss import chunked_label_smoothed_loss
 from transformer.tokenizer import PAD_ID
 
 MODES = ("one", "two", "helper", "unsteered")
@@ -51,6 +47,11 @@ def main() -> None:
     modes = args.modes.split(",")
     if not set(modes) <= set(MODES) or min(args.batches, args.rounds) < 1:
         ap.error(f"--modes: some of {', '.join(MODES)}; --batches and --rounds at least 1")
+    import torch  # (~2.5 s) after the arguments' checks
+
+    from transformer import gradhelper
+    from transformer.loss import chunked_label_smoothed_loss
+
     keep_large_blocks()  # as `transformer train`
     helper = None if args.no_helper else gradhelper.WeightGradHelper.for_this_process()
     if helper is None and {"helper", "unsteered"} & set(modes):

@@ -19,20 +19,19 @@ from __future__ import annotations
 import argparse
 import time
 from collections.abc import Iterator
-
-import torch
+from typing import TYPE_CHECKING
 
 from transformer.allocator import keep_large_blocks
 from transformer.batching import TokenBatchSampler
 from transformer.config import RunConfig, build_config
 from transformer.cpuinfo import cpu_line
-from transformer.data import Batch, collate, load_prepared
 from transformer.errors import UserError
-from transformer.loss import chunked_label_smoothed_loss
-from transformer.model import Transformer
-from transformer.optim import MixedPrecisionAdam
 from transformer.tokenizer import PAD_ID
-from transformer.train import build_model
+
+if TYPE_CHECKING:  # torch's modules: imported where used, after the arguments' checks (~2.5 s)
+    from transformer.data import Batch
+    from transformer.model import Transformer
+    from transformer.optim import MixedPrecisionAdam
 
 PHASES = ("forward", "loss", "backward", "optimizer")
 
@@ -43,6 +42,12 @@ def training_setup(
     """A preset's model (seed 1, training mode), its optimizer, and its train split's batches,
     endlessly: what `transformer train` steps through. Raises UserError for a missing corpus,
     an unknown preset or override."""
+    import torch
+
+    from transformer.data import load_prepared
+    from transformer.optim import MixedPrecisionAdam
+    from transformer.train import build_model
+
     data = load_prepared(data_dir)
     split = data.split("train")
     config = build_config(preset, None, overrides, vocab_size=data.tokenizer.vocab_size)
@@ -55,6 +60,8 @@ def training_setup(
 
 def endless_batches(sampler: TokenBatchSampler, split) -> Iterator[Batch]:
     """The sampler's batches, collated, epoch after epoch (a timed loop never runs dry)."""
+    from transformer.data import collate
+
     while True:
         for indices in sampler:
             yield collate(split, indices)
@@ -76,6 +83,9 @@ def main() -> None:
         ap.error(f"--threads: comma-separated thread counts, got {args.threads!r}")
     if min(counts) < 1 or min(args.batches, args.rounds) < 1 or args.warmup < 0:
         ap.error("--threads, --batches and --rounds must be at least 1, --warmup at least 0")
+    import torch
+
+    from transformer.loss import chunked_label_smoothed_loss
 
     keep_large_blocks()  # as `transformer train` (train._setup_torch)
     try:

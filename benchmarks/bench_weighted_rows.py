@@ -21,15 +21,16 @@ import os
 import statistics
 import sys
 import time
-
-import torch
+from typing import TYPE_CHECKING
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src"))
 
-from transformer import model as model_module  # noqa: E402
 from transformer.cpuinfo import cpu_line  # noqa: E402
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+if TYPE_CHECKING:  # torch's import (~2.5 s) waits for the arguments' checks: see main
+    import torch
+
+DTYPES = {"fp32": "float32", "bf16": "bfloat16"}  # torch's names
 
 
 def per_call_us(fn, calls: int = 300) -> float:
@@ -47,28 +48,33 @@ def in_turn(product, values: list[torch.Tensor]):
     return lambda: product(values[next(turn) % len(values)])
 
 
-@torch.inference_mode()
 def products(dtypes: list[str]) -> None:
+    import torch
+
+    from transformer import model as model_module
+
     print("| product | dtype | w @ v (us) | row sums (us) | ratio |")
     print("|---|---|---:|---:|---:|")
-    shapes = {  # name: (B, H, queries, positions, capacity)
-        "encoder-decoder, 34 positions": (64, 8, 1, 34, 34),
-        "cache prefix, 40 of 64": (64, 8, 1, 40, 64),
-        "beam 4 grouped, 124 positions": (64, 8, 4, 124, 124),
-    }
-    for name, (B, H, Tq, L, cap) in shapes.items():
-        for dtype in dtypes:
-            dt = DTYPES[dtype]
-            vs = [torch.randn(B, H, cap, 64, dtype=dt)[:, :, :L] for _ in range(12)]
-            w = torch.randn(B, H, Tq, L).softmax(-1).to(dt)
-            assert model_module._weighted_rows_apply(w.float(), vs[0])
-            a = per_call_us(in_turn(lambda v, w=w: w @ v, vs))
-            b = per_call_us(in_turn(lambda v, w=w: model_module._weighted_rows(w, v), vs))
-            print(f"| {name} | {dtype} | {a:.0f} | {b:.0f} | {a / b:.2f}x |", flush=True)
+    with torch.inference_mode():
+        shapes = {  # name: (B, H, queries, positions, capacity)
+            "encoder-decoder, 34 positions": (64, 8, 1, 34, 34),
+            "cache prefix, 40 of 64": (64, 8, 1, 40, 64),
+            "beam 4 grouped, 124 positions": (64, 8, 4, 124, 124),
+        }
+        for name, (B, H, Tq, L, cap) in shapes.items():
+            for dtype in dtypes:
+                dt = getattr(torch, DTYPES[dtype])
+                vs = [torch.randn(B, H, cap, 64, dtype=dt)[:, :, :L] for _ in range(12)]
+                w = torch.randn(B, H, Tq, L).softmax(-1).to(dt)
+                assert model_module._weighted_rows_apply(w.float(), vs[0])
+                a = per_call_us(in_turn(lambda v, w=w: w @ v, vs))
+                b = per_call_us(in_turn(lambda v, w=w: model_module._weighted_rows(w, v), vs))
+                print(f"| {name} | {dtype} | {a:.0f} | {b:.0f} | {a / b:.2f}x |", flush=True)
 
 
 def w2(dtypes: list[str], beams: list[int], rounds: int, out_len: int) -> None:
     from bench_decode import base_model, run_ours, w2_source  # this script's folder
+    from transformer import model as model_module
 
     src, src_mask = w2_source()
     on = model_module.WEIGHTED_ROWS_MAX_QUERIES
@@ -118,6 +124,8 @@ def main() -> None:
         p.error(f"--beams: comma-separated beam sizes, got {args.beams!r}")
     if min(beams) < 1 or args.rounds < 1 or args.out_len < 1 or args.threads < 1:
         p.error("--beams, --rounds, --out-len and --threads must be at least 1")
+    import torch
+
     torch.set_num_threads(args.threads)
     load = os.getloadavg()[0]
     print(f"# {cpu_line()}; torch {torch.__version__}, {args.threads} threads; load {load:.2f}")
