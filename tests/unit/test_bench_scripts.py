@@ -1,6 +1,6 @@
 """benchmarks/bench_step_phases.py, bench_grad_helper.py, bench_wakeup.py, bench_streams.py,
-bench_split_rows.py, bench_weighted_rows.py and issue19_table.sh: bad input is one clear line
-(the script, the problem), exit status 2, before any timing starts."""
+bench_split_rows.py, bench_weighted_rows.py, bench_read_trees.py and issue19_table.sh: bad input
+is one clear line (the script, the problem), exit status 2, before any timing starts."""
 
 from __future__ import annotations
 
@@ -56,6 +56,8 @@ def test_step_phases_names_a_missing_corpus(tmp_path):
         ("bench_weighted_rows.py", ["--dtypes", "fp16"], "--dtypes: some of fp32, bf16, int8"),
         ("bench_weighted_rows.py", ["--beams", "1,a"], "--beams: comma-separated beam sizes"),
         ("bench_weighted_rows.py", ["--rounds", "0"], "--rounds, --out-len and --threads must"),
+        ("bench_read_trees.py", ["--reps", "0"], "--reps: at least 1, not 0"),
+        ("bench_read_trees.py", ["--data", "/nonexistent"], "/nonexistent/ptb_sample/combined"),
     ],
 )
 def test_helper_benchmarks_reject_bad_arguments(tmp_path, script, args, message):

@@ -33,6 +33,7 @@ from transformer.parsing.trees import (
     Tree,
     is_bracket,
     linearize,
+    paused_gc,
     read_trees,
     write_trees,
 )
@@ -76,11 +77,12 @@ def load_parsing_splits(data_root: str | Path) -> dict[str, list[Tree]]:
     """Cleaned trees of the train, dev and test splits (see the module docstring)."""
     data_root = Path(data_root)
     train_files, dev_files = split_sample_files(data_root / PTB_SAMPLE_DIR)
-    return {
-        "train": [tree for path in train_files for tree in read_trees(path)],
-        "dev": [tree for path in dev_files for tree in read_trees(path)],
-        "test": read_trees(data_root / WSJ22_PATH),
-    }
+    with paused_gc():  # one pause for the ~200 files, not one each (trees.paused_gc)
+        return {
+            "train": [tree for path in train_files for tree in read_trees(path)],
+            "dev": [tree for path in dev_files for tree in read_trees(path)],
+            "test": read_trees(data_root / WSJ22_PATH),
+        }
 
 
 def write_parsing_corpus(out_dir: str | Path, data_root: str | Path, *, leaves: str = "xx") -> dict:

@@ -27,6 +27,9 @@ words; how it repairs ill-formed output is documented there.
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import gc
 import logging
 import re
 from collections.abc import Iterable, Iterator, Sequence
@@ -44,7 +47,10 @@ UNKNOWN_LABEL = "X"  # PTB's label for an unknown constituent; used for a bare "
 OPEN, CLOSE = "(", ")"
 LEAF_MODES = ("xx", "pos", "words")  # what a linearized tree writes for each word
 
-_TOKEN = re.compile(r"\(|\)|[^\s()]+")
+# A token: "(TAG word)" whole (a preterminal, most of a treebank: the label and the word as
+# groups 1 and 2) or else "(", ")" or any other text (group 3).
+_TOKEN = re.compile(r"\(([^\s()]+)\s+([^\s()]+)\)|(\(|\)|[^\s()]+)")
+_FUNCTION_TAG = re.compile(r"[-=|]")
 
 
 class TreeFormatError(ValueError):
@@ -133,20 +139,32 @@ def read_trees(path: str | Path, *, clean: bool = True) -> list[Tree]:
 def parse_trees(text: str, source: str = "<string>", *, clean: bool = True) -> list[Tree]:
     """Parse every bracketed tree in `text` (see `read_trees`); `source` names it in errors."""
     trees = []
-    for number, line, tree in _parse_sexprs(text, source):
-        tree = _normalize_root(tree)
-        if clean:
-            cleaned = clean_tree(tree)
-            if cleaned is None:
+    with paused_gc():
+        for number, line, tree in _parse_sexprs(text, source, clean):
+            if tree is None:
                 raise TreeFormatError(
                     f"{source}: tree {number} (line {line}): no words left after removing "
                     f"{NONE_LABEL} elements"
                 )
-            tree = cleaned
-        trees.append(tree)
+            trees.append(tree)
     if not trees:
         raise TreeFormatError(f"{source}: no trees found")
     return trees
+
+
+@contextlib.contextmanager
+def paused_gc() -> Iterator[None]:
+    """Python's cycle collector paused while trees are read: they hold no cycles, and each of
+    the collections that their ~250,000 nodes would set off walks the whole heap (all of
+    torch's objects when the CLI runs); with it the sample and section 22 read in ~2x the
+    time. It runs again afterwards if it ran before (so the pauses nest)."""
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
 
 
 def parse_tree(text: str, source: str = "<string>", *, clean: bool = True) -> Tree:
@@ -157,92 +175,126 @@ def parse_tree(text: str, source: str = "<string>", *, clean: bool = True) -> Tr
     return trees[0]
 
 
-def _parse_sexprs(text: str, source: str) -> Iterator[tuple[int, int, Tree]]:
-    """Yield (tree number, first line, tree) for each top-level bracketing in `text`.
+def _parse_sexprs(text: str, source: str, clean: bool) -> Iterator[tuple[int, int, Tree | None]]:
+    """Yield (tree number, first line, tree) for each top-level bracketing in `text`, its root
+    labelled `TOP` and, with `clean`, cleaned as `clean_tree` does (None: no word left).
 
-    A node on the stack is [label or None (not read yet), children, word]. A tree starts with a
-    "(" in column 0 in both PTB forms, so a "(" in column 0 inside an open tree means the
-    previous tree was never closed; this keeps the error at the tree that is wrong.
+    A node on the stack is [label or None (not read yet), children, word, whether it had
+    children]. A node is cleaned as it closes, so a tree is built once: a -NONE- preterminal
+    and a constituent left without children are not added to their parent, which still counts
+    them in the checks of its brackets. A tree starts with a "(" in column 0 in both PTB forms,
+    so a "(" in column 0 inside an open tree means the previous tree was never closed; this
+    keeps the error at the tree that is wrong.
     """
     stack: list[list] = []
-    number, start = 0, 0
+    number, start, lineno = 0, 0, 0
+    strip = strip_function_tags if clean else str
 
-    def fail(problem: str, line: int) -> TreeFormatError:
+    def fail(problem: str) -> TreeFormatError:
         where = f"tree {number} (line {start})" if stack else f"after tree {number}"
-        return TreeFormatError(f"{source}: {where}: {problem} at line {line}")
+        return TreeFormatError(f"{source}: {where}: {problem} at line {lineno}")
 
-    for lineno, line in enumerate(text.split("\n"), 1):  # not splitlines(): "\n" only
-        for match in _TOKEN.finditer(line):
-            token = match.group()
-            if token == OPEN:
-                if stack and match.start() == 0:
-                    raise fail(
-                        "unbalanced brackets: the tree is not closed before a new one", lineno
-                    )
-                if not stack:
-                    number, start = number + 1, lineno
-                elif stack[-1][0] is None:
-                    stack[-1][0] = ""  # "( (S ...))": the empty root label of .mrg files
-                if stack and stack[-1][2] is not None:
-                    raise fail(
-                        f"({stack[-1][0]} {stack[-1][2]} has both a word and subtrees", lineno
-                    )
-                stack.append([None, [], None])
-            elif token == CLOSE:
-                if not stack:
-                    raise fail("unbalanced brackets: ')' without an open bracket", lineno)
-                label, children, word = stack[-1]
-                if label is None or (word is None and not children):
-                    raise fail("empty brackets", lineno)
-                stack.pop()
-                node = Tree(label, children, word)
-                if stack:
-                    stack[-1][1].append(node)
-                else:
-                    yield number, start, node
-            elif not stack:
-                raise fail(f"text {token!r} outside brackets", lineno)
-            elif stack[-1][0] is None:
-                stack[-1][0] = token
-            elif stack[-1][1]:
-                raise fail(f"({stack[-1][0]} ... has both subtrees and the word {token!r}", lineno)
-            elif stack[-1][2] is not None:
-                raise fail(f"({stack[-1][0]} has more than one word: {token!r}", lineno)
+    def step(token: str, column_0: bool) -> Tree | None | bool:
+        """Take one token; the tree it closes (None: no word left), else False."""
+        nonlocal number, start
+        if token == OPEN:
+            if not stack:
+                number, start = number + 1, lineno
             else:
-                stack[-1][2] = token
+                top = stack[-1]
+                if column_0:
+                    raise fail("unbalanced brackets: the tree is not closed before a new one")
+                if top[0] is None:
+                    top[0] = ""  # "( (S ...))": the empty root label of .mrg files
+                if top[2] is not None:
+                    raise fail(f"({top[0]} {top[2]} has both a word and subtrees")
+                top[3] = True
+            stack.append([None, [], None, False])
+            return False
+        if token == CLOSE:
+            if not stack:
+                raise fail("unbalanced brackets: ')' without an open bracket")
+            label, children, word, had_children = stack[-1]
+            if label is None or (word is None and not had_children):
+                raise fail("empty brackets")
+            stack.pop()
+            if not stack and label in ("", "ROOT"):
+                label = ROOT_LABEL
+            if not clean:
+                node = Tree(label, children, word)
+            elif word is not None:
+                node = None if label == NONE_LABEL else Tree(strip(label), [], word)
+            else:
+                node = Tree(strip(label), children) if children else None
+            if stack:
+                if node is not None:
+                    stack[-1][1].append(node)
+                return False
+            return Tree(ROOT_LABEL, [node]) if label != ROOT_LABEL and node is not None else node
+        if not stack:
+            raise fail(f"text {token!r} outside brackets")
+        top = stack[-1]
+        if top[0] is None:
+            top[0] = token
+        elif top[3]:
+            raise fail(f"({top[0]} ... has both subtrees and the word {token!r}")
+        elif top[2] is not None:
+            raise fail(f"({top[0]} has more than one word: {token!r}")
+        else:
+            top[2] = token
+        return False
+
+    for lineno, line in enumerate(text.split("\n"), 1):  # noqa: B007 (fail reads it)
+        # text.split("\n"), not splitlines(): "\n" alone ends a line
+        column_0 = line.startswith(OPEN)  # only the line's first token can start in column 0
+        for tag, leaf, other in _TOKEN.findall(line):
+            if tag and stack and not column_0 and stack[-1][2] is None:
+                # "(TAG word)" inside a constituent, the common case: its four tokens at once
+                top = stack[-1]
+                if top[0] is None:
+                    top[0] = ""
+                top[3] = True
+                if not clean:
+                    top[1].append(Tree(tag, [], leaf))
+                elif tag != NONE_LABEL:
+                    top[1].append(Tree(strip(tag), [], leaf))
+                continue
+            for token in (OPEN, tag, leaf, CLOSE) if tag else (other,):
+                tree = step(token, column_0)
+                column_0 = False
+                if tree is not False:
+                    yield number, start, tree
     if stack:
-        raise fail("unbalanced brackets: the tree is not closed at the end of the file", lineno)
-
-
-def _normalize_root(tree: Tree) -> Tree:
-    if tree.label in ("", "ROOT"):
-        tree.label = ROOT_LABEL
-    if tree.label != ROOT_LABEL:
-        tree = Tree(ROOT_LABEL, [tree])
-    return tree
+        raise fail("unbalanced brackets: the tree is not closed at the end of the file")
 
 
 # ---------------------------------------------------------------------------------------------
 # Cleaning
 
 
+@functools.lru_cache(maxsize=4096)  # a treebank has a few hundred distinct labels
 def strip_function_tags(label: str) -> str:
     """`NP-SBJ-1` -> `NP`, `PP-LOC=2` -> `PP`, `ADVP|PRT` -> `ADVP`; `-LRB-`, `-NONE-` kept."""
     if label.startswith("-"):
         return label
-    return re.split(r"[-=|]", label, maxsplit=1)[0]
+    return _FUNCTION_TAG.split(label, maxsplit=1)[0]
 
 
 def clean_tree(tree: Tree) -> Tree | None:
     """Remove -NONE- elements and the constituents they leave empty; strip function tags.
 
     Returns a new tree, or None if no word is left. POS tags lose indices too (rare in the PTB).
+    `read_trees` cleans the same way as it reads.
     """
     if tree.is_preterminal:
         if tree.label == NONE_LABEL:
             return None
-        return Tree(strip_function_tags(tree.label), word=tree.word)
-    children = [c for c in (clean_tree(child) for child in tree.children) if c is not None]
+        return Tree(strip_function_tags(tree.label), [], tree.word)
+    children = []
+    for child in tree.children:
+        cleaned = clean_tree(child)
+        if cleaned is not None:
+            children.append(cleaned)
     if not children:
         return None
     return Tree(strip_function_tags(tree.label), children)

@@ -111,6 +111,8 @@ def test_clean_keeps_bracket_pos_tags():
         ("(S (NP (NN x) word))\n", "has both subtrees and the word 'word'"),
         ("\n\n", "no trees found"),
         ("(S (NN a))\n( (S (NP-SBJ (-NONE- *))))\n", "tree 2 (line 2): no words left"),
+        ("( (S (NP (NN a))\n(NN b)\n", "tree 1 (line 1): unbalanced brackets: the tree is not"),
+        ("(S (NN a)\n", "tree 1 (line 1): unbalanced brackets: the tree is not closed at the end"),
     ],
 )
 def test_malformed_input_names_file_tree_and_line(tmp_path, text, message):
@@ -120,6 +122,31 @@ def test_malformed_input_names_file_tree_and_line(tmp_path, text, message):
         read_trees(path)
     assert str(path) in str(error.value)
     assert message in str(error.value)
+
+
+def test_a_preterminal_reads_the_same_in_one_token_or_spread_out():
+    """ "(TAG word)" is read in one step, any other spelling token by token: the same trees."""
+    compact = "( (S (NP-SBJ (NNP John) (-NONE- *T*-1)) (VP (VBZ runs)) (. .)) )\n"
+    spread = "( (S (NP-SBJ ( NNP John ) (-NONE-\n*T*-1)) (VP (VBZ\truns ) ) (. .)) )\n"
+    for clean in (True, False):
+        assert str(parse_tree(compact, clean=clean)) == str(parse_tree(spread, clean=clean))
+    assert str(parse_tree(compact)) == "(TOP (S (NP (NNP John)) (VP (VBZ runs)) (. .)))"
+
+
+def test_reading_pauses_the_cycle_collector_and_leaves_it_as_it_was():
+    import gc
+
+    text = "(S (NP (NN a)) (VP (VBZ b)))\n" * 3
+    assert gc.isenabled()
+    assert len(parse_trees(text)) == 3 and gc.isenabled()
+    gc.disable()
+    try:
+        assert len(parse_trees(text)) == 3 and not gc.isenabled()
+    finally:
+        gc.enable()
+    with pytest.raises(TreeFormatError):
+        parse_trees("(S (NN a)\n")
+    assert gc.isenabled()
 
 
 def test_write_and_read_back(tmp_path):
