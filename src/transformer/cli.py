@@ -7,6 +7,7 @@ Python code can do too. Only this module (and benchmarks/) prints.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import logging
 import os
@@ -842,6 +843,12 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("transformer: interrupted", file=sys.stderr)
         return 130
+    if argv is None:  # the program (`transformer ...`, `python -m transformer`), not a caller's
+        # Python's cycle collector walks every tracked object of the heap at each full
+        # collection, and the imports alone made ~170,000 (torch's modules, classes and
+        # functions, which live as long as the process): set them aside so that it walks only
+        # what the command makes. `prepare ptb` collected for 1.2 s of its 4.3, now 0.6 of 3.4.
+        gc.freeze()
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.INFO,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",

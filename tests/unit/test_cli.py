@@ -42,6 +42,21 @@ def test_python_dash_m_runs_the_same_cli() -> None:
     assert "presets" in out
 
 
+def test_the_program_sets_its_imports_aside_from_the_cycle_collector(monkeypatch, capsys):
+    """`transformer ...` (argv from sys.argv) freezes what the imports made; a caller's
+    main([...]) leaves its own process's collector alone."""
+    import gc
+
+    frozen = []
+    monkeypatch.setattr(gc, "freeze", lambda: frozen.append(True))
+    assert main(["presets", "--vocab-size", "8000"]) == 0
+    assert frozen == []
+    monkeypatch.setattr(sys, "argv", ["transformer", "presets", "--vocab-size", "8000"])
+    assert main() == 0
+    assert frozen == [True]
+    assert "base" in capsys.readouterr().out
+
+
 def test_ctrl_c_while_the_parser_loads_is_one_line(monkeypatch, capsys) -> None:
     """Building the parser imports torch (~0.5 s): a Ctrl-C then was a traceback."""
     import transformer.cli as cli
