@@ -9,11 +9,14 @@ them with `from fixtures import ...` (pytest puts tests/ on sys.path: conftest.p
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import sentencepiece as spm
@@ -164,6 +167,26 @@ def running_server(model: Path, *flags: str, timeout_s: float = 90.0, log_path: 
             proc.kill()
             proc.wait()
         log.close()
+
+
+def built_once(tmp_path_factory, name: str, build: Callable[[Path], object]) -> Path:
+    """A directory that `build(directory)` fills once per test run, shared by every pytest-xdist
+    worker of the run (the first to ask builds it under a lock, the others wait and reuse it);
+    for inputs that several tests read and none changes: a prepared corpus, a baseline run.
+
+    A build that fails leaves nothing behind: the next test to ask builds it again.
+    """
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent  # the run's folder, above each worker's own
+    out = root / f"built-once-{name}"
+    with open(root / f"built-once-{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (out / ".built").is_file():
+            shutil.rmtree(out, ignore_errors=True)
+            build(out)
+            (out / ".built").touch()
+    return out
 
 
 def prepare_slice(

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from fixtures import prepare_slice
+from fixtures import built_once, prepare_slice
 from transformer import checkpoint
 
 pytestmark = pytest.mark.integration
@@ -53,13 +53,27 @@ def _assert_same_steps(one: Path, two: Path) -> None:
         torch.testing.assert_close(a["model"][k], b["model"][k], rtol=1e-4, atol=1e-5, msg=k)
 
 
-def test_two_gloo_ranks_equal_one_process_with_both_halves(shared_data, tmp_path):
-    data = prepare_slice(tmp_path, shared_data / "multi30k", n_train=600, vocab_size=500)
-    one, two = tmp_path / "one", tmp_path / "two"
+@pytest.fixture
+def baseline(shared_data, tmp_path_factory) -> tuple[Path, Path]:
+    """(prepared data, run): 600 Multi30k pairs and 4 steps of one process accumulating two
+    batches a step, which every launcher below must equal; built once for the tests."""
+
+    def build(out: Path) -> None:
+        data = prepare_slice(out, shared_data / "multi30k", n_train=600, vocab_size=500)
+        subprocess.run(
+            [sys.executable, "-m", "transformer", "train", str(data), "--out", str(out / "one"),
+             *COMMON, "train.accum_steps=2"],
+            check=True, capture_output=True,
+        )  # fmt: skip
+
+    out = built_once(tmp_path_factory, "ddp-baseline", build)
+    return out / "prepared", out / "one"
+
+
+def test_two_gloo_ranks_equal_one_process_with_both_halves(baseline, tmp_path):
+    data, one = baseline
+    two = tmp_path / "two"
     base = ["-m", "transformer", "train", str(data)]
-    subprocess.run(
-        [sys.executable, *base, "--out", str(one), *COMMON, "train.accum_steps=2"], check=True
-    )
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"]
     torchrun += ["--standalone", "--no-python", sys.executable]
     subprocess.run([*torchrun, *base, "--out", str(two), *COMMON], check=True)
@@ -67,14 +81,13 @@ def test_two_gloo_ranks_equal_one_process_with_both_halves(shared_data, tmp_path
     _assert_same_steps(one, two)
 
 
-def test_procs_equal_one_process_with_both_halves(shared_data, tmp_path):
+def test_procs_equal_one_process_with_both_halves(baseline, tmp_path):
     """`train --procs 2` (train.procs: distributed.run_local, no torchrun) with one batch a
     step splits train.max_tokens between its processes: the same steps as one process taking
     two half-size batches per step."""
-    data = prepare_slice(tmp_path, shared_data / "multi30k", n_train=600, vocab_size=500)
-    one, two = tmp_path / "one", tmp_path / "two"
+    data, one = baseline
+    two = tmp_path / "two"
     base = [sys.executable, "-m", "transformer", "train", str(data)]
-    subprocess.run([*base, "--out", str(one), *COMMON, "train.accum_steps=2"], check=True)
     run = subprocess.run(
         [*base, "--out", str(two), *COMMON, "train.max_tokens=1000", "--procs", "2"],
         check=True, capture_output=True, text=True,

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from fixtures import SHARED_DATA, run_cli
+from fixtures import SHARED_DATA, built_once, run_cli
 from transformer.config import DecodeConfig, ModelConfig, RunConfig
 from transformer.model import Transformer
 from transformer.modelfile import save_model
@@ -22,10 +22,13 @@ def prepared(tmp_path_factory) -> tuple[Path, Path]:
     shared = SHARED_DATA / "multi30k"
     if not shared.is_dir():
         pytest.skip(f"Multi30k not found at {shared}")
-    out = tmp_path_factory.mktemp("m30k") / "en-de"
-    res = run_cli("prepare", "multi30k", "--src", "en", "--tgt", "de", "--from", str(shared),
-               "--out", str(out))  # fmt: skip
-    assert res.returncode == 0, res.stderr.decode()
+
+    def build(folder: Path) -> None:  # once for both xdist workers (fixtures.built_once)
+        res = run_cli("prepare", "multi30k", "--src", "en", "--tgt", "de", "--from", str(shared),
+                      "--out", str(folder / "en-de"))  # fmt: skip
+        assert res.returncode == 0, res.stderr.decode()
+
+    out = built_once(tmp_path_factory, "multi30k-en-de", build) / "en-de"  # read, not changed
     manifest = json.loads((out / "manifest.json").read_text())
     proto = (out / manifest["spm_model"]).read_bytes()
     from transformer.data import load_prepared
@@ -37,8 +40,8 @@ def prepared(tmp_path_factory) -> tuple[Path, Path]:
         decode=DecodeConfig(max_len_b=10),
     )  # fmt: skip
     torch.manual_seed(0)
-    model_path = save_model(out.parent / "model.safetensors", Transformer(cfg.model).eval(), cfg,
-                            proto, "en", "de")  # fmt: skip
+    model_path = save_model(tmp_path_factory.mktemp("model") / "model.safetensors",
+                            Transformer(cfg.model).eval(), cfg, proto, "en", "de")  # fmt: skip
     return out, model_path
 
 
