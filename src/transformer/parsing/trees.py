@@ -327,21 +327,21 @@ def linearize(tree: Tree, *, leaves: str = "xx") -> list[str]:
     """
     _check_leaves(leaves)
     tokens: list[str] = []
-
-    def visit(node: Tree) -> None:
-        if node.is_preterminal:
+    # Iterative, as reading is: a closing token waits on the stack as a string.
+    stack: list[Tree | str] = list(reversed(tree.children if tree.label == ROOT_LABEL else [tree]))
+    while stack:
+        node = stack.pop()
+        if isinstance(node, str):
+            tokens.append(node)
+        elif node.is_preterminal:
             if leaves == "words":
                 tokens.append(node.word)
             else:
                 tokens.append(node.label if leaves == "pos" else NORMALIZED_POS)
-            return
-        tokens.append(OPEN + node.label)
-        for child in node.children:
-            visit(child)
-        tokens.append(CLOSE + node.label)
-
-    for top in tree.children if tree.label == ROOT_LABEL else [tree]:
-        visit(top)
+        else:
+            tokens.append(OPEN + node.label)
+            stack.append(CLOSE + node.label)
+            stack.extend(reversed(node.children))
     return tokens
 
 

@@ -133,6 +133,16 @@ def test_a_preterminal_reads_the_same_in_one_token_or_spread_out():
     assert str(parse_tree(compact)) == "(TOP (S (NP (NNP John)) (VP (VBZ runs)) (. .)))"
 
 
+def test_a_tree_deeper_than_the_recursion_limit_reads_and_prints_back():
+    """The reader cleaned each tree recursively: 5,000 nested constituents were a bare
+    RecursionError; now the nodes are cleaned as they close, without recursion."""
+    deep = "(S " * 5000 + "(NN a) (-NONE- *)" + ")" * 5000
+    (tree,) = parse_trees(deep)
+    assert tree.leaves() == ["a"]
+    assert str(tree) == "(TOP " + "(S " * 5000 + "(NN a)" + ")" * 5001
+    assert linearize(tree) == ["(S"] * 5000 + ["XX"] + [")S"] * 5000  # prepare ptb's next step
+
+
 def test_reading_pauses_the_cycle_collector_and_leaves_it_as_it_was():
     import gc
 
