@@ -74,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
                 tail = done.stderr.strip().splitlines()[-1:] or ["(no output)"]
                 print(f"bench_gc: `transformer {' '.join(cmd)}` failed ({done.returncode}): "
                       f"{tail[0]}", file=sys.stderr)  # fmt: skip
-                return 1
+                return 2
             results[mode].append(json.loads(report.read_text()))
             if "--out" in cmd:
                 out = Path(cmd[cmd.index("--out") + 1])

@@ -1,6 +1,6 @@
 """benchmarks/bench_step_phases.py, bench_grad_helper.py, bench_wakeup.py, bench_streams.py,
-bench_split_rows.py, bench_weighted_rows.py, bench_read_trees.py and issue19_table.sh: bad input
-is one clear line (the script, the problem), exit status 2, before any timing starts."""
+bench_split_rows.py, bench_weighted_rows.py, bench_read_trees.py, bench_gc.py and issue19_table.sh:
+bad input is one clear line (the script, the problem), exit status 2, before any timing starts."""
 
 from __future__ import annotations
 
@@ -58,6 +58,9 @@ def test_step_phases_names_a_missing_corpus(tmp_path):
         ("bench_weighted_rows.py", ["--rounds", "0"], "--rounds, --out-len and --threads must"),
         ("bench_read_trees.py", ["--reps", "0"], "--reps: at least 1, not 0"),
         ("bench_read_trees.py", ["--data", "/nonexistent"], "/nonexistent/ptb_sample/combined"),
+        ("bench_gc.py", ["--runs", "0", "--", "presets"], "--runs: at least 1, not 0"),
+        ("bench_gc.py", [], "give the transformer command after --"),
+        ("bench_gc.py", ["--runs", "1", "--", "presets", "--nope"], "`transformer presets --nope`"),
     ],
 )
 def test_helper_benchmarks_reject_bad_arguments(tmp_path, script, args, message):
