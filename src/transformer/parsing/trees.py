@@ -156,8 +156,9 @@ def parse_trees(text: str, source: str = "<string>", *, clean: bool = True) -> l
 def paused_gc() -> Iterator[None]:
     """Python's cycle collector paused while trees are read: they hold no cycles, and each of
     the collections that their ~250,000 nodes would set off walks the whole heap (all of
-    torch's objects when the CLI runs); with it the sample and section 22 read in ~2x the
-    time. It runs again afterwards if it ran before (so the pauses nest)."""
+    torch's objects in a process that imported it and did not freeze them, as the CLI does);
+    with it the sample and section 22 read in ~2x the time. It runs again afterwards if it ran
+    before (so the pauses nest)."""
     was_enabled = gc.isenabled()
     gc.disable()
     try:
@@ -188,7 +189,6 @@ def _parse_sexprs(text: str, source: str, clean: bool) -> Iterator[tuple[int, in
     """
     stack: list[list] = []
     number, start, lineno = 0, 0, 0
-    strip = strip_function_tags if clean else str
 
     def fail(problem: str) -> TreeFormatError:
         where = f"tree {number} (line {start})" if stack else f"after tree {number}"
@@ -220,12 +220,7 @@ def _parse_sexprs(text: str, source: str, clean: bool) -> Iterator[tuple[int, in
             stack.pop()
             if not stack and label in ("", "ROOT"):
                 label = ROOT_LABEL
-            if not clean:
-                node = Tree(label, children, word)
-            elif word is not None:
-                node = None if label == NONE_LABEL else Tree(strip(label), [], word)
-            else:
-                node = Tree(strip(label), children) if children else None
+            node = _cleaned(label, children, word) if clean else Tree(label, children, word)
             if stack:
                 if node is not None:
                     stack[-1][1].append(node)
@@ -254,10 +249,9 @@ def _parse_sexprs(text: str, source: str, clean: bool) -> Iterator[tuple[int, in
                 if top[0] is None:
                     top[0] = ""
                 top[3] = True
-                if not clean:
-                    top[1].append(Tree(tag, [], leaf))
-                elif tag != NONE_LABEL:
-                    top[1].append(Tree(strip(tag), [], leaf))
+                node = _cleaned(tag, [], leaf) if clean else Tree(tag, [], leaf)
+                if node is not None:
+                    top[1].append(node)
                 continue
             for token in (OPEN, tag, leaf, CLOSE) if tag else (other,):
                 tree = step(token, column_0)
@@ -286,18 +280,17 @@ def clean_tree(tree: Tree) -> Tree | None:
     Returns a new tree, or None if no word is left. POS tags lose indices too (rare in the PTB).
     `read_trees` cleans the same way as it reads.
     """
-    if tree.is_preterminal:
-        if tree.label == NONE_LABEL:
-            return None
-        return Tree(strip_function_tags(tree.label), [], tree.word)
-    children = []
-    for child in tree.children:
-        cleaned = clean_tree(child)
-        if cleaned is not None:
-            children.append(cleaned)
-    if not children:
-        return None
-    return Tree(strip_function_tags(tree.label), children)
+    children = [c for c in map(clean_tree, tree.children) if c is not None]
+    return _cleaned(tree.label, children, tree.word)
+
+
+def _cleaned(label: str, children: list[Tree], word: str | None) -> Tree | None:
+    """The cleaned node of `label` over its cleaned `children` (a preterminal: none, and its
+    `word`): None for a -NONE- element or a constituent left without children, else the node
+    with its function tags stripped. `clean_tree` and the reader both build nodes with it."""
+    if word is not None:
+        return None if label == NONE_LABEL else Tree(strip_function_tags(label), [], word)
+    return Tree(strip_function_tags(label), children) if children else None
 
 
 def write_trees(trees: Iterable[Tree], path: str | Path) -> int:
