@@ -20,6 +20,7 @@ import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 # Run in the child: time each collection, optionally make gc.freeze a no-op, run the CLI.
@@ -63,7 +64,8 @@ def main(argv: list[str] | None = None) -> int:
     from transformer.cpuinfo import cpu_line
 
     results: dict[str, list[dict]] = {"off": [], "on": []}
-    report = Path(f"/tmp/bench_gc_{__import__('os').getpid()}.json")
+    folder = tempfile.TemporaryDirectory(prefix="bench_gc_")  # each run's report, removed at exit
+    report = Path(folder.name) / "report.json"
     for run in range(args.runs):
         for mode in ("off", "on"):
             cmd = [a.replace("{run}", str(run)) for a in command]
@@ -80,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
                 out = Path(cmd[cmd.index("--out") + 1])
                 shutil.rmtree(out, ignore_errors=True)
                 shutil.rmtree(out.with_name(out.name + ".text"), ignore_errors=True)
-    report.unlink(missing_ok=True)
+    folder.cleanup()
 
     print(f"# {cpu_line()}; transformer {' '.join(command)}; {args.runs} runs per mode")
     for mode, label in (("off", "without gc.freeze"), ("on", "with gc.freeze (the CLI)")):
