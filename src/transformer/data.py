@@ -52,7 +52,7 @@ def open_binary(path: str | Path) -> BinaryIO:
     path = Path(path)
     if path.is_dir():
         raise DataError(path, "is a directory, not a file")
-    if not path.is_file():
+    if not path.exists():  # a pipe (`<(zcat f.gz)`, /dev/stdin) is read as a file is
         raise DataError(path, "file not found")
     try:
         f = open(path, "rb")

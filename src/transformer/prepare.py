@@ -309,6 +309,9 @@ def _hash_inputs(inputs: Inputs, src_lang: str, tgt_lang: str, official: dict) -
     info = {}
     for split, (src, tgt, stem) in inputs.items():
         for lang, path in ((src_lang, src), (tgt_lang, tgt)):
+            if path.exists() and not path.is_dir() and not path.is_file():  # before opening it
+                raise DataError(path, "is a pipe or device, not a file: prepare reads each "
+                                "input more than once, a pipe gives its lines once")  # fmt: skip
             open_binary(path).close()  # a missing, unreadable file or a directory: a DataError
             entry = {"path": str(path), "sha256": sha256_file(path)}
             expected = official.get(f"{stem}.{lang}")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import os
 import random
 
 import pytest
@@ -172,6 +173,17 @@ def test_refuses_to_overwrite_a_foreign_directory(corpus, tmp_path):
     (tmp_path / "out" / "notes.txt").write_text("mine")
     with pytest.raises(DataError, match="not a prepared-data directory"):
         _prepare(files, tmp_path / "out", force=True)
+
+
+def test_custom_refuses_a_pipe_it_would_read_only_once(corpus, tmp_path):
+    # open_binary reads a pipe (`translate MODEL <(zcat f.gz)`); prepare hashes each input and
+    # reads it again, where a pipe would give an empty second pass: refused before it opens it.
+    files, *_ = corpus
+    fifo = tmp_path / "train.en"
+    os.mkfifo(fifo)
+    with pytest.raises(DataError, match=r"train\.en: is a pipe or device, not a file"):
+        _prepare({**files, "train": [fifo, files["train"][1]]}, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
 
 
 def test_custom_needs_train_and_valid(tmp_path):
