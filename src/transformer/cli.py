@@ -40,6 +40,19 @@ def thread_count(value: str) -> int | str:
     return count
 
 
+def window_lines(value: str) -> int:
+    """argparse type of `--window`: a count of lines, 1 to config.MAX_WINDOW_LINES."""
+    from transformer.config import MAX_WINDOW_LINES
+
+    try:
+        count = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"a number of lines, not {value!r}") from None
+    if not 1 <= count <= MAX_WINDOW_LINES:
+        raise argparse.ArgumentTypeError(f"1 to {MAX_WINDOW_LINES:,} lines, not {count}")
+    return count
+
+
 def _add_procs(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--procs", type=int, metavar="N",
@@ -516,11 +529,10 @@ def _cmd_translate(args: argparse.Namespace) -> int:
         args.beam, args.alpha, max_tokens=args.max_tokens, stop=args.stop
     )
     if args.input == "-":
-        outputs = translate_stream(translator, sys.stdin.buffer, "<stdin>")
+        translate_stream(translator, sys.stdin.buffer, "<stdin>", sys.stdout, args.window)
     else:
         with open_binary(args.input) as f:  # a missing file or a directory: one DataError
-            outputs = translate_stream(translator, f, args.input)
-    sys.stdout.write("".join(line + "\n" for line in outputs))
+            translate_stream(translator, f, args.input, sys.stdout, args.window)
     return 0
 
 
@@ -531,7 +543,15 @@ def _add_translate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--beam", type=int, help="beam size (default: the model's, §6.1: 4; 1 = greedy)")
     p.add_argument("--alpha", type=float, help="length penalty α (default: the model's, 0.6)")
     _add_dtype(p)
+    from transformer.config import WINDOW_LINES
+
     p.add_argument("--max-tokens", type=int, help="source tokens per batch (padding counted)")
+    p.add_argument(
+        "--window", type=window_lines, default=WINDOW_LINES, metavar="LINES",
+        help=f"lines read, batched and translated together, then written (default "
+        f"{WINDOW_LINES:,}): memory is one window's; from a pipe or terminal a window also "
+        "ends where the input pauses",
+    )  # fmt: skip
     _add_stop(p)
     _add_threads(p)
     _add_no_verify(p)

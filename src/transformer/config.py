@@ -180,6 +180,12 @@ MAX_LENGTH_PENALTY = 10.0  # α; §6.1 uses 0.6, §6.3 0.3
 MAX_LEN_A = 10.0
 MAX_LEN_B = 10_000
 MAX_DECODE_TOKENS = 1_000_000
+# `transformer translate --window`: input lines read, batched and translated together
+# (`translate.translate_stream`). The default gives enough batches of the default budget to keep
+# every decoding stream busy (Multi30k: ~40 batches of 4,000 source tokens) in ~25 MB of Python
+# objects (~2.5 KB a line); the largest, ~25 GB.
+WINDOW_LINES = 10_000
+MAX_WINDOW_LINES = 10_000_000
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,9 @@ from __future__ import annotations
 import gzip
 import itertools
 import json
+import os
+import select
+import stat
 import zlib
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -118,6 +121,86 @@ def read_lines(source: str | Path | BinaryIO, name: str | None = None) -> Iterat
             yield from _iter_lines(f, str(source))
         return
     yield from _iter_lines(source, name or "<stream>")
+
+
+# A window of input lines (`read_windows`) ends early where a pipe, terminal or socket has no more
+# bytes for this long: a user typing, or a program that sends a line and waits for its answer, gets
+# it at once, while a producer that writes steadily (even slowly: a line every few milliseconds)
+# fills whole windows. The lines that piled up while a window was translated make the next one.
+PAUSE_S = 0.1
+
+
+def read_windows(
+    stream: BinaryIO, name: str | Path, max_lines: int
+) -> Iterator[tuple[int, list[str]]]:
+    """The lines of an open byte stream by the line model (`decode_line`), in windows of at
+    most `max_lines`, each with the 1-based number of its first line.
+
+    A window ends early where the stream is a pipe, terminal or socket that has had nothing
+    more to read for PAUSE_S seconds; a file (or BytesIO) gives full windows.
+
+    Raises:
+        DataError: as `read_lines`, once the window of the lines before the bad one has been
+            yielded (nothing read is lost).
+    """
+    if max_lines < 1:
+        raise ValueError(f"max_lines must be at least 1, got {max_lines}")
+    window: list[str] = []
+    first = number = 1
+    try:
+        for raw in _raw_lines(stream):
+            if raw is not None:
+                window.append(decode_line(raw, name, number))
+                number += 1
+            if window and (raw is None or len(window) >= max_lines):
+                yield first, window
+                window, first = [], number
+    except (EOFError, zlib.error, gzip.BadGzipFile) as e:
+        failure = DataError(name, f"truncated or corrupt gzip data after line {number - 1}: {e}")
+    except OSError as e:
+        failure = DataError(name, f"cannot read after line {number - 1}: {e.strerror or e}")
+    except DataError as e:
+        failure = e
+    else:
+        if window:
+            yield first, window
+        return
+    if window:
+        yield first, window
+    raise failure
+
+
+def _raw_lines(stream: BinaryIO) -> Iterator[bytes | None]:
+    """The raw lines of `stream` (split after b"\n"; the last one may lack it), with None
+    wherever a pipe, terminal or socket has had nothing to read for PAUSE_S seconds."""
+    try:
+        fd = stream.fileno()
+        regular = stat.S_ISREG(os.fstat(fd).st_mode)
+    except (AttributeError, OSError, ValueError):  # BytesIO, a closed or wrapped stream
+        fd, regular = -1, True
+    read1 = getattr(stream, "read1", None)
+    if regular or read1 is None or isinstance(stream, gzip.GzipFile):  # gzip: its own buffers
+        yield from stream
+        return
+    ready = select.poll()  # poll, not select: any descriptor number
+    ready.register(fd, select.POLLIN)
+    pending = bytearray()
+    while True:
+        start = 0
+        while (end := pending.find(b"\n", start)) >= 0:
+            yield bytes(pending[start : end + 1])
+            start = end + 1
+        del pending[:start]
+        # read1 hands out the stream's buffer first: once it is empty the descriptor says
+        # whether more is ready (DEFAULT_BUFFER_SIZE or less is buffered, and this reads more).
+        if not ready.poll(PAUSE_S * 1000):  # an end of input (POLLHUP) is an event too
+            yield None
+        chunk = read1(1 << 16)
+        if not chunk:
+            if pending:
+                yield bytes(pending)
+            return
+        pending += chunk
 
 
 def write_output(path: str | Path, text: str) -> None:

@@ -4,6 +4,11 @@ as subprocesses on a tiny random model with the prepared subword model."""
 from __future__ import annotations
 
 import json
+import os
+import select
+import subprocess
+import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -62,6 +67,42 @@ def test_translate_invalid_utf8_names_the_line(prepared):
     res = run_cli("translate", str(model), stdin=b"A dog.\n\xff\xfe\n")
     assert res.returncode == 2
     assert "<stdin>:2: invalid UTF-8" in res.stderr.decode()
+
+
+def test_translate_answers_each_line_of_a_pipe_as_it_comes(prepared):
+    # A user typing, or a program that sends a line and waits: before, nothing came out until
+    # the input ended. The answers are those of the whole input at once.
+    data, model = prepared
+    lines = (data / "test.en.txt").read_text(encoding="utf-8").split("\n")[:3]
+    whole = run_cli("translate", str(model), stdin=("\n".join(lines) + "\n").encode())
+    assert whole.returncode == 0, whole.stderr.decode()
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "transformer", "translate", str(model)]
+    with subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                          stderr=subprocess.DEVNULL, env=env) as proc:  # fmt: skip
+        answers = []
+        for line in lines:
+            proc.stdin.write(line.encode() + b"\n")
+            proc.stdin.flush()
+            ready, _, _ = select.select([proc.stdout], [], [], 120)
+            assert ready, "no answer before the input ended"
+            answers.append(proc.stdout.readline())
+        proc.stdin.close()
+        assert proc.stdout.read() == b"" and proc.wait(60) == 0
+    assert b"".join(answers) == whole.stdout
+
+
+def test_translate_reads_a_pipe_given_as_its_input_path(prepared, tmp_path):
+    data, model = prepared  # `transformer translate MODEL <(zcat in.gz)`: was "file not found"
+    line = (data / "test.en.txt").read_text(encoding="utf-8").split("\n")[0]
+    fifo = tmp_path / "in.fifo"
+    os.mkfifo(fifo)
+    writer = threading.Thread(target=lambda: fifo.write_bytes(line.encode() + b"\n"))
+    writer.start()
+    res = run_cli("translate", str(model), str(fifo))
+    writer.join()
+    assert res.returncode == 0, res.stderr.decode()
+    assert res.stdout == run_cli("translate", str(model), stdin=line.encode()).stdout
 
 
 def test_evaluate_prints_sacrebleu_chrf_and_the_paper_metric(prepared, tmp_path):

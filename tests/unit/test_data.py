@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import gzip
 import io
+import os
+import threading
 
 import numpy as np
 import pytest
@@ -22,6 +24,7 @@ from transformer.data import (
     read_lines,
     read_parallel,
     read_text_file,
+    read_windows,
 )
 from transformer.tokenizer import BOS_ID, EOS_ID, PAD_ID
 
@@ -227,3 +230,70 @@ def test_a_corrupt_manifest_is_a_data_error(tmp_path):
     (tmp_path / "manifest.json").write_text("[1]")
     with pytest.raises(DataError, match=r"manifest\.json: not a prepared-data manifest"):
         load_prepared(tmp_path)
+
+
+# --- Windows of lines (`transformer translate`'s input) ---------------------------------------
+
+
+def test_read_windows_numbers_each_window_and_keeps_the_line_model():
+    raw = b"\xef\xbb\xbfone\r\ntwo\rx\n\n\xef\xbb\xbffour\nfive"
+    windows = list(read_windows(io.BytesIO(raw), "in", 2))
+    assert windows == [(1, ["one", "two x"]), (3, ["", "\ufefffour"]), (5, ["five"])]
+    assert [w for _, lines in windows for w in lines] == list(read_lines(io.BytesIO(raw), "in"))
+    assert list(read_windows(io.BytesIO(b""), "in", 3)) == []
+    with pytest.raises(ValueError, match="at least 1"):
+        next(read_windows(io.BytesIO(b"a\n"), "in", 0))
+
+
+def test_read_windows_gives_the_lines_before_a_bad_one_then_names_it():
+    windows = read_windows(io.BytesIO(b"a\nb\nc\n\xff\nd\n"), "in.txt", 2)
+    assert next(windows) == (1, ["a", "b"])
+    assert next(windows) == (3, ["c"])  # read before line 4 failed: not lost
+    with pytest.raises(DataError, match=r"in\.txt:4: invalid UTF-8"):
+        next(windows)
+
+
+def test_read_windows_of_a_pipe_ends_a_window_where_the_writer_pauses():
+    r, w = os.pipe()
+    os.write(w, b"first\r\nsecond\n")  # then nothing until the first window is out
+    long_line = b"x" * 200_000  # several reads of the pipe, more than it holds
+    with os.fdopen(r, "rb") as stream:
+        windows = read_windows(stream, "<stdin>", 100)
+        assert next(windows) == (1, ["first", "second"])
+
+        def writer():
+            with os.fdopen(w, "wb") as f:
+                f.write(b"third\n" + long_line + b"\nlast, no ending")
+
+        thread = threading.Thread(target=writer)
+        thread.start()
+        rest = list(windows)
+        thread.join()
+    # Lines from here on, whole, in one window unless the writer paused again (a loaded host).
+    assert [line for _, lines in rest for line in lines] == [
+        "third", long_line.decode(), "last, no ending"]  # fmt: skip
+    starts = [3]
+    for _, lines in rest[:-1]:
+        starts.append(starts[-1] + len(lines))
+    assert [first for first, _ in rest] == starts
+
+
+def test_read_windows_of_a_pipe_keeps_its_windows_full_while_lines_come():
+    r, w = os.pipe()
+    with os.fdopen(w, "wb") as f:
+        f.write(b"".join(b"line %d\n" % i for i in range(7)))
+    with os.fdopen(r, "rb") as stream:
+        windows = list(read_windows(stream, "<stdin>", 3))
+    assert [first for first, _ in windows] == [1, 4, 7]
+    assert windows[-1] == (7, ["line 6"])
+
+
+def test_open_binary_reads_a_pipe_given_as_a_path(tmp_path):
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    thread = threading.Thread(target=lambda: fifo.write_bytes(b"a dog\nruns\n"))
+    thread.start()  # `transformer translate MODEL <(zcat in.gz)`: was "file not found"
+    assert list(read_lines(fifo)) == ["a dog", "runs"]
+    thread.join()
+    with pytest.raises(DataError, match="file not found"):
+        data.open_binary(tmp_path / "missing")

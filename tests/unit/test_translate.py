@@ -35,6 +35,7 @@ from transformer.translate import (
     onednn_bf16,
     quantize_int8,
     relu_input_layers,
+    translate_stream,
 )
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -215,6 +216,70 @@ def test_long_line_is_truncated_with_a_warning_naming_it(model_file, caplog):
     assert len(sources[1]) == 64 and sources[1][-1] == EOS_ID  # max_len 64 positions
     assert "line 2:" in caplog.text and "truncated" in caplog.text
     assert len(out) == 2
+
+
+# --- `transformer translate` a window at a time (translate_stream) ----------------------------
+
+STREAM_LINES = [*LINES, "A woman sits on the blue ball.", "Two cats.",
+                "The young man with a dog runs in the park."]  # fmt: skip
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "int8"])
+def test_translate_stream_writes_each_window_and_equals_the_whole_input(model_file, dtype):
+    tr = Translator.from_path(model_file, dtype=dtype)
+    whole = tr.translate_lines(STREAM_LINES)
+    raw = ("\n".join(STREAM_LINES) + "\n").encode()
+    for window in (1, 3):
+        out = io.StringIO()
+        assert translate_stream(tr, io.BytesIO(raw), "in", out, window) == len(STREAM_LINES)
+        assert out.getvalue() == "".join(t + "\n" for t in whole), window
+
+
+def test_translate_stream_numbers_lines_across_windows(model_file, caplog):
+    tr = Translator.from_path(model_file)
+    lines = ["A cat.", "", "Two dogs.", "A man.", "A dog.", " ".join(["two young dogs"] * 40)]
+    with caplog.at_level(logging.WARNING, logger="transformer.translate"):
+        translate_stream(tr, io.BytesIO("\n".join(lines).encode()), "in", io.StringIO(), 2)
+    assert "line 6:" in caplog.text and "truncated" in caplog.text  # the 3rd window's 2nd
+
+
+class _Pipe(io.BytesIO):
+    """A byte stream that cannot seek (a pipe)."""
+
+    def seekable(self) -> bool:
+        return False
+
+
+def test_translate_stream_of_a_bad_file_fails_before_any_work(model_file):
+    tr = Translator.from_path(model_file)
+    raw = b"A man runs.\nA cat.\nTwo dogs.\n\xc3\x28 broken\n"
+    out = io.StringIO()
+    with pytest.raises(UserError, match=r"in\.txt:4: invalid UTF-8"):
+        translate_stream(tr, io.BytesIO(raw), "in.txt", out, 2)
+    assert out.getvalue() == ""  # a file is read through first
+    # A pipe cannot be read twice: the lines before the bad one are translated and written.
+    with pytest.raises(UserError, match=r"<stdin>:4: invalid UTF-8"):
+        translate_stream(tr, _Pipe(raw), "<stdin>", out, 2)
+    assert out.getvalue().split("\n")[:3] == tr.translate_lines(
+        ["A man runs.", "A cat.", "Two dogs."]
+    )
+
+
+def test_translate_stream_from_a_file_part_read_starts_where_it_is(model_file):
+    tr = Translator.from_path(model_file)
+    stream = io.BytesIO(b"skipped\nA cat.\n")
+    stream.readline()  # `(read header; transformer translate MODEL) < in.txt`
+    out = io.StringIO()
+    assert translate_stream(tr, stream, "<stdin>", out) == 1
+    assert out.getvalue() == tr.translate_lines(["A cat."])[0] + "\n"
+
+
+def test_cli_translate_window_option_is_checked_before_loading(model_file, capsys):
+    for bad in ("0", "-3", "x", "10000001"):
+        with pytest.raises(SystemExit) as e:
+            main(["translate", str(model_file), "--window", bad])
+        assert e.value.code == 2
+        assert "--window" in capsys.readouterr().err
 
 
 def test_bf16_and_int8(model_file):
