@@ -1,5 +1,6 @@
 """benchmarks/bench_step_phases.py, bench_grad_helper.py, bench_wakeup.py, bench_streams.py,
-bench_split_rows.py, bench_weighted_rows.py, bench_read_trees.py, bench_gc.py and issue19_table.sh:
+bench_split_rows.py, bench_weighted_rows.py, bench_read_trees.py, bench_gc.py,
+bench_translate_stream.py and issue19_table.sh:
 bad input is one clear line (the script, the problem), exit status 2, before any timing starts."""
 
 from __future__ import annotations
@@ -342,3 +343,17 @@ def test_w1_processes_names_a_failed_run_and_bad_arguments(tmp_path):
     ]:
         bad = _w1(tmp_path, *args)
         assert bad.returncode == 2 and message in bad.stderr, bad.stderr
+
+
+def test_translate_stream_bench_names_bad_arguments_and_a_failed_run(tmp_path):
+    text = tmp_path / "in.txt"
+    text.write_text("A dog.\n", encoding="utf-8")
+    for args, message in (
+        (["m", str(text), "--runs", "0"], "--runs: at least 1, not 0"),
+        (["m", str(tmp_path / "none.txt")], "none.txt: not a file"),
+        (["m", str(text), "--before", str(tmp_path)], "holds no transformer package"),
+        ([str(tmp_path / "none.safetensors"), str(text)], "failed (2)"),
+    ):
+        out = _run("bench_translate_stream.py", *args)
+        assert out.returncode == 2, args
+        assert message in out.stderr and "Traceback" not in out.stderr, out.stderr
