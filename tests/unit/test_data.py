@@ -291,9 +291,10 @@ def test_read_windows_of_a_pipe_keeps_its_windows_full_while_lines_come():
 def test_open_binary_reads_a_pipe_given_as_a_path(tmp_path):
     fifo = tmp_path / "fifo"
     os.mkfifo(fifo)
-    thread = threading.Thread(target=lambda: fifo.write_bytes(b"a dog\nruns\n"))
+    # daemon: where the pipe is never opened (the old "file not found"), its writer waits on
+    thread = threading.Thread(target=lambda: fifo.write_bytes(b"a dog\nruns\n"), daemon=True)
     thread.start()  # `transformer translate MODEL <(zcat in.gz)`: was "file not found"
     assert list(read_lines(fifo)) == ["a dog", "runs"]
-    thread.join()
+    thread.join(30)
     with pytest.raises(DataError, match="file not found"):
         data.open_binary(tmp_path / "missing")

@@ -4,6 +4,8 @@ import copy
 import functools
 import io
 import logging
+import os
+import threading
 from dataclasses import replace
 from pathlib import Path
 
@@ -272,6 +274,18 @@ def test_translate_stream_from_a_file_part_read_starts_where_it_is(model_file):
     out = io.StringIO()
     assert translate_stream(tr, stream, "<stdin>", out) == 1
     assert out.getvalue() == tr.translate_lines(["A cat."])[0] + "\n"
+
+
+def test_cli_translate_reads_a_pipe_given_as_its_input_path(model_file, tmp_path, capsys):
+    fifo = tmp_path / "in.fifo"  # `transformer translate MODEL <(zcat in.gz)`: "file not found"
+    os.mkfifo(fifo)
+    # daemon: where the pipe is never opened (the old "file not found"), its writer waits on
+    writer = threading.Thread(target=lambda: fifo.write_bytes(b"A cat.\nTwo dogs.\n"), daemon=True)
+    writer.start()
+    assert main(["translate", str(model_file), str(fifo), "--dtype", "fp32"]) == 0
+    writer.join(30)
+    expected = Translator.from_path(model_file).translate_lines(["A cat.", "Two dogs."])
+    assert capsys.readouterr().out == "".join(t + "\n" for t in expected)
 
 
 def test_cli_translate_window_option_is_checked_before_loading(model_file, capsys):
