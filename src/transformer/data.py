@@ -92,15 +92,21 @@ def decode_line(raw: bytes, name: str | Path, number: int) -> str:
     return text.replace("\r", " ")
 
 
-def _iter_lines(stream: BinaryIO, name: str | Path) -> Iterator[str]:
-    """The lines of an open byte stream, by the line model (see `decode_line`).
+def _iter_lines(stream: BinaryIO, name: str | Path, pauses: bool = False) -> Iterator[str | None]:
+    """The lines of an open byte stream, by the line model (see `decode_line`); with `pauses`,
+    also None wherever a pipe, terminal or socket has had nothing to read for PAUSE_S seconds
+    (`_raw_lines`).
 
     Raises:
         DataError: invalid UTF-8 (file and line), or a truncated / corrupt gzip stream.
     """
     number = 0
     try:
-        for number, raw in enumerate(stream, start=1):  # binary files split on b"\n" only
+        for raw in _raw_lines(stream) if pauses else stream:  # split on b"\n" only
+            if raw is None:
+                yield None
+                continue
+            number += 1
             yield decode_line(raw, name, number)
     except (EOFError, zlib.error, gzip.BadGzipFile) as e:
         raise DataError(name, f"truncated or corrupt gzip data after line {number}: {e}") from None
@@ -146,28 +152,20 @@ def read_windows(
     if max_lines < 1:
         raise ValueError(f"max_lines must be at least 1, got {max_lines}")
     window: list[str] = []
-    first = number = 1
+    first = 1
     try:
-        for raw in _raw_lines(stream):
-            if raw is not None:
-                window.append(decode_line(raw, name, number))
-                number += 1
-            if window and (raw is None or len(window) >= max_lines):
+        for line in _iter_lines(stream, name, pauses=True):
+            if line is not None:
+                window.append(line)
+            if window and (line is None or len(window) >= max_lines):
                 yield first, window
-                window, first = [], number
-    except (EOFError, zlib.error, gzip.BadGzipFile) as e:
-        failure = DataError(name, f"truncated or corrupt gzip data after line {number - 1}: {e}")
-    except OSError as e:
-        failure = DataError(name, f"cannot read after line {number - 1}: {e.strerror or e}")
-    except DataError as e:
-        failure = e
-    else:
+                first, window = first + len(window), []
+    except DataError:
         if window:
             yield first, window
-        return
+        raise
     if window:
         yield first, window
-    raise failure
 
 
 def _raw_lines(stream: BinaryIO) -> Iterator[bytes | None]:
