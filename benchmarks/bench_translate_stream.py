@@ -64,10 +64,13 @@ def main(argv: list[str] | None = None) -> int:
     if not Path(args.input).is_file():
         parser.error(f"{args.input}: not a file")
 
-    from transformer.cpuinfo import cpu_line
-
     with open(args.input, "rb") as f:
         words = sum(len(line.split()) for line in f)
+    if words == 0:  # no output to time: no first byte, no words/s
+        parser.error(f"{args.input}: no words to translate")
+
+    from transformer.cpuinfo import cpu_line
+
     trees = {"before": args.before, "after": None} if args.before else {"after": None}
     results: dict[str, list[dict]] = {name: [] for name in trees}
     print(f"# {cpu_line()}; load average {os.getloadavg()[0]:.2f}; {words:,} source words; "

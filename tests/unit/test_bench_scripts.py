@@ -348,9 +348,12 @@ def test_w1_processes_names_a_failed_run_and_bad_arguments(tmp_path):
 def test_translate_stream_bench_names_bad_arguments_and_a_failed_run(tmp_path):
     text = tmp_path / "in.txt"
     text.write_text("A dog.\n", encoding="utf-8")
+    empty = tmp_path / "empty.txt"
+    empty.write_text("\n \n", encoding="utf-8")
     for args, message in (
         (["m", str(text), "--runs", "0"], "--runs: at least 1, not 0"),
         (["m", str(tmp_path / "none.txt")], "none.txt: not a file"),
+        (["m", str(empty)], "empty.txt: no words to translate"),
         (["m", str(text), "--before", str(tmp_path)], "holds no transformer package"),
         ([str(tmp_path / "none.safetensors"), str(text)], "failed (2)"),
     ):
