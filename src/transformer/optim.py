@@ -178,14 +178,24 @@ class MixedPrecisionAdam:
         backward). In fp32 mode autograd already accumulates into the parameters."""
         if not self.mixed:
             return
+        fresh, grads = [], []
         for p, m in zip(self.params, self.masters, strict=True):
             if p.grad is None:
                 continue
             if m.grad is None:
-                m.grad = p.grad.float()
+                fresh.append(m)
+                grads.append(p.grad)
             else:
                 m.grad.add_(p.grad)
             p.grad = None
+        if fresh:
+            # The first gradients of a step: the bf16 -> fp32 copies as one multi-tensor
+            # kernel on CUDA (per tensor they were ~260 launches of a few µs each, a base step's
+            # largest count; docs/performance.md, "GPU"); exact, as p.grad.float() was.
+            masters = [torch.empty_like(m) for m in fresh]
+            torch._foreach_copy_(masters, grads)
+            for m, g in zip(fresh, masters, strict=True):
+                m.grad = g
 
     def master_grads(self) -> list[torch.Tensor]:
         """The fp32 gradients (zeros where a parameter got none), for all-reduce or inspection."""
