@@ -1,0 +1,199 @@
+"""Our bf16 training step in variants, interleaved in one process, at bench_gpu.py's shape on a
+GPU (832 sentences x 30 tokens, V = 32,000; base and big):
+
+  head        the step as it is; `MixedPrecisionAdam.collect_grads` copies a step's bf16
+              gradients to the fp32 masters as one multi-tensor `_foreach_copy_`
+  per-tensor  collect_grads as before 2026-12-04: one `p.grad.float()` per parameter (~260
+              launches of a few µs each in a base step on CUDA)
+  bias-mm     head, each layer's bias gradient a product, 1^T dY (`ProductBiasLinear`, here
+              only), instead of autograd's dY.sum(0): the bf16 column reduction that took ~6% of
+              a base step's kernel time on an H200 (docs/performance.md, "GPU")
+
+First the bias gradient's three ways alone on the step's (rows, width) shapes (dY.sum(0),
+1^T dY, dY^T 1): median time (CUDA events) and the largest difference from an fp64 sum.
+Then per preset each variant gets its own model and optimizer (same seeds), 3 warm-up steps,
+then ROUNDS interleaved rounds of 2 timed steps; medians, and each variant's time against head.
+`--device cpu` runs the same on the CPU (one thread; default 600 target tokens, a rehearsal;
+`--tokens 3826`: W1's batch size, for collect_grads' cost on a CPU).
+
+    PYTHONPATH=src python3 -W ignore benchmarks/gpu/step_variants.py [--rounds 8]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/
+import bench_gpu  # noqa: E402
+from transformer import gradhelper  # noqa: E402
+from transformer.config import build_config  # noqa: E402
+from transformer.optim import MixedPrecisionAdam  # noqa: E402
+
+VARIANTS = ("head", "per-tensor", "bias-mm")
+
+
+def per_tensor_collect(opt: MixedPrecisionAdam) -> None:
+    """collect_grads before 2026-12-04: one bf16 -> fp32 copy per parameter."""
+    for p, m in zip(opt.params, opt.masters, strict=True):
+        if p.grad is None:
+            continue
+        if m.grad is None:
+            m.grad = p.grad.float()
+        else:
+            m.grad.add_(p.grad)
+        p.grad = None
+
+
+class ProductBiasLinear(torch.autograd.Function):
+    """y = x W^T + b (x 2-D) with addmm's backward products (dx = dY W, dW = dY^T x: the same
+    calls autograd makes) and db = 1^T dY, a product, instead of dY.sum(0)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias):  # noqa: D102
+        ctx.save_for_backward(x, weight)
+        return F.linear(x, weight, bias)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, g):  # noqa: D102
+        x, weight = ctx.saved_tensors
+        dx = g @ weight if ctx.needs_input_grad[0] else None
+        dw = g.t() @ x if ctx.needs_input_grad[1] else None
+        db = (g.new_ones(1, g.size(0)) @ g).view(-1) if ctx.needs_input_grad[2] else None
+        return dx, dw, db
+
+
+PLAIN_FORWARD = gradhelper.Linear.forward
+
+
+def product_bias_forward(self, x: torch.Tensor) -> torch.Tensor:
+    """`gradhelper.Linear.forward` for the bias-mm variant."""
+    if not torch.is_grad_enabled() or self.bias is None or not self.bias.requires_grad:
+        return PLAIN_FORWARD(self, x)
+    if x.dim() == 2:
+        return ProductBiasLinear.apply(x, self.weight, self.bias)
+    y = ProductBiasLinear.apply(x.reshape(-1, x.size(-1)), self.weight, self.bias)
+    return y.view(*x.shape[:-1], y.size(-1))
+
+
+def bias_sums(device: torch.device, rows: int) -> None:
+    """The bias gradient's three ways alone: median time of 20 and error against fp64."""
+    for width in (512, 1024, 2048, 4096):
+        g = torch.randn(rows, width, device=device).to(torch.bfloat16)
+        exact = g.double().sum(0)
+        row, column = g.new_ones(1, rows), g.new_ones(rows)
+        ways = {
+            "sum(0)": lambda g=g: g.sum(0),
+            "1^T dY": lambda g=g, o=row: (o @ g).view(-1),
+            "dY^T 1": lambda g=g, o=column: g.t() @ o,
+        }
+        line = []
+        for name, f in ways.items():
+            for _ in range(3):
+                f()
+            times = []
+            for _ in range(20):
+                if device.type == "cuda":
+                    a = torch.cuda.Event(enable_timing=True)
+                    b = torch.cuda.Event(enable_timing=True)
+                    a.record()
+                    out = f()
+                    b.record()
+                    b.synchronize()
+                    times.append(a.elapsed_time(b) * 1000)
+                else:
+                    start = time.perf_counter()
+                    out = f()
+                    times.append((time.perf_counter() - start) * 1e6)
+            err = float((out.double() - exact).abs().max())
+            line.append(f"{name} {statistics.median(times):7.1f} us (max err {err:.3g})")
+        print(f"bias sum ({rows}, {width}) bf16: " + " | ".join(line), flush=True)
+
+
+def build(cfg, body: torch.Tensor, variant: str):
+    """bench_gpu.ours's step for one variant, run with that variant's code in place."""
+    made: list[MixedPrecisionAdam] = []
+    orig_init = MixedPrecisionAdam.__init__
+
+    def init(self, *a, **k):
+        orig_init(self, *a, **k)
+        made.append(self)
+
+    torch.manual_seed(1)
+    MixedPrecisionAdam.__init__ = init
+    try:
+        step = bench_gpu.ours(cfg, body)
+    finally:
+        MixedPrecisionAdam.__init__ = orig_init
+    if variant == "per-tensor":
+        opt = made[0]
+        opt.collect_grads = lambda: per_tensor_collect(opt)
+    forward = product_bias_forward if variant == "bias-mm" else PLAIN_FORWARD
+
+    def run() -> None:
+        gradhelper.Linear.forward = forward
+        try:
+            step()
+        finally:
+            gradhelper.Linear.forward = PLAIN_FORWARD
+
+    return run
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--presets", nargs="+", default=["base", "big"])
+    p.add_argument("--variants", default=",".join(VARIANTS))
+    p.add_argument("--rounds", type=int, default=8)
+    p.add_argument("--tokens", type=int, default=None, help="target tokens (25,000; CPU 600)")
+    p.add_argument("--device", default="cuda", help="cuda, or cpu (one thread)")
+    args = p.parse_args()
+    variants = args.variants.split(",")
+    if set(variants) - set(VARIANTS) or args.rounds < 1:
+        p.error(f"--variants: some of {','.join(VARIANTS)}; --rounds: at least 1")
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        print("no CUDA device: not run")
+        return
+    tokens = args.tokens or (25000 if device.type == "cuda" else 600)
+    if device.type == "cpu":
+        torch.set_num_threads(1)
+    length = 30
+    bias_sums(device, tokens // length * length)
+    for preset in args.presets:
+        cfg = build_config(preset, None, ["train.dtype=bf16"], vocab_size=32000)
+        torch.manual_seed(0)
+        body = torch.randint(4, 32000, (tokens // length, length - 1), device=device)
+        steps = {}
+        for v in variants:
+            steps[v] = build(cfg, body, v)
+            for _ in range(3):
+                steps[v]()
+            bench_gpu.sync(device)
+        times = {v: [] for v in variants}
+        for _ in range(args.rounds):
+            for v in variants:
+                for _ in range(2):
+                    bench_gpu.sync(device)
+                    start = time.perf_counter()
+                    steps[v]()
+                    bench_gpu.sync(device)
+                    times[v].append(time.perf_counter() - start)
+        ntok = body.numel() + body.size(0)  # each sentence and its EOS
+        first = statistics.median(times[variants[0]])
+        for v in variants:
+            med = statistics.median(times[v])
+            print(f"{preset:>5} {v:>10}: {ntok / med:9.0f} tgt tok/s  {med * 1000:.2f} ms/step "
+                  f"(min {min(times[v]) * 1000:.2f} max {max(times[v]) * 1000:.2f})  "
+                  f"time / {variants[0]}'s {med / first:.3f}", flush=True)  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,60 @@
+"""benchmarks/gpu/step_variants.py's candidates, on the CPU: what a lent GPU's few minutes
+measure must compute what the step computes (the GPU sessions are rare; a broken variant
+would spend one)."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from transformer.gradhelper import Linear
+from transformer.optim import MixedPrecisionAdam
+
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "gpu" / "step_variants.py"
+
+
+@pytest.fixture(scope="module")
+def variants():
+    spec = importlib.util.spec_from_file_location("step_variants", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("shape", [(37, 12), (3, 5, 12)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_bias_product_variant_is_autograds_but_for_the_sums_order(variants, shape, dtype):
+    torch.manual_seed(0)
+    ours, plain = Linear(12, 7).to(dtype), nn.Linear(12, 7).to(dtype)
+    plain.load_state_dict(ours.state_dict())
+    x = torch.randn(*shape).to(dtype)
+    xa, xb = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
+    ya, yb = variants.product_bias_forward(ours, xa), plain(xb)
+    node = ya.grad_fn if len(shape) == 2 else ya.grad_fn.next_functions[0][0]  # past the view
+    assert type(node).__name__ == "ProductBiasLinearBackward"
+    assert torch.equal(ya, yb)
+    g = torch.randn_like(yb)
+    ya.backward(g)
+    yb.backward(g)
+    assert torch.equal(xa.grad, xb.grad) and torch.equal(ours.weight.grad, plain.weight.grad)
+    tol = 2**-7 if dtype == torch.bfloat16 else 1e-5
+    torch.testing.assert_close(ours.bias.grad, plain.bias.grad, rtol=tol, atol=tol)
+    with torch.no_grad():  # inference: the plain layer
+        assert variants.product_bias_forward(ours, x).grad_fn is None
+
+
+def test_the_per_tensor_variant_collects_what_collect_grads_does(variants):
+    got = []
+    for collect in (MixedPrecisionAdam.collect_grads, variants.per_tensor_collect):
+        torch.manual_seed(0)
+        model = nn.Linear(6, 4).bfloat16()
+        opt = MixedPrecisionAdam(model.parameters(), (0.9, 0.98), 1e-9)
+        for _ in range(2):  # the first backward's copies, then an accumulation
+            model(torch.randn(5, 6).bfloat16()).float().square().sum().backward()
+            collect(opt)
+        got.append([m.grad for m in opt.masters])
+    assert all(torch.equal(a, b) for a, b in zip(*got, strict=True))
