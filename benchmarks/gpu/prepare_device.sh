@@ -14,18 +14,29 @@ cd "$(dirname "$0")/../.."
 QS=${1:?usage: bash benchmarks/gpu/prepare_device.sh QUICKSTART_OUT}
 M30K=${M30K:-../shared/data/multi30k}
 PY=.venv/bin/python
+fail() { echo "prepare_device.sh: $*" >&2; exit 2; }
+[[ -x $PY ]] || fail "$PY not found: install first (the README's first lines)"
 for f in "$QS/model.safetensors" "$QS/quickstart.json" "$M30K/test_2016_flickr.en"; do
-  [[ -f $f ]] || { echo "prepare_device.sh: $f not found" >&2; exit 2; }
+  [[ -f $f ]] || fail "$f not found"
 done
+ALPHA=$($PY - "$QS/quickstart.json" <<'PY'
+import json, sys
+try:
+    print(float(json.load(open(sys.argv[1], encoding="utf-8"))["chosen_on_val"]["alpha"]))
+except (OSError, ValueError, KeyError, TypeError) as e:
+    sys.exit(f"prepare_device.sh: {sys.argv[1]}: no α chosen on val ({type(e).__name__}: {e})")
+PY
+) || exit 2
 DL=$(mktemp -d)
 trap 'rm -rf "$DL"' EXIT
 rm -rf .device/fsite .device/site312 .device/qs
 mkdir -p .device/fsite .device/site312 .device/qs
 $PY -m pip download -q --no-deps fairseq==0.12.2 hydra-core==1.0.7 omegaconf==2.0.6 \
-  antlr4-python3-runtime==4.8 -d "$DL" 2>&1 | grep -v -e '^WARNING: Location' -e DEPRECATION || true
+  antlr4-python3-runtime==4.8 -d "$DL" > "$DL/pip.log" 2>&1 \
+  || fail "pip download of fairseq 0.12.2 and its dependencies failed: $(grep -m1 ERROR "$DL/pip.log")"
 $PY -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-  --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 -d "$DL" bitarray==3.12.3 2>&1 \
-  | grep -v '^WARNING: Location' || true
+  --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 -d "$DL" bitarray==3.12.3 \
+  > "$DL/pip.log" 2>&1 || fail "pip download of bitarray 3.12.3 failed: $(grep -m1 ERROR "$DL/pip.log")"
 tar xzf "$DL"/fairseq-0.12.2.tar.gz -C "$DL" && tar xzf "$DL"/antlr4-python3-runtime-4.8.tar.gz -C "$DL"
 cp -r "$DL"/fairseq-0.12.2/fairseq "$DL"/antlr4-python3-runtime-4.8/src/antlr4 .device/fsite
 (cd .device/fsite && unzip -q "$DL"/hydra_core-1.0.7-*.whl && unzip -q "$DL"/omegaconf-2.0.6-*.whl)
@@ -42,8 +53,7 @@ text = text.replace("m.load_module(modname)", "importlib.import_module(modname)"
 assert "\nimport importlib\n" in text and "find_module" not in text, path  # imported there already
 open(path, "w", encoding="utf-8").write(text)
 PY
-ALPHA=$($PY -c 'import json, sys; print(json.load(open(sys.argv[1]))["chosen_on_val"]["alpha"])' \
-  "$QS/quickstart.json")
+
 echo "$ALPHA" > .device/qs/alpha
 cp "$M30K/test_2016_flickr.en" .device/qs/test.en.txt
 cp "$M30K/test_2016_flickr.de" .device/qs/test.de.txt
@@ -55,6 +65,7 @@ m = load_model(Path(sys.argv[1]))
 save_model(Path(sys.argv[2]), m.model, m.config, m.spm_proto, m.src_lang, m.tgt_lang)
 PY
 .venv/bin/transformer translate .device/qs/model.safetensors .device/qs/test.en.txt --dtype fp32 \
-  --beam 4 --alpha "$ALPHA" > .device/qs/test_2016_flickr.de.hyp 2> "$DL/translate.log"
+  --beam 4 --alpha "$ALPHA" > .device/qs/test_2016_flickr.de.hyp 2> "$DL/translate.log" \
+  || fail "the CPU's reference translation failed: $(tail -1 "$DL/translate.log")"
 echo "prepare_device.sh: .device ready ($(du -sm .device | cut -f1) MB; α $ALPHA); on the device:"
 echo '  A=$(cat .device/qs/alpha); bash benchmarks/gpu/check_head.sh $A 2>&1 | tee $OUT/check_head.log'

@@ -1,6 +1,6 @@
 """benchmarks/bench_step_phases.py, bench_grad_helper.py, bench_wakeup.py, bench_streams.py,
 bench_split_rows.py, bench_weighted_rows.py, bench_read_trees.py, bench_gc.py,
-bench_translate_stream.py and issue19_table.sh:
+bench_translate_stream.py, issue19_table.sh and gpu/prepare_device.sh:
 bad input is one clear line (the script, the problem), exit status 2, before any timing starts."""
 
 from __future__ import annotations
@@ -113,6 +113,27 @@ def test_issue19_table_names_what_is_missing(tmp_path):
     assert no_alpha.returncode != 0
     assert "quickstart.json: no α chosen on val (KeyError" in no_alpha.stderr
     assert not (tmp_path / "out" / "w0.log").exists()  # stopped before any benchmark ran
+
+
+def test_prepare_device_names_what_is_missing_before_touching_dot_device(tmp_path):
+    def prepare(*args):
+        return subprocess.run(["bash", str(BENCH / "gpu" / "prepare_device.sh"), *args],
+                              capture_output=True, text=True, timeout=60)  # fmt: skip
+
+    device = BENCH.parent / ".device"
+    before = sorted(p.name for p in device.iterdir()) if device.is_dir() else None
+    usage = prepare()
+    assert usage.returncode != 0 and "usage: bash benchmarks/gpu/prepare_device.sh" in usage.stderr
+    missing = prepare(str(tmp_path))
+    assert missing.returncode == 2
+    assert missing.stderr.strip() == f"prepare_device.sh: {tmp_path}/model.safetensors not found"
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    (tmp_path / "quickstart.json").write_text(json.dumps({"bleu": 1.0}))  # no α chosen on val
+    no_alpha = prepare(str(tmp_path))
+    assert no_alpha.returncode == 2
+    assert "quickstart.json: no α chosen on val (KeyError" in no_alpha.stderr
+    after = sorted(p.name for p in device.iterdir()) if device.is_dir() else None
+    assert after == before  # nothing removed or made before the inputs were checked
 
 
 # A stand-in for the peers' W2 harness: each variant's tokens/s is fixed by its name (the
