@@ -33,7 +33,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/
 import bench_gpu  # noqa: E402
 from transformer import gradhelper  # noqa: E402
-from transformer.config import build_config  # noqa: E402
+from transformer.config import PRESETS, build_config  # noqa: E402
 from transformer.optim import MixedPrecisionAdam  # noqa: E402
 
 VARIANTS = ("head", "per-tensor", "bias-mm")
@@ -153,11 +153,15 @@ def main() -> None:
     p.add_argument("--variants", default=",".join(VARIANTS))
     p.add_argument("--rounds", type=int, default=8)
     p.add_argument("--tokens", type=int, default=None, help="target tokens (25,000; CPU 600)")
-    p.add_argument("--device", default="cuda", help="cuda, or cpu (one thread)")
+    p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     args = p.parse_args()
     variants = args.variants.split(",")
     if set(variants) - set(VARIANTS) or args.rounds < 1:
         p.error(f"--variants: some of {','.join(VARIANTS)}; --rounds: at least 1")
+    if set(args.presets) - set(PRESETS):
+        p.error(f"--presets: some of {', '.join(PRESETS)}")
+    if args.tokens is not None and args.tokens < 30:
+        p.error("--tokens: at least 30 (one sentence of 30 tokens)")
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         print("no CUDA device: not run")

@@ -58,3 +58,18 @@ def test_the_per_tensor_variant_collects_what_collect_grads_does(variants):
             collect(opt)
         got.append([m.grad for m in opt.masters])
     assert all(torch.equal(a, b) for a, b in zip(*got, strict=True))
+
+
+@pytest.mark.parametrize(
+    "args",
+    [["--presets", "nope"], ["--tokens", "10"], ["--device", "tpu"], ["--variants", "head,x"],
+     ["--rounds", "0"]],
+)  # fmt: skip
+def test_step_variants_refuses_bad_arguments_before_building_anything(
+    variants, args, monkeypatch, capsys
+):
+    monkeypatch.setattr("sys.argv", ["step_variants.py", *args])
+    monkeypatch.setattr(variants, "bias_sums", lambda *a: pytest.fail("ran"))
+    with pytest.raises(SystemExit) as e:
+        variants.main()
+    assert e.value.code == 2 and "step_variants.py: error: " in capsys.readouterr().err
