@@ -1,7 +1,7 @@
 #!/bin/bash
 # One lent GPU, one call: the CUDA checks of HEAD, bench_gpu.py against fairseq and HF, the
 # step's variants (step_variants.py: candidates for the GPU step, interleaved) and where a
-# step's GPU time goes (profile_step.py). ~5-6 minutes on an H200 after the machine's start.
+# step's GPU time goes (profile_step.py). ~6-7 minutes on an H200 after the machine's start.
 # Run on the GPU machine from the repo root, after carrying `.device` with (docs/performance.md, "GPU"):
 #   .device/fsite      fairseq 0.12.2's `fairseq/` package, hydra-core 1.0.7, omegaconf 2.0.6,
 #                      antlr4 4.8 (its src/antlr4), sacremoses 0.2.0 (unpacked)
@@ -57,8 +57,8 @@ done
 tar czf $OUT/translations.tgz -C $T . && rm -rf $T
 echo "== bench_gpu.py: ours, fairseq, hf"
 timeout 330 python3 -W ignore benchmarks/bench_gpu.py --peers fairseq,hf 2>&1 | tee $OUT/peers.log | grep -v "^ *$"
-echo "== step_variants.py: head, per-tensor collect_grads, bias gradients as products"
-timeout 150 python3 -W ignore benchmarks/gpu/step_variants.py 2>&1 | tee $OUT/variants.log
+echo "== step_variants.py: head, per-tensor collect_grads, bias gradients as products, fused norms"
+timeout 200 python3 -W ignore benchmarks/gpu/step_variants.py 2>&1 | tee $OUT/variants.log
 echo "== profile_step.py (the whole table in profile.log)"
 timeout 90 python3 -W ignore benchmarks/gpu/profile_step.py > $OUT/profile.log 2>&1
 grep -E "^=====|Self CUDA time total" $OUT/profile.log

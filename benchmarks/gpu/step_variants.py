@@ -8,6 +8,9 @@ GPU (832 sentences x 30 tokens, V = 32,000; base and big):
   bias-mm     head, each layer's bias gradient a product, 1^T dY (`ProductBiasLinear`, here
               only), instead of autograd's dY.sum(0): the bf16 column reduction that took ~6% of
               a base step's kernel time on an H200 (docs/performance.md, "GPU")
+  fused-norm  head, each post-norm sub-layer's LayerNorm(x + Dropout(f)) one function through
+              `torch.compile(dynamic=True)` (one graph for every layer and batch shape; here
+              only): layer norms, adds and dropout were ~20% of a base step's kernel time there
 
 First the bias gradient's three ways alone on the step's (rows, width) shapes (dY.sum(0),
 1^T dY, dY^T 1): median time (CUDA events) and the largest difference from an fp64 sum.
@@ -34,9 +37,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/
 import bench_gpu  # noqa: E402
 from transformer import gradhelper  # noqa: E402
 from transformer.config import PRESETS, build_config  # noqa: E402
+from transformer.model import _Residual  # noqa: E402
 from transformer.optim import MixedPrecisionAdam  # noqa: E402
 
-VARIANTS = ("head", "per-tensor", "bias-mm")
+VARIANTS = ("head", "per-tensor", "bias-mm", "fused-norm")
 
 
 def per_tensor_collect(opt: MixedPrecisionAdam) -> None:
@@ -81,6 +85,26 @@ def product_bias_forward(self, x: torch.Tensor) -> torch.Tensor:
         return ProductBiasLinear.apply(x, self.weight, self.bias)
     y = ProductBiasLinear.apply(x.reshape(-1, x.size(-1)), self.weight, self.bias)
     return y.view(*x.shape[:-1], y.size(-1))
+
+
+def post_norm(x, f, weight, bias, p: float, eps: float):
+    """§3.1, §5.4: LayerNorm(x + Dropout(f)) over the last dimension."""
+    return F.layer_norm(x + F.dropout(f, p, True), (x.size(-1),), weight, bias, eps)
+
+
+PLAIN_RESIDUAL = _Residual.forward
+COMPILED_POST_NORM = None  # made on first use: torch.compile(post_norm, dynamic=True)
+
+
+def fused_norm_forward(self, x: torch.Tensor, sublayer) -> torch.Tensor:
+    """`model._Residual.forward` for the fused-norm variant (post-norm, training only)."""
+    global COMPILED_POST_NORM
+    if self.norm_first or not (self.training and torch.is_grad_enabled()):
+        return PLAIN_RESIDUAL(self, x, sublayer)
+    if COMPILED_POST_NORM is None:
+        COMPILED_POST_NORM = torch.compile(post_norm, dynamic=True)
+    norm = self.norm
+    return COMPILED_POST_NORM(x, sublayer(x), norm.weight, norm.bias, self.p_drop, norm.eps)
 
 
 def bias_sums(device: torch.device, rows: int) -> None:
@@ -136,13 +160,14 @@ def build(cfg, body: torch.Tensor, variant: str):
         opt = made[0]
         opt.collect_grads = lambda: per_tensor_collect(opt)
     forward = product_bias_forward if variant == "bias-mm" else PLAIN_FORWARD
+    residual = fused_norm_forward if variant == "fused-norm" else PLAIN_RESIDUAL
 
     def run() -> None:
-        gradhelper.Linear.forward = forward
+        gradhelper.Linear.forward, _Residual.forward = forward, residual
         try:
             step()
         finally:
-            gradhelper.Linear.forward = PLAIN_FORWARD
+            gradhelper.Linear.forward, _Residual.forward = PLAIN_FORWARD, PLAIN_RESIDUAL
 
     return run
 

@@ -73,3 +73,24 @@ def test_step_variants_refuses_bad_arguments_before_building_anything(
     with pytest.raises(SystemExit) as e:
         variants.main()
     assert e.value.code == 2 and "step_variants.py: error: " in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("norm_first", [False, True])
+def test_the_fused_norm_variant_is_the_sub_layers_post_norm(variants, norm_first, monkeypatch):
+    # What torch.compile gets is LayerNorm(x + Dropout(f)); here run eagerly (compiling takes
+    # seconds), without dropout so that the two are comparable bit for bit.
+    from transformer.model import _Residual
+
+    monkeypatch.setattr(variants, "COMPILED_POST_NORM", variants.post_norm)
+    torch.manual_seed(0)
+    residual = _Residual(16, 0.0, norm_first).train()
+    with torch.no_grad():
+        residual.norm.weight.uniform_(0.5, 1.5)
+        residual.norm.bias.uniform_(-0.5, 0.5)
+    x = torch.randn(3, 5, 16, requires_grad=True)
+    sub = nn.Linear(16, 16)
+    got = variants.fused_norm_forward(residual, x, sub)
+    assert torch.equal(got, variants.PLAIN_RESIDUAL(residual, x, sub))
+    residual.eval()  # not training: the plain sub-layer, never the compiled function
+    monkeypatch.setattr(variants, "COMPILED_POST_NORM", lambda *a: pytest.fail("compiled"))
+    variants.fused_norm_forward(residual, x, sub)
