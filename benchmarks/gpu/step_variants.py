@@ -1,8 +1,9 @@
 """Our bf16 training step in variants, interleaved in one process, at bench_gpu.py's shape on a
 GPU (832 sentences x 30 tokens, V = 32,000; base and big):
 
-  head        the step as it is; `MixedPrecisionAdam.collect_grads` copies a step's bf16
-              gradients to the fp32 masters as one multi-tensor `_foreach_copy_`
+  head        the step as it is; on CUDA `MixedPrecisionAdam.collect_grads` copies a step's
+              bf16 gradients to the fp32 masters as one multi-tensor `_foreach_copy_` (on a CPU
+              one at a time, as per-tensor: peak memory)
   per-tensor  collect_grads as before 2026-12-04: one `p.grad.float()` per parameter (~260
               launches of a few µs each in a base step on CUDA)
   bias-mm     head, each layer's bias gradient a product, 1^T dY (`ProductBiasLinear`, here
@@ -16,8 +17,7 @@ First the bias gradient's three ways alone on the step's (rows, width) shapes (d
 1^T dY, dY^T 1): median time (CUDA events) and the largest difference from an fp64 sum.
 Then per preset each variant gets its own model and optimizer (same seeds), 3 warm-up steps,
 then ROUNDS interleaved rounds of 2 timed steps; medians, and each variant's time against head.
-`--device cpu` runs the same on the CPU (one thread; default 600 target tokens, a rehearsal;
-`--tokens 3826`: W1's batch size, for collect_grads' cost on a CPU).
+`--device cpu` runs the same on the CPU (one thread; default 600 target tokens: a rehearsal).
 
     PYTHONPATH=src python3 -W ignore benchmarks/gpu/step_variants.py [--rounds 8]
 """

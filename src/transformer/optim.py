@@ -172,6 +172,12 @@ class MixedPrecisionAdam:
         else:
             self.masters = self.params
         self.adam = FusedAdam(self.masters, betas, eps)
+        # On CUDA `collect_grads` copies a step's first gradients bf16 -> fp32 as one
+        # multi-tensor kernel (per tensor they were ~260 launches of a few µs each in a base
+        # step, the largest count in its profile; docs/performance.md, "GPU"). On the CPU one
+        # at a time, each bf16 gradient freed as its copy is made: holding them all until one
+        # copy raised a 15k-token step's peak RSS (W3) by 55-196 MiB.
+        self.batched_copies = self.mixed and self.masters[0].is_cuda
 
     def collect_grads(self) -> None:
         """Add the model's fresh gradients into the fp32 master gradients (call after each
@@ -182,19 +188,18 @@ class MixedPrecisionAdam:
         for p, m in zip(self.params, self.masters, strict=True):
             if p.grad is None:
                 continue
-            if m.grad is None:
+            if m.grad is not None:
+                m.grad.add_(p.grad)
+            elif self.batched_copies:
                 fresh.append(m)
                 grads.append(p.grad)
             else:
-                m.grad.add_(p.grad)
+                m.grad = p.grad.float()
             p.grad = None
         if fresh:
-            # The first gradients of a step: the bf16 -> fp32 copies as one multi-tensor
-            # kernel on CUDA (per tensor they were ~260 launches of a few µs each, a base step's
-            # largest count; docs/performance.md, "GPU"); exact, as p.grad.float() was.
-            masters = [torch.empty_like(m) for m in fresh]
-            torch._foreach_copy_(masters, grads)
-            for m, g in zip(fresh, masters, strict=True):
+            copies = [torch.empty_like(m) for m in fresh]
+            torch._foreach_copy_(copies, grads)  # exact, as p.grad.float()
+            for m, g in zip(fresh, copies, strict=True):
                 m.grad = g
 
     def master_grads(self) -> list[torch.Tensor]:

@@ -93,14 +93,18 @@ def test_bf16_keeps_fp32_masters_and_sums_accumulation_in_fp32():
         assert (m - b).abs().max() < 2e-3
 
 
-def _collect_once(device: str) -> tuple[list, list]:
-    """A bf16 model's first gradients of a step and the masters' after collect_grads; one
-    parameter without a gradient, one weight's gradient not contiguous."""
+def _collect_once(device: str, batched: bool | None = None) -> tuple[list, list]:
+    """A bf16 model's first gradients of a step and the masters' after collect_grads (batched:
+    the multi-tensor copy or per tensor; None: the device's way); one parameter without a
+    gradient, one weight's gradient not contiguous."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(6, 5), nn.Linear(5, 4)).to(device, torch.bfloat16)
     model[1].bias.requires_grad_(False)  # not among the optimizer's parameters
     unused = nn.Parameter(torch.ones(3, device=device, dtype=torch.bfloat16))
     opt = MixedPrecisionAdam([*model.parameters(), unused], (0.9, 0.98), 1e-9)
+    assert opt.batched_copies == (device == "cuda")  # CPU: one at a time (peak memory)
+    if batched is not None:
+        opt.batched_copies = batched
     model(torch.randn(7, 6, device=device, dtype=torch.bfloat16)).float().square().sum().backward()
     model[0].weight.grad = model[0].weight.grad.t().contiguous().t()  # column-major
     grads = [None if p.grad is None else p.grad.clone() for p in opt.params]
@@ -108,12 +112,14 @@ def _collect_once(device: str) -> tuple[list, list]:
     return grads, [m.grad for m in opt.masters], opt
 
 
+@pytest.mark.parametrize("batched", [None, True, False])
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
-def test_bf16_first_gradients_become_exact_fp32_masters(device):
-    # collect_grads copies a step's first gradients as one multi-tensor copy: each master's
-    # gradient is its parameter's, exactly (bf16 -> fp32), in a tensor of its own; a parameter
-    # without a gradient leaves its master's None; the model's gradients are dropped.
-    grads, masters, opt = _collect_once(device)
+def test_bf16_first_gradients_become_exact_fp32_masters(device, batched):
+    # collect_grads copies a step's first gradients per tensor or as one multi-tensor copy
+    # (CUDA's way): either way each master's gradient is its parameter's, exactly (bf16 ->
+    # fp32), in a tensor of its own; a parameter without a gradient leaves its master's None;
+    # the model's gradients are dropped.
+    grads, masters, opt = _collect_once(device, batched)
     assert grads[-1] is None and masters[-1] is None
     for g, m in zip(grads[:-1], masters[:-1], strict=True):
         assert m.dtype == torch.float32 and m.shape == g.shape
