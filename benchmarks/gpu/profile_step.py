@@ -15,6 +15,8 @@ import bench_gpu  # noqa: E402
 from transformer.config import build_config  # noqa: E402
 
 STEPS = 3
+if not torch.cuda.is_available():
+    sys.exit("profile_step.py: no CUDA device: not run")
 
 for preset in ["base", "big"]:
     cfg = build_config(preset, None, ["train.dtype=bf16"], vocab_size=32000)
