@@ -4,8 +4,8 @@ GPU (832 sentences x 30 tokens, V = 32,000; base and big):
   head        the step as it is; on CUDA `MixedPrecisionAdam.collect_grads` copies a step's
               bf16 gradients to the fp32 masters as one multi-tensor `_foreach_copy_` (on a CPU
               one at a time, as per-tensor: peak memory)
-  per-tensor  collect_grads as before 2026-12-04: one `p.grad.float()` per parameter (~260
-              launches of a few µs each in a base step on CUDA)
+  per-tensor  collect_grads as before 2026-12-04 (and on a CPU): `batched_copies` off, one
+              `p.grad.float()` per parameter (~260 launches of a few µs each in a base step)
   bias-mm     head, each layer's bias gradient a product, 1^T dY (`ProductBiasLinear`, here
               only), instead of autograd's dY.sum(0): the bf16 column reduction that took ~6% of
               a base step's kernel time on an H200 (docs/performance.md, "GPU")
@@ -41,18 +41,6 @@ from transformer.model import _Residual  # noqa: E402
 from transformer.optim import MixedPrecisionAdam  # noqa: E402
 
 VARIANTS = ("head", "per-tensor", "bias-mm", "fused-norm")
-
-
-def per_tensor_collect(opt: MixedPrecisionAdam) -> None:
-    """collect_grads before 2026-12-04: one bf16 -> fp32 copy per parameter."""
-    for p, m in zip(opt.params, opt.masters, strict=True):
-        if p.grad is None:
-            continue
-        if m.grad is None:
-            m.grad = p.grad.float()
-        else:
-            m.grad.add_(p.grad)
-        p.grad = None
 
 
 class ProductBiasLinear(torch.autograd.Function):
@@ -156,9 +144,8 @@ def build(cfg, body: torch.Tensor, variant: str):
         step = bench_gpu.ours(cfg, body)
     finally:
         MixedPrecisionAdam.__init__ = orig_init
-    if variant == "per-tensor":
-        opt = made[0]
-        opt.collect_grads = lambda: per_tensor_collect(opt)
+    if variant == "per-tensor":  # collect_grads' CPU way: one p.grad.float() per parameter
+        made[0].batched_copies = False
     forward = product_bias_forward if variant == "bias-mm" else PLAIN_FORWARD
     residual = fused_norm_forward if variant == "fused-norm" else PLAIN_RESIDUAL
 

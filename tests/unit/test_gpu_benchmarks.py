@@ -12,7 +12,6 @@ import torch
 from torch import nn
 
 from transformer.gradhelper import Linear
-from transformer.optim import MixedPrecisionAdam
 
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "gpu" / "step_variants.py"
 
@@ -45,19 +44,6 @@ def test_the_bias_product_variant_is_autograds_but_for_the_sums_order(variants, 
     torch.testing.assert_close(ours.bias.grad, plain.bias.grad, rtol=tol, atol=tol)
     with torch.no_grad():  # inference: the plain layer
         assert variants.product_bias_forward(ours, x).grad_fn is None
-
-
-def test_the_per_tensor_variant_collects_what_collect_grads_does(variants):
-    got = []
-    for collect in (MixedPrecisionAdam.collect_grads, variants.per_tensor_collect):
-        torch.manual_seed(0)
-        model = nn.Linear(6, 4).bfloat16()
-        opt = MixedPrecisionAdam(model.parameters(), (0.9, 0.98), 1e-9)
-        for _ in range(2):  # the first backward's copies, then an accumulation
-            model(torch.randn(5, 6).bfloat16()).float().square().sum().backward()
-            collect(opt)
-        got.append([m.grad for m in opt.masters])
-    assert all(torch.equal(a, b) for a, b in zip(*got, strict=True))
 
 
 @pytest.mark.parametrize(
