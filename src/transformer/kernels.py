@@ -1,5 +1,6 @@
-"""Compiled CPU kernels torch lacks: a fast transposing copy of a 16-bit (bf16) matrix, and the
-post-norm residual sub-layer's add, dropout and LayerNorm in one pass, forward and backward.
+"""Compiled CPU kernels torch lacks: a fast transposing copy of a 16-bit (bf16) matrix, the
+post-norm residual sub-layer's add, dropout and LayerNorm in one pass, forward and backward,
+and the per-row scaling around an int8 product.
 
 Not in the paper. On an AMX CPU, oneDNN multiplies bf16 at ~2,000 GFLOP/s when its left
 operand is row-major, but at half that when the operand is a transposed view, as it is in every
@@ -17,6 +18,12 @@ does the forward in one pass over the rows (fp32 inside, each of torch's bf16 ro
 s = x + t is the same bits), `residual_norm_backward` the backward in another, with AVX-512F
 (docs/performance.md, "Round twenty-seven"). CPUs without AVX-512F keep torch's ops.
 
+`translate.Int8Linear` quantizes each input row on its own range around fbgemm's int8 product:
+in torch five ops before it (|x|, the row maxima, a clamp, their inverses, the scaling) and two
+after (the rows scaled back, the bias); `int8_rows_in` and `int8_rows_out_` do each side in one
+pass, the same bits, which takes 6% off a greedy search's step at the peers' W2 shape
+(docs/performance.md, "Round thirty-seven"). They are called without holding the GIL.
+
 The kernels are C, compiled on first use with the system's C compiler (`$CC`, else `cc`, `gcc`
 or `clang`) into a cache folder (`$TRANSFORMER_KERNELS`, else `$XDG_CACHE_HOME/transformer`,
 else `~/.cache/transformer`), keyed by the source's and compiler's hash, and loaded with
@@ -28,6 +35,8 @@ reaches this code.
     out = transposed(x)      # (C, R) contiguous, the same values as x.t().contiguous()
     y, s, mean, rstd = residual_norm(x, f, keep, scale, weight, bias, eps)
     dx, df, dw, db = residual_norm_backward(gy, s, mean, rstd, weight, keep, scale)
+    xs, top = int8_rows_in(x, nonnegative, tiny)   # x * (1 / top), top each row's max |x|
+    y = int8_rows_out_(y, top, bias)               # y * top + bias, in place
 """
 
 from __future__ import annotations
@@ -600,6 +609,74 @@ int column_sums(const uint16_t *x, int64_t n, int64_t c, float *out, float *work
     for (int64_t j = 0; j < c; ++j) out[j] += work[t * c + j];
   return 0;
 }
+/* ---- `translate.Int8Linear`'s rows: each input row on its own 8-bit range, each output row
+   scaled back (not in the paper). The same bits as its torch ops, one pass each. ---- */
+
+/* top[r] = max(max_j |x[r, j]| (nonneg: max_j x[r, j]), tiny), NaN where the row has one
+   (torch's amax, then clamp_min); xs[r, j] = x[r, j] * (1 / top[r]) (reciprocal, multiply) */
+AVX512 int int8_rows_in(const float *x, int64_t rows, int64_t k, int nonneg, float tiny,
+                        float *xs, float *top, int nthreads) {
+#pragma omp parallel for schedule(static) num_threads(nthreads)
+  for (int64_t r = 0; r < rows; ++r) {
+    const float *xr = x + r * k;
+    float *o = xs + r * k;
+    __m512 m = _mm512_set1_ps(-INFINITY);
+    __mmask16 nan = 0;
+    int64_t j = 0;
+    for (; j + 16 <= k; j += 16) {
+      __m512 v = _mm512_loadu_ps(xr + j);
+      nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+      m = _mm512_max_ps(m, nonneg ? v : _mm512_abs_ps(v));
+    }
+    if (j < k) { /* the tail: the lanes past k read as -inf (nonneg) or 0, neither a maximum */
+      __mmask16 t = (__mmask16)((1u << (k - j)) - 1);
+      __m512 v = _mm512_mask_loadu_ps(_mm512_set1_ps(nonneg ? -INFINITY : 0.f), t, xr + j);
+      nan |= _mm512_mask_cmp_ps_mask(t, v, v, _CMP_UNORD_Q);
+      m = _mm512_max_ps(m, nonneg ? v : _mm512_abs_ps(v));
+    }
+    float mx = _mm512_reduce_max_ps(m);
+    mx = nan ? NAN : (mx < tiny ? tiny : mx);
+    top[r] = mx;
+    __m512 inv = _mm512_div_ps(_mm512_set1_ps(1.f), _mm512_set1_ps(mx));
+    for (j = 0; j + 16 <= k; j += 16)
+      _mm512_storeu_ps(o + j, _mm512_mul_ps(_mm512_loadu_ps(xr + j), inv));
+    if (j < k) {
+      __mmask16 t = (__mmask16)((1u << (k - j)) - 1);
+      _mm512_mask_storeu_ps(o + j, t, _mm512_mul_ps(_mm512_maskz_loadu_ps(t, xr + j), inv));
+    }
+  }
+  return 0;
+}
+
+/* y[r, j] = y[r, j] * top[r], then + bias[j] (bias may be NULL): a multiply and an add, each
+   rounded (the empty asm keeps the compiler from fusing them into one FMA) */
+AVX512 int int8_rows_out(float *y, int64_t rows, int64_t n, const float *top, const float *bias,
+                         int nthreads) {
+#pragma omp parallel for schedule(static) num_threads(nthreads)
+  for (int64_t r = 0; r < rows; ++r) {
+    float *yr = y + r * n;
+    __m512 s = _mm512_set1_ps(top[r]);
+    int64_t j = 0;
+    for (; j + 16 <= n; j += 16) {
+      __m512 p = _mm512_mul_ps(_mm512_loadu_ps(yr + j), s);
+      if (bias) {
+        __asm__("" : "+v"(p));
+        p = _mm512_add_ps(p, _mm512_loadu_ps(bias + j));
+      }
+      _mm512_storeu_ps(yr + j, p);
+    }
+    if (j < n) {
+      __mmask16 t = (__mmask16)((1u << (n - j)) - 1);
+      __m512 p = _mm512_mul_ps(_mm512_maskz_loadu_ps(t, yr + j), s);
+      if (bias) {
+        __asm__("" : "+v"(p));
+        p = _mm512_add_ps(p, _mm512_maskz_loadu_ps(t, bias + j));
+      }
+      _mm512_mask_storeu_ps(yr + j, t, p);
+    }
+  }
+  return 0;
+}
 """
 
 # -O3: the dropout mask's four PCG64 runs stay in registers (0.57 against 1.9 ms at -O2 for
@@ -609,6 +686,7 @@ _FLAGS = ["-O3", "-shared", "-fPIC", "-fopenmp"]
 # VL: every AVX-512 CPU but the Xeon Phi has the three); without it the CPU keeps torch's ops.
 _AVX512 = {"avx512f", "avx512bw", "avx512vl"} <= cpuinfo.cpu_flags()
 _LIB: ctypes.PyDLL | None = None
+_NOGIL: ctypes.CDLL | None = None  # the same library, called without the GIL
 _WHY: str | None = None  # why there is no library, once `_library` has tried
 _TRIED = False
 
@@ -694,7 +772,7 @@ def _gomp() -> set[str]:
 
 
 def _library() -> ctypes.PyDLL | None:
-    global _LIB, _WHY, _TRIED
+    global _LIB, _NOGIL, _WHY, _TRIED
     if _TRIED:
         return _LIB
     _TRIED = True
@@ -730,11 +808,19 @@ def _library() -> ctypes.PyDLL | None:
         lib.masked_softmax_bwd.argtypes = [p, p, i64, i64, f32, p, i32]
         lib.masked_softmax_fwd.restype = lib.masked_softmax_bwd.restype = ctypes.c_int
         lib.column_sums.argtypes, lib.column_sums.restype = [p, i64, i64, p, p, i32], ctypes.c_int
-        _check(lib)
-        _LIB = lib
+        with torch.inference_mode(False):  # first called in a translation's, perhaps
+            _check(lib)
+        # `Int8Linear`'s row kernels let go of the GIL: a projection's rows in a batch of
+        # beams take a millisecond or more, which another decoding stream (translate.py) can
+        # spend in Python meanwhile.
+        free = ctypes.CDLL(lib._name)
+        free.int8_rows_in.argtypes = [p, i64, i64, i32, f32, p, p, i32]
+        free.int8_rows_out.argtypes = [p, i64, i64, p, p, i32]
+        free.int8_rows_in.restype = free.int8_rows_out.restype = ctypes.c_int
+        _LIB, _NOGIL = lib, free
     except (OSError, subprocess.SubprocessError) as e:
         _WHY = str(e)
-        logger.info("transformer.kernels: torch's transposing copies (%s)", _WHY)
+        logger.info("transformer.kernels: torch's ops instead of the compiled kernels (%s)", _WHY)
     return _LIB
 
 
@@ -932,3 +1018,33 @@ def column_sums(x: torch.Tensor) -> torch.Tensor:
     work = torch.empty(threads * c)
     _LIB.column_sums(x.data_ptr(), n, c, out.data_ptr(), work.data_ptr(), threads)
     return out.to(x.dtype)
+
+
+def int8_rows_in(x: torch.Tensor, nonnegative: bool, tiny: float):
+    """`translate.Int8Linear`'s input rows in one pass: x (..., K) fp32, contiguous -> (xs, top),
+    top (..., 1) = each row's largest |x| (`nonnegative`: largest x) but at least `tiny` (NaN
+    where the row has one), xs = x * (1 / top). Only where `fused_supported()`."""
+    _require("int8_rows_in", x, bf16=False)
+    if x.dtype != torch.float32 or x.dim() == 0:
+        raise ValueError("int8_rows_in: a contiguous fp32 CPU tensor of rows")
+    xs, top = torch.empty_like(x), torch.empty(x.shape[:-1] + (1,))
+    if x.numel():
+        k = x.size(-1)
+        _NOGIL.int8_rows_in(x.data_ptr(), x.numel() // k, k, int(nonnegative), tiny, xs.data_ptr(),
+                          top.data_ptr(), _threads(x.numel()))  # fmt: skip
+    return xs, top
+
+
+def int8_rows_out_(y: torch.Tensor, top: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """`translate.Int8Linear`'s output rows in one pass, in place: y (..., N) fp32 times its
+    row's top (..., 1), then plus bias (N,) (None: none), each rounded on its own (never one
+    fused multiply-add). Only where `fused_supported()`."""
+    _require("int8_rows_out_", y, top, *(() if bias is None else (bias,)), bf16=False)
+    n = y.size(-1) if y.dim() else 0
+    ok = y.dtype == top.dtype == torch.float32 and top.numel() * n == y.numel()
+    if not ok or (bias is not None and (bias.dtype != torch.float32 or bias.numel() != n)):
+        raise ValueError("int8_rows_out_: fp32 rows, one top per row and one bias per column")
+    if y.numel():
+        b = None if bias is None else bias.data_ptr()
+        _NOGIL.int8_rows_out(y.data_ptr(), top.numel(), n, top.data_ptr(), b, _threads(y.numel()))
+    return y

@@ -25,11 +25,11 @@ def threads_of(n: int):
 @pytest.fixture
 def fresh(monkeypatch, tmp_path):
     """kernels as if not yet loaded, building into an empty cache folder; restored after."""
-    saved = (kernels._LIB, kernels._WHY, kernels._TRIED)
+    saved = (kernels._LIB, kernels._NOGIL, kernels._WHY, kernels._TRIED)
     monkeypatch.setenv("TRANSFORMER_KERNELS", str(tmp_path / "cache"))
     kernels._LIB, kernels._WHY, kernels._TRIED = None, None, False
     yield tmp_path / "cache"
-    kernels._LIB, kernels._WHY, kernels._TRIED = saved
+    kernels._LIB, kernels._NOGIL, kernels._WHY, kernels._TRIED = saved
 
 
 def test_it_builds_on_this_x86_64_machine():
@@ -351,3 +351,85 @@ def test_column_sums_are_fp32_sums(shape, threads):
     assert (out.double() - ref).abs().max() <= 2**-8 * ref.abs().max() + 1e-6
     with pytest.raises(ValueError, match="column_sums"):
         kernels.column_sums(x[:, ::2])  # rows not contiguous
+
+
+def _int8_rows(rows: int, k: int, nonnegative: bool) -> torch.Tensor:
+    """Rows of every kind an `Int8Linear` can be given: ordinary, scaled 10^±3, zeros,
+    infinities, a NaN (rows 0-5 where there are so many), widths off the vector width."""
+    g = torch.Generator().manual_seed(rows * 1000 + k)
+    x = torch.randn(rows, k, generator=g) * torch.logspace(-3, 3, rows)[:, None]
+    special = [(0, slice(None), 0.0), (1, slice(0, 2), float("inf")), (2, -1, -float("inf")),
+               (3, k // 2, float("nan")), (4, slice(None), -0.0)]  # fmt: skip
+    for row, cols, value in special[: rows // 2]:
+        x[row, cols] = value
+    return x.relu() if nonnegative else x
+
+
+@pytest.mark.parametrize("shape", [(1, 1), (3, 16), (5, 37), (12, 512), (64, 2048), (300, 260)])
+@pytest.mark.parametrize("nonnegative", [False, True])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_int8_rows_are_the_bits_of_int8_linears_torch_ops(shape, nonnegative, threads):
+    """`translate.Int8Linear`'s rows: the same bits as its torch ops, in and out (a NaN row:
+    NaN both ways), with and without a bias, on one thread and on the team (the last shapes
+    are above MIN_THREADED)."""
+    from transformer.translate import TINY, _rows_in, _rows_out_
+
+    x = _int8_rows(*shape, nonnegative)
+    if not kernels.fused_supported():
+        with pytest.raises(RuntimeError, match="not on this machine"):
+            kernels.int8_rows_in(x, nonnegative, TINY)
+        return
+    with threads_of(threads):
+        xs, top = kernels.int8_rows_in(x, nonnegative, TINY)
+    ref_xs, ref_top = _rows_in(x, nonnegative)
+    assert xs.shape == x.shape and top.shape == (shape[0], 1)
+    for got, want in ((xs, ref_xs), (top, ref_top)):
+        nan = want.isnan()
+        assert torch.equal(got.isnan(), nan)
+        assert torch.equal(got[~nan].view(torch.int32), want[~nan].view(torch.int32))
+    y = torch.randn(shape[0], 3 * shape[1] + 1, generator=torch.Generator().manual_seed(1))
+    for bias in (torch.randn(y.size(1)), None):
+        with threads_of(threads):
+            got = kernels.int8_rows_out_(y.clone(), top, bias)
+        want = _rows_out_(y.clone(), top, bias)
+        nan = want.isnan()
+        assert torch.equal(got.isnan(), nan)
+        assert torch.equal(got[~nan].view(torch.int32), want[~nan].view(torch.int32))
+
+
+def test_int8_rows_out_multiplies_then_adds_never_one_fma():
+    """y * top + bias rounded twice: values where one fused multiply-add would differ."""
+    if not kernels.fused_supported():
+        return
+    y = torch.full((1, 32), 1.0 + 2**-22)
+    top = torch.full((1, 1), 1.0 + 2**-22)
+    bias = torch.full((32,), -1.0)
+    got = kernels.int8_rows_out_(y.clone(), top, bias)
+    fused = (y.double() * top.double() + bias.double()).float()  # one rounding: 2^-21 + 2^-44
+    assert torch.equal(got, (y * top) + bias) and not torch.equal(got, fused)
+
+
+def test_int8_rows_keep_shape_and_refuse_what_they_cannot_read():
+    from transformer.translate import TINY
+
+    if not kernels.fused_supported():
+        return
+    x = torch.randn(2, 3, 20)
+    xs, top = kernels.int8_rows_in(x, False, TINY)
+    assert xs.shape == (2, 3, 20) and top.shape == (2, 3, 1)
+    empty, top0 = kernels.int8_rows_in(torch.empty(0, 20), False, TINY)
+    assert empty.shape == (0, 20) and top0.shape == (0, 1)
+    for bad in (x.to(torch.bfloat16), x[..., ::2], torch.tensor(1.0)):
+        with pytest.raises(ValueError, match="int8_rows_in"):
+            kernels.int8_rows_in(bad, False, TINY)
+    y = torch.randn(2, 3, 7)
+    for args in ((y, top, torch.randn(6)), (y, top[:1], None), (y.double(), top, None)):
+        with pytest.raises(ValueError, match="int8_rows_out_"):
+            kernels.int8_rows_out_(*args)
+
+
+def test_the_library_is_first_loaded_in_inference_mode(fresh):
+    """A translation may be the first to load the library (`Int8Linear`'s rows), inside
+    torch.inference_mode: its check, which runs a backward, still passes."""
+    with torch.inference_mode():
+        assert kernels.unavailable() is None

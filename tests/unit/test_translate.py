@@ -967,3 +967,50 @@ def test_packed_projection_shares_the_parameters_and_leaves_the_model_alone(mode
     hidden = torch.randn(3, 4, model.cfg.d_model)
     torch.testing.assert_close(packed.project(hidden), model.project(hidden), rtol=1e-5, atol=1e-5)
     assert packed_projection(packed) is packed  # a projection already there is kept
+
+
+@pytest.mark.parametrize("nonnegative", [False, True])
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("shape", [(5, 7, 64), (1, 64), (64, 512)])
+def test_int8_linear_gives_the_same_bits_with_and_without_its_row_kernels(
+    monkeypatch, nonnegative, bias, shape
+):
+    # `kernels.int8_rows_in` / `int8_rows_out_` where they run (an AVX-512 CPU), torch's ops
+    # otherwise: the same values either way, so a translation does not depend on which.
+    g = torch.Generator().manual_seed(shape[-1])
+    w = torch.randn(48, shape[-1], generator=g) * 0.1
+    q = Int8Linear(w, torch.randn(48, generator=g) if bias else None, False,
+                   nonnegative_inputs=nonnegative)  # fmt: skip
+    x = torch.randn(shape, generator=g)
+    x = x.relu() if nonnegative else x
+    transposed = x.transpose(0, -1).contiguous().transpose(0, -1)  # not contiguous
+    xb = x.to(torch.bfloat16)  # bf16 and non-contiguous inputs take torch's ops either way
+    with_kernels = [q(x), q(transposed), q(xb)]
+    monkeypatch.setattr(transformer.translate, "int8_row_kernels", lambda: False)
+    without = [q(x), q(transposed), q(xb)]
+    for a, b in zip(with_kernels, without, strict=True):
+        assert a.dtype == b.dtype
+        assert torch.equal(a.float().view(torch.int32), b.float().view(torch.int32))
+    assert torch.equal(with_kernels[1], with_kernels[0])
+
+
+def test_int8_row_kernels_run_only_where_they_give_torchs_bits(monkeypatch, caplog):
+    check = transformer.translate.int8_row_kernels
+    try:
+        check.cache_clear()
+        from transformer import kernels
+
+        assert check() == kernels.fused_supported()
+        check.cache_clear()
+        monkeypatch.setattr(kernels, "fused_supported", lambda: False)
+        assert not check()
+        check.cache_clear()
+        monkeypatch.setattr(kernels, "fused_supported", lambda: True)
+        wrong = lambda x, nonnegative, tiny: (x * 1.0001, x.abs().amax(-1, keepdim=True))  # noqa: E731
+        monkeypatch.setattr(kernels, "int8_rows_in", wrong)
+        with caplog.at_level(logging.INFO, logger="transformer.translate"):
+            assert not check()
+        assert "torch's ops for the rows" in caplog.text
+    finally:
+        monkeypatch.undo()
+        check.cache_clear()
