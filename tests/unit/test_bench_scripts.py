@@ -1,6 +1,6 @@
 """benchmarks/bench_step_phases.py, bench_grad_helper.py, bench_wakeup.py, bench_streams.py,
 bench_split_rows.py, bench_weighted_rows.py, bench_read_trees.py, bench_gc.py,
-bench_translate_stream.py, issue19_table.sh and gpu/prepare_device.sh:
+bench_translate_stream.py, bench_int8_rows.py, issue19_table.sh and gpu/prepare_device.sh:
 bad input is one clear line (the script, the problem), exit status 2, before any timing starts."""
 
 from __future__ import annotations
@@ -381,3 +381,32 @@ def test_translate_stream_bench_names_bad_arguments_and_a_failed_run(tmp_path):
         out = _run("bench_translate_stream.py", *args)
         assert out.returncode == 2, args
         assert message in out.stderr and "Traceback" not in out.stderr, out.stderr
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--pairs", "0"], "--pairs and --out-len must be at least 1"),
+        (["--threads", "auto"], "--threads: a count of at least 1 (or auto with --what real)"),
+        (["--threads", "two"], "--threads: a count of at least 1"),
+        (["--what", "real"], "--what real needs --model and --src"),
+        (["--what", "real", "--model", "none.safetensors", "--src", "x"], "--model: no such file"),
+    ],
+)
+def test_int8_rows_bench_names_bad_arguments(args, message):
+    out = _run("bench_int8_rows.py", *args)
+    assert out.returncode == 2
+    assert message in out.stderr and "Traceback" not in out.stderr
+
+
+def test_int8_rows_bench_times_each_layer_both_ways():
+    from transformer import kernels
+
+    out = _run("bench_int8_rows.py", "--what", "layers", "--pairs", "1", "--threads", "1")
+    if not kernels.fused_supported():  # no AVX-512: torch's ops are all there is
+        assert out.returncode == 1 and "the row kernels do not run here" in out.stderr
+        return
+    assert out.returncode == 0, out.stderr
+    rows = [line for line in out.stdout.splitlines() if line.startswith("layer (")]
+    assert len(rows) == 9 and all("torch's ops" in r and "faster in" in r for r in rows)
+    assert "avx512f" in out.stdout.splitlines()[0]  # the CPU and its ISA beside the figures
