@@ -49,6 +49,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
+import threading
 from pathlib import Path
 
 import torch
@@ -689,6 +690,7 @@ _LIB: ctypes.PyDLL | None = None
 _NOGIL: ctypes.CDLL | None = None  # the same library, called without the GIL
 _WHY: str | None = None  # why there is no library, once `_library` has tried
 _TRIED = False
+_LOADING = threading.Lock()
 
 
 def cache_dir() -> Path:
@@ -772,10 +774,16 @@ def _gomp() -> set[str]:
 
 
 def _library() -> ctypes.PyDLL | None:
+    if not _TRIED:
+        with _LOADING:  # threads asking at once (decoding streams): one loads, the rest wait
+            if not _TRIED:
+                _load()
+    return _LIB
+
+
+def _load() -> None:
+    """Build (or find), load and check the library: `_LIB` and `_NOGIL`, or `_WHY` not."""
     global _LIB, _NOGIL, _WHY, _TRIED
-    if _TRIED:
-        return _LIB
-    _TRIED = True
     try:
         if platform.machine().lower() not in ("x86_64", "amd64"):
             raise OSError(f"the kernel is for x86-64, this CPU is {platform.machine()}")
@@ -821,7 +829,8 @@ def _library() -> ctypes.PyDLL | None:
     except (OSError, subprocess.SubprocessError) as e:
         _WHY = str(e)
         logger.info("transformer.kernels: torch's ops instead of the compiled kernels (%s)", _WHY)
-    return _LIB
+    finally:
+        _TRIED = True  # last: a thread that sees it sees _LIB (or _WHY) as it will stay
 
 
 def unavailable() -> str | None:

@@ -433,3 +433,22 @@ def test_the_library_is_first_loaded_in_inference_mode(fresh):
     torch.inference_mode: its check, which runs a backward, still passes."""
     with torch.inference_mode():
         assert kernels.unavailable() is None
+
+
+def test_threads_asking_at_once_all_get_the_library(fresh):
+    """Decoding streams make their first steps at once (translate.py): the threads that ask
+    while one builds and checks the library wait for it, none is told there is none."""
+    import threading
+
+    start, seen = threading.Barrier(4), []
+
+    def ask() -> None:
+        start.wait()
+        seen.append(kernels._library() is not None)
+
+    threads = [threading.Thread(target=ask) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert seen == [True] * 4
