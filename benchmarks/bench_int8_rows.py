@@ -135,7 +135,7 @@ def main() -> None:
     if not auto:
         torch.set_num_threads(int(args.threads))
     if not T.int8_row_kernels():
-        sys.exit("bench_int8_rows.py: the row kernels do not run here (no AVX-512, or the "
+        sys.exit("bench_int8_rows.py: the row kernels do not run here (no AVX-512 or AVX2, or the "
                  "library does not build: `python -c 'from transformer import kernels; "
                  "print(kernels.unavailable())'`)")  # fmt: skip
     print(f"# {cpu_line()}; torch {torch.__version__}, threads {args.threads}, {args.pairs} pairs")

@@ -21,8 +21,8 @@ s = x + t is the same bits), `residual_norm_backward` the backward in another, w
 `translate.Int8Linear` quantizes each input row on its own range around fbgemm's int8 product:
 in torch five ops before it (|x|, the row maxima, a clamp, their inverses, the scaling) and two
 after (the rows scaled back, the bias); `int8_rows_in` and `int8_rows_out_` do each side in one
-pass, the same bits, which takes 6% off a greedy search's step at the peers' W2 shape
-(docs/performance.md, "Round thirty-seven"). They are called without holding the GIL.
+pass, the same bits (AVX-512, or AVX2), which takes 2-7% off a greedy search at the peers' W2
+shape (docs/performance.md, "Round thirty-seven"). They are called without holding the GIL.
 
 The kernels are C, compiled on first use with the system's C compiler (`$CC`, else `cc`, `gcc`
 or `clang`) into a cache folder (`$TRANSFORMER_KERNELS`, else `$XDG_CACHE_HOME/transformer`,
@@ -678,6 +678,78 @@ AVX512 int int8_rows_out(float *y, int64_t rows, int64_t n, const float *top, co
   }
   return 0;
 }
+/* The same two on AVX2 (8 lanes; CPUs without AVX-512, as Zen 3, where auto picks int8) */
+#define AVX2 __attribute__((target("avx2")))
+AVX2 static inline __m256i first_lanes8(int64_t n) { /* lanes 0 .. n - 1 set */
+  return _mm256_cmpgt_epi32(_mm256_set1_epi32((int)n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+
+AVX2 int int8_rows_in_avx2(const float *x, int64_t rows, int64_t k, int nonneg, float tiny,
+                           float *xs, float *top, int nthreads) {
+#pragma omp parallel for schedule(static) num_threads(nthreads)
+  for (int64_t r = 0; r < rows; ++r) {
+    const float *xr = x + r * k;
+    float *o = xs + r * k;
+    const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    __m256 m = _mm256_set1_ps(-INFINITY);
+    int nan = 0;
+    int64_t j = 0;
+    for (; j + 8 <= k; j += 8) {
+      __m256 v = _mm256_loadu_ps(xr + j);
+      nan |= _mm256_movemask_ps(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+      m = _mm256_max_ps(m, nonneg ? v : _mm256_and_ps(v, magnitude));
+    }
+    if (j < k) { /* the lanes past k read as 0, or -inf where nonneg: neither a maximum */
+      __m256i t = first_lanes8(k - j);
+      __m256 v = _mm256_maskload_ps(xr + j, t);
+      nan |= _mm256_movemask_ps(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+      if (nonneg) v = _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), v, _mm256_castsi256_ps(t));
+      m = _mm256_max_ps(m, nonneg ? v : _mm256_and_ps(v, magnitude));
+    }
+    float lanes[8], mx;
+    _mm256_storeu_ps(lanes, m);
+    mx = lanes[0];
+    for (int i = 1; i < 8; ++i) mx = lanes[i] > mx ? lanes[i] : mx;
+    mx = nan ? NAN : (mx < tiny ? tiny : mx);
+    top[r] = mx;
+    __m256 inv = _mm256_div_ps(_mm256_set1_ps(1.f), _mm256_set1_ps(mx));
+    for (j = 0; j + 8 <= k; j += 8)
+      _mm256_storeu_ps(o + j, _mm256_mul_ps(_mm256_loadu_ps(xr + j), inv));
+    if (j < k) {
+      __m256i t = first_lanes8(k - j);
+      _mm256_maskstore_ps(o + j, t, _mm256_mul_ps(_mm256_maskload_ps(xr + j, t), inv));
+    }
+  }
+  return 0;
+}
+
+AVX2 int int8_rows_out_avx2(float *y, int64_t rows, int64_t n, const float *top,
+                            const float *bias, int nthreads) {
+#pragma omp parallel for schedule(static) num_threads(nthreads)
+  for (int64_t r = 0; r < rows; ++r) {
+    float *yr = y + r * n;
+    __m256 s = _mm256_set1_ps(top[r]);
+    int64_t j = 0;
+    for (; j + 8 <= n; j += 8) {
+      __m256 p = _mm256_mul_ps(_mm256_loadu_ps(yr + j), s);
+      if (bias) {
+        __asm__("" : "+x"(p));
+        p = _mm256_add_ps(p, _mm256_loadu_ps(bias + j));
+      }
+      _mm256_storeu_ps(yr + j, p);
+    }
+    if (j < n) {
+      __m256i t = first_lanes8(n - j);
+      __m256 p = _mm256_mul_ps(_mm256_maskload_ps(yr + j, t), s);
+      if (bias) {
+        __asm__("" : "+x"(p));
+        p = _mm256_add_ps(p, _mm256_maskload_ps(bias + j, t));
+      }
+      _mm256_maskstore_ps(yr + j, t, p);
+    }
+  }
+  return 0;
+}
 """
 
 # -O3: the dropout mask's four PCG64 runs stay in registers (0.57 against 1.9 ms at -O2 for
@@ -686,6 +758,8 @@ _FLAGS = ["-O3", "-shared", "-fPIC", "-fopenmp"]
 # The residual LayerNorm's, ReLU's and the attention softmax's rows are AVX-512 code (F, BW and
 # VL: every AVX-512 CPU but the Xeon Phi has the three); without it the CPU keeps torch's ops.
 _AVX512 = {"avx512f", "avx512bw", "avx512vl"} <= cpuinfo.cpu_flags()
+# `Int8Linear`'s row kernels run in AVX-512 (F), or AVX2 where a CPU has no AVX-512.
+_ROWS_ISA = "avx512" if _AVX512 else "avx2" if "avx2" in cpuinfo.cpu_flags() else None
 _LIB: ctypes.PyDLL | None = None
 _NOGIL: ctypes.CDLL | None = None  # the same library, called without the GIL
 _WHY: str | None = None  # why there is no library, once `_library` has tried
@@ -822,9 +896,16 @@ def _load() -> None:
         # beams take a millisecond or more, which another decoding stream (translate.py) can
         # spend in Python meanwhile.
         free = ctypes.CDLL(lib._name)
-        free.int8_rows_in.argtypes = [p, i64, i64, i32, f32, p, p, i32]
-        free.int8_rows_out.argtypes = [p, i64, i64, p, p, i32]
-        free.int8_rows_in.restype = free.int8_rows_out.restype = ctypes.c_int
+        for isa in ("", "_avx2"):
+            rows_in, rows_out = (
+                getattr(free, "int8_rows_in" + isa),
+                getattr(free, "int8_rows_out" + isa),
+            )
+            rows_in.argtypes, rows_out.argtypes = (
+                [p, i64, i64, i32, f32, p, p, i32],
+                [p, i64, i64, p, p, i32],
+            )
+            rows_in.restype = rows_out.restype = ctypes.c_int
         _LIB, _NOGIL = lib, free
     except (OSError, subprocess.SubprocessError) as e:
         _WHY = str(e)
@@ -1029,11 +1110,25 @@ def column_sums(x: torch.Tensor) -> torch.Tensor:
     return out.to(x.dtype)
 
 
+def rows_supported() -> bool:
+    """Whether `int8_rows_in` and `int8_rows_out_` run here: `FUSED`, the library built, and
+    the CPU has AVX-512 F or AVX2 (`_ROWS_ISA`)."""
+    return FUSED and _ROWS_ISA is not None and _library() is not None
+
+
+def _require_rows(what: str, *tensors: torch.Tensor) -> None:
+    if not rows_supported():
+        raise RuntimeError(f"{what}: not on this machine ({unavailable() or 'no AVX2'})")
+    for t in tensors:
+        if not (t.is_contiguous() and t.device.type == "cpu"):
+            raise ValueError(f"{what}: contiguous CPU tensors")
+
+
 def int8_rows_in(x: torch.Tensor, nonnegative: bool, tiny: float):
     """`translate.Int8Linear`'s input rows in one pass: x (..., K) fp32, contiguous -> (xs, top),
     top (..., 1) = each row's largest |x| (`nonnegative`: largest x) but at least `tiny` (NaN
-    where the row has one), xs = x * (1 / top). Only where `fused_supported()`."""
-    _require("int8_rows_in", x, bf16=False)
+    where the row has one), xs = x * (1 / top). Only where `rows_supported()`."""
+    _require_rows("int8_rows_in", x)
     if x.dtype != torch.float32 or x.dim() == 0:
         raise ValueError("int8_rows_in: a contiguous fp32 CPU tensor of rows")
     xs, top = torch.empty_like(x), torch.empty(x.shape[:-1] + (1,))
@@ -1047,13 +1142,14 @@ def int8_rows_in(x: torch.Tensor, nonnegative: bool, tiny: float):
 def int8_rows_out_(y: torch.Tensor, top: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """`translate.Int8Linear`'s output rows in one pass, in place: y (..., N) fp32 times its
     row's top (..., 1), then plus bias (N,) (None: none), each rounded on its own (never one
-    fused multiply-add). Only where `fused_supported()`."""
-    _require("int8_rows_out_", y, top, *(() if bias is None else (bias,)), bf16=False)
+    fused multiply-add). Only where `rows_supported()`."""
+    _require_rows("int8_rows_out_", y, top, *(() if bias is None else (bias,)))
     n = y.size(-1) if y.dim() else 0
     ok = y.dtype == top.dtype == torch.float32 and top.numel() * n == y.numel()
     if not ok or (bias is not None and (bias.dtype != torch.float32 or bias.numel() != n)):
         raise ValueError("int8_rows_out_: fp32 rows, one top per row and one bias per column")
     if y.numel():
         b = None if bias is None else bias.data_ptr()
-        _NOGIL.int8_rows_out(y.data_ptr(), top.numel(), n, top.data_ptr(), b, _threads(y.numel()))
+        rows_out = _NOGIL.int8_rows_out if _ROWS_ISA == "avx512" else _NOGIL.int8_rows_out_avx2
+        rows_out(y.data_ptr(), top.numel(), n, top.data_ptr(), b, _threads(y.numel()))
     return y

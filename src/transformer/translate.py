@@ -347,10 +347,10 @@ def _rows_out_(y: torch.Tensor, top: torch.Tensor, bias: torch.Tensor | None) ->
 
 def int8_row_kernels() -> bool:
     """Whether `Int8Linear` scales its rows with `kernels.int8_rows_in` / `int8_rows_out_`
-    (on an AVX-512 CPU, where the library builds): only once they have given the same bits
-    as `_rows_in` / `_rows_out_` on rows of every kind (zeros, infinities, a NaN, widths that
-    are and are not a multiple of 16, rows enough for the threads); torch's ops otherwise.
-    A W2 greedy search 6% faster, beam 4 2-3% (docs/performance.md, "Round thirty-seven")."""
+    (AVX-512 or AVX2, where the library builds): only once they have given the same bits as
+    `_rows_in` / `_rows_out_` on rows of every kind (zeros, infinities, a NaN, widths that are
+    and are not a multiple of 16, rows enough for the threads); torch's ops otherwise. A W2
+    greedy search 2-7% faster, beam 4 1-3% (docs/performance.md, "Round thirty-seven")."""
     with _ROW_CHECK:  # decoding streams make their first steps at once: one checks
         return _row_kernels_agree()
 
@@ -360,7 +360,7 @@ _ROW_CHECK = threading.Lock()
 
 @functools.cache
 def _row_kernels_agree() -> bool:
-    if not kernels.fused_supported():
+    if not kernels.rows_supported():
         return False
     g = torch.Generator().manual_seed(0)
     for rows, k, nonneg in ((5, 37, False), (5, 37, True), (70, 1024, False), (3, 16, True)):

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from transformer import kernels
+from transformer.cpuinfo import cpu_flags
 
 
 @contextlib.contextmanager
@@ -365,20 +366,29 @@ def _int8_rows(rows: int, k: int, nonnegative: bool) -> torch.Tensor:
     return x.relu() if nonnegative else x
 
 
+# The row kernels' instruction sets this CPU runs (AVX-512 F and AVX2 on the suite's x86-64
+# machines with AVX-512, AVX2 alone on a Zen 3); each is tested where it can run.
+ROWS_ISAS = [
+    isa
+    for isa, flags in (("avx512", {"avx512f", "avx512bw", "avx512vl"}), ("avx2", {"avx2"}))
+    if flags <= cpu_flags()
+]
+
+
 @pytest.mark.parametrize("shape", [(1, 1), (3, 16), (5, 37), (12, 512), (64, 2048), (300, 260)])
 @pytest.mark.parametrize("nonnegative", [False, True])
 @pytest.mark.parametrize("threads", [1, 2])
-def test_int8_rows_are_the_bits_of_int8_linears_torch_ops(shape, nonnegative, threads):
+@pytest.mark.parametrize("isa", ROWS_ISAS)
+def test_int8_rows_are_the_bits_of_int8_linears_torch_ops(
+    monkeypatch, shape, nonnegative, threads, isa
+):
     """`translate.Int8Linear`'s rows: the same bits as its torch ops, in and out (a NaN row:
     NaN both ways), with and without a bias, on one thread and on the team (the last shapes
-    are above MIN_THREADED)."""
+    are above MIN_THREADED), in each instruction set the CPU has."""
     from transformer.translate import TINY, _rows_in, _rows_out_
 
+    monkeypatch.setattr(kernels, "_ROWS_ISA", isa)
     x = _int8_rows(*shape, nonnegative)
-    if not kernels.fused_supported():
-        with pytest.raises(RuntimeError, match="not on this machine"):
-            kernels.int8_rows_in(x, nonnegative, TINY)
-        return
     with threads_of(threads):
         xs, top = kernels.int8_rows_in(x, nonnegative, TINY)
     ref_xs, ref_top = _rows_in(x, nonnegative)
@@ -397,10 +407,10 @@ def test_int8_rows_are_the_bits_of_int8_linears_torch_ops(shape, nonnegative, th
         assert torch.equal(got[~nan].view(torch.int32), want[~nan].view(torch.int32))
 
 
-def test_int8_rows_out_multiplies_then_adds_never_one_fma():
+@pytest.mark.parametrize("isa", ROWS_ISAS)
+def test_int8_rows_out_multiplies_then_adds_never_one_fma(monkeypatch, isa):
     """y * top + bias rounded twice: values where one fused multiply-add would differ."""
-    if not kernels.fused_supported():
-        return
+    monkeypatch.setattr(kernels, "_ROWS_ISA", isa)
     y = torch.full((1, 32), 1.0 + 2**-22)
     top = torch.full((1, 1), 1.0 + 2**-22)
     bias = torch.full((32,), -1.0)
@@ -412,8 +422,6 @@ def test_int8_rows_out_multiplies_then_adds_never_one_fma():
 def test_int8_rows_keep_shape_and_refuse_what_they_cannot_read():
     from transformer.translate import TINY
 
-    if not kernels.fused_supported():
-        return
     x = torch.randn(2, 3, 20)
     xs, top = kernels.int8_rows_in(x, False, TINY)
     assert xs.shape == (2, 3, 20) and top.shape == (2, 3, 1)
@@ -422,6 +430,13 @@ def test_int8_rows_keep_shape_and_refuse_what_they_cannot_read():
     for bad in (x.to(torch.bfloat16), x[..., ::2], torch.tensor(1.0)):
         with pytest.raises(ValueError, match="int8_rows_in"):
             kernels.int8_rows_in(bad, False, TINY)
+    for off in ({"FUSED": False}, {"_ROWS_ISA": None}):  # torch's ops, and a clear refusal
+        with pytest.MonkeyPatch.context() as m:
+            for name, value in off.items():
+                m.setattr(kernels, name, value)
+            assert not kernels.rows_supported()
+            with pytest.raises(RuntimeError, match="int8_rows_in: not on this machine"):
+                kernels.int8_rows_in(x, False, TINY)
     y = torch.randn(2, 3, 7)
     for args in ((y, top, torch.randn(6)), (y, top[:1], None), (y.double(), top, None)):
         with pytest.raises(ValueError, match="int8_rows_out_"):

@@ -1000,12 +1000,12 @@ def test_int8_row_kernels_run_only_where_they_give_torchs_bits(monkeypatch, capl
         cached.cache_clear()
         from transformer import kernels
 
-        assert check() == kernels.fused_supported()
+        assert check() == kernels.rows_supported()
         cached.cache_clear()
-        monkeypatch.setattr(kernels, "fused_supported", lambda: False)
+        monkeypatch.setattr(kernels, "rows_supported", lambda: False)
         assert not check()
         cached.cache_clear()
-        monkeypatch.setattr(kernels, "fused_supported", lambda: True)
+        monkeypatch.setattr(kernels, "rows_supported", lambda: True)
         wrong = lambda x, nonnegative, tiny: (x * 1.0001, x.abs().amax(-1, keepdim=True))  # noqa: E731
         monkeypatch.setattr(kernels, "int8_rows_in", wrong)
         with caplog.at_level(logging.INFO, logger="transformer.translate"):
