@@ -909,7 +909,7 @@ def _load() -> None:
         _LIB, _NOGIL = lib, free
     except (OSError, subprocess.SubprocessError) as e:
         _WHY = str(e)
-        logger.info("transformer.kernels: torch's ops instead of the compiled kernels (%s)", _WHY)
+        logger.info("torch's ops instead of the compiled kernels (%s)", _WHY)
     finally:
         _TRIED = True  # last: a thread that sees it sees _LIB (or _WHY) as it will stay
 
