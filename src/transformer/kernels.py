@@ -950,11 +950,13 @@ def _threads(n: int) -> int:
     return torch.get_num_threads() if n >= MIN_THREADED else 1
 
 
-def _require(what: str, *tensors: torch.Tensor, bf16: bool = True) -> None:
-    """Raise RuntimeError unless the fused kernels run here, ValueError naming `what` unless
-    every tensor is a contiguous CPU tensor (and bf16, with `bf16`)."""
-    if not fused_supported():
-        raise RuntimeError(f"{what}: not on this machine ({unavailable() or 'no AVX-512'})")
+def _require(what: str, *tensors: torch.Tensor, bf16: bool = True, rows: bool = False) -> None:
+    """Raise RuntimeError unless the fused kernels run here (`rows`: the int8 row kernels,
+    `rows_supported`), ValueError naming `what` unless every tensor is a contiguous CPU tensor
+    (and bf16, with `bf16`)."""
+    if not (rows_supported() if rows else fused_supported()):
+        lacking = "no AVX2" if rows else "no AVX-512"
+        raise RuntimeError(f"{what}: not on this machine ({unavailable() or lacking})")
     for t in tensors:
         if not (t.is_contiguous() and t.device.type == "cpu") or (
             bf16 and t.dtype != torch.bfloat16
@@ -1116,25 +1118,23 @@ def rows_supported() -> bool:
     return FUSED and _ROWS_ISA is not None and _library() is not None
 
 
-def _require_rows(what: str, *tensors: torch.Tensor) -> None:
-    if not rows_supported():
-        raise RuntimeError(f"{what}: not on this machine ({unavailable() or 'no AVX2'})")
-    for t in tensors:
-        if not (t.is_contiguous() and t.device.type == "cpu"):
-            raise ValueError(f"{what}: contiguous CPU tensors")
+def _row_kernel(side: str):
+    """The library's `int8_rows_{side}` in the form of this CPU's instruction set (`_ROWS_ISA`):
+    the AVX-512 form would be an illegal instruction on a CPU with AVX2 alone."""
+    return getattr(_NOGIL, f"int8_rows_{side}" + ("" if _ROWS_ISA == "avx512" else "_avx2"))
 
 
 def int8_rows_in(x: torch.Tensor, nonnegative: bool, tiny: float):
     """`translate.Int8Linear`'s input rows in one pass: x (..., K) fp32, contiguous -> (xs, top),
     top (..., 1) = each row's largest |x| (`nonnegative`: largest x) but at least `tiny` (NaN
     where the row has one), xs = x * (1 / top). Only where `rows_supported()`."""
-    _require_rows("int8_rows_in", x)
+    _require("int8_rows_in", x, bf16=False, rows=True)
     if x.dtype != torch.float32 or x.dim() == 0:
         raise ValueError("int8_rows_in: a contiguous fp32 CPU tensor of rows")
     xs, top = torch.empty_like(x), torch.empty(x.shape[:-1] + (1,))
     if x.numel():
         k = x.size(-1)
-        _NOGIL.int8_rows_in(x.data_ptr(), x.numel() // k, k, int(nonnegative), tiny, xs.data_ptr(),
+        _row_kernel("in")(x.data_ptr(), x.numel() // k, k, int(nonnegative), tiny, xs.data_ptr(),
                           top.data_ptr(), _threads(x.numel()))  # fmt: skip
     return xs, top
 
@@ -1143,13 +1143,12 @@ def int8_rows_out_(y: torch.Tensor, top: torch.Tensor, bias: torch.Tensor | None
     """`translate.Int8Linear`'s output rows in one pass, in place: y (..., N) fp32 times its
     row's top (..., 1), then plus bias (N,) (None: none), each rounded on its own (never one
     fused multiply-add). Only where `rows_supported()`."""
-    _require_rows("int8_rows_out_", y, top, *(() if bias is None else (bias,)))
+    _require("int8_rows_out_", y, top, *(() if bias is None else (bias,)), bf16=False, rows=True)
     n = y.size(-1) if y.dim() else 0
     ok = y.dtype == top.dtype == torch.float32 and top.numel() * n == y.numel()
     if not ok or (bias is not None and (bias.dtype != torch.float32 or bias.numel() != n)):
         raise ValueError("int8_rows_out_: fp32 rows, one top per row and one bias per column")
     if y.numel():
         b = None if bias is None else bias.data_ptr()
-        rows_out = _NOGIL.int8_rows_out if _ROWS_ISA == "avx512" else _NOGIL.int8_rows_out_avx2
-        rows_out(y.data_ptr(), top.numel(), n, top.data_ptr(), b, _threads(y.numel()))
+        _row_kernel("out")(y.data_ptr(), top.numel(), n, top.data_ptr(), b, _threads(y.numel()))
     return y

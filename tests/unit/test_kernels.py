@@ -467,3 +467,27 @@ def test_threads_asking_at_once_all_get_the_library(fresh):
     for t in threads:
         t.join()
     assert seen == [True] * 4
+
+
+@pytest.mark.parametrize("isa", ROWS_ISAS)
+def test_int8_rows_call_the_form_of_the_cpus_instruction_set(monkeypatch, isa):
+    """Both row kernels call the form `_ROWS_ISA` names: an AVX-512 form called on a CPU with
+    AVX2 alone (a Zen 3) would stop the process with an illegal instruction."""
+    from transformer.translate import TINY
+
+    called = []
+
+    class Spy:
+        def __getattr__(self, name):
+            called.append(name)
+            return getattr(kernels._NOGIL_REAL, name)
+
+    assert kernels.rows_supported()
+    monkeypatch.setattr(kernels, "_ROWS_ISA", isa)
+    monkeypatch.setattr(kernels, "_NOGIL_REAL", kernels._NOGIL, raising=False)
+    monkeypatch.setattr(kernels, "_NOGIL", Spy())
+    x = torch.randn(3, 20)
+    xs, top = kernels.int8_rows_in(x, False, TINY)
+    kernels.int8_rows_out_(torch.randn(3, 5), top, None)
+    suffix = "" if isa == "avx512" else "_avx2"
+    assert called == ["int8_rows_in" + suffix, "int8_rows_out" + suffix]
