@@ -345,21 +345,15 @@ def _rows_out_(y: torch.Tensor, top: torch.Tensor, bias: torch.Tensor | None) ->
     return y if bias is None else y.add_(bias)
 
 
+@functools.cache
 def int8_row_kernels() -> bool:
     """Whether `Int8Linear` scales its rows with `kernels.int8_rows_in` / `int8_rows_out_`
     (AVX-512 or AVX2, where the library builds): only once they have given the same bits as
     `_rows_in` / `_rows_out_` on rows of every kind (zeros, infinities, a NaN, widths that are
     and are not a multiple of 16, rows enough for the threads); torch's ops otherwise. A W2
-    greedy search 2-7% faster, beam 4 1-3% (docs/performance.md, "Round thirty-seven")."""
-    with _ROW_CHECK:  # decoding streams make their first steps at once: one checks
-        return _row_kernels_agree()
-
-
-_ROW_CHECK = threading.Lock()
-
-
-@functools.cache
-def _row_kernels_agree() -> bool:
+    greedy search 2-7% faster, beam 4 1-3% (docs/performance.md, "Round thirty-seven").
+    Decoding streams may ask at once: `kernels` makes them wait while it loads the library,
+    so each gets the same answer."""
     if not kernels.rows_supported():
         return False
     g = torch.Generator().manual_seed(0)
