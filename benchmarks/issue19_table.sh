@@ -27,14 +27,7 @@ for f in "$QS/data/manifest.json" "$QS/model.safetensors" "$QS/quickstart.json";
   [[ -f $f ]] || { echo "issue19_table.sh: $f not found (QS=$QS)" >&2; exit 2; }
 done
 mkdir -p "$OUT"
-ALPHA=$($OURS - "$QS/quickstart.json" <<'PY'
-import json, sys
-try:
-    print(float(json.load(open(sys.argv[1], encoding="utf-8"))["chosen_on_val"]["alpha"]))
-except (OSError, ValueError, KeyError, TypeError) as e:
-    sys.exit(f"issue19_table.sh: {sys.argv[1]}: no α chosen on val ({type(e).__name__}: {e})")
-PY
-)
+ALPHA=$($OURS benchmarks/quickstart_alpha.py "$QS/quickstart.json" issue19_table.sh)
 DTYPES=fp32,int8
 if [[ -n $($OURS -c 'from transformer.cpuinfo import native_bf16; print(*native_bf16())') ]]; then
   DTYPES=fp32,int8,bf16  # bf16 decoding only where the CPU multiplies bf16 natively

@@ -19,14 +19,7 @@ fail() { echo "prepare_device.sh: $*" >&2; exit 2; }
 for f in "$QS/model.safetensors" "$QS/quickstart.json" "$M30K/test_2016_flickr.en"; do
   [[ -f $f ]] || fail "$f not found"
 done
-ALPHA=$($PY - "$QS/quickstart.json" <<'PY'
-import json, sys
-try:
-    print(float(json.load(open(sys.argv[1], encoding="utf-8"))["chosen_on_val"]["alpha"]))
-except (OSError, ValueError, KeyError, TypeError) as e:
-    sys.exit(f"prepare_device.sh: {sys.argv[1]}: no α chosen on val ({type(e).__name__}: {e})")
-PY
-) || exit 2
+ALPHA=$($PY benchmarks/quickstart_alpha.py "$QS/quickstart.json" prepare_device.sh) || exit 2
 DL=$(mktemp -d)
 trap 'rm -rf "$DL"' EXIT
 rm -rf .device/fsite .device/site312 .device/qs
