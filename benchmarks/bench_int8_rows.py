@@ -45,20 +45,22 @@ LAYERS = [  # rows, inputs, outputs, ReLU inputs, bias
 ]  # fmt: skip
 
 
-def paired(name: str, run, pairs: int, per: int = 1) -> None:
+def paired(name: str, run, pairs: int, per: int = 1, switch=None) -> None:
     """Time `run()` with the kernels and with torch's ops, `pairs` times each, order alternating;
-    `per`: the calls one run makes (the times printed are per call)."""
+    `per`: the calls one run makes (the times printed are per call). switch: (module, name) of
+    the function that says whether the kernels run (default `translate.int8_row_kernels`)."""
+    owner, attr = switch or (T, "int8_row_kernels")
     times: dict[bool, list[float]] = {False: [], True: []}
-    real = T.int8_row_kernels
+    real = getattr(owner, attr)
     try:
         for i in range(pairs):
             for on in (False, True) if i % 2 == 0 else (True, False):
-                T.int8_row_kernels = lambda on=on: on  # noqa: E731
+                setattr(owner, attr, lambda on=on: on)
                 start = time.perf_counter()
                 run()
                 times[on].append(time.perf_counter() - start)
     finally:
-        T.int8_row_kernels = real
+        setattr(owner, attr, real)
     before, after = statistics.median(times[False]) / per, statistics.median(times[True]) / per
     gains = [100 * (b - a) / b for b, a in zip(times[False], times[True], strict=True)]
     unit, scale = ("us", 1e6) if before < 0.01 else ("s", 1.0)
@@ -87,37 +89,41 @@ def layers(args) -> None:
         paired(f"layer ({rows}, {k}) -> {n}", calls, args.pairs, per)
 
 
-def w2(args) -> None:
+def w2(args, switch=None, dtype: str = "int8") -> None:
     import bench_decode  # this script's folder is on sys.path
 
     src, src_mask = bench_decode.w2_source()
-    model = bench_decode.base_model("int8")
+    model = bench_decode.base_model(dtype)
     for beam in (1, 4):
         bench_decode.run_ours(model, src, src_mask, beam, 4)  # the shapes' kernels built
-        paired(f"W2 int8 beam {beam}", lambda b=beam: bench_decode.run_ours(
-            model, src, src_mask, b, args.out_len), args.pairs)  # fmt: skip
+        paired(f"W2 {dtype} beam {beam}", lambda b=beam: bench_decode.run_ours(
+            model, src, src_mask, b, args.out_len), args.pairs, switch=switch)  # fmt: skip
 
 
-def real(args) -> None:
+def real(args, switch=None, dtype: str = "int8") -> None:
     threads = args.threads if args.threads == "auto" else int(args.threads)
-    tr = T.Translator.from_path(args.model, dtype="int8", threads=threads)
+    tr = T.Translator.from_path(args.model, dtype=dtype, threads=threads)
     with open(args.src, encoding="utf-8") as f:
         lines = f.read().splitlines()
     tr.translate(lines[:200], beam_size=4)
     print(f"# {args.src}: {len(lines)} lines, threads {args.threads}")
     for beam in (1, 4):
-        paired(f"{os.path.basename(args.src)} beam {beam}",
-               lambda b=beam: tr.translate(lines, beam_size=b), args.pairs)  # fmt: skip
+        paired(f"{os.path.basename(args.src)} {dtype} beam {beam}",
+               lambda b=beam: tr.translate(lines, beam_size=b), args.pairs,
+               switch=switch)  # fmt: skip
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def arguments(description: str) -> argparse.Namespace:
+    """This script's options (also `bench_step_attention.py`'s), checked; torch's threads set."""
+    ap = argparse.ArgumentParser(description=description)
     ap.add_argument("--what", choices=("layers", "w2", "real"), default="w2")
     ap.add_argument("--pairs", type=int, default=8)
     ap.add_argument("--threads", default="2", help="torch threads (real: N or auto)")
     ap.add_argument("--out-len", type=int, default=50)
     ap.add_argument("--model", help="--what real: a model file or run directory")
     ap.add_argument("--src", help="--what real: source lines to translate")
+    ap.add_argument("--dtype", choices=("int8", "fp32", "bf16"), default="int8",
+                    help="--what w2 / real: the model's (bench_step_attention.py)")  # fmt: skip
     args = ap.parse_args()
     if args.pairs < 1 or args.out_len < 1:
         ap.error("--pairs and --out-len must be at least 1")
@@ -134,6 +140,13 @@ def main() -> None:
                 ap.error(f"{flag}: no such file or directory: {path}")
     if not auto:
         torch.set_num_threads(int(args.threads))
+    return args
+
+
+def main() -> None:
+    args = arguments(__doc__.split("\n")[0])
+    if args.dtype != "int8":
+        sys.exit("bench_int8_rows.py: --dtype int8 only (the row kernels are int8's)")
     if not T.int8_row_kernels():
         sys.exit("bench_int8_rows.py: the row kernels do not run here (no AVX-512 or AVX2, or the "
                  "library does not build: `python -c 'from transformer import kernels; "

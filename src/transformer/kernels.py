@@ -24,6 +24,12 @@ after (the rows scaled back, the bias); `int8_rows_in` and `int8_rows_out_` do e
 pass, the same bits (AVX-512, or AVX2), which takes 2-7% off a greedy search at the peers' W2
 shape (docs/performance.md, "Round thirty-seven"). They are called without holding the GIL.
 
+A decoding step's attention (`model._attention_rowwise` with a cache) is, in torch, four passes
+over the step's keys and values, each (batch, head) a tiny product; `step_attention` takes each
+(batch, head) in one pass (AVX-512), the next head's rows requested meanwhile and the keys a
+mask leaves out not read: a W2 search 5-6% faster greedy, 10-11% beam 4 (docs/performance.md,
+"Round thirty-eight"). Its values are eq. (1)'s to fp32 rounding, not torch's bits.
+
 The kernels are C, compiled on first use with the system's C compiler (`$CC`, else `cc`, `gcc`
 or `clang`) into a cache folder (`$TRANSFORMER_KERNELS`, else `$XDG_CACHE_HOME/transformer`,
 else `~/.cache/transformer`), keyed by the source's and compiler's hash, and loaded with
@@ -37,6 +43,7 @@ reaches this code.
     dx, df, dw, db = residual_norm_backward(gy, s, mean, rstd, weight, keep, scale)
     xs, top = int8_rows_in(x, nonnegative, tiny)   # x * (1 / top), top each row's max |x|
     y = int8_rows_out_(y, top, bias)               # y * top + bias, in place
+    out = step_attention(q, k, v, bias, c)         # softmax(q k^T / c + bias) v, per head
 """
 
 from __future__ import annotations
@@ -610,6 +617,198 @@ int column_sums(const uint16_t *x, int64_t n, int64_t c, float *out, float *work
     for (int64_t j = 0; j < c; ++j) out[j] += work[t * c + j];
   return 0;
 }
+/* ---- a decoding step's attention (§3.2.1 eq. 1) for CPU inference, one (batch, head) at a
+   time: s_j = q . k_j (/ c where c > 0) + bias_j, w = softmax(s), out = sum_j w_j v_j, in fp32
+   (bf16 values widened). Not in the paper: torch takes four passes over the step's keys and
+   values, each (batch, head) a tiny product; here each head's keys and values are read once,
+   the next head's requested meanwhile (_mm_prefetch: each head's rows start a new run, which
+   the hardware's prefetcher learns too late), and keys the bias masks (-inf) are not read at
+   all (a beam's other beams' histories, a source's padding). ---- */
+AVX512BW static inline __mmask16 first16(int64_t n) { /* lanes 0 .. min(n, 16) - 1 */
+  return n >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << n) - 1);
+}
+
+/* one head's Tq queries (rows qi apart) against L keys: element x of key j at k + j kj + x kc,
+   rows (kc == 1) or rows of K^T (kj == 1); values row j at v + j vj (fp32 or bf16); bias (i, j)
+   at bias + i mi + j mj, or NULL; out (Tq, dv) contiguous, fp32 or bf16. s: L floats, idx: L
+   ints. pk, pv: the next head's keys and values (NULL: none), fetched into the cache. */
+AVX512BW static void step_head(const float *q, int64_t qi, const float *k, int64_t kj,
+                               int64_t kc, const void *v, int vbf16, int64_t vj,
+                               const float *bias, int64_t mi, int64_t mj, int64_t Tq, int64_t L,
+                               int64_t d, int64_t dv, float c, void *out, int obf16, float *s,
+                               int32_t *idx, const float *pk, const char *pv) {
+  const __m512 vninf = _mm512_set1_ps(-INFINITY);
+  const int64_t vsize = vbf16 ? 2 : 4;
+  for (int64_t i = 0; i < Tq; ++i) {
+    const float *qr = q + i * qi, *br = bias ? bias + i * mi : NULL;
+    int64_t n = 0; /* the scores s[0, n): of keys idx[0, n) (rows), or of keys 0 .. n - 1 */
+    if (kc == 1) { /* key rows: the keys the bias leaves listed (no branch), a dot product each */
+      if (br)
+        for (int64_t j = 0; j < L; ++j) idx[n] = (int32_t)j, n += br[j * mj] != -INFINITY;
+      else
+        for (; n < L; ++n) idx[n] = (int32_t)n;
+      if (pk && i == 0) /* the next head's key rows, asked for before this head's scores */
+        for (int64_t j = 0; j < L; ++j)
+          for (int64_t x = 0; x < d; x += 16)
+            _mm_prefetch((const char *)(pk + j * kj + x), _MM_HINT_T0);
+      for (int64_t m = 0; m < n; ++m) {
+        const float *kr = k + idx[m] * kj;
+        __m512 acc = _mm512_setzero_ps();
+        for (int64_t x = 0; x < d; x += 16) {
+          const __mmask16 in = first16(d - x);
+          acc = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(in, qr + x),
+                                _mm512_maskz_loadu_ps(in, kr + x), acc);
+        }
+        float sc = _mm512_reduce_add_ps(acc);
+        if (c > 0.f) sc = sc / c;
+        s[m] = br ? sc + br[idx[m] * mj] : sc;
+      }
+    } else { /* rows of K^T: the scores are their sum weighted by q, up to the last legal key */
+      n = L;
+      if (br)
+        while (n > 0 && br[(n - 1) * mj] == -INFINITY) --n;
+      for (int64_t j = 0; j < n; j += 64) {
+        const __mmask16 m0 = first16(n - j), m1 = n - j > 16 ? first16(n - j - 16) : 0,
+                        m2 = n - j > 32 ? first16(n - j - 32) : 0,
+                        m3 = n - j > 48 ? first16(n - j - 48) : 0;
+        /* two sums of K^T's rows, even and odd x (one chain of d dependent FMAs would wait
+           on each one's latency), added at the end */
+        __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, e0 = a0, e1 = a0, e2 = a0,
+               e3 = a0;
+        for (int64_t x = 0; x < d; x += 2) {
+          const float *kr = k + x * kc + j;
+          if (pk && i == 0) /* the next head's rows x and x + 1 beside this head's */
+            for (int64_t z = 0; z < 64 && j + z < L; z += 16) {
+              _mm_prefetch((const char *)(pk + x * kc + j + z), _MM_HINT_T0);
+              if (x + 1 < d)
+                _mm_prefetch((const char *)(pk + (x + 1) * kc + j + z), _MM_HINT_T0);
+            }
+          const __m512 qx = _mm512_set1_ps(qr[x]);
+          a0 = _mm512_fmadd_ps(qx, _mm512_maskz_loadu_ps(m0, kr), a0);
+          if (m1) a1 = _mm512_fmadd_ps(qx, _mm512_maskz_loadu_ps(m1, kr + 16), a1);
+          if (m2) a2 = _mm512_fmadd_ps(qx, _mm512_maskz_loadu_ps(m2, kr + 32), a2);
+          if (m3) a3 = _mm512_fmadd_ps(qx, _mm512_maskz_loadu_ps(m3, kr + 48), a3);
+          if (x + 1 == d) break;
+          const __m512 qy = _mm512_set1_ps(qr[x + 1]);
+          kr += kc;
+          e0 = _mm512_fmadd_ps(qy, _mm512_maskz_loadu_ps(m0, kr), e0);
+          if (m1) e1 = _mm512_fmadd_ps(qy, _mm512_maskz_loadu_ps(m1, kr + 16), e1);
+          if (m2) e2 = _mm512_fmadd_ps(qy, _mm512_maskz_loadu_ps(m2, kr + 32), e2);
+          if (m3) e3 = _mm512_fmadd_ps(qy, _mm512_maskz_loadu_ps(m3, kr + 48), e3);
+        }
+        const __m512 a[4] = {_mm512_add_ps(a0, e0), _mm512_add_ps(a1, e1), _mm512_add_ps(a2, e2),
+                             _mm512_add_ps(a3, e3)};
+        for (int u = 0; u < 4 && j + 16 * u < n; ++u) {
+          const int64_t j0 = j + 16 * u;
+          const __mmask16 in = first16(n - j0);
+          __m512 sc = a[u];
+          if (c > 0.f) sc = _mm512_div_ps(sc, _mm512_set1_ps(c));
+          if (br) {
+            float b[16] = {0};
+            for (int64_t z = 0; z < 16 && j0 + z < n; ++z) b[z] = br[(j0 + z) * mj];
+            sc = _mm512_add_ps(sc, _mm512_loadu_ps(b));
+          }
+          _mm512_mask_storeu_ps(s + j0, in, sc);
+        }
+      }
+    }
+    /* the softmax over s[0, n): keys at -inf get 0; no legal key at all, every weight 0 */
+    __m512 top = vninf;
+    for (int64_t j = 0; j < n; j += 16)
+      top = _mm512_max_ps(top, _mm512_mask_loadu_ps(vninf, first16(n - j), s + j));
+    const float mx = _mm512_reduce_max_ps(top);
+    float sum = 0.f;
+    if (mx != -INFINITY) {
+      const __m512 vt = _mm512_set1_ps(mx);
+      __m512 acc = _mm512_setzero_ps();
+      for (int64_t j = 0; j < n; j += 16) {
+        const __mmask16 in = first16(n - j);
+        const __m512 x = _mm512_mask_loadu_ps(vninf, in, s + j);
+        const __mmask16 legal = _mm512_cmp_ps_mask(x, vninf, _CMP_NEQ_UQ);
+        const __m512 e = _mm512_maskz_mov_ps(legal, exp_nonpositive(_mm512_sub_ps(x, vt)));
+        _mm512_mask_storeu_ps(s + j, in, e);
+        acc = _mm512_add_ps(acc, e);
+      }
+      sum = _mm512_reduce_add_ps(acc);
+      const __m512 vs = _mm512_set1_ps(sum);
+      for (int64_t j = 0; j < n; j += 16) {
+        const __mmask16 in = first16(n - j);
+        _mm512_mask_storeu_ps(s + j, in, _mm512_div_ps(_mm512_maskz_loadu_ps(in, s + j), vs));
+      }
+    }
+    /* out = sum_j w_j v_j in key order, 64 values at a time; keys of weight 0 not read */
+    if (pv && i == 0) /* the next head's value rows, before this head's sums */
+      for (int64_t j = 0; j < L; ++j)
+        for (int64_t x = 0; x < dv * vsize; x += 64)
+          _mm_prefetch(pv + j * vj * vsize + x, _MM_HINT_T0);
+    for (int64_t x = 0; x < dv; x += 64) {
+      const __mmask16 m0 = first16(dv - x), m1 = dv - x > 16 ? first16(dv - x - 16) : 0,
+                      m2 = dv - x > 32 ? first16(dv - x - 32) : 0,
+                      m3 = dv - x > 48 ? first16(dv - x - 48) : 0;
+      __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+      for (int64_t m = 0; sum > 0.f && m < n; ++m) {
+        if (s[m] == 0.f) continue;
+        const int64_t j = kc == 1 ? idx[m] : m;
+        const __m512 w = _mm512_set1_ps(s[m]);
+        if (vbf16) {
+          const uint16_t *vr = (const uint16_t *)v + j * vj + x;
+          a0 = _mm512_fmadd_ps(w, widen(_mm256_maskz_loadu_epi16(m0, vr)), a0);
+          if (m1) a1 = _mm512_fmadd_ps(w, widen(_mm256_maskz_loadu_epi16(m1, vr + 16)), a1);
+          if (m2) a2 = _mm512_fmadd_ps(w, widen(_mm256_maskz_loadu_epi16(m2, vr + 32)), a2);
+          if (m3) a3 = _mm512_fmadd_ps(w, widen(_mm256_maskz_loadu_epi16(m3, vr + 48)), a3);
+        } else {
+          const float *vr = (const float *)v + j * vj + x;
+          a0 = _mm512_fmadd_ps(w, _mm512_maskz_loadu_ps(m0, vr), a0);
+          if (m1) a1 = _mm512_fmadd_ps(w, _mm512_maskz_loadu_ps(m1, vr + 16), a1);
+          if (m2) a2 = _mm512_fmadd_ps(w, _mm512_maskz_loadu_ps(m2, vr + 32), a2);
+          if (m3) a3 = _mm512_fmadd_ps(w, _mm512_maskz_loadu_ps(m3, vr + 48), a3);
+        }
+      }
+      if (obf16) {
+        uint16_t *o = (uint16_t *)out + i * dv + x;
+        _mm256_mask_storeu_epi16(o, m0, narrow(a0));
+        if (m1) _mm256_mask_storeu_epi16(o + 16, m1, narrow(a1));
+        if (m2) _mm256_mask_storeu_epi16(o + 32, m2, narrow(a2));
+        if (m3) _mm256_mask_storeu_epi16(o + 48, m3, narrow(a3));
+      } else {
+        float *o = (float *)out + i * dv + x;
+        _mm512_mask_storeu_ps(o, m0, a0);
+        if (m1) _mm512_mask_storeu_ps(o + 16, m1, a1);
+        if (m2) _mm512_mask_storeu_ps(o + 32, m2, a2);
+        if (m3) _mm512_mask_storeu_ps(o + 48, m3, a3);
+      }
+    }
+  }
+}
+
+/* q (B, H, Tq, d): element (b, h, i, x) at q + b qb + h qh + i qi + x; keys (B, H, L, d) at
+   k + b kb + h kh + j kj + x kc (kc == 1, or kj == 1); values (B, H, L, dv) at v + b vb + h vh +
+   j vj + x, fp32 or bf16 (vbf16); bias at bias + b mb + h mh + i mi + j mj (0 strides: shared),
+   or NULL; out (B, H, Tq, dv) contiguous, fp32 or bf16 (obf16); work: nthreads x 2L floats.
+   The heads are shared out among nthreads OpenMP threads; each is computed the same way
+   whichever thread takes it and whatever else is in the batch. */
+AVX512BW int step_attention(const float *q, int64_t qb, int64_t qh, int64_t qi, const float *k,
+                            int64_t kb, int64_t kh, int64_t kj, int64_t kc, const void *v,
+                            int vbf16, int64_t vb, int64_t vh, int64_t vj, const float *bias,
+                            int64_t mb, int64_t mh, int64_t mi, int64_t mj, int64_t B, int64_t H,
+                            int64_t Tq, int64_t L, int64_t d, int64_t dv, float c, void *out,
+                            int obf16, float *work, int nthreads) {
+  const int64_t vsize = vbf16 ? 2 : 4, osize = obf16 ? 2 : 4;
+#pragma omp parallel for schedule(static) num_threads(nthreads)
+  for (int64_t r = 0; r < B * H; ++r) {
+    const int64_t b = r / H, h = r % H, b1 = (r + 1) / H, h1 = (r + 1) % H;
+    float *s = work + omp_get_thread_num() * 2 * L;
+    const int last = r + 1 == B * H;
+    step_head(q + b * qb + h * qh, qi, k + b * kb + h * kh, kj, kc,
+              (const char *)v + (b * vb + h * vh) * vsize, vbf16, vj,
+              bias ? bias + b * mb + h * mh : NULL, mi, mj, Tq, L, d, dv, c,
+              (char *)out + r * Tq * dv * osize, obf16, s, (int32_t *)(s + L),
+              last ? NULL : k + b1 * kb + h1 * kh,
+              last ? NULL : (const char *)v + (b1 * vb + h1 * vh) * vsize);
+  }
+  return 0;
+}
+
 /* ---- `translate.Int8Linear`'s rows: each input row on its own 8-bit range, each output row
    scaled back (not in the paper). The same bits as its torch ops, one pass each. ---- */
 
@@ -892,9 +1091,9 @@ def _load() -> None:
         lib.column_sums.argtypes, lib.column_sums.restype = [p, i64, i64, p, p, i32], ctypes.c_int
         with torch.inference_mode(False):  # first called in a translation's, perhaps
             _check(lib)
-        # `Int8Linear`'s row kernels let go of the GIL: a projection's rows in a batch of
-        # beams take a millisecond or more, which another decoding stream (translate.py) can
-        # spend in Python meanwhile.
+        # `Int8Linear`'s row kernels and a step's attention let go of the GIL: a projection's
+        # rows in a batch of beams take a millisecond or more, which another decoding stream
+        # (translate.py) can spend in Python meanwhile.
         free = ctypes.CDLL(lib._name)
         for isa in ("", "_avx2"):
             rows_in, rows_out = (
@@ -906,6 +1105,12 @@ def _load() -> None:
                 [p, i64, i64, p, p, i32],
             )
             rows_in.restype = rows_out.restype = ctypes.c_int
+        free.step_attention.argtypes = (
+            [p, i64, i64, i64, p, i64, i64, i64, i64, p, i32, i64, i64, i64, p]
+            + [i64] * 10
+            + [f32, p, i32, p, i32]
+        )
+        free.step_attention.restype = ctypes.c_int
         _LIB, _NOGIL = lib, free
     except (OSError, subprocess.SubprocessError) as e:
         _WHY = str(e)
@@ -1152,3 +1357,53 @@ def int8_rows_out_(y: torch.Tensor, top: torch.Tensor, bias: torch.Tensor | None
         b = None if bias is None else bias.data_ptr()
         _row_kernel("out")(y.data_ptr(), top.numel(), n, top.data_ptr(), b, _threads(y.numel()))
     return y
+
+
+def attention_supported() -> bool:
+    """Whether `step_attention` runs here: `FUSED`, the library built, AVX-512 F, BW and VL."""
+    return fused_supported()
+
+
+def step_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None, c: float
+) -> torch.Tensor:
+    """A decoding step's softmax(q k^T / c + bias) v (§3.2.1 eq. 1; c = 0: q is prescaled) on
+    the CPU, each (batch, head) in one pass over its keys and values, fp32 inside: q (B, H, Tq,
+    d) fp32, k (B, H, L, d) fp32 whose rows (stride 1 along d) or columns (stride 1 along L:
+    a view of K^T) are contiguous, v (B, H, L, dv) fp32 or bf16 with contiguous rows, bias
+    None or fp32 broadcastable to (B, H, Tq, L) (0, or -inf for keys not to attend; such keys
+    are not read). Returns (B, H, Tq, dv) in v's dtype; a query with no legal key gets zeros.
+    Each (batch, head)'s values do not depend on the rest of the batch or on the threads.
+    Only where `attention_supported()`."""
+    if not attention_supported():
+        raise RuntimeError(f"step_attention: not on this machine ({unavailable() or 'no AVX-512'})")
+    B, H, Tq, d = q.shape
+    L, dv = k.size(-2), v.size(-1)
+    cpu = all(t.device.type == "cpu" for t in (q, k, v))
+    if not (
+        cpu and q.dtype == k.dtype == torch.float32 and v.dtype in (torch.float32, torch.bfloat16)
+    ):
+        raise ValueError("step_attention: fp32 CPU q and k, fp32 or bf16 v")
+    if k.shape != (B, H, L, d) or v.shape[:3] != (B, H, L):
+        raise ValueError(f"step_attention: shapes {tuple(q.shape)}, {tuple(k.shape)}, "
+                         f"{tuple(v.shape)} do not match")  # fmt: skip
+    if q.stride(-1) != 1 or v.stride(-1) != 1 or 1 not in (k.stride(-1), k.stride(-2)):
+        raise ValueError("step_attention: q's and v's rows, and k's rows or columns, contiguous")
+    if bias is not None:
+        if bias.dtype != torch.float32 or bias.device.type != "cpu":
+            raise ValueError("step_attention: an fp32 CPU bias")
+        bias = bias.expand(B, H, Tq, L)
+    out = torch.empty((B, H, Tq, dv), dtype=v.dtype)
+    if out.numel() == 0:
+        return out
+    threads = _threads(B * H * L * max(d, dv))
+    work = torch.empty(threads * 2 * max(L, 1))
+    kb, kh, kj, kc = k.stride()  # the kernel reads rows where kc == 1, else columns
+    ms = (0, 0, 0, 0) if bias is None else bias.stride()
+    _NOGIL.step_attention(
+        q.data_ptr(), *q.stride()[:3], k.data_ptr(), kb, kh, kj, kc, v.data_ptr(),
+        int(v.dtype == torch.bfloat16), *v.stride()[:3], None if bias is None else bias.data_ptr(),
+        *ms, B, H, Tq, L, d, dv, c, out.data_ptr(), int(v.dtype == torch.bfloat16),
+        work.data_ptr(), threads,
+    )  # fmt: skip
+    return out

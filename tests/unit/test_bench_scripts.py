@@ -1,6 +1,7 @@
 """benchmarks/bench_step_phases.py, bench_grad_helper.py, bench_wakeup.py, bench_streams.py,
 bench_split_rows.py, bench_weighted_rows.py, bench_read_trees.py, bench_gc.py,
-bench_translate_stream.py, bench_int8_rows.py, issue19_table.sh and gpu/prepare_device.sh:
+bench_translate_stream.py, bench_int8_rows.py, bench_step_attention.py, issue19_table.sh and
+gpu/prepare_device.sh:
 bad input is one clear line (the script, the problem), exit status 2, before any timing starts."""
 
 from __future__ import annotations
@@ -409,4 +410,38 @@ def test_int8_rows_bench_times_each_layer_both_ways():
     assert out.returncode == 0, out.stderr
     rows = [line for line in out.stdout.splitlines() if line.startswith("layer (")]
     assert len(rows) == 9 and all("torch's ops" in r and "faster in" in r for r in rows)
+    assert "avx512f" in out.stdout.splitlines()[0]  # the CPU and its ISA beside the figures
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--pairs", "0"], "--pairs and --out-len must be at least 1"),
+        (["--threads", "two"], "--threads: a count of at least 1"),
+        (["--dtype", "fp16"], "invalid choice: 'fp16'"),
+        (["--what", "real"], "--what real needs --model and --src"),
+    ],
+)
+def test_step_attention_bench_names_bad_arguments(args, message):
+    out = _run("bench_step_attention.py", *args)
+    assert out.returncode == 2
+    assert message in out.stderr and "Traceback" not in out.stderr
+
+
+def test_int8_rows_bench_takes_int8_only():
+    out = _run("bench_int8_rows.py", "--dtype", "fp32")
+    assert out.returncode == 1 and "--dtype int8 only" in out.stderr
+    assert "Traceback" not in out.stderr
+
+
+def test_step_attention_bench_times_each_shape_both_ways():
+    from transformer import model
+
+    out = _run("bench_step_attention.py", "--what", "layers", "--pairs", "1", "--threads", "1")
+    if not model.step_attention_kernel():  # no AVX-512: torch's ops are all there is
+        assert out.returncode == 1 and "the kernel does not run here" in out.stderr
+        return
+    assert out.returncode == 0, out.stderr
+    rows = [line for line in out.stdout.splitlines() if " self, " in line or " cross, " in line]
+    assert len(rows) == 8 and all("torch's ops" in r and "faster in" in r for r in rows)
     assert "avx512f" in out.stdout.splitlines()[0]  # the CPU and its ISA beside the figures

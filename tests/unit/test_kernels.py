@@ -491,3 +491,131 @@ def test_int8_rows_call_the_form_of_the_cpus_instruction_set(monkeypatch, isa):
     kernels.int8_rows_out_(torch.randn(3, 5), top, None)
     suffix = "" if isa == "avx512" else "_avx2"
     assert called == ["int8_rows_in" + suffix, "int8_rows_out" + suffix]
+
+
+# ---- a decoding step's attention (`step_attention`) ----
+
+
+def _step_case(B, H, Tq, L, d, dv, rows, g, *, bias_shape=None, p_masked=0.3):
+    """q strided (a view of a wider projection), k as rows or as a view of K^T, v, an additive
+    bias (0 / -inf) over the keys."""
+    q = torch.randn(B, Tq, H, d + 3, generator=g)[..., :d].transpose(1, 2)
+    k = torch.randn(B, H, L, d, generator=g)
+    if not rows:
+        k = k.transpose(-2, -1).contiguous().transpose(-2, -1)
+    v = torch.randn(B, H, L, dv, generator=g)
+    shape = bias_shape or (B, 1, Tq, L)
+    masked = torch.rand(shape, generator=g) < p_masked
+    bias = torch.zeros(shape).masked_fill_(masked, float("-inf"))
+    return q, k, v, bias
+
+
+def _eq1(q, k, v, bias, c):
+    s = q.double() @ k.double().transpose(-2, -1)
+    s = (s / c if c else s) + (0.0 if bias is None else bias.double())
+    return s.softmax(-1).nan_to_num_(0.0) @ v.double()
+
+
+STEP_SHAPES = [  # B, H, Tq, L, d, dv
+    (1, 1, 1, 1, 64, 64), (2, 3, 1, 37, 64, 64), (3, 2, 4, 20, 24, 70), (2, 2, 3, 150, 16, 130),
+    (64, 8, 1, 48, 64, 64), (4, 8, 4, 196, 64, 64),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("shape", STEP_SHAPES)
+@pytest.mark.parametrize("rows", [True, False])
+@pytest.mark.parametrize("c", [8.0, 0.0])
+def test_step_attention_is_eq1_in_fp64_to_fp32_rounding(shape, rows, c):
+    if not kernels.attention_supported():  # a CPU without AVX-512: torch's ops instead
+        with pytest.raises(RuntimeError, match="not on this machine"):
+            kernels.step_attention(*[torch.zeros(1, 1, 1, 16)] * 3, None, 0.0)
+        return
+    B, H, Tq, L, d, dv = shape
+    g = torch.Generator().manual_seed(B * L + d)
+    q, k, v, bias = _step_case(B, H, Tq, L, d, dv, rows, g)
+    for b in (bias, None):
+        out = kernels.step_attention(q, k, v, b, c)
+        ref = _eq1(q, k, v, b, c)
+        assert out.dtype == torch.float32 and out.shape == (B, H, Tq, dv) and out.is_contiguous()
+        assert (out.double() - ref).abs().max() <= 1e-5 * ref.abs().max()
+
+
+def test_step_attention_bf16_values_give_bf16_to_its_rounding():
+    if not kernels.attention_supported():
+        return
+    g = torch.Generator().manual_seed(1)
+    q, k, v, bias = _step_case(3, 4, 2, 53, 32, 40, True, g)
+    v = v.bfloat16()
+    out = kernels.step_attention(q, k, v, bias, 0.0)
+    ref = _eq1(q, k, v, bias, 0.0)
+    assert out.dtype == torch.bfloat16
+    assert (out.double() - ref).abs().max() <= 2**-8 * ref.abs().max()
+
+
+def test_step_attention_a_query_with_no_legal_key_gets_zeros():
+    if not kernels.attention_supported():
+        return
+    g = torch.Generator().manual_seed(2)
+    for rows in (True, False):
+        q, k, v, bias = _step_case(2, 2, 3, 20, 16, 16, rows, g)
+        bias[1, 0, 2] = float("-inf")
+        out = kernels.step_attention(q, k, v, bias, 4.0)
+        assert bool((out[1, :, 2] == 0).all()) and torch.isfinite(out).all()
+
+
+def test_step_attention_does_not_read_the_keys_the_bias_masks():
+    """Key rows masked anywhere, K^T columns masked at the end (a source's padding), and the
+    value rows of every masked key: NaN there changes nothing, to the bit."""
+    if not kernels.attention_supported():
+        return
+    g = torch.Generator().manual_seed(3)
+    for rows in (True, False):
+        q, k, v, bias = _step_case(3, 2, 4, 48, 64, 64, rows, g, bias_shape=(3, 1, 1, 48))
+        if not rows:  # K^T: only a tail of masked keys is skipped
+            bias = torch.zeros(3, 1, 1, 48)
+            bias[:, :, :, 30:] = float("-inf")
+        clean = kernels.step_attention(q, k, v, bias, 8.0)
+        masked = torch.isinf(bias.expand(3, 2, 1, 48))[:, :, 0]  # (B, H, L)
+        k2, v2 = k.clone(), v.clone()
+        if not rows:
+            k2 = k.transpose(-2, -1).contiguous().transpose(-2, -1)
+        k2[masked], v2[masked] = float("nan"), float("nan")
+        assert torch.equal(kernels.step_attention(q, k2, v2, bias, 8.0), clean)
+
+
+@pytest.mark.parametrize("rows", [True, False])
+def test_step_attention_rows_do_not_depend_on_the_batch_or_the_threads(rows):
+    """A sentence's row alone, in a batch of 64, and on one or two threads: the same bits."""
+    if not kernels.attention_supported():
+        return
+    g = torch.Generator().manual_seed(4)
+    q, k, v, bias = _step_case(64, 8, 4, 100, 64, 64, rows, g, bias_shape=(64, 1, 4, 100))
+    with threads_of(2):
+        batch = kernels.step_attention(q, k, v, bias, 8.0)
+    for i in (0, 17, 63):
+        with threads_of(1):
+            alone = kernels.step_attention(q[i : i + 1], k[i : i + 1], v[i : i + 1],
+                                           bias[i : i + 1], 8.0)  # fmt: skip
+        assert torch.equal(alone[0], batch[i])
+
+
+def test_step_attention_refuses_what_it_cannot_read():
+    if not kernels.attention_supported():
+        return
+    q = k = v = torch.zeros(2, 2, 1, 16)
+    with pytest.raises(ValueError, match="fp32 CPU q and k"):
+        kernels.step_attention(q.double(), k, v, None, 0.0)
+    with pytest.raises(ValueError, match="do not match"):
+        kernels.step_attention(q, torch.zeros(2, 2, 3, 8), torch.zeros(2, 2, 3, 16), None, 0.0)
+    with pytest.raises(ValueError, match="contiguous"):
+        wide = torch.zeros(2, 2, 16, 3)
+        kernels.step_attention(q, k, wide.transpose(-1, -2)[:, :, :1], None, 0.0)
+    with pytest.raises(ValueError, match="fp32 CPU bias"):
+        kernels.step_attention(q, k, v, torch.zeros(2, 1, 1, 1, dtype=torch.bool), 0.0)
+
+
+def test_without_avx512_there_is_no_step_attention(monkeypatch):
+    monkeypatch.setattr(kernels, "_AVX512", False)
+    assert not kernels.attention_supported()
+    with pytest.raises(RuntimeError, match="not on this machine"):
+        kernels.step_attention(*[torch.zeros(1, 1, 1, 16)] * 3, None, 0.0)

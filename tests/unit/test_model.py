@@ -548,8 +548,10 @@ def test_cpu_inference_softmax_gives_zero_weights_to_a_row_with_no_legal_key() -
 
 
 def test_cached_decoding_sums_the_values_row_by_row(monkeypatch) -> None:
+    """torch's ops for a step (CPUs without AVX-512; `step_attention_kernel` off)."""
     from transformer import model as model_module
 
+    monkeypatch.setattr(model_module, "step_attention_kernel", lambda: False)
     calls = []
     real = model_module._weighted_rows
 
@@ -571,6 +573,50 @@ def test_cached_decoding_sums_the_values_row_by_row(monkeypatch) -> None:
     assert len(calls) == 2 * n * 3 + n + 4 * n
     assert calls.count(torch.Size([3, model.cfg.n_heads, 1, model.cfg.d_k])) == 4 * n
     torch.testing.assert_close(torch.cat(steps, 1), full, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cached_decoding_takes_the_step_kernel_where_it_runs(monkeypatch, dtype) -> None:
+    """Every layer's self- and cross-attention at every cached step, the same values as the
+    full decoder's (on a CPU without AVX-512, none: torch's ops)."""
+    from transformer import kernels
+    from transformer import model as model_module
+
+    calls = []
+    real = kernels.step_attention
+
+    def spy(q, k, v, bias, c):
+        calls.append(k.stride(-1) == 1)  # key rows (self-attention) or K^T (cross)
+        return real(q, k, v, bias, c)
+
+    monkeypatch.setattr(kernels, "step_attention", spy)
+    model = Transformer(tiny()).eval().to(dtype)
+    src, src_mask, tgt = batch()
+    with torch.no_grad():
+        memory = model.encode(src, src_mask)
+        cache = model.new_cache()
+        steps = [model.decode(tgt[:, i : i + 1], memory, src_mask, cache) for i in range(4)]
+        full = model.decode(tgt[:, :4], memory, src_mask)
+    n = model.cfg.n_layers
+    if not model_module.step_attention_kernel():
+        assert calls == []
+        return
+    assert calls.count(True) == 4 * n and calls.count(False) == 4 * n
+    tol = 1e-5 if dtype == torch.float32 else 5e-2
+    torch.testing.assert_close(torch.cat(steps, 1).float(), full.float(), rtol=tol, atol=tol)
+
+
+def test_a_step_kernel_that_errs_is_not_used(monkeypatch) -> None:
+    from transformer import kernels
+    from transformer import model as model_module
+
+    check = model_module.step_attention_kernel.__wrapped__
+    monkeypatch.setattr(kernels, "attention_supported", lambda: True)
+    monkeypatch.setattr(kernels, "step_attention", lambda q, k, v, b, c: torch.zeros(
+        *q.shape[:3], v.size(-1), dtype=v.dtype))  # fmt: skip
+    assert check() is False
+    monkeypatch.setattr(kernels, "attention_supported", lambda: False)
+    assert check() is False
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
