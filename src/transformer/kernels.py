@@ -629,16 +629,17 @@ AVX512BW static inline __mmask16 first16(int64_t n) { /* lanes 0 .. min(n, 16) -
 }
 
 /* one head's Tq queries (rows qi apart) against L keys: element x of key j at k + j kj + x kc,
-   rows (kc == 1) or rows of K^T (kj == 1); values row j at v + j vj (fp32 or bf16); bias (i, j)
+   rows (kc == 1; fp32, or bf16 where kbf16, widened) or rows of K^T (kj == 1; fp32); values row
+   j at v + j vj (fp32 or bf16); bias (i, j)
    at bias + i mi + j mj, or NULL; out (Tq, dv) contiguous, fp32 or bf16. s: L floats, idx: L
    ints. pk, pv: the next head's keys and values (NULL: none), fetched into the cache. */
-AVX512BW static void step_head(const float *q, int64_t qi, const float *k, int64_t kj,
+AVX512BW static void step_head(const float *q, int64_t qi, const float *k, int kbf16, int64_t kj,
                                int64_t kc, const void *v, int vbf16, int64_t vj,
                                const float *bias, int64_t mi, int64_t mj, int64_t Tq, int64_t L,
                                int64_t d, int64_t dv, float c, void *out, int obf16, float *s,
                                int32_t *idx, const float *pk, const char *pv) {
   const __m512 vninf = _mm512_set1_ps(-INFINITY);
-  const int64_t vsize = vbf16 ? 2 : 4;
+  const int64_t vsize = vbf16 ? 2 : 4, ksize = kbf16 ? 2 : 4;
   for (int64_t i = 0; i < Tq; ++i) {
     const float *qr = q + i * qi, *br = bias ? bias + i * mi : NULL;
     int64_t n = 0; /* the scores s[0, n): of keys idx[0, n) (rows), or of keys 0 .. n - 1 */
@@ -649,15 +650,16 @@ AVX512BW static void step_head(const float *q, int64_t qi, const float *k, int64
         for (; n < L; ++n) idx[n] = (int32_t)n;
       if (pk && i == 0) /* the next head's key rows, asked for before this head's scores */
         for (int64_t j = 0; j < L; ++j)
-          for (int64_t x = 0; x < d; x += 16)
-            _mm_prefetch((const char *)(pk + j * kj + x), _MM_HINT_T0);
+          for (int64_t x = 0; x < d * ksize; x += 64)
+            _mm_prefetch((const char *)pk + j * kj * ksize + x, _MM_HINT_T0);
       for (int64_t m = 0; m < n; ++m) {
-        const float *kr = k + idx[m] * kj;
+        const char *kr = (const char *)k + idx[m] * kj * ksize;
         __m512 acc = _mm512_setzero_ps();
         for (int64_t x = 0; x < d; x += 16) {
           const __mmask16 in = first16(d - x);
-          acc = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(in, qr + x),
-                                _mm512_maskz_loadu_ps(in, kr + x), acc);
+          const __m512 kx = kbf16 ? widen(_mm256_maskz_loadu_epi16(in, (const uint16_t *)kr + x))
+                                  : _mm512_maskz_loadu_ps(in, (const float *)kr + x);
+          acc = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(in, qr + x), kx, acc);
         }
         float sc = _mm512_reduce_add_ps(acc);
         if (c > 0.f) sc = sc / c;
@@ -782,28 +784,31 @@ AVX512BW static void step_head(const float *q, int64_t qi, const float *k, int64
 }
 
 /* q (B, H, Tq, d): element (b, h, i, x) at q + b qb + h qh + i qi + x; keys (B, H, L, d) at
-   k + b kb + h kh + j kj + x kc (kc == 1, or kj == 1); values (B, H, L, dv) at v + b vb + h vh +
-   j vj + x, fp32 or bf16 (vbf16); bias at bias + b mb + h mh + i mi + j mj (0 strides: shared),
-   or NULL; out (B, H, Tq, dv) contiguous, fp32 or bf16 (obf16); work: nthreads x 2L floats.
+   k + b kb + h kh + j kj + x kc (kc == 1, fp32 or bf16 (kbf16); or kj == 1, fp32); values
+   (B, H, L, dv) at v + b vb + h vh + j vj + x, fp32 or bf16 (vbf16); bias at bias + b mb +
+   h mh + i mi + j mj (0 strides: shared), or NULL; out (B, H, Tq, dv) contiguous, fp32 or bf16
+   (obf16); work: nthreads x 2L floats.
    The heads are shared out among nthreads OpenMP threads; each is computed the same way
    whichever thread takes it and whatever else is in the batch. */
-AVX512BW int step_attention(const float *q, int64_t qb, int64_t qh, int64_t qi, const float *k,
-                            int64_t kb, int64_t kh, int64_t kj, int64_t kc, const void *v,
+AVX512BW int step_attention(const float *q, int64_t qb, int64_t qh, int64_t qi, const void *k,
+                            int kbf16, int64_t kb, int64_t kh, int64_t kj, int64_t kc,
+                            const void *v,
                             int vbf16, int64_t vb, int64_t vh, int64_t vj, const float *bias,
                             int64_t mb, int64_t mh, int64_t mi, int64_t mj, int64_t B, int64_t H,
                             int64_t Tq, int64_t L, int64_t d, int64_t dv, float c, void *out,
                             int obf16, float *work, int nthreads) {
-  const int64_t vsize = vbf16 ? 2 : 4, osize = obf16 ? 2 : 4;
+  const int64_t vsize = vbf16 ? 2 : 4, osize = obf16 ? 2 : 4, ksize = kbf16 ? 2 : 4;
 #pragma omp parallel for schedule(static) num_threads(nthreads)
   for (int64_t r = 0; r < B * H; ++r) {
     const int64_t b = r / H, h = r % H, b1 = (r + 1) / H, h1 = (r + 1) % H;
     float *s = work + omp_get_thread_num() * 2 * L;
     const int last = r + 1 == B * H;
-    step_head(q + b * qb + h * qh, qi, k + b * kb + h * kh, kj, kc,
+    step_head(q + b * qb + h * qh, qi,
+              (const float *)((const char *)k + (b * kb + h * kh) * ksize), kbf16, kj, kc,
               (const char *)v + (b * vb + h * vh) * vsize, vbf16, vj,
               bias ? bias + b * mb + h * mh : NULL, mi, mj, Tq, L, d, dv, c,
               (char *)out + r * Tq * dv * osize, obf16, s, (int32_t *)(s + L),
-              last ? NULL : k + b1 * kb + h1 * kh,
+              last ? NULL : (const float *)((const char *)k + (b1 * kb + h1 * kh) * ksize),
               last ? NULL : (const char *)v + (b1 * vb + h1 * vh) * vsize);
   }
   return 0;
@@ -1106,7 +1111,7 @@ def _load() -> None:
             )
             rows_in.restype = rows_out.restype = ctypes.c_int
         free.step_attention.argtypes = (
-            [p, i64, i64, i64, p, i64, i64, i64, i64, p, i32, i64, i64, i64, p]
+            [p, i64, i64, i64, p, i32, i64, i64, i64, i64, p, i32, i64, i64, i64, p]
             + [i64] * 10
             + [f32, p, i32, p, i32]
         )
@@ -1369,8 +1374,9 @@ def step_attention(
 ) -> torch.Tensor:
     """A decoding step's softmax(q k^T / c + bias) v (§3.2.1 eq. 1; c = 0: q is prescaled) on
     the CPU, each (batch, head) in one pass over its keys and values, fp32 inside: q (B, H, Tq,
-    d) fp32, k (B, H, L, d) fp32 whose rows (stride 1 along d) or columns (stride 1 along L:
-    a view of K^T) are contiguous, v (B, H, L, dv) fp32 or bf16 with contiguous rows, bias
+    d) fp32, k (B, H, L, d) fp32 or bf16 with contiguous rows (stride 1 along d), or fp32 with
+    contiguous columns (stride 1 along L: a view of K^T), v (B, H, L, dv) fp32 or bf16 with
+    contiguous rows (bf16 keys and values widened as they are read, not copied), bias
     None or fp32 broadcastable to (B, H, Tq, L) (0, or -inf for keys not to attend; such keys
     are not read). Returns (B, H, Tq, dv) in v's dtype; a query with no legal key gets zeros.
     Each (batch, head)'s values do not depend on the rest of the batch or on the threads.
@@ -1380,15 +1386,15 @@ def step_attention(
     B, H, Tq, d = q.shape
     L, dv = k.size(-2), v.size(-1)
     cpu = all(t.device.type == "cpu" for t in (q, k, v))
-    if not (
-        cpu and q.dtype == k.dtype == torch.float32 and v.dtype in (torch.float32, torch.bfloat16)
-    ):
-        raise ValueError("step_attention: fp32 CPU q and k, fp32 or bf16 v")
+    narrow = (torch.float32, torch.bfloat16)
+    if not (cpu and q.dtype == torch.float32 and k.dtype in narrow and v.dtype in narrow):
+        raise ValueError("step_attention: fp32 CPU q, fp32 or bf16 k and v")
     if k.shape != (B, H, L, d) or v.shape[:3] != (B, H, L):
         raise ValueError(f"step_attention: shapes {tuple(q.shape)}, {tuple(k.shape)}, "
                          f"{tuple(v.shape)} do not match")  # fmt: skip
-    if q.stride(-1) != 1 or v.stride(-1) != 1 or 1 not in (k.stride(-1), k.stride(-2)):
-        raise ValueError("step_attention: q's and v's rows, and k's rows or columns, contiguous")
+    columns = k.stride(-1) != 1 and k.stride(-2) == 1 and k.dtype == torch.float32
+    if q.stride(-1) != 1 or v.stride(-1) != 1 or not (k.stride(-1) == 1 or columns):
+        raise ValueError("step_attention: q's, k's and v's rows contiguous (or fp32 k's columns)")
     if bias is not None:
         if bias.dtype != torch.float32 or bias.device.type != "cpu":
             raise ValueError("step_attention: an fp32 CPU bias")
@@ -1401,7 +1407,8 @@ def step_attention(
     kb, kh, kj, kc = k.stride()  # the kernel reads rows where kc == 1, else columns
     ms = (0, 0, 0, 0) if bias is None else bias.stride()
     _NOGIL.step_attention(
-        q.data_ptr(), *q.stride()[:3], k.data_ptr(), kb, kh, kj, kc, v.data_ptr(),
+        q.data_ptr(), *q.stride()[:3], k.data_ptr(), int(k.dtype == torch.bfloat16), kb, kh, kj,
+        kc, v.data_ptr(),
         int(v.dtype == torch.bfloat16), *v.stride()[:3], None if bias is None else bias.data_ptr(),
         *ms, B, H, Tq, L, d, dv, c, out.data_ptr(), int(v.dtype == torch.bfloat16),
         work.data_ptr(), threads,

@@ -334,14 +334,17 @@ def _attention_rowwise(
     if not aligned:
         q, k, v, mask = _in_key_blocks(q, k, v, mask)
     if narrow:
-        q, k = q.float(), k.float()
+        q = q.float()
     if aligned and weights is None and _step_kernel_takes(q, k, v, mask):
         # A decoding step's whole eq. (1) per (batch, head) in one pass over its keys and
         # values, keys masked by the bias not read (`kernels.step_attention`): a W2 search's
         # attention 227 -> ~200 ms greedy, 650 -> ~415 beam 4 (docs/performance.md, "Round
         # thirty-eight"). Each row's values depend on that row alone, as below.
+        # (bf16 keys read as they are, where their rows are contiguous: a bf16 model's cache)
         bias = None if mask is None else mask.float()
         return kernels.step_attention(q, k, v, bias, 0.0 if prescaled else math.sqrt(q.size(-1)))
+    if narrow:
+        k = k.float()
     kt = k.transpose(-2, -1) if aligned and k.stride(-2) == 1 else None  # (B, H, K, Tk)
     if kt is not None and kt.is_contiguous() and _weighted_rows_apply(q, kt):
         # A decoding step's few queries against keys stored transposed (the encoder-decoder
@@ -368,23 +371,26 @@ def _attention_rowwise(
 
 
 def _step_kernel_takes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask) -> bool:
-    """Whether `kernels.step_attention` takes this aligned step (`_attention_rowwise`): fp32 q
-    and k, fp32 or bf16 v, an additive mask or none, the layouts it reads; and the kernel
-    checked here (`step_attention_kernel`). Nothing here depends on the batch's size."""
-    if q.dtype != torch.float32 or k.dtype != torch.float32:
+    """Whether `kernels.step_attention` takes this aligned step (`_attention_rowwise`): fp32 q,
+    fp32 or bf16 k and v, an additive mask or none, the layouts it reads (rows; fp32 keys also
+    as K^T's columns); and the kernel checked here (`step_attention_kernel`). Nothing here
+    depends on the batch's size."""
+    narrow = (torch.float32, torch.bfloat16)
+    if q.dtype != torch.float32 or k.dtype not in narrow or v.dtype not in narrow:
         return False
-    if v.dtype not in (torch.float32, torch.bfloat16) or v.stride(-1) != 1 or q.stride(-1) != 1:
+    if v.stride(-1) != 1 or q.stride(-1) != 1:
         return False
     if mask is not None and (mask.dtype == torch.bool or mask.dim() != 4):
         return False
-    return 1 in (k.stride(-1), k.stride(-2)) and step_attention_kernel()
+    columns = k.stride(-2) == 1 and k.dtype == torch.float32
+    return (k.stride(-1) == 1 or columns) and step_attention_kernel()
 
 
 @functools.cache
 def step_attention_kernel() -> bool:
     """Whether decoding steps on the CPU take `kernels.step_attention` (AVX-512, the library
     built, `TRANSFORMER_FUSED_KERNELS` not 0): only once it has agreed with eq. (1) in fp64,
-    to 1e-5 of the largest value (bf16 values: to bf16's rounding), on heads of every kind
+    to 1e-5 of the largest value (bf16 keys and values: to bf16's rounding), on heads of every kind
     (key rows and K^T columns, masked keys, a query with none legal, bf16 values, strided
     queries, widths off 16). Decoding streams may ask at once: each gets the same answer."""
     if not kernels.attention_supported():
@@ -392,6 +398,7 @@ def step_attention_kernel() -> bool:
     g = torch.Generator().manual_seed(0)
     for B, H, Tq, L, d, rows, narrow in ((2, 3, 1, 37, 64, True, False), (3, 2, 4, 20, 24, False,
                                          False), (2, 2, 3, 70, 16, True, True)):  # fmt: skip
+        # narrow: bf16 keys (rows) and values
         q = torch.randn(B, Tq, H, d + 3, generator=g)[..., :d].transpose(1, 2)
         k = torch.randn(B, H, L, d, generator=g)
         if not rows:
@@ -401,7 +408,7 @@ def step_attention_kernel() -> bool:
                                                      float("-inf"))  # fmt: skip
         bias[0, 0, 0] = float("-inf")  # a query with no legal key: zeros
         if narrow:
-            v = v.bfloat16()
+            k, v = k.bfloat16(), v.bfloat16()
         ref = (q.double() @ k.double().transpose(-2, -1)) / math.sqrt(d) + bias.double()
         ref = ref.softmax(-1).nan_to_num_(0.0) @ v.double()
         out = kernels.step_attention(q, k, v, bias, math.sqrt(d)).double()

@@ -540,12 +540,16 @@ def test_step_attention_is_eq1_in_fp64_to_fp32_rounding(shape, rows, c):
         assert (out.double() - ref).abs().max() <= 1e-5 * ref.abs().max()
 
 
-def test_step_attention_bf16_values_give_bf16_to_its_rounding():
+@pytest.mark.parametrize("keys", [torch.float32, torch.bfloat16])
+def test_step_attention_bf16_values_give_bf16_to_its_rounding(keys):
+    """A bf16 model's step: bf16 values, and bf16 keys read in place (a cache's rows)."""
     if not kernels.attention_supported():
         return
     g = torch.Generator().manual_seed(1)
     q, k, v, bias = _step_case(3, 4, 2, 53, 32, 40, True, g)
-    v = v.bfloat16()
+    big = torch.zeros(3, 4, 60, 32, dtype=keys)  # a cache with room for more positions
+    big[:, :, :53] = k
+    k, v = big[:, :, :53], v.bfloat16()
     out = kernels.step_attention(q, k, v, bias, 0.0)
     ref = _eq1(q, k, v, bias, 0.0)
     assert out.dtype == torch.bfloat16
@@ -603,8 +607,11 @@ def test_step_attention_refuses_what_it_cannot_read():
     if not kernels.attention_supported():
         return
     q = k = v = torch.zeros(2, 2, 1, 16)
-    with pytest.raises(ValueError, match="fp32 CPU q and k"):
+    with pytest.raises(ValueError, match="fp32 CPU q, fp32 or bf16 k and v"):
         kernels.step_attention(q.double(), k, v, None, 0.0)
+    with pytest.raises(ValueError, match="fp32 k's columns"):  # bf16 keys as rows only
+        kt = torch.zeros(2, 2, 16, 3, dtype=torch.bfloat16).transpose(-1, -2)
+        kernels.step_attention(q, kt, torch.zeros(2, 2, 3, 16), None, 0.0)
     with pytest.raises(ValueError, match="do not match"):
         kernels.step_attention(q, torch.zeros(2, 2, 3, 8), torch.zeros(2, 2, 3, 16), None, 0.0)
     with pytest.raises(ValueError, match="contiguous"):
