@@ -648,11 +648,11 @@ AVX512BW static void step_head(const float *q, int64_t qi, const float *k, int k
         for (int64_t j = 0; j < L; ++j) idx[n] = (int32_t)j, n += br[j * mj] != -INFINITY;
       else
         for (; n < L; ++n) idx[n] = (int32_t)n;
-      if (pk && i == 0) /* the next head's key rows, asked for before this head's scores */
-        for (int64_t j = 0; j < L; ++j)
-          for (int64_t x = 0; x < d * ksize; x += 64)
-            _mm_prefetch((const char *)pk + j * kj * ksize + x, _MM_HINT_T0);
       for (int64_t m = 0; m < n; ++m) {
+        if (pk && i == 0) /* the next head's key rows, spread over this head's */
+          for (int64_t j = m * L / n; j < (m + 1) * L / n; ++j)
+            for (int64_t x = 0; x < d * ksize; x += 64)
+              _mm_prefetch((const char *)pk + j * kj * ksize + x, _MM_HINT_T0);
         const char *kr = (const char *)k + idx[m] * kj * ksize;
         __m512 acc = _mm512_setzero_ps();
         for (int64_t x = 0; x < d; x += 16) {
@@ -739,7 +739,7 @@ AVX512BW static void step_head(const float *q, int64_t qi, const float *k, int k
       }
     }
     /* out = sum_j w_j v_j in key order, 64 values at a time; keys of weight 0 not read */
-    if (pv && i == 0) /* the next head's value rows, before this head's sums */
+    if (pv && i == 0 && !(sum > 0.f && n > 0)) /* the next head's value rows (else below) */
       for (int64_t j = 0; j < L; ++j)
         for (int64_t x = 0; x < dv * vsize; x += 64)
           _mm_prefetch(pv + j * vj * vsize + x, _MM_HINT_T0);
@@ -749,6 +749,10 @@ AVX512BW static void step_head(const float *q, int64_t qi, const float *k, int k
                       m3 = dv - x > 48 ? first16(dv - x - 48) : 0;
       __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
       for (int64_t m = 0; sum > 0.f && m < n; ++m) {
+        if (pv && i == 0 && x == 0) /* the next head's value rows, spread over this head's */
+          for (int64_t j = m * L / n; j < (m + 1) * L / n; ++j)
+            for (int64_t z = 0; z < dv * vsize; z += 64)
+              _mm_prefetch(pv + j * vj * vsize + z, _MM_HINT_T0);
         if (s[m] == 0.f) continue;
         const int64_t j = kc == 1 ? idx[m] : m;
         const __m512 w = _mm512_set1_ps(s[m]);
