@@ -27,8 +27,9 @@ shape (docs/performance.md, "Round thirty-seven"). They are called without holdi
 A decoding step's attention (`model._attention_rowwise` with a cache) is, in torch, four passes
 over the step's keys and values, each (batch, head) a tiny product; `step_attention` takes each
 (batch, head) in one pass (AVX-512), the next head's rows requested meanwhile and the keys a
-mask leaves out not read: a W2 search 5-6% faster greedy, 10-11% beam 4 (docs/performance.md,
-"Round thirty-eight"). Its values are eq. (1)'s to fp32 rounding, not torch's bits.
+mask leaves out not read: a W2 search 5-6% faster greedy, 12% beam 4 (docs/performance.md,
+"Round thirty-eight"); an AVX2 form with FMA for CPUs without AVX-512. Its values are eq. (1)'s
+to fp32 rounding, not torch's bits.
 
 The kernels are C, compiled on first use with the system's C compiler (`$CC`, else `cc`, `gcc`
 or `clang`) into a cache folder (`$TRANSFORMER_KERNELS`, else `$XDG_CACHE_HOME/transformer`,
@@ -958,6 +959,214 @@ AVX2 int int8_rows_out_avx2(float *y, int64_t rows, int64_t n, const float *top,
   }
   return 0;
 }
+/* A decoding step's attention on AVX2 with FMA (8 lanes; CPUs without AVX-512, as Zen 3): the
+   same work as `step_head` above, in the same order of keys, with its own roundings. */
+#define AVX2FMA __attribute__((target("avx2,fma")))
+AVX2FMA static inline float hsum8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+AVX2FMA static inline float hmax8(__m256 v) {
+  __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_max_ss(s, _mm_movehdup_ps(s)));
+}
+AVX2FMA static inline __m256 ld8(const float *p, int64_t n) { /* min(n, 8) floats, the rest 0 */
+  return n >= 8 ? _mm256_loadu_ps(p) : _mm256_maskload_ps(p, first_lanes8(n));
+}
+AVX2FMA static inline __m256 ld8bf(const uint16_t *p, int64_t n) { /* the same of bf16 */
+  __m128i h;
+  if (n >= 8) {
+    h = _mm_loadu_si128((const __m128i *)p);
+  } else {
+    uint16_t t[8] = {0};
+    for (int64_t z = 0; z < n; ++z) t[z] = p[z];
+    h = _mm_loadu_si128((const __m128i *)t);
+  }
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+AVX2FMA static inline __m256 ld8or(const float *p, int64_t n, __m256 fill) { /* the rest: fill */
+  if (n >= 8) return _mm256_loadu_ps(p);
+  const __m256i in = first_lanes8(n);
+  return _mm256_blendv_ps(fill, _mm256_maskload_ps(p, in), _mm256_castsi256_ps(in));
+}
+AVX2FMA static inline void st8(float *p, __m256 v, int64_t n) { /* min(n, 8) floats */
+  if (n >= 8) _mm256_storeu_ps(p, v);
+  else _mm256_maskstore_ps(p, first_lanes8(n), v);
+}
+/* exp(x) for x <= 0 (and -inf), as exp_nonpositive; below -87 it gives e^-87 (2^n must stay a
+   normal number without AVX-512's scalef), nothing beside a softmax's largest term e^0 = 1 */
+AVX2FMA static inline __m256 exp8_nonpositive(__m256 x) {
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.f));
+  __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504f)),
+                             _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.f / 720);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 120));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 24));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 6));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f));
+  const __m256i e = _mm256_slli_epi32(
+      _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+AVX2FMA static void step_head_avx2(const float *q, int64_t qi, const float *k, int kbf16,
+                                   int64_t kj, int64_t kc, const void *v, int vbf16, int64_t vj,
+                                   const float *bias, int64_t mi, int64_t mj, int64_t Tq,
+                                   int64_t L, int64_t d, int64_t dv, float c, void *out,
+                                   int obf16, float *s, int32_t *idx, const float *pk,
+                                   const char *pv) {
+  const __m256 vninf = _mm256_set1_ps(-INFINITY), zero = _mm256_setzero_ps();
+  const int64_t vsize = vbf16 ? 2 : 4, ksize = kbf16 ? 2 : 4;
+  for (int64_t i = 0; i < Tq; ++i) {
+    const float *qr = q + i * qi, *br = bias ? bias + i * mi : NULL;
+    int64_t n = 0;
+    if (kc == 1) {
+      if (br)
+        for (int64_t j = 0; j < L; ++j) idx[n] = (int32_t)j, n += br[j * mj] != -INFINITY;
+      else
+        for (; n < L; ++n) idx[n] = (int32_t)n;
+      for (int64_t m = 0; m < n; ++m) {
+        if (pk && i == 0)
+          for (int64_t j = m * L / n; j < (m + 1) * L / n; ++j)
+            for (int64_t x = 0; x < d * ksize; x += 64)
+              _mm_prefetch((const char *)pk + j * kj * ksize + x, _MM_HINT_T0);
+        const char *kr = (const char *)k + idx[m] * kj * ksize;
+        __m256 acc = zero;
+        for (int64_t x = 0; x < d; x += 8) {
+          const __m256 kx = kbf16 ? ld8bf((const uint16_t *)kr + x, d - x)
+                                  : ld8((const float *)kr + x, d - x);
+          acc = _mm256_fmadd_ps(ld8(qr + x, d - x), kx, acc);
+        }
+        float sc = hsum8(acc);
+        if (c > 0.f) sc = sc / c;
+        s[m] = br ? sc + br[idx[m] * mj] : sc;
+      }
+    } else {
+      n = L;
+      if (br)
+        while (n > 0 && br[(n - 1) * mj] == -INFINITY) --n;
+      for (int64_t j = 0; j < n; j += 32) {
+        __m256 a0 = zero, a1 = zero, a2 = zero, a3 = zero, e0 = zero, e1 = zero, e2 = zero,
+               e3 = zero;
+        const int64_t w = n - j;
+        for (int64_t x = 0; x < d; x += 2) {
+          const float *kr = k + x * kc + j;
+          if (pk && i == 0)
+            for (int64_t z = 0; z < 32 && j + z < L; z += 16) {
+              _mm_prefetch((const char *)(pk + x * kc + j + z), _MM_HINT_T0);
+              if (x + 1 < d)
+                _mm_prefetch((const char *)(pk + (x + 1) * kc + j + z), _MM_HINT_T0);
+            }
+          const __m256 qx = _mm256_set1_ps(qr[x]);
+          a0 = _mm256_fmadd_ps(qx, ld8(kr, w), a0);
+          if (w > 8) a1 = _mm256_fmadd_ps(qx, ld8(kr + 8, w - 8), a1);
+          if (w > 16) a2 = _mm256_fmadd_ps(qx, ld8(kr + 16, w - 16), a2);
+          if (w > 24) a3 = _mm256_fmadd_ps(qx, ld8(kr + 24, w - 24), a3);
+          if (x + 1 == d) break;
+          const __m256 qy = _mm256_set1_ps(qr[x + 1]);
+          kr += kc;
+          e0 = _mm256_fmadd_ps(qy, ld8(kr, w), e0);
+          if (w > 8) e1 = _mm256_fmadd_ps(qy, ld8(kr + 8, w - 8), e1);
+          if (w > 16) e2 = _mm256_fmadd_ps(qy, ld8(kr + 16, w - 16), e2);
+          if (w > 24) e3 = _mm256_fmadd_ps(qy, ld8(kr + 24, w - 24), e3);
+        }
+        const __m256 a[4] = {_mm256_add_ps(a0, e0), _mm256_add_ps(a1, e1),
+                             _mm256_add_ps(a2, e2), _mm256_add_ps(a3, e3)};
+        for (int u = 0; u < 4 && j + 8 * u < n; ++u) {
+          const int64_t j0 = j + 8 * u;
+          __m256 sc = a[u];
+          if (c > 0.f) sc = _mm256_div_ps(sc, _mm256_set1_ps(c));
+          if (br) {
+            float b[8] = {0};
+            for (int64_t z = 0; z < 8 && j0 + z < n; ++z) b[z] = br[(j0 + z) * mj];
+            sc = _mm256_add_ps(sc, _mm256_loadu_ps(b));
+          }
+          st8(s + j0, sc, n - j0);
+        }
+      }
+    }
+    __m256 top = vninf;
+    for (int64_t j = 0; j < n; j += 8) top = _mm256_max_ps(top, ld8or(s + j, n - j, vninf));
+    const float mx = hmax8(top);
+    float sum = 0.f;
+    if (mx != -INFINITY) {
+      const __m256 vt = _mm256_set1_ps(mx);
+      __m256 acc = zero;
+      for (int64_t j = 0; j < n; j += 8) {
+        const __m256 x = ld8or(s + j, n - j, vninf);
+        const __m256 legal = _mm256_cmp_ps(x, vninf, _CMP_NEQ_UQ);
+        const __m256 e = _mm256_and_ps(legal, exp8_nonpositive(_mm256_sub_ps(x, vt)));
+        st8(s + j, e, n - j);
+        acc = _mm256_add_ps(acc, e);
+      }
+      sum = hsum8(acc);
+      const __m256 vs = _mm256_set1_ps(sum);
+      for (int64_t j = 0; j < n; j += 8) st8(s + j, _mm256_div_ps(ld8(s + j, n - j), vs), n - j);
+    }
+    if (pv && i == 0 && !(sum > 0.f && n > 0))
+      for (int64_t j = 0; j < L; ++j)
+        for (int64_t x = 0; x < dv * vsize; x += 64)
+          _mm_prefetch(pv + j * vj * vsize + x, _MM_HINT_T0);
+    for (int64_t x = 0; x < dv; x += 32) {
+      const int64_t w = dv - x;
+      __m256 a[4] = {zero, zero, zero, zero};
+      for (int64_t m = 0; sum > 0.f && m < n; ++m) {
+        if (pv && i == 0 && x == 0)
+          for (int64_t j = m * L / n; j < (m + 1) * L / n; ++j)
+            for (int64_t z = 0; z < dv * vsize; z += 64)
+              _mm_prefetch(pv + j * vj * vsize + z, _MM_HINT_T0);
+        if (s[m] == 0.f) continue;
+        const int64_t j = kc == 1 ? idx[m] : m;
+        const __m256 wt = _mm256_set1_ps(s[m]);
+        for (int u = 0; u < 4 && w > 8 * u; ++u) {
+          const __m256 r = vbf16 ? ld8bf((const uint16_t *)v + j * vj + x + 8 * u, w - 8 * u)
+                                 : ld8((const float *)v + j * vj + x + 8 * u, w - 8 * u);
+          a[u] = _mm256_fmadd_ps(wt, r, a[u]);
+        }
+      }
+      for (int u = 0; u < 4 && w > 8 * u; ++u) {
+        if (obf16) {
+          float t[8];
+          _mm256_storeu_ps(t, a[u]);
+          uint16_t *o = (uint16_t *)out + i * dv + x + 8 * u;
+          for (int64_t z = 0; z < 8 && z < w - 8 * u; ++z) o[z] = tobf(t[z]);
+        } else {
+          st8((float *)out + i * dv + x + 8 * u, a[u], w - 8 * u);
+        }
+      }
+    }
+  }
+}
+
+AVX2FMA int step_attention_avx2(const float *q, int64_t qb, int64_t qh, int64_t qi,
+                                const void *k, int kbf16, int64_t kb, int64_t kh, int64_t kj,
+                                int64_t kc, const void *v, int vbf16, int64_t vb, int64_t vh,
+                                int64_t vj, const float *bias, int64_t mb, int64_t mh,
+                                int64_t mi, int64_t mj, int64_t B, int64_t H, int64_t Tq,
+                                int64_t L, int64_t d, int64_t dv, float c, void *out, int obf16,
+                                float *work, int nthreads) {
+  const int64_t vsize = vbf16 ? 2 : 4, osize = obf16 ? 2 : 4, ksize = kbf16 ? 2 : 4;
+#pragma omp parallel for schedule(static) num_threads(nthreads)
+  for (int64_t r = 0; r < B * H; ++r) {
+    const int64_t b = r / H, h = r % H, b1 = (r + 1) / H, h1 = (r + 1) % H;
+    float *s = work + omp_get_thread_num() * 2 * L;
+    const int last = r + 1 == B * H;
+    step_head_avx2(q + b * qb + h * qh, qi,
+                   (const float *)((const char *)k + (b * kb + h * kh) * ksize), kbf16, kj, kc,
+                   (const char *)v + (b * vb + h * vh) * vsize, vbf16, vj,
+                   bias ? bias + b * mb + h * mh : NULL, mi, mj, Tq, L, d, dv, c,
+                   (char *)out + r * Tq * dv * osize, obf16, s, (int32_t *)(s + L),
+                   last ? NULL : (const float *)((const char *)k + (b1 * kb + h1 * kh) * ksize),
+                   last ? NULL : (const char *)v + (b1 * vb + h1 * vh) * vsize);
+  }
+  return 0;
+}
 """
 
 # -O3: the dropout mask's four PCG64 runs stay in registers (0.57 against 1.9 ms at -O2 for
@@ -968,6 +1177,8 @@ _FLAGS = ["-O3", "-shared", "-fPIC", "-fopenmp"]
 _AVX512 = {"avx512f", "avx512bw", "avx512vl"} <= cpuinfo.cpu_flags()
 # `Int8Linear`'s row kernels run in AVX-512 (F), or AVX2 where a CPU has no AVX-512.
 _ROWS_ISA = "avx512" if _AVX512 else "avx2" if "avx2" in cpuinfo.cpu_flags() else None
+# A decoding step's attention (`step_attention`) in AVX-512 (F, BW, VL), or AVX2 with FMA.
+_ATTENTION_ISA = "avx512" if _AVX512 else "avx2" if {"avx2", "fma"} <= cpuinfo.cpu_flags() else None
 _LIB: ctypes.PyDLL | None = None
 _NOGIL: ctypes.CDLL | None = None  # the same library, called without the GIL
 _WHY: str | None = None  # why there is no library, once `_library` has tried
@@ -1114,12 +1325,14 @@ def _load() -> None:
                 [p, i64, i64, p, p, i32],
             )
             rows_in.restype = rows_out.restype = ctypes.c_int
-        free.step_attention.argtypes = (
-            [p, i64, i64, i64, p, i32, i64, i64, i64, i64, p, i32, i64, i64, i64, p]
-            + [i64] * 10
-            + [f32, p, i32, p, i32]
-        )
-        free.step_attention.restype = ctypes.c_int
+        for isa in ("", "_avx2"):
+            step = getattr(free, "step_attention" + isa)
+            step.argtypes = (
+                [p, i64, i64, i64, p, i32, i64, i64, i64, i64, p, i32, i64, i64, i64, p]
+                + [i64] * 10
+                + [f32, p, i32, p, i32]
+            )
+            step.restype = ctypes.c_int
         _LIB, _NOGIL = lib, free
     except (OSError, subprocess.SubprocessError) as e:
         _WHY = str(e)
@@ -1369,8 +1582,9 @@ def int8_rows_out_(y: torch.Tensor, top: torch.Tensor, bias: torch.Tensor | None
 
 
 def attention_supported() -> bool:
-    """Whether `step_attention` runs here: `FUSED`, the library built, AVX-512 F, BW and VL."""
-    return fused_supported()
+    """Whether `step_attention` runs here: `FUSED`, the library built, and the CPU has AVX-512
+    F, BW and VL, or AVX2 and FMA (`_ATTENTION_ISA`)."""
+    return FUSED and _ATTENTION_ISA is not None and _library() is not None
 
 
 def step_attention(
@@ -1386,7 +1600,8 @@ def step_attention(
     Each (batch, head)'s values do not depend on the rest of the batch or on the threads.
     Only where `attention_supported()`."""
     if not attention_supported():
-        raise RuntimeError(f"step_attention: not on this machine ({unavailable() or 'no AVX-512'})")
+        lacking = unavailable() or "neither AVX-512 nor AVX2 with FMA"
+        raise RuntimeError(f"step_attention: not on this machine ({lacking})")
     B, H, Tq, d = q.shape
     L, dv = k.size(-2), v.size(-1)
     cpu = all(t.device.type == "cpu" for t in (q, k, v))
@@ -1410,7 +1625,8 @@ def step_attention(
     work = torch.empty(threads * 2 * max(L, 1))
     kb, kh, kj, kc = k.stride()  # the kernel reads rows where kc == 1, else columns
     ms = (0, 0, 0, 0) if bias is None else bias.stride()
-    _NOGIL.step_attention(
+    step = getattr(_NOGIL, "step_attention" + ("" if _ATTENTION_ISA == "avx512" else "_avx2"))
+    step(
         q.data_ptr(), *q.stride()[:3], k.data_ptr(), int(k.dtype == torch.bfloat16), kb, kh, kj,
         kc, v.data_ptr(),
         int(v.dtype == torch.bfloat16), *v.stride()[:3], None if bias is None else bias.data_ptr(),

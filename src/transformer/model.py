@@ -337,9 +337,10 @@ def _attention_rowwise(
         q = q.float()
     if aligned and weights is None and _step_kernel_takes(q, k, v, mask):
         # A decoding step's whole eq. (1) per (batch, head) in one pass over its keys and
-        # values, keys masked by the bias not read (`kernels.step_attention`): a W2 search's
-        # attention 227 -> ~200 ms greedy, 650 -> ~415 beam 4 (docs/performance.md, "Round
-        # thirty-eight"). Each row's values depend on that row alone, as below.
+        # values, keys masked by the bias not read (`kernels.step_attention`): a W2 int8
+        # search's steps' attention 210-225 -> 155-190 ms greedy, 600-645 -> 375-410 beam 4
+        # (docs/performance.md, "Round thirty-eight"). Each row's values depend on that row
+        # alone, as below.
         # (bf16 keys read as they are, where their rows are contiguous: a bf16 model's cache)
         bias = None if mask is None else mask.float()
         return kernels.step_attention(q, k, v, bias, 0.0 if prescaled else math.sqrt(q.size(-1)))
@@ -388,11 +389,12 @@ def _step_kernel_takes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask) 
 
 @functools.cache
 def step_attention_kernel() -> bool:
-    """Whether decoding steps on the CPU take `kernels.step_attention` (AVX-512, the library
-    built, `TRANSFORMER_FUSED_KERNELS` not 0): only once it has agreed with eq. (1) in fp64,
-    to 1e-5 of the largest value (bf16 keys and values: to bf16's rounding), on heads of every kind
-    (key rows and K^T columns, masked keys, a query with none legal, bf16 values, strided
-    queries, widths off 16). Decoding streams may ask at once: each gets the same answer."""
+    """Whether decoding steps on the CPU take `kernels.step_attention` (AVX-512 or AVX2 with
+    FMA, the library built, `TRANSFORMER_FUSED_KERNELS` not 0): only once it has agreed with
+    eq. (1) in fp64, to 1e-5 of the largest value (bf16 keys and values: to bf16's rounding),
+    on heads of every kind (key rows and K^T columns, masked keys, a query with none legal,
+    bf16 keys and values, strided queries, widths off 16). Decoding streams may ask at once:
+    each gets the same answer."""
     if not kernels.attention_supported():
         return False
     g = torch.Generator().manual_seed(0)

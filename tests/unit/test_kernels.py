@@ -495,6 +495,21 @@ def test_int8_rows_call_the_form_of_the_cpus_instruction_set(monkeypatch, isa):
 
 # ---- a decoding step's attention (`step_attention`) ----
 
+# Its instruction sets this CPU runs (AVX-512 F, BW and VL, and AVX2 with FMA, on the suite's
+# machines with AVX-512; AVX2 alone on a Zen 3): each test runs in each form.
+ATTENTION_ISAS = [
+    isa
+    for isa, flags in (("avx512", {"avx512f", "avx512bw", "avx512vl"}), ("avx2", {"avx2", "fma"}))
+    if flags <= cpu_flags()
+]
+
+
+@pytest.fixture(params=ATTENTION_ISAS)
+def attention_isa(request, monkeypatch):
+    """`step_attention` in the form of one instruction set this CPU has."""
+    monkeypatch.setattr(kernels, "_ATTENTION_ISA", request.param)
+    return request.param
+
 
 def _step_case(B, H, Tq, L, d, dv, rows, g, *, bias_shape=None, p_masked=0.3):
     """q strided (a view of a wider projection), k as rows or as a view of K^T, v, an additive
@@ -525,7 +540,7 @@ STEP_SHAPES = [  # B, H, Tq, L, d, dv
 @pytest.mark.parametrize("shape", STEP_SHAPES)
 @pytest.mark.parametrize("rows", [True, False])
 @pytest.mark.parametrize("c", [8.0, 0.0])
-def test_step_attention_is_eq1_in_fp64_to_fp32_rounding(shape, rows, c):
+def test_step_attention_is_eq1_in_fp64_to_fp32_rounding(shape, rows, c, attention_isa):
     if not kernels.attention_supported():  # a CPU without AVX-512: torch's ops instead
         with pytest.raises(RuntimeError, match="not on this machine"):
             kernels.step_attention(*[torch.zeros(1, 1, 1, 16)] * 3, None, 0.0)
@@ -541,7 +556,7 @@ def test_step_attention_is_eq1_in_fp64_to_fp32_rounding(shape, rows, c):
 
 
 @pytest.mark.parametrize("keys", [torch.float32, torch.bfloat16])
-def test_step_attention_bf16_values_give_bf16_to_its_rounding(keys):
+def test_step_attention_bf16_values_give_bf16_to_its_rounding(keys, attention_isa):
     """A bf16 model's step: bf16 values, and bf16 keys read in place (a cache's rows)."""
     if not kernels.attention_supported():
         return
@@ -556,7 +571,7 @@ def test_step_attention_bf16_values_give_bf16_to_its_rounding(keys):
     assert (out.double() - ref).abs().max() <= 2**-8 * ref.abs().max()
 
 
-def test_step_attention_a_query_with_no_legal_key_gets_zeros():
+def test_step_attention_a_query_with_no_legal_key_gets_zeros(attention_isa):
     if not kernels.attention_supported():
         return
     g = torch.Generator().manual_seed(2)
@@ -567,7 +582,7 @@ def test_step_attention_a_query_with_no_legal_key_gets_zeros():
         assert bool((out[1, :, 2] == 0).all()) and torch.isfinite(out).all()
 
 
-def test_step_attention_does_not_read_the_keys_the_bias_masks():
+def test_step_attention_does_not_read_the_keys_the_bias_masks(attention_isa):
     """Key rows masked anywhere, K^T columns masked at the end (a source's padding), and the
     value rows of every masked key: NaN there changes nothing, to the bit."""
     if not kernels.attention_supported():
@@ -588,7 +603,7 @@ def test_step_attention_does_not_read_the_keys_the_bias_masks():
 
 
 @pytest.mark.parametrize("rows", [True, False])
-def test_step_attention_rows_do_not_depend_on_the_batch_or_the_threads(rows):
+def test_step_attention_rows_do_not_depend_on_the_batch_or_the_threads(rows, attention_isa):
     """A sentence's row alone, in a batch of 64, and on one or two threads: the same bits."""
     if not kernels.attention_supported():
         return
@@ -603,7 +618,7 @@ def test_step_attention_rows_do_not_depend_on_the_batch_or_the_threads(rows):
         assert torch.equal(alone[0], batch[i])
 
 
-def test_step_attention_refuses_what_it_cannot_read():
+def test_step_attention_refuses_what_it_cannot_read(attention_isa):
     if not kernels.attention_supported():
         return
     q = k = v = torch.zeros(2, 2, 1, 16)
@@ -621,8 +636,43 @@ def test_step_attention_refuses_what_it_cannot_read():
         kernels.step_attention(q, k, v, torch.zeros(2, 1, 1, 1, dtype=torch.bool), 0.0)
 
 
-def test_without_avx512_there_is_no_step_attention(monkeypatch):
-    monkeypatch.setattr(kernels, "_AVX512", False)
+def test_without_avx512_or_avx2_there_is_no_step_attention(monkeypatch):
+    monkeypatch.setattr(kernels, "_ATTENTION_ISA", None)
     assert not kernels.attention_supported()
     with pytest.raises(RuntimeError, match="not on this machine"):
         kernels.step_attention(*[torch.zeros(1, 1, 1, 16)] * 3, None, 0.0)
+
+
+@pytest.mark.parametrize("isa", ATTENTION_ISAS)
+def test_step_attention_calls_the_form_of_the_cpus_instruction_set(monkeypatch, isa):
+    """The AVX-512 form called on a CPU with AVX2 alone would be an illegal instruction."""
+    called = []
+
+    class Spy:
+        def __getattr__(self, name):
+            called.append(name)
+            return getattr(kernels._NOGIL_REAL, name)
+
+    assert kernels.attention_supported()
+    monkeypatch.setattr(kernels, "_ATTENTION_ISA", isa)
+    monkeypatch.setattr(kernels, "_NOGIL_REAL", kernels._NOGIL, raising=False)
+    monkeypatch.setattr(kernels, "_NOGIL", Spy())
+    q = torch.randn(2, 2, 1, 16)
+    kernels.step_attention(q, q, q, None, 4.0)
+    assert called == ["step_attention" + ("" if isa == "avx512" else "_avx2")]
+
+
+def test_the_two_forms_agree_to_fp32_rounding():
+    if len(ATTENTION_ISAS) < 2:
+        return
+    g = torch.Generator().manual_seed(5)
+    for rows in (True, False):
+        q, k, v, bias = _step_case(8, 4, 4, 77, 64, 64, rows, g)
+        outs = []
+        for isa in ATTENTION_ISAS:
+            kernels._ATTENTION_ISA = isa
+            try:
+                outs.append(kernels.step_attention(q, k, v, bias, 8.0))
+            finally:
+                kernels._ATTENTION_ISA = ATTENTION_ISAS[0]
+        assert (outs[0] - outs[1]).abs().max() <= 1e-5 * outs[0].abs().max()
