@@ -338,7 +338,7 @@ def _attention_rowwise(
     if aligned and weights is None and _step_kernel_takes(q, k, v, mask):
         # A decoding step's whole eq. (1) per (batch, head) in one pass over its keys and
         # values, keys masked by the bias not read (`kernels.step_attention`): a W2 int8
-        # search's steps' attention 210-225 -> 155-190 ms greedy, 600-645 -> 375-410 beam 4
+        # search's steps' attention 208-225 -> 168-186 ms greedy, 595-645 -> 374-398 beam 4
         # (docs/performance.md, "Round thirty-eight"). Each row's values depend on that row
         # alone, as below.
         # (bf16 keys read as they are, where their rows are contiguous: a bf16 model's cache)
