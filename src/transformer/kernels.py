@@ -788,36 +788,6 @@ AVX512BW static void step_head(const float *q, int64_t qi, const float *k, int k
   }
 }
 
-/* q (B, H, Tq, d): element (b, h, i, x) at q + b qb + h qh + i qi + x; keys (B, H, L, d) at
-   k + b kb + h kh + j kj + x kc (kc == 1, fp32 or bf16 (kbf16); or kj == 1, fp32); values
-   (B, H, L, dv) at v + b vb + h vh + j vj + x, fp32 or bf16 (vbf16); bias at bias + b mb +
-   h mh + i mi + j mj (0 strides: shared), or NULL; out (B, H, Tq, dv) contiguous, fp32 or bf16
-   (obf16); work: nthreads x 2L floats.
-   The heads are shared out among nthreads OpenMP threads; each is computed the same way
-   whichever thread takes it and whatever else is in the batch. */
-AVX512BW int step_attention(const float *q, int64_t qb, int64_t qh, int64_t qi, const void *k,
-                            int kbf16, int64_t kb, int64_t kh, int64_t kj, int64_t kc,
-                            const void *v,
-                            int vbf16, int64_t vb, int64_t vh, int64_t vj, const float *bias,
-                            int64_t mb, int64_t mh, int64_t mi, int64_t mj, int64_t B, int64_t H,
-                            int64_t Tq, int64_t L, int64_t d, int64_t dv, float c, void *out,
-                            int obf16, float *work, int nthreads) {
-  const int64_t vsize = vbf16 ? 2 : 4, osize = obf16 ? 2 : 4, ksize = kbf16 ? 2 : 4;
-#pragma omp parallel for schedule(static) num_threads(nthreads)
-  for (int64_t r = 0; r < B * H; ++r) {
-    const int64_t b = r / H, h = r % H, b1 = (r + 1) / H, h1 = (r + 1) % H;
-    float *s = work + omp_get_thread_num() * 2 * L;
-    const int last = r + 1 == B * H;
-    step_head(q + b * qb + h * qh, qi,
-              (const float *)((const char *)k + (b * kb + h * kh) * ksize), kbf16, kj, kc,
-              (const char *)v + (b * vb + h * vh) * vsize, vbf16, vj,
-              bias ? bias + b * mb + h * mh : NULL, mi, mj, Tq, L, d, dv, c,
-              (char *)out + r * Tq * dv * osize, obf16, s, (int32_t *)(s + L),
-              last ? NULL : (const float *)((const char *)k + (b1 * kb + h1 * kh) * ksize),
-              last ? NULL : (const char *)v + (b1 * vb + h1 * vh) * vsize);
-  }
-  return 0;
-}
 
 /* ---- `translate.Int8Linear`'s rows: each input row on its own 8-bit range, each output row
    scaled back (not in the paper). The same bits as its torch ops, one pass each. ---- */
@@ -1144,26 +1114,37 @@ AVX2FMA static void step_head_avx2(const float *q, int64_t qi, const float *k, i
   }
 }
 
-AVX2FMA int step_attention_avx2(const float *q, int64_t qb, int64_t qh, int64_t qi,
-                                const void *k, int kbf16, int64_t kb, int64_t kh, int64_t kj,
-                                int64_t kc, const void *v, int vbf16, int64_t vb, int64_t vh,
-                                int64_t vj, const float *bias, int64_t mb, int64_t mh,
-                                int64_t mi, int64_t mj, int64_t B, int64_t H, int64_t Tq,
-                                int64_t L, int64_t d, int64_t dv, float c, void *out, int obf16,
-                                float *work, int nthreads) {
+/* q (B, H, Tq, d): element (b, h, i, x) at q + b qb + h qh + i qi + x; keys (B, H, L, d) at
+   k + b kb + h kh + j kj + x kc (kc == 1, fp32 or bf16 (kbf16); or kj == 1, fp32); values
+   (B, H, L, dv) at v + b vb + h vh + j vj + x, fp32 or bf16 (vbf16); bias at bias + b mb +
+   h mh + i mi + j mj (0 strides: shared), or NULL; out (B, H, Tq, dv) contiguous, fp32 or bf16
+   (obf16); work: nthreads x 2L floats.
+   The heads are shared out among nthreads OpenMP threads; each is computed the same way
+   whichever thread takes it and whatever else is in the batch, by `step_head` where avx512
+   (AVX-512 F, BW and VL), else by `step_head_avx2` (AVX2 and FMA): only the form called needs
+   its instructions. */
+int step_attention(const float *q, int64_t qb, int64_t qh, int64_t qi, const void *k, int kbf16,
+                   int64_t kb, int64_t kh, int64_t kj, int64_t kc, const void *v, int vbf16,
+                   int64_t vb, int64_t vh, int64_t vj, const float *bias, int64_t mb, int64_t mh,
+                   int64_t mi, int64_t mj, int64_t B, int64_t H, int64_t Tq, int64_t L, int64_t d,
+                   int64_t dv, float c, void *out, int obf16, float *work, int nthreads,
+                   int avx512) {
   const int64_t vsize = vbf16 ? 2 : 4, osize = obf16 ? 2 : 4, ksize = kbf16 ? 2 : 4;
+  void (*head)(const float *, int64_t, const float *, int, int64_t, int64_t, const void *, int,
+               int64_t, const float *, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,
+               float, void *, int, float *, int32_t *, const float *, const char *) =
+      avx512 ? step_head : step_head_avx2;
 #pragma omp parallel for schedule(static) num_threads(nthreads)
   for (int64_t r = 0; r < B * H; ++r) {
     const int64_t b = r / H, h = r % H, b1 = (r + 1) / H, h1 = (r + 1) % H;
     float *s = work + omp_get_thread_num() * 2 * L;
     const int last = r + 1 == B * H;
-    step_head_avx2(q + b * qb + h * qh, qi,
-                   (const float *)((const char *)k + (b * kb + h * kh) * ksize), kbf16, kj, kc,
-                   (const char *)v + (b * vb + h * vh) * vsize, vbf16, vj,
-                   bias ? bias + b * mb + h * mh : NULL, mi, mj, Tq, L, d, dv, c,
-                   (char *)out + r * Tq * dv * osize, obf16, s, (int32_t *)(s + L),
-                   last ? NULL : (const float *)((const char *)k + (b1 * kb + h1 * kh) * ksize),
-                   last ? NULL : (const char *)v + (b1 * vb + h1 * vh) * vsize);
+    head(q + b * qb + h * qh, qi, (const float *)((const char *)k + (b * kb + h * kh) * ksize),
+         kbf16, kj, kc, (const char *)v + (b * vb + h * vh) * vsize, vbf16, vj,
+         bias ? bias + b * mb + h * mh : NULL, mi, mj, Tq, L, d, dv, c,
+         (char *)out + r * Tq * dv * osize, obf16, s, (int32_t *)(s + L),
+         last ? NULL : (const float *)((const char *)k + (b1 * kb + h1 * kh) * ksize),
+         last ? NULL : (const char *)v + (b1 * vb + h1 * vh) * vsize);
   }
   return 0;
 }
@@ -1325,14 +1306,12 @@ def _load() -> None:
                 [p, i64, i64, p, p, i32],
             )
             rows_in.restype = rows_out.restype = ctypes.c_int
-        for isa in ("", "_avx2"):
-            step = getattr(free, "step_attention" + isa)
-            step.argtypes = (
-                [p, i64, i64, i64, p, i32, i64, i64, i64, i64, p, i32, i64, i64, i64, p]
-                + [i64] * 10
-                + [f32, p, i32, p, i32]
-            )
-            step.restype = ctypes.c_int
+        free.step_attention.argtypes = (
+            [p, i64, i64, i64, p, i32, i64, i64, i64, i64, p, i32, i64, i64, i64, p]
+            + [i64] * 10
+            + [f32, p, i32, p, i32, i32]
+        )
+        free.step_attention.restype = ctypes.c_int
         _LIB, _NOGIL = lib, free
     except (OSError, subprocess.SubprocessError) as e:
         _WHY = str(e)
@@ -1625,12 +1604,31 @@ def step_attention(
     work = torch.empty(threads * 2 * max(L, 1))
     kb, kh, kj, kc = k.stride()  # the kernel reads rows where kc == 1, else columns
     ms = (0, 0, 0, 0) if bias is None else bias.stride()
-    step = getattr(_NOGIL, "step_attention" + ("" if _ATTENTION_ISA == "avx512" else "_avx2"))
-    step(
-        q.data_ptr(), *q.stride()[:3], k.data_ptr(), int(k.dtype == torch.bfloat16), kb, kh, kj,
-        kc, v.data_ptr(),
-        int(v.dtype == torch.bfloat16), *v.stride()[:3], None if bias is None else bias.data_ptr(),
-        *ms, B, H, Tq, L, d, dv, c, out.data_ptr(), int(v.dtype == torch.bfloat16),
-        work.data_ptr(), threads,
-    )  # fmt: skip
+    _NOGIL.step_attention(
+        q.data_ptr(),
+        *q.stride()[:3],
+        k.data_ptr(),
+        int(k.dtype == torch.bfloat16),
+        kb,
+        kh,
+        kj,
+        kc,
+        v.data_ptr(),
+        int(v.dtype == torch.bfloat16),
+        *v.stride()[:3],
+        None if bias is None else bias.data_ptr(),
+        *ms,
+        B,
+        H,
+        Tq,
+        L,
+        d,
+        dv,
+        c,
+        out.data_ptr(),
+        int(v.dtype == torch.bfloat16),
+        work.data_ptr(),
+        threads,
+        int(_ATTENTION_ISA == "avx512"),
+    )  # fmt: skip  (the last: which form, `_ATTENTION_ISA`)
     return out

@@ -475,22 +475,30 @@ def test_int8_rows_call_the_form_of_the_cpus_instruction_set(monkeypatch, isa):
     AVX2 alone (a Zen 3) would stop the process with an illegal instruction."""
     from transformer.translate import TINY
 
-    called = []
-
-    class Spy:
-        def __getattr__(self, name):
-            called.append(name)
-            return getattr(kernels._NOGIL_REAL, name)
-
     assert kernels.rows_supported()
     monkeypatch.setattr(kernels, "_ROWS_ISA", isa)
-    monkeypatch.setattr(kernels, "_NOGIL_REAL", kernels._NOGIL, raising=False)
-    monkeypatch.setattr(kernels, "_NOGIL", Spy())
+    called = _spy_library(monkeypatch)
     x = torch.randn(3, 20)
     xs, top = kernels.int8_rows_in(x, False, TINY)
     kernels.int8_rows_out_(torch.randn(3, 5), top, None)
     suffix = "" if isa == "avx512" else "_avx2"
-    assert called == ["int8_rows_in" + suffix, "int8_rows_out" + suffix]
+    assert [name for name, _ in called] == ["int8_rows_in" + suffix, "int8_rows_out" + suffix]
+
+
+def _spy_library(monkeypatch) -> list:
+    """Every call into the GIL-free library handle from here on, as (symbol, arguments)."""
+    called, real = [], kernels._NOGIL
+
+    class Spy:
+        def __getattr__(self, name):
+            def call(*args):
+                called.append((name, args))
+                return getattr(real, name)(*args)
+
+            return call
+
+    monkeypatch.setattr(kernels, "_NOGIL", Spy())
+    return called
 
 
 # ---- a decoding step's attention (`step_attention`) ----
@@ -646,20 +654,12 @@ def test_without_avx512_or_avx2_there_is_no_step_attention(monkeypatch):
 @pytest.mark.parametrize("isa", ATTENTION_ISAS)
 def test_step_attention_calls_the_form_of_the_cpus_instruction_set(monkeypatch, isa):
     """The AVX-512 form called on a CPU with AVX2 alone would be an illegal instruction."""
-    called = []
-
-    class Spy:
-        def __getattr__(self, name):
-            called.append(name)
-            return getattr(kernels._NOGIL_REAL, name)
-
     assert kernels.attention_supported()
     monkeypatch.setattr(kernels, "_ATTENTION_ISA", isa)
-    monkeypatch.setattr(kernels, "_NOGIL_REAL", kernels._NOGIL, raising=False)
-    monkeypatch.setattr(kernels, "_NOGIL", Spy())
+    called = _spy_library(monkeypatch)
     q = torch.randn(2, 2, 1, 16)
     kernels.step_attention(q, q, q, None, 4.0)
-    assert called == ["step_attention" + ("" if isa == "avx512" else "_avx2")]
+    assert [(name, args[-1]) for name, args in called] == [("step_attention", isa == "avx512")]
 
 
 def test_the_two_forms_agree_to_fp32_rounding():

@@ -547,6 +547,17 @@ def test_cpu_inference_softmax_gives_zero_weights_to_a_row_with_no_legal_key() -
     torch.testing.assert_close(_softmax_rowwise(scores, bias)[..., :3], scores[..., :3].softmax(-1))
 
 
+def _cached_steps_and_full(model: Transformer):
+    """The decoder's outputs over four positions of `batch()`'s targets, one cached step at a
+    time (a list of four), and all at once without a cache."""
+    src, src_mask, tgt = batch()
+    with torch.no_grad():
+        memory = model.encode(src, src_mask)
+        cache = model.new_cache()
+        steps = [model.decode(tgt[:, i : i + 1], memory, src_mask, cache) for i in range(4)]
+        return steps, model.decode(tgt[:, :4], memory, src_mask)
+
+
 def test_cached_decoding_sums_the_values_row_by_row(monkeypatch) -> None:
     """torch's ops for a step (CPUs without AVX-512; `step_attention_kernel` off)."""
     from transformer import model as model_module
@@ -561,12 +572,7 @@ def test_cached_decoding_sums_the_values_row_by_row(monkeypatch) -> None:
 
     monkeypatch.setattr(model_module, "_weighted_rows", spy)
     model = Transformer(tiny()).eval()
-    src, src_mask, tgt = batch()
-    with torch.no_grad():
-        memory = model.encode(src, src_mask)
-        cache = model.new_cache()
-        steps = [model.decode(tgt[:, i : i + 1], memory, src_mask, cache) for i in range(4)]
-        full = model.decode(tgt[:, :4], memory, src_mask)
+    steps, full = _cached_steps_and_full(model)
     # the values of self- and cross-attention of each layer from the second step on (one key
     # at the first), and the encoder-decoder scores at every step (the keys kept as K^T)
     n = model.cfg.n_layers
@@ -591,12 +597,7 @@ def test_cached_decoding_takes_the_step_kernel_where_it_runs(monkeypatch, dtype)
 
     monkeypatch.setattr(kernels, "step_attention", spy)
     model = Transformer(tiny()).eval().to(dtype)
-    src, src_mask, tgt = batch()
-    with torch.no_grad():
-        memory = model.encode(src, src_mask)
-        cache = model.new_cache()
-        steps = [model.decode(tgt[:, i : i + 1], memory, src_mask, cache) for i in range(4)]
-        full = model.decode(tgt[:, :4], memory, src_mask)
+    steps, full = _cached_steps_and_full(model)
     n = model.cfg.n_layers
     if not model_module.step_attention_kernel():
         assert calls == []
