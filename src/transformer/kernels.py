@@ -469,6 +469,9 @@ AVX512 static inline __m512 exp_nonpositive(__m512 x) {
 }
 
 #define AVX512BW __attribute__((target("avx512f,avx512bw,avx512vl")))
+AVX512BW static inline __mmask16 first16(int64_t n) { /* lanes 0 .. min(n, 16) - 1 */
+  return n >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << n) - 1);
+}
 
 /* rows [r0, r1) of (B, H, Tq, Tk), row r = ((b H + h) Tq + i): w = softmax(v) with v_j =
    bf16(x_j / c) (c > 0; c = 0: x_j) where mask[b mb + h mh + i mi + j mj] is nonzero, -inf
@@ -491,7 +494,7 @@ AVX512BW static void softmax_rows(const uint16_t *x, const uint8_t *mask, int64_
     const uint8_t *mr = mask + b * mb + h * mh + i * mi;
     __m512 top = vninf;
     for (int64_t j = 0; j < tp; j += 16) {
-      const __mmask16 in = Tk - j >= 16 ? 0xffff : (__mmask16)((1u << (Tk - j)) - 1);
+      const __mmask16 in = first16(Tk - j);
       __m512 v = widen(_mm256_maskz_loadu_epi16(in, xr + j));
       if (c > 0.f) v = widen(narrow(_mm512_div_ps(v, vc)));
       const uint8_t *mk = mr + j * mj;
@@ -519,7 +522,7 @@ AVX512BW static void softmax_rows(const uint16_t *x, const uint8_t *mask, int64_
     float sum = _mm512_reduce_add_ps(acc);
     const __m512 vs = _mm512_set1_ps(sum < 1.f ? 1.f : sum); /* a legal row's sum is >= 1 */
     for (int64_t j = 0; j < tp; j += 16) {
-      const __mmask16 in = Tk - j >= 16 ? 0xffff : (__mmask16)((1u << (Tk - j)) - 1);
+      const __mmask16 in = first16(Tk - j);
       __m256i o = narrow(_mm512_div_ps(_mm512_loadu_ps(buf + j), vs));
       _mm256_mask_storeu_epi16(w + r * Tk + j, in, o);
     }
@@ -535,13 +538,13 @@ AVX512BW static void softmax_grad_rows(const uint16_t *g, const uint16_t *w, int
     const uint16_t *gr = g + r * Tk, *wr = w + r * Tk;
     __m512 acc = _mm512_setzero_ps();
     for (int64_t j = 0; j < Tk; j += 16) {
-      const __mmask16 in = Tk - j >= 16 ? 0xffff : (__mmask16)((1u << (Tk - j)) - 1);
+      const __mmask16 in = first16(Tk - j);
       acc = _mm512_fmadd_ps(widen(_mm256_maskz_loadu_epi16(in, gr + j)),
                             widen(_mm256_maskz_loadu_epi16(in, wr + j)), acc);
     }
     const __m512 vd = _mm512_set1_ps(_mm512_reduce_add_ps(acc));
     for (int64_t j = 0; j < Tk; j += 16) {
-      const __mmask16 in = Tk - j >= 16 ? 0xffff : (__mmask16)((1u << (Tk - j)) - 1);
+      const __mmask16 in = first16(Tk - j);
       __m512 gv = widen(_mm256_maskz_loadu_epi16(in, gr + j));
       __m512 wv = widen(_mm256_maskz_loadu_epi16(in, wr + j));
       __m512 hv = widen(narrow(_mm512_mul_ps(wv, _mm512_sub_ps(gv, vd))));
@@ -625,15 +628,11 @@ int column_sums(const uint16_t *x, int64_t n, int64_t c, float *out, float *work
    the next head's requested meanwhile (_mm_prefetch: each head's rows start a new run, which
    the hardware's prefetcher learns too late), and keys the bias masks (-inf) are not read at
    all (a beam's other beams' histories, a source's padding). ---- */
-AVX512BW static inline __mmask16 first16(int64_t n) { /* lanes 0 .. min(n, 16) - 1 */
-  return n >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << n) - 1);
-}
-
 /* one head's Tq queries (rows qi apart) against L keys: element x of key j at k + j kj + x kc,
    rows (kc == 1; fp32, or bf16 where kbf16, widened) or rows of K^T (kj == 1; fp32); values row
-   j at v + j vj (fp32 or bf16); bias (i, j)
-   at bias + i mi + j mj, or NULL; out (Tq, dv) contiguous, fp32 or bf16. s: L floats, idx: L
-   ints. pk, pv: the next head's keys and values (NULL: none), fetched into the cache. */
+   j at v + j vj (fp32 or bf16); bias (i, j) at bias + i mi + j mj, or NULL; out (Tq, dv)
+   contiguous, fp32 or bf16. s: L floats, idx: L ints. pk, pv: the next head's keys and values
+   (NULL: none), fetched into the cache. */
 AVX512BW static void step_head(const float *q, int64_t qi, const float *k, int kbf16, int64_t kj,
                                int64_t kc, const void *v, int vbf16, int64_t vj,
                                const float *bias, int64_t mi, int64_t mj, int64_t Tq, int64_t L,
@@ -1604,31 +1603,11 @@ def step_attention(
     work = torch.empty(threads * 2 * max(L, 1))
     kb, kh, kj, kc = k.stride()  # the kernel reads rows where kc == 1, else columns
     ms = (0, 0, 0, 0) if bias is None else bias.stride()
+    # the last argument: which form runs (`_ATTENTION_ISA`)
     _NOGIL.step_attention(
-        q.data_ptr(),
-        *q.stride()[:3],
-        k.data_ptr(),
-        int(k.dtype == torch.bfloat16),
-        kb,
-        kh,
-        kj,
-        kc,
-        v.data_ptr(),
-        int(v.dtype == torch.bfloat16),
-        *v.stride()[:3],
-        None if bias is None else bias.data_ptr(),
-        *ms,
-        B,
-        H,
-        Tq,
-        L,
-        d,
-        dv,
-        c,
-        out.data_ptr(),
-        int(v.dtype == torch.bfloat16),
-        work.data_ptr(),
-        threads,
-        int(_ATTENTION_ISA == "avx512"),
-    )  # fmt: skip  (the last: which form, `_ATTENTION_ISA`)
+        q.data_ptr(), *q.stride()[:3], k.data_ptr(), int(k.dtype == torch.bfloat16), kb, kh, kj,
+        kc, v.data_ptr(), int(v.dtype == torch.bfloat16), *v.stride()[:3],
+        None if bias is None else bias.data_ptr(), *ms, B, H, Tq, L, d, dv, c, out.data_ptr(),
+        int(v.dtype == torch.bfloat16), work.data_ptr(), threads, int(_ATTENTION_ISA == "avx512"),
+    )  # fmt: skip
     return out
