@@ -1565,6 +1565,23 @@ def attention_supported() -> bool:
     return FUSED and _ATTENTION_ISA is not None and _library() is not None
 
 
+def step_attention_problem(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str | None:
+    """Why `step_attention` cannot read q, k and v as they are (None: it can): their dtypes,
+    device, shapes, or a layout other than rows (or fp32 K^T's columns) with stride 1."""
+    narrow = (torch.float32, torch.bfloat16)
+    cpu = all(t.device.type == "cpu" for t in (q, k, v))
+    if not (cpu and q.dtype == torch.float32 and k.dtype in narrow and v.dtype in narrow):
+        return "fp32 CPU q, fp32 or bf16 k and v"
+    B, H, _, d = q.shape
+    L = k.size(-2)
+    if k.shape != (B, H, L, d) or v.dim() != 4 or v.shape[:3] != (B, H, L):
+        return f"shapes {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)} do not match"
+    columns = k.stride(-1) != 1 and k.stride(-2) == 1 and k.dtype == torch.float32
+    if q.stride(-1) != 1 or v.stride(-1) != 1 or not (k.stride(-1) == 1 or columns):
+        return "q's, k's and v's rows contiguous (or fp32 k's columns)"
+    return None
+
+
 def step_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None, c: float
 ) -> torch.Tensor:
@@ -1580,18 +1597,11 @@ def step_attention(
     if not attention_supported():
         lacking = unavailable() or "neither AVX-512 nor AVX2 with FMA"
         raise RuntimeError(f"step_attention: not on this machine ({lacking})")
+    problem = step_attention_problem(q, k, v)
+    if problem:
+        raise ValueError(f"step_attention: {problem}")
     B, H, Tq, d = q.shape
     L, dv = k.size(-2), v.size(-1)
-    cpu = all(t.device.type == "cpu" for t in (q, k, v))
-    narrow = (torch.float32, torch.bfloat16)
-    if not (cpu and q.dtype == torch.float32 and k.dtype in narrow and v.dtype in narrow):
-        raise ValueError("step_attention: fp32 CPU q, fp32 or bf16 k and v")
-    if k.shape != (B, H, L, d) or v.shape[:3] != (B, H, L):
-        raise ValueError(f"step_attention: shapes {tuple(q.shape)}, {tuple(k.shape)}, "
-                         f"{tuple(v.shape)} do not match")  # fmt: skip
-    columns = k.stride(-1) != 1 and k.stride(-2) == 1 and k.dtype == torch.float32
-    if q.stride(-1) != 1 or v.stride(-1) != 1 or not (k.stride(-1) == 1 or columns):
-        raise ValueError("step_attention: q's, k's and v's rows contiguous (or fp32 k's columns)")
     if bias is not None:
         if bias.dtype != torch.float32 or bias.device.type != "cpu":
             raise ValueError("step_attention: an fp32 CPU bias")

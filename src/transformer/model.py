@@ -340,8 +340,7 @@ def _attention_rowwise(
         # values, keys masked by the bias not read (`kernels.step_attention`): a W2 int8
         # search's steps' attention 208-225 -> 168-186 ms greedy, 595-645 -> 374-398 beam 4
         # (docs/performance.md, "Round thirty-eight"). Each row's values depend on that row
-        # alone, as below.
-        # (bf16 keys read as they are, where their rows are contiguous: a bf16 model's cache)
+        # alone, as below. A bf16 model's cache keys are read as they are, not widened here.
         bias = None if mask is None else mask.float()
         return kernels.step_attention(q, k, v, bias, 0.0 if prescaled else math.sqrt(q.size(-1)))
     if narrow:
@@ -372,19 +371,13 @@ def _attention_rowwise(
 
 
 def _step_kernel_takes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask) -> bool:
-    """Whether `kernels.step_attention` takes this aligned step (`_attention_rowwise`): fp32 q,
-    fp32 or bf16 k and v, an additive mask or none, the layouts it reads (rows; fp32 keys also
-    as K^T's columns); and the kernel checked here (`step_attention_kernel`). Nothing here
-    depends on the batch's size."""
-    narrow = (torch.float32, torch.bfloat16)
-    if q.dtype != torch.float32 or k.dtype not in narrow or v.dtype not in narrow:
-        return False
-    if v.stride(-1) != 1 or q.stride(-1) != 1:
-        return False
+    """Whether `kernels.step_attention` takes this aligned step (`_attention_rowwise`): an
+    additive mask or none, q, k and v as it reads them (`kernels.step_attention_problem`), and
+    the kernel checked here (`step_attention_kernel`). Nothing here depends on the batch's
+    size."""
     if mask is not None and (mask.dtype == torch.bool or mask.dim() != 4):
         return False
-    columns = k.stride(-2) == 1 and k.dtype == torch.float32
-    return (k.stride(-1) == 1 or columns) and step_attention_kernel()
+    return kernels.step_attention_problem(q, k, v) is None and step_attention_kernel()
 
 
 @functools.cache
