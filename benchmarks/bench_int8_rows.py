@@ -113,8 +113,9 @@ def real(args, switch=None, dtype: str = "int8") -> None:
                switch=switch)  # fmt: skip
 
 
-def arguments(description: str) -> argparse.Namespace:
-    """This script's options (also `bench_step_attention.py`'s), checked; torch's threads set."""
+def arguments(description: str, dtypes: bool = False) -> argparse.Namespace:
+    """This script's options (also `bench_step_attention.py`'s, with `dtypes`: --dtype for
+    --what w2 / real), checked; torch's threads set."""
     ap = argparse.ArgumentParser(description=description)
     ap.add_argument("--what", choices=("layers", "w2", "real"), default="w2")
     ap.add_argument("--pairs", type=int, default=8)
@@ -122,8 +123,9 @@ def arguments(description: str) -> argparse.Namespace:
     ap.add_argument("--out-len", type=int, default=50)
     ap.add_argument("--model", help="--what real: a model file or run directory")
     ap.add_argument("--src", help="--what real: source lines to translate")
-    ap.add_argument("--dtype", choices=("int8", "fp32", "bf16"), default="int8",
-                    help="--what w2 / real: the model's (bench_step_attention.py)")  # fmt: skip
+    if dtypes:
+        ap.add_argument("--dtype", choices=("int8", "fp32", "bf16"), default="int8",
+                        help="--what w2 / real: the model's")  # fmt: skip
     args = ap.parse_args()
     if args.pairs < 1 or args.out_len < 1:
         ap.error("--pairs and --out-len must be at least 1")
@@ -145,8 +147,6 @@ def arguments(description: str) -> argparse.Namespace:
 
 def main() -> None:
     args = arguments(__doc__.split("\n")[0])
-    if args.dtype != "int8":
-        sys.exit("bench_int8_rows.py: --dtype int8 only (the row kernels are int8's)")
     if not T.int8_row_kernels():
         sys.exit("bench_int8_rows.py: the row kernels do not run here (no AVX-512 or AVX2, or the "
                  "library does not build: `python -c 'from transformer import kernels; "

@@ -87,7 +87,7 @@ def layers(args) -> None:
 
 
 def main() -> None:
-    args = ab.arguments(__doc__.split("\n")[0])
+    args = ab.arguments(__doc__.split("\n")[0], dtypes=True)
     if not M.step_attention_kernel():
         sys.exit("bench_step_attention.py: the kernel does not run here (no AVX-512, or the "
                  "library does not build: `python -c 'from transformer import kernels; "
