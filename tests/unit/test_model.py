@@ -584,7 +584,7 @@ def test_cached_decoding_sums_the_values_row_by_row(monkeypatch) -> None:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cached_decoding_takes_the_step_kernel_where_it_runs(monkeypatch, dtype) -> None:
     """Every layer's self- and cross-attention at every cached step, the same values as the
-    full decoder's (on a CPU without AVX-512, none: torch's ops)."""
+    full decoder's (where the kernel cannot run, neither AVX-512 nor AVX2: torch's ops)."""
     from transformer import kernels
     from transformer import model as model_module
 
