@@ -83,8 +83,12 @@ class FusedAdam:
             params, states = [p for p, _ in rows], [s for _, s in rows]
             steps = [s["step"] for s in states]
             torch._foreach_add_(steps, 1)
+            # Contiguous gradients: torch 2.13's CPU kernel reads a gradient's storage in order
+            # whatever its strides (FusedAdamKernel.cpp makes a contiguous copy, then passes the
+            # original), so a column-major gradient updated the parameter transposed.
+            grads = [p.grad.contiguous() for p in params]
             torch._fused_adam_(
-                params, [p.grad for p in params], [s["exp_avg"] for s in states],
+                params, grads, [s["exp_avg"] for s in states],
                 [s["exp_avg_sq"] for s in states], [], steps, amsgrad=False, lr=self.lr,
                 beta1=self.betas[0], beta2=self.betas[1], weight_decay=0.0, eps=self.eps,
                 maximize=False, grad_scale=None, found_inf=None,

@@ -157,3 +157,21 @@ def test_a_second_backward_through_the_loss_says_where_the_gradient_went():
     loss.backward(retain_graph=True)
     with pytest.raises(RuntimeError, match="went to its master: one backward"):
         loss.backward()
+
+
+def test_a_column_major_gradient_updates_its_parameter_as_torch_adam():
+    # torch 2.13's CPU `_fused_adam_` reads a gradient's storage in order whatever its strides:
+    # a column-major gradient updated its parameter transposed. FusedAdam makes it contiguous
+    # first: the result of torch.optim.Adam's plain for-loop.
+    torch.manual_seed(0)
+    start, g = torch.randn(4, 6), torch.randn(4, 6)
+    w = nn.Parameter(start.clone())
+    opt = MixedPrecisionAdam([w], (0.9, 0.98), 1e-9)
+    w.grad = g.t().contiguous().t()
+    opt.collect_grads()
+    opt.step(1e-3, 0.5)
+    ref = nn.Parameter(start.clone())
+    plain = torch.optim.Adam([ref], lr=1e-3, betas=(0.9, 0.98), eps=1e-9, foreach=False)
+    ref.grad = g * 0.5
+    plain.step()
+    torch.testing.assert_close(w.detach(), ref.detach(), rtol=0, atol=1e-7)
