@@ -31,6 +31,13 @@ mask leaves out not read: a W2 search 5-6% faster greedy, 12% beam 4 (docs/perfo
 "Round thirty-eight"); an AVX2 form with FMA for CPUs without AVX-512. Its values are eq. (1)'s
 to fp32 rounding, not torch's bits.
 
+With bf16 parameters the optimizer's step (`optim.MixedPrecisionAdam`) was five torch passes
+over every parameter: each bf16 gradient copied to fp32, scaled in place, its norm, torch's
+fused Adam on the fp32 masters, the masters copied back to bf16. `adam_sum_squares` and
+`adam_update` take it in two: the norm, then one pass that scales each gradient as it reads it
+and writes the master, both moments and the bf16 parameter, `_fused_adam_`'s operations in its
+order, the same bits (AVX-512; docs/performance.md, "Round thirty-nine").
+
 The kernels are C, compiled on first use with the system's C compiler (`$CC`, else `cc`, `gcc`
 or `clang`) into a cache folder (`$TRANSFORMER_KERNELS`, else `$XDG_CACHE_HOME/transformer`,
 else `~/.cache/transformer`), keyed by the source's and compiler's hash, and loaded with
@@ -45,6 +52,8 @@ reaches this code.
     xs, top = int8_rows_in(x, nonnegative, tiny)   # x * (1 / top), top each row's max |x|
     y = int8_rows_out_(y, top, bias)               # y * top + bias, in place
     out = step_attention(q, k, v, bias, c)         # softmax(q k^T / c + bias) v, per head
+    s = adam_sum_squares(grads, scale)             # sum of (g * scale)^2, in fp64
+    adam_update(masters, exp_avgs, exp_avg_sqs, grads, params, steps, lr, betas, eps, scale)
 """
 
 from __future__ import annotations
@@ -52,9 +61,11 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import logging
+import math
 import os
 import platform
 import shutil
+import struct
 import subprocess
 import tempfile
 import threading
@@ -72,6 +83,7 @@ MIN_THREADED = 1 << 16
 
 _SOURCE = r"""
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 #include <math.h>
 #include <omp.h>
@@ -621,6 +633,165 @@ int column_sums(const uint16_t *x, int64_t n, int64_t c, float *out, float *work
     for (int64_t j = 0; j < c; ++j) out[j] += work[t * c + j];
   return 0;
 }
+/* ---- §5.3 Adam over the fp32 masters of bf16 (or fp32) parameters, in two passes ---- */
+
+/* Not in the paper (it trained in fp32). torch takes the mixed-precision step in five passes:
+   each bf16 gradient copied to fp32, scaled by 1 / tokens in place, its norm, torch's fused
+   Adam (`_fused_adam_`), the masters copied back to bf16. Here: the gradients' sum of squares
+   (read once), then one pass that scales each gradient as it is read and updates the master,
+   both moments and the bf16 parameter, with the same operations as `_fused_adam_` in the same
+   order, each rounded to fp32 (the `_round` intrinsics: the compiler may not contract them
+   into an FMA that torch does not do), so the same bits. A tensor's gradient: kind 0 none
+   (zeros, as `master_grads` makes), 1 bf16, 2 fp32. h: the lerp coefficient, beta2, 1 - beta2,
+   eps, the scale, the clip factor; flags: 1 the moment's lerp with a small weight (exp_avg as
+   its base), 2 scaled, 4 clipped. */
+#define RN (_MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
+#define ADAM_BLOCK 8192 /* the sum of squares in blocks, added in order: any thread count */
+
+AVX512BW static inline __m512 adam_grad(const void *g, int kind, int64_t i, __mmask16 k,
+                                        int flags, const float *h) {
+  __m512 x = kind == 1   ? widen(_mm256_maskz_loadu_epi16(k, (const uint16_t *)g + i))
+             : kind == 2 ? _mm512_maskz_loadu_ps(k, (const float *)g + i)
+                         : _mm512_setzero_ps();
+  if (flags & 2) x = _mm512_mul_round_ps(x, _mm512_set1_ps(h[4]), RN);
+  if (flags & 4) x = _mm512_mul_round_ps(x, _mm512_set1_ps(h[5]), RN);
+  return x;
+}
+
+/* (g * scale)^2 of 16 values added into a and b (fp64) */
+AVX512BW static inline void adam_sq16(__m512 x, __m512d *a, __m512d *b) {
+  const __m512d lo = _mm512_cvtps_pd(_mm512_castps512_ps256(x));
+  const __m256 upper = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(x), 1));
+  const __m512d hi = _mm512_cvtps_pd(upper);
+  *a = _mm512_fmadd_pd(lo, lo, *a);
+  *b = _mm512_fmadd_pd(hi, hi, *b);
+}
+
+/* the sum of squares of a gradient's values [i0, i1) */
+AVX512BW static double adam_sumsq_span(const void *g, int kind, int64_t i0, int64_t i1,
+                                       int flags, const float *h) {
+  __m512d a = _mm512_setzero_pd(), b = _mm512_setzero_pd();
+  int64_t i = i0;
+  for (; i + 16 <= i1 && kind; i += 16) { /* whole vectors without masks */
+    __m512 x = kind == 1 ? ld16((const uint16_t *)g + i) : _mm512_loadu_ps((const float *)g + i);
+    if (flags & 2) x = _mm512_mul_round_ps(x, _mm512_set1_ps(h[4]), RN);
+    adam_sq16(x, &a, &b);
+  }
+  for (; i < i1 && kind; i += 16)
+    adam_sq16(adam_grad(g, kind, i, first16(i1 - i), flags & 2, h), &a, &b);
+  return _mm512_reduce_add_pd(_mm512_add_pd(a, b));
+}
+
+/* 16 values' update: x the gradient, *mv and *vv the moments in and out, pv the master; the
+   new master returned. last: the count of a tensor's last values (under 16), else 16. */
+AVX512BW static inline __m512 adam16(__m512 x, __m512 pv, __m512 *mv, __m512 *vv, __m512 coeff,
+                                     int small, __m512 beta2, __m512 c2, __m512 eps, __m512 ss,
+                                     __m512 bc, int64_t last) {
+  /* exp_avg.lerp_(grad, 1 - beta1): fmadd(coeff, g - m, base), torch's one FMA */
+  *mv = _mm512_fmadd_ps(coeff, _mm512_sub_round_ps(x, *mv, RN), small ? *mv : x);
+  /* exp_avg_sq * beta2 + (1 - beta2) g g: torch's build contracts its last product and the
+     sum into one FMA; in a tensor's last r < 16 values (its scalar loop) the same for the
+     first 8 (r >= 8: the compiler's one 8-wide block), the rest fma(v, beta2, (c2 g) g) */
+  const __m512 c2x = _mm512_mul_round_ps(c2, x, RN);
+  __m512 sq = _mm512_fmadd_ps(c2x, x, _mm512_mul_round_ps(*vv, beta2, RN));
+  if (last < 16) {
+    const __mmask16 scalar = (__mmask16)(0xffffu << (last & 8));
+    const __m512 tail = _mm512_fmadd_ps(*vv, beta2, _mm512_mul_round_ps(c2x, x, RN));
+    sq = _mm512_mask_mov_ps(sq, scalar, tail);
+  }
+  *vv = sq;
+  const __m512 den = _mm512_add_round_ps(
+      _mm512_div_round_ps(_mm512_sqrt_round_ps(sq, RN), bc, RN), eps, RN);
+  return _mm512_add_round_ps(pv, _mm512_div_round_ps(_mm512_mul_round_ps(ss, *mv, RN), den, RN),
+                             RN);
+}
+
+AVX512BW static void adam_span(float *p, float *m, float *v, const void *g, int kind, void *q,
+                               int qkind, int64_t i0, int64_t i1, float step, float bc2,
+                               int flags, const float *h) {
+  const __m512 coeff = _mm512_set1_ps(h[0]), beta2 = _mm512_set1_ps(h[1]);
+  const __m512 c2 = _mm512_set1_ps(h[2]), eps = _mm512_set1_ps(h[3]);
+  const __m512 ss = _mm512_set1_ps(step), bc = _mm512_set1_ps(bc2);
+  const int small = flags & 1;
+  int64_t i = i0;
+  for (; i + 16 <= i1; i += 16) { /* whole vectors without masks (masked ones cost 1.7x) */
+    __m512 x = kind == 1   ? ld16((const uint16_t *)g + i)
+               : kind == 2 ? _mm512_loadu_ps((const float *)g + i)
+                           : _mm512_setzero_ps();
+    if (flags & 2) x = _mm512_mul_round_ps(x, _mm512_set1_ps(h[4]), RN);
+    if (flags & 4) x = _mm512_mul_round_ps(x, _mm512_set1_ps(h[5]), RN);
+    __m512 mv = _mm512_loadu_ps(m + i), vv = _mm512_loadu_ps(v + i);
+    const __m512 pv = adam16(x, _mm512_loadu_ps(p + i), &mv, &vv, coeff, small, beta2, c2, eps,
+                             ss, bc, 16);
+    _mm512_storeu_ps(p + i, pv);
+    _mm512_storeu_ps(m + i, mv);
+    _mm512_storeu_ps(v + i, vv);
+    if (qkind == 1) _mm256_storeu_si256((__m256i *)((uint16_t *)q + i), narrow(pv));
+    else if (qkind == 2) _mm512_storeu_ps((float *)q + i, pv);
+  }
+  for (; i < i1; i += 16) {
+    const __mmask16 k = first16(i1 - i);
+    const __m512 x = adam_grad(g, kind, i, k, flags, h);
+    __m512 mv = _mm512_maskz_loadu_ps(k, m + i), vv = _mm512_maskz_loadu_ps(k, v + i);
+    const __m512 pv = adam16(x, _mm512_maskz_loadu_ps(k, p + i), &mv, &vv, coeff, small, beta2,
+                             c2, eps, ss, bc, i1 - i);
+    _mm512_mask_storeu_ps(p + i, k, pv);
+    _mm512_mask_storeu_ps(m + i, k, mv);
+    _mm512_mask_storeu_ps(v + i, k, vv);
+    if (qkind == 1) _mm256_mask_storeu_epi16((uint16_t *)q + i, k, narrow(pv));
+    else if (qkind == 2) _mm512_mask_storeu_ps((float *)q + i, k, pv);
+  }
+}
+
+/* out = sum over the nt tensors of g^2 (scaled as flags & 2), in fp64 */
+int adam_sumsq(int64_t nt, void *const *g, const int32_t *kind, const int64_t *n, int flags,
+               const float *h, double *out, int nthreads) {
+  int64_t blocks = 0;
+  for (int64_t t = 0; t < nt; ++t) blocks += (n[t] + ADAM_BLOCK - 1) / ADAM_BLOCK;
+  double *part = (double *)malloc((blocks ? blocks : 1) * sizeof(double));
+  if (!part) return 1;
+#pragma omp parallel num_threads(nthreads)
+  {
+    int64_t b0, b1, t = 0, first = 0;
+    my_rows(blocks, &b0, &b1);
+    for (int64_t b = b0; b < b1; ++b) {
+      while (b >= first + (n[t] + ADAM_BLOCK - 1) / ADAM_BLOCK)
+        first += (n[t++] + ADAM_BLOCK - 1) / ADAM_BLOCK;
+      const int64_t i0 = (b - first) * ADAM_BLOCK;
+      const int64_t i1 = i0 + ADAM_BLOCK < n[t] ? i0 + ADAM_BLOCK : n[t];
+      part[b] = adam_sumsq_span(g[t], kind[t], i0, i1, flags, h);
+    }
+  }
+  double s = 0.0;
+  for (int64_t b = 0; b < blocks; ++b) s += part[b];
+  free(part);
+  *out = s;
+  return 0;
+}
+
+/* One Adam step of nt tensors: p (fp32 masters), m, v (the moments) updated in place; q: the
+   model's parameter (qkind 1 bf16, 2 fp32, 0 none) given p's new value. step: -lr / (1 -
+   beta1^t), bc2: sqrt(1 - beta2^t), each tensor's as fp32. Units of 16 values shared out. */
+int adam_update(int64_t nt, float *const *p, float *const *m, float *const *v, void *const *g,
+                const int32_t *kind, void *const *q, const int32_t *qkind, const int64_t *n,
+                const float *step, const float *bc2, int flags, const float *h, int nthreads) {
+  int64_t units = 0;
+  for (int64_t t = 0; t < nt; ++t) units += (n[t] + 15) / 16;
+#pragma omp parallel num_threads(nthreads)
+  {
+    int64_t u0, u1, first = 0;
+    my_rows(units, &u0, &u1);
+    for (int64_t t = 0; t < nt && first < u1; first += (n[t] + 15) / 16, ++t) {
+      const int64_t a = u0 > first ? u0 - first : 0, last = first + (n[t] + 15) / 16;
+      const int64_t b = (u1 < last ? u1 : last) - first;
+      if (a >= b) continue;
+      adam_span(p[t], m[t], v[t], g[t], kind[t], q[t], qkind[t], a * 16,
+                b * 16 < n[t] ? b * 16 : n[t], step[t], bc2[t], flags, h);
+    }
+  }
+  return 0;
+}
+
 /* ---- a decoding step's attention (§3.2.1 eq. 1) for CPU inference, one (batch, head) at a
    time: s_j = q . k_j (/ c where c > 0) + bias_j, w = softmax(s), out = sum_j w_j v_j, in fp32
    (bf16 values widened). Not in the paper: torch takes four passes over the step's keys and
@@ -1289,6 +1460,9 @@ def _load() -> None:
         lib.masked_softmax_bwd.argtypes = [p, p, i64, i64, f32, p, i32]
         lib.masked_softmax_fwd.restype = lib.masked_softmax_bwd.restype = ctypes.c_int
         lib.column_sums.argtypes, lib.column_sums.restype = [p, i64, i64, p, p, i32], ctypes.c_int
+        lib.adam_sumsq.argtypes = [i64, p, p, p, i32, p, p, i32]
+        lib.adam_update.argtypes = [i64, p, p, p, p, p, p, p, p, p, p, i32, p, i32]
+        lib.adam_sumsq.restype = lib.adam_update.restype = ctypes.c_int
         with torch.inference_mode(False):  # first called in a translation's, perhaps
             _check(lib)
         # `Int8Linear`'s row kernels and a step's attention let go of the GIL: a projection's
@@ -1515,6 +1689,120 @@ def column_sums(x: torch.Tensor) -> torch.Tensor:
     work = torch.empty(threads * c)
     _LIB.column_sums(x.data_ptr(), n, c, out.data_ptr(), work.data_ptr(), threads)
     return out.to(x.dtype)
+
+
+def _f32(x: float) -> float:
+    """x rounded to fp32 (to nearest even), as C's (float) cast of a double."""
+    return struct.unpack("f", struct.pack("f", x))[0]
+
+
+_ADAM_KINDS = {torch.bfloat16: 1, torch.float32: 2}  # the library's kinds (0: None)
+
+
+def _adam_problem(what: str, i: int, t: torch.Tensor | None, shape: torch.Size | None) -> str:
+    if t is None:
+        return ""
+    if t.dtype not in _ADAM_KINDS or not t.is_contiguous() or t.device.type != "cpu":
+        return f"{what} {i} is not a contiguous bf16 or fp32 CPU tensor"
+    if shape is not None and t.shape != shape:
+        return f"{what} {i} has shape {tuple(t.shape)}, its master {tuple(shape)}"
+    return ""
+
+
+def adam_problem(masters, grads, params) -> str | None:
+    """Why `adam_update` cannot take these tensors (None: it can): contiguous fp32 CPU masters,
+    each gradient and each parameter None or a contiguous bf16 or fp32 CPU tensor of its
+    master's shape."""
+    for i, (m, g, q) in enumerate(zip(masters, grads, params, strict=True)):
+        if not (m.dtype == torch.float32 and m.is_contiguous() and m.device.type == "cpu"):
+            return f"master {i} is not a contiguous fp32 CPU tensor"
+        problem = _adam_problem("gradient", i, g, m.shape) or _adam_problem(
+            "parameter", i, q, m.shape
+        )
+        if problem:
+            return problem
+    return None
+
+
+def _adam_call(tensors) -> tuple[ctypes.Array, ctypes.Array]:
+    """The tensors' addresses and kinds (0 for None) as the library's arrays."""
+    return (
+        (ctypes.c_void_p * len(tensors))(*(0 if t is None else t.data_ptr() for t in tensors)),
+        (ctypes.c_int32 * len(tensors))(
+            *(0 if t is None else _ADAM_KINDS[t.dtype] for t in tensors)
+        ),
+    )
+
+
+def adam_sum_squares(grads: list[torch.Tensor | None], scale: float = 1.0) -> float:
+    """The sum over every gradient of (g * scale)^2, each product rounded to fp32 as torch's
+    in-place `mul_` rounds it (scale 1: not multiplied), summed in fp64 in a fixed order (the
+    same at any thread count). None is a gradient of zeros. Only where `fused_supported()`."""
+    _require("adam_sum_squares")
+    for i, g in enumerate(grads):
+        problem = _adam_problem("gradient", i, g, None)
+        if problem:
+            raise ValueError(f"adam_sum_squares: {problem}")
+    n = [0 if g is None else g.numel() for g in grads]
+    (addresses, kinds), out = _adam_call(grads), ctypes.c_double()
+    h = (ctypes.c_float * 6)(0.0, 0.0, 0.0, 0.0, scale, 1.0)
+    _LIB.adam_sumsq(
+        len(grads), addresses, kinds, (ctypes.c_int64 * len(n))(*n), 2 if scale != 1.0 else 0,
+        h, ctypes.byref(out), _threads(sum(n)),
+    )  # fmt: skip
+    return out.value
+
+
+def adam_update(
+    masters: list[torch.Tensor],
+    exp_avgs: list[torch.Tensor],
+    exp_avg_sqs: list[torch.Tensor],
+    grads: list[torch.Tensor | None],
+    params: list[torch.Tensor | None],
+    steps: list[float],
+    lr: float,
+    betas: tuple[float, float],
+    eps: float,
+    scale: float = 1.0,
+    clip: float = 1.0,
+) -> None:
+    """§5.3 Adam, in one pass: each gradient g (None: zeros) made (g * scale) * clip (each
+    product rounded to fp32; a factor of 1 not applied), then `torch._fused_adam_`'s update of
+    master, exp_avg and exp_avg_sq at the tensor's step count t (already counted), the same
+    bits; each parameter (None: none) given its master's new value (bf16: to nearest even, as
+    torch's copy). Only where `fused_supported()`.
+
+    Raises:
+        ValueError: `adam_problem`'s reason, or a moment not the shape of its master.
+    """
+    _require("adam_update")
+    problem = adam_problem(masters, grads, params)
+    for i, (m, a, b) in enumerate(zip(masters, exp_avgs, exp_avg_sqs, strict=True)):
+        if not problem and not all(
+            t.dtype == torch.float32 and t.is_contiguous() and t.shape == m.shape for t in (a, b)
+        ):
+            problem = f"the moments of master {i} are not contiguous fp32 tensors of its shape"
+    if problem:
+        raise ValueError(f"adam_update: {problem}")
+    beta1, beta2 = betas
+    # torch's (FusedAdamKernel.cpp): the step count read as a double, the bias corrections in
+    # double, then each factor made fp32; exp_avg.lerp_(g, 1 - beta1) as one FMA with
+    # exp_avg (a weight under 0.5) or g as its base.
+    weight = _f32(1.0 - beta1)
+    small = abs(weight) < 0.5
+    coeff = weight if small else _f32(weight - 1.0)
+    step = [_f32(-lr / (1.0 - beta1**t)) for t in steps]
+    bc2 = [_f32(math.sqrt(1.0 - beta2**t)) for t in steps]
+    flags = int(small) | (2 if scale != 1.0 else 0) | (4 if clip != 1.0 else 0)
+    h = (ctypes.c_float * 6)(coeff, _f32(beta2), _f32(1.0 - beta2), _f32(eps), scale, clip)
+    nt, n = len(masters), [m.numel() for m in masters]
+    floats = ctypes.c_float * nt
+    (g, g_kinds), (q, q_kinds) = _adam_call(grads), _adam_call(params)
+    p, m, v = (_adam_call(ts)[0] for ts in (masters, exp_avgs, exp_avg_sqs))
+    _LIB.adam_update(
+        nt, p, m, v, g, g_kinds, q, q_kinds, (ctypes.c_int64 * nt)(*n), floats(*step),
+        floats(*bc2), flags, h, _threads(sum(n)),
+    )  # fmt: skip
 
 
 def rows_supported() -> bool:

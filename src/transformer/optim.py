@@ -8,17 +8,26 @@ in fp32), the step clips and updates the fp32 masters, and the result is copied 
 The tied embedding's gradients (the loss's and the lookups') are added to its master during
 backward instead, in fp32, never made bf16 (`gradhelper.add_to_master`).
 With fp32 parameters the masters are the parameters themselves: plain Adam.
+
+On a CPU with AVX-512 the step takes two passes over the gradients instead of torch's five
+(`one_pass_adam`, `kernels.adam_update`): a step's first bf16 gradients are held as they are,
+not copied to fp32, and the update reads them, scaling each as it goes, with torch's fused
+Adam's bits; the gradient norm is summed in fp64 (docs/performance.md, "Round thirty-nine").
 """
 
 from __future__ import annotations
 
+import functools
+import logging
 import math
 from collections.abc import Iterable
 
 import torch
 from torch import nn
 
-from transformer import gradhelper
+from transformer import gradhelper, kernels
+
+logger = logging.getLogger(__name__)
 
 
 def learning_rate(step: int, d_model: int, warmup: int, scale: float = 1.0) -> float:
@@ -65,6 +74,14 @@ class FusedAdam:
         # Per parameter, as torch.optim.Adam: empty until the parameter's first gradient.
         self.state: list[dict[str, torch.Tensor]] = [{} for _ in self.params]
 
+    @staticmethod
+    def _start(p: torch.Tensor, state: dict[str, torch.Tensor]) -> None:
+        """torch.optim.Adam's state of a parameter at its first gradient (in place)."""
+        if not state:
+            state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
+            state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+
     @torch.no_grad()
     def step(self, lr: float) -> None:
         """One Adam update of every parameter that has a gradient, at learning rate `lr`."""
@@ -74,10 +91,7 @@ class FusedAdam:
         for p, state in zip(self.params, self.state, strict=True):
             if p.grad is None:
                 continue
-            if not state:
-                state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
-                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            self._start(p, state)
             groups.setdefault((p.device, p.dtype), []).append((p, state))
         for rows in groups.values():
             params, states = [p for p, _ in rows], [s for _, s in rows]
@@ -93,6 +107,29 @@ class FusedAdam:
                 beta1=self.betas[0], beta2=self.betas[1], weight_decay=0.0, eps=self.eps,
                 maximize=False, grad_scale=None, found_inf=None,
             )  # fmt: skip
+
+    @torch.no_grad()
+    def step_in_one_pass(
+        self,
+        lr: float,
+        grads: list[torch.Tensor | None],
+        copies: list[torch.Tensor | None],
+        scale: float = 1.0,
+        clip: float = 1.0,
+    ) -> None:
+        """`step(lr)` of every parameter with gradients `grads` (None: zeros) made (g * scale) *
+        clip first, as two in-place products would, and each of `copies` (None: none) given its
+        parameter's new value: `kernels.adam_update`, one pass over each tensor (CPU tensors
+        that `kernels.adam_problem` takes). The same bits as `step`."""
+        self.lr = float(lr)
+        for p, state in zip(self.params, self.state, strict=True):
+            self._start(p, state)
+        steps = [s["step"] for s in self.state]
+        torch._foreach_add_(steps, 1)
+        kernels.adam_update(
+            self.params, [s["exp_avg"] for s in self.state], [s["exp_avg_sq"] for s in self.state],
+            grads, copies, [float(t) for t in steps], self.lr, self.betas, self.eps, scale, clip,
+        )  # fmt: skip
 
     def state_dict(self) -> dict:
         """`torch.optim.Adam(fused=True).state_dict()`'s format (the tensors themselves, as it)."""
@@ -149,6 +186,44 @@ class FusedAdam:
         self.eps = float(group["eps"])
 
 
+def one_pass_adam() -> bool:
+    """Whether `MixedPrecisionAdam` steps on the CPU in one pass (`kernels.adam_update`: the
+    library built with AVX-512, `kernels.FUSED`), once it has given torch's five passes' bits
+    (bf16 copy, scaling, clipping, `_fused_adam_`, the copy back) on tensors of every kind, over
+    three steps: bf16, fp32 and no gradients, lengths off 16 and 8, a clip factor, the step
+    count and learning rate changing (checked once a process)."""
+    return kernels.fused_supported() and _one_pass_agrees()
+
+
+@functools.cache
+def _one_pass_agrees() -> bool:
+    g = torch.Generator().manual_seed(0)
+    sizes = (1, 9, 16, 37, 4099)
+    copies = [torch.randn(n, generator=g).bfloat16() for n in sizes]
+    ours = FusedAdam([c.float() for c in copies], (0.9, 0.98), 1e-9)
+    theirs = FusedAdam([c.float() for c in copies], (0.9, 0.98), 1e-9)
+    theirs_copies = [c.clone() for c in copies]
+    for step, clip in ((1, 1.0), (2, 0.37), (3, 1.0)):
+        raw = [torch.randn(n, generator=g) * 10.0 ** -(step + i) for i, n in enumerate(sizes)]
+        grads = [raw[0], None, *(r.bfloat16() for r in raw[2:])]
+        for p, r in zip(theirs.params, grads, strict=True):
+            p.grad = torch.zeros_like(p) if r is None else r.float().clone()
+        gs = [p.grad for p in theirs.params]
+        torch._foreach_mul_(gs, 1 / 3.7)
+        if clip != 1.0:
+            torch._foreach_mul_(gs, clip)
+        theirs.step(1e-3 * step)
+        torch._foreach_copy_(theirs_copies, theirs.params)
+        ours.step_in_one_pass(1e-3 * step, grads, copies, 1 / 3.7, clip)
+    same = all(
+        torch.equal(a.view(torch.int32), b.view(torch.int32))
+        for a, b in zip(ours.params, theirs.params, strict=True)
+    ) and all(torch.equal(a, b) for a, b in zip(copies, theirs_copies, strict=True))
+    if not same:
+        logger.info("optimizer: torch's passes for the Adam step (the compiled kernel differs)")
+    return same
+
+
 class MixedPrecisionAdam:
     """§5.3 Adam over fp32 master weights of (possibly bf16) model parameters.
 
@@ -182,6 +257,9 @@ class MixedPrecisionAdam:
         # at a time, each bf16 gradient freed as its copy is made: holding them all until one
         # copy raised a 15k-token step's peak RSS (W3) by 55-196 MiB.
         self.batched_copies = self.mixed and self.masters[0].is_cuda
+        # A step's first bf16 gradients, held as they are for a one-pass step (`one_pass_adam`)
+        # to read: not copied to fp32 (`master_grads` makes the copies when asked).
+        self.held: list[torch.Tensor | None] = [None] * len(self.params)
 
     def collect_grads(self) -> None:
         """Add the model's fresh gradients into the fp32 master gradients (call after each
@@ -189,14 +267,18 @@ class MixedPrecisionAdam:
         if not self.mixed:
             return
         fresh, grads = [], []
-        for p, m in zip(self.params, self.masters, strict=True):
+        hold = self._one_pass()
+        for i, (p, m) in enumerate(zip(self.params, self.masters, strict=True)):
             if p.grad is None:
                 continue
+            self._settle(i)  # a second batch's gradients: the first's in fp32, as before
             if m.grad is not None:
                 m.grad.add_(p.grad)
             elif self.batched_copies:
                 fresh.append(m)
                 grads.append(p.grad)
+            elif hold:
+                self.held[i] = p.grad
             else:
                 m.grad = p.grad.float()
             p.grad = None
@@ -206,9 +288,24 @@ class MixedPrecisionAdam:
             for m, g in zip(fresh, copies, strict=True):
                 m.grad = g
 
+    def _one_pass(self) -> bool:
+        """Whether steps take `kernels.adam_update` (CPU masters, `one_pass_adam`)."""
+        return bool(self.masters) and self.masters[0].device.type == "cpu" and one_pass_adam()
+
+    def _settle(self, i: int) -> None:
+        """Master i's held bf16 gradient made (or added to) its fp32 .grad."""
+        held, self.held[i] = self.held[i], None
+        if held is not None:
+            m = self.masters[i]
+            if m.grad is None:
+                m.grad = held.float()
+            else:
+                m.grad.add_(held)
+
     def master_grads(self) -> list[torch.Tensor]:
         """The fp32 gradients (zeros where a parameter got none), for all-reduce or inspection."""
-        for m in self.masters:
+        for i, m in enumerate(self.masters):
+            self._settle(i)
             if m.grad is None:
                 m.grad = torch.zeros_like(m)
         return [m.grad for m in self.masters]
@@ -224,6 +321,13 @@ class MixedPrecisionAdam:
         Returns:
             The global gradient norm before clipping (inf/nan if non-finite: no step is taken).
         """
+        if self._one_pass():
+            held = zip(self.held, self.masters, strict=True)
+            grads = [h if h is not None else m.grad for h, m in held]
+            grads = [g if g is None or g.is_contiguous() else g.contiguous() for g in grads]
+            copies = self.params if self.mixed else [None] * len(self.params)
+            if kernels.adam_problem(self.masters, grads, copies) is None:
+                return self._step_in_one_pass(lr, grads, copies, grad_scale, clip_norm)
         grads = self.master_grads()
         if grad_scale != 1.0:
             torch._foreach_mul_(grads, grad_scale)
@@ -240,8 +344,21 @@ class MixedPrecisionAdam:
                 torch._foreach_copy_(self.params, self.masters)
         return norm
 
+    def _step_in_one_pass(self, lr, grads, copies, grad_scale: float, clip_norm: float) -> float:
+        """`step` in two passes over the gradients (`kernels`): their norm, summed in fp64
+        (torch's in fp32: the same to ~1e-6, its last bits can differ, and so can a clip
+        factor made from it), then Adam's update with the scaling, the clipping and the copy
+        back to the model, the same bits as torch's passes."""
+        norm = math.sqrt(kernels.adam_sum_squares(grads, grad_scale))
+        if math.isfinite(norm):
+            clip = clip_norm / (norm + 1e-6) if 0.0 < clip_norm < norm else 1.0
+            self.adam.step_in_one_pass(lr, grads, copies, grad_scale, clip)
+        self.zero_grad()
+        return norm
+
     def zero_grad(self) -> None:
         """Drop all gradients (model and masters)."""
+        self.held = [None] * len(self.params)
         for p in self.params:
             p.grad = None
         for m in self.masters:

@@ -172,7 +172,10 @@ class Trainer:
         # computes the same learning rate (train.cooldown).
         stats = [loss_sum, nll_sum, tokens, *flags, self._minutes]
         stats = torch.tensor(stats, dtype=torch.float32).to(self.device)
-        distributed.all_reduce_sum([*self.optimizer.master_grads(), stats], self.dist)
+        # One process: no fp32 copies of the gradients asked for (the optimizer may read its
+        # bf16 gradients as they are, optim.one_pass_adam).
+        grads = self.optimizer.master_grads() if self.dist.world_size > 1 else []
+        distributed.all_reduce_sum([*grads, stats], self.dist)
         loss_g, nll_g, tokens_g, time_g, save_g, minutes_g = stats.tolist()
         lr = learning_rate(
             self.state.step + 1, self.config.model.d_model, self.cfg.warmup_steps, self.cfg.lr_scale

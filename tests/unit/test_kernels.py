@@ -676,3 +676,112 @@ def test_the_two_forms_agree_to_fp32_rounding():
             finally:
                 kernels._ATTENTION_ISA = ATTENTION_ISAS[0]
         assert (outs[0] - outs[1]).abs().max() <= 1e-5 * outs[0].abs().max()
+
+
+def _torch_adam(masters, grads, copies, steps: int, lr: float, scale: float, clip: float):
+    """torch's five passes of a mixed-precision Adam step, the masters, moments (new
+    tensors) and copies updated in place; returns the moments."""
+    state = [torch.zeros_like(m) for m in masters], [torch.zeros_like(m) for m in masters]
+    count = [torch.zeros(()) for _ in masters]
+    for step in range(steps):
+        gs = [torch.zeros_like(m) if g is None else g[step].float().clone() for m, g in
+              zip(masters, grads, strict=True)]  # fmt: skip
+        if scale != 1.0:
+            torch._foreach_mul_(gs, scale)
+        if clip != 1.0:
+            torch._foreach_mul_(gs, clip)
+        torch._foreach_add_(count, 1)
+        torch._fused_adam_(masters, gs, *state, [], count, amsgrad=False, lr=lr * (step + 1),
+                           beta1=0.9, beta2=0.98, weight_decay=0.0, eps=1e-9, maximize=False,
+                           grad_scale=None, found_inf=None)  # fmt: skip
+        pairs = [(c, m) for c, m in zip(copies, masters, strict=True) if c is not None]
+        torch._foreach_copy_([c for c, _ in pairs], [m for _, m in pairs])
+    return state
+
+
+def _adam_case(seed: int, sizes, kinds):
+    """Masters, per-step gradients (kinds: 'bf16', 'fp32' or None) and bf16 copies."""
+    g = torch.Generator().manual_seed(seed)
+    masters = [torch.randn(n, generator=g) for n in sizes]
+    grads = [None if k is None else [
+        (torch.randn(n, generator=g) * 10.0 ** torch.randint(-6, 2, (n,), generator=g)).to(
+            torch.bfloat16 if k == "bf16" else torch.float32) for _ in range(3)]
+        for n, k in zip(sizes, kinds, strict=True)]  # fmt: skip
+    return masters, grads, [m.bfloat16() for m in masters]
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize(("scale", "clip"), [(1.0, 1.0), (1 / 3826, 1.0), (1 / 777, 0.0417)])
+def test_adam_update_is_torchs_five_passes_bit_for_bit(threads, scale, clip):
+    # Every length of a tensor's last partial vector (1-15, torch's scalar loop: its first 8 in
+    # one FMA form, the rest in another), whole vectors, bf16 / fp32 / no gradients, a model's
+    # bf16 copy or none: masters, moments and copies the same bits as torch's passes.
+    sizes = [*range(1, 34), 4099, 70001]
+    kinds = [("bf16", "fp32", None)[i % 3] for i in range(len(sizes))]
+    masters, grads, copies = _adam_case(7, sizes, kinds)
+    copies[5] = None
+    if not kernels.fused_supported():
+        with pytest.raises(RuntimeError, match="not on this machine"):
+            kernels.adam_update(masters, masters, masters, [None] * len(masters),
+                                copies, [1.0] * len(masters), 1e-3, (0.9, 0.98), 1e-9)  # fmt: skip
+        return
+    ours_m, ours_c = (
+        [m.clone() for m in masters],
+        [None if c is None else c.clone() for c in copies],
+    )
+    exp_avg, exp_avg_sq = _torch_adam(masters, grads, copies, 3, 1e-3, scale, clip)
+    moments = [torch.zeros_like(m) for m in ours_m], [torch.zeros_like(m) for m in ours_m]
+    with threads_of(threads):
+        for step in range(3):
+            kernels.adam_update(ours_m, *moments, [None if g is None else g[step] for g in grads],
+                                ours_c, [float(step + 1)] * len(sizes), 1e-3 * (step + 1),
+                                (0.9, 0.98), 1e-9, scale, clip)  # fmt: skip
+    bits = [t.view(torch.int32) for t in (*masters, *exp_avg, *exp_avg_sq)]
+    ours = [t.view(torch.int32) for t in (*ours_m, *moments[0], *moments[1])]
+    assert all(torch.equal(a, b) for a, b in zip(bits, ours, strict=True))
+    assert all(c is o or torch.equal(c.view(torch.int16), o.view(torch.int16))
+               for c, o in zip(copies, ours_c, strict=True))  # fmt: skip
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_adam_sum_squares_is_the_scaled_gradients_in_fp64(threads):
+    sizes = [1, 15, 16, 17, 9000, 70001]
+    kinds = ["bf16", "fp32", None, "bf16", "fp32", "bf16"]
+    _, grads, _ = _adam_case(3, sizes, kinds)
+    grads = [None if g is None else g[0] for g in grads]
+    grads[0] = torch.tensor([float("nan")], dtype=torch.bfloat16)
+    if not kernels.fused_supported():
+        with pytest.raises(RuntimeError, match="not on this machine"):
+            kernels.adam_sum_squares(grads)
+        return
+    scale = 1 / 3826
+    ref = sum(float(((g.float() * scale).double() ** 2).sum()) for g in grads[1:] if g is not None)
+    with threads_of(threads):
+        got = kernels.adam_sum_squares(grads[1:], scale)
+        assert kernels.adam_sum_squares(grads[1:], scale) == got  # a fixed order
+        assert kernels.adam_sum_squares(grads[1:]) == pytest.approx(ref / scale**2, rel=1e-6)
+        assert kernels.adam_sum_squares(grads) != kernels.adam_sum_squares(grads)  # a NaN
+    assert got == pytest.approx(ref, rel=1e-12)
+    with threads_of(3 - threads):
+        assert kernels.adam_sum_squares(grads[1:], scale) == got  # any thread count
+
+
+def test_adam_refuses_what_it_cannot_read():
+    if not kernels.fused_supported():
+        return
+    m = torch.zeros(8, 4)
+    cases = [
+        ([m.t()], [None], [None], "master 0 is not a contiguous fp32"),
+        ([m], [torch.zeros(8, 4, dtype=torch.float16)], [None], "gradient 0 is not"),
+        ([m], [torch.zeros(4, 8)], [None], r"gradient 0 has shape \(4, 8\)"),
+        ([m], [None], [torch.zeros(8, 4, dtype=torch.bfloat16).t()], "parameter 0 is not"),
+    ]
+    for masters, grads, params, message in cases:
+        assert kernels.adam_problem(masters, grads, params) is not None
+        with pytest.raises(ValueError, match=message):
+            kernels.adam_update(masters, [m], [m], grads, params, [1.0], 1e-3, (0.9, 0.98), 1e-9)
+    with pytest.raises(ValueError, match="the moments of master 0"):
+        kernels.adam_update([m], [m.bfloat16()], [m], [None], [None], [1.0], 1e-3, (0.9, 0.98),
+                            1e-9)  # fmt: skip
+    with pytest.raises(ValueError, match="gradient 1 is not"):
+        kernels.adam_sum_squares([None, torch.zeros(4, 8).t()])

@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from transformer import gradhelper
+from transformer import gradhelper, kernels, optim
 from transformer.config import ModelConfig
 from transformer.gradhelper import WeightGradHelper
 from transformer.loss import chunked_label_smoothed_loss
@@ -159,10 +159,81 @@ def test_a_second_backward_through_the_loss_says_where_the_gradient_went():
         loss.backward()
 
 
-def test_a_column_major_gradient_updates_its_parameter_as_torch_adam():
+def _train(one_pass: bool, monkeypatch, dtype: str, clip_norm: float = 0.0):
+    """Three optimizer steps of the tiny model (the second over two accumulated batches, one
+    with a parameter that gets no gradient), one-pass or with torch's passes; the model's
+    parameters, the masters, Adam's state and the norms after."""
+    monkeypatch.setattr(optim, "one_pass_adam", lambda: one_pass and optim._one_pass_agrees())
+    model, batch = _model_and_batch()
+    if dtype == "fp32":
+        for p in model.parameters():
+            p.data = p.data.float()
+    opt = MixedPrecisionAdam(model.parameters(), (0.9, 0.98), 1e-9)
+    src, src_mask, tgt_in, keep = batch
+    norms = []
+    for step, batches in enumerate((1, 2, 1)):
+        for b in range(batches):
+            hidden = model(src[b:], src_mask[b:], tgt_in[b:], keep[b:])
+            loss, _ = chunked_label_smoothed_loss(
+                hidden, model.output_weight(), tgt_in[b:][keep[b:]], 0.1
+            )
+            loss.backward()
+            gradhelper.finish()
+            if step == 1 and b == 1:
+                model.encoder_layers[0].ffn.w_1.bias.grad = None  # no gradient this step
+            opt.collect_grads()
+        norms.append(opt.step(1e-3 * (step + 1), 1 / 37, clip_norm))
+    state = [t for s in opt.adam.state for t in (s["exp_avg"], s["exp_avg_sq"], s["step"])]
+    return [p.detach().clone() for p in model.parameters()], opt.masters, state, norms
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+def test_one_pass_steps_are_torchs_passes_bit_for_bit(monkeypatch, dtype):
+    # optim.one_pass_adam: the held bf16 gradients read as they are, the fp32 master gradient
+    # of the tied weight beside them, accumulation over two batches settled in fp32 first, a
+    # parameter without a gradient: the same parameters, masters and moments as torch's five
+    # passes; the norms the same to fp32's rounding (summed in fp64).
+    if not optim.one_pass_adam():
+        assert not kernels.fused_supported()  # only a CPU without AVX-512 steps torch's way
+        return
+    ours = _train(True, monkeypatch, dtype)
+    theirs = _train(False, monkeypatch, dtype)
+    for a, b in zip(
+        (*ours[0], *ours[1], *ours[2]), (*theirs[0], *theirs[1], *theirs[2]), strict=True
+    ):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+    assert ours[3] == pytest.approx(theirs[3], rel=1e-6)
+    # clipping: the factor comes from the fp64 norm, so the bits may differ, not the values
+    clipped = _train(True, monkeypatch, dtype, clip_norm=1e-3)
+    reference = _train(False, monkeypatch, dtype, clip_norm=1e-3)
+    assert clipped[3] == pytest.approx(reference[3], rel=1e-6) and clipped[3][0] > 1e-3
+    for a, b in zip(clipped[1], reference[1], strict=True):
+        # a master a last bit apart can round its bf16 parameter the other way, and the next
+        # steps' gradients with it: apart by far less than a step (lr 1e-3 to 3e-3)
+        torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-5)
+
+
+def test_the_one_pass_check_refuses_a_kernel_that_differs(monkeypatch):
+    if not kernels.fused_supported():
+        assert not optim.one_pass_adam()
+        return
+    real = kernels.adam_update
+    monkeypatch.setattr(
+        kernels, "adam_update", lambda *a, **k: real(*a[:6], a[6] * 1.0001, *a[7:], **k)
+    )
+    assert not optim._one_pass_agrees.__wrapped__()  # uncached: the check itself
+    monkeypatch.setattr(kernels, "adam_update", real)
+    assert optim._one_pass_agrees.__wrapped__()
+    monkeypatch.setattr(kernels, "FUSED", False)  # TRANSFORMER_FUSED_KERNELS=0
+    assert not optim.one_pass_adam()
+
+
+@pytest.mark.parametrize("one_pass", [True, False])
+def test_a_column_major_gradient_updates_its_parameter_as_torch_adam(monkeypatch, one_pass):
     # torch 2.13's CPU `_fused_adam_` reads a gradient's storage in order whatever its strides:
-    # a column-major gradient updated its parameter transposed. FusedAdam makes it contiguous
-    # first: the result of torch.optim.Adam's plain for-loop.
+    # a column-major gradient updated its parameter transposed. Both of our ways make it
+    # contiguous first: the result of torch.optim.Adam's plain for-loop.
+    monkeypatch.setattr(optim, "one_pass_adam", lambda: one_pass and optim._one_pass_agrees())
     torch.manual_seed(0)
     start, g = torch.randn(4, 6), torch.randn(4, 6)
     w = nn.Parameter(start.clone())

@@ -120,6 +120,17 @@ def test_bf16_first_gradients_become_exact_fp32_masters(device, batched):
     # fp32), in a tensor of its own; a parameter without a gradient leaves its master's None;
     # the model's gradients are dropped.
     grads, masters, opt = _collect_once(device, batched)
+    if any(h is not None for h in opt.held):
+        # CPU with one-pass steps (optim.one_pass_adam): the bf16 gradients are held as they
+        # are until the step reads them; master_grads() makes the fp32 copies when asked.
+        assert device == "cpu" and all(m is None for m in masters)
+        assert opt.held[-1] is None
+        assert all(
+            h is g0 or torch.equal(h, g0) for h, g0 in zip(opt.held[:-1], grads[:-1], strict=True)
+        )
+        masters = opt.master_grads()
+        assert torch.equal(masters[-1], torch.zeros(3)) and all(h is None for h in opt.held)
+        masters[-1] = None
     assert grads[-1] is None and masters[-1] is None
     for g, m in zip(grads[:-1], masters[:-1], strict=True):
         assert m.dtype == torch.float32 and m.shape == g.shape
