@@ -104,6 +104,8 @@ def main() -> None:
     parser.add_argument("--pairs", type=int, default=10)
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
+    if args.pairs < 1 or args.threads < 1:
+        parser.error("--pairs and --threads must be at least 1")
     torch.set_num_threads(args.threads)
     print(cpu_line(), f"| torch {torch.__version__} | {args.threads} threads", flush=True)
     if not O.one_pass_adam():

@@ -1,6 +1,7 @@
 """benchmarks/bench_step_phases.py, bench_grad_helper.py, bench_wakeup.py, bench_streams.py,
 bench_split_rows.py, bench_weighted_rows.py, bench_read_trees.py, bench_gc.py,
-bench_translate_stream.py, bench_int8_rows.py, bench_step_attention.py, issue19_table.sh and
+bench_translate_stream.py, bench_int8_rows.py, bench_step_attention.py, bench_adam_step.py,
+issue19_table.sh and
 gpu/prepare_device.sh:
 bad input is one clear line (the script, the problem), exit status 2, before any timing starts."""
 
@@ -446,3 +447,30 @@ def test_step_attention_bench_times_each_shape_both_ways():
     rows = [line for line in out.stdout.splitlines() if " self, " in line or " cross, " in line]
     assert len(rows) == 8 and all("torch's ops" in r and "faster in" in r for r in rows)
     assert "avx512f" in out.stdout.splitlines()[0]  # the CPU and its ISA beside the figures
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--pairs", "0"], "--pairs and --threads must be at least 1"),
+        (["--threads", "-1"], "--pairs and --threads must be at least 1"),
+        (["--what", "w2"], "invalid choice: 'w2'"),
+    ],
+)
+def test_adam_step_bench_names_bad_arguments(args, message):
+    out = _run("bench_adam_step.py", *args)
+    assert out.returncode == 2
+    assert message in out.stderr and "Traceback" not in out.stderr
+
+
+def test_adam_step_bench_times_a_quickstart_step_both_ways():
+    from transformer import optim
+
+    out = _run("bench_adam_step.py", "--what", "quickstart", "--pairs", "1", "--threads", "1")
+    if not optim.one_pass_adam():  # no AVX-512: torch's passes are all there is
+        assert out.returncode == 1 and "does not run here" in out.stderr
+        return
+    assert out.returncode == 0, out.stderr
+    assert "avx512f" in out.stdout.splitlines()[0]  # the CPU and its ISA beside the figures
+    (row,) = [line for line in out.stdout.splitlines() if line.startswith("quickstart step")]
+    assert "torch's ops" in row and "faster in" in row
