@@ -1746,10 +1746,12 @@ def adam_sum_squares(grads: list[torch.Tensor | None], scale: float = 1.0) -> fl
     n = [0 if g is None else g.numel() for g in grads]
     (addresses, kinds), out = _adam_call(grads), ctypes.c_double()
     h = (ctypes.c_float * 6)(0.0, 0.0, 0.0, 0.0, scale, 1.0)
-    _LIB.adam_sumsq(
+    failed = _LIB.adam_sumsq(
         len(grads), addresses, kinds, (ctypes.c_int64 * len(n))(*n), 2 if scale != 1.0 else 0,
         h, ctypes.byref(out), _threads(sum(n)),
     )  # fmt: skip
+    if failed:  # its few kB of partial sums could not be allocated
+        raise MemoryError("adam_sum_squares: out of memory")
     return out.value
 
 

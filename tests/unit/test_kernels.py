@@ -785,3 +785,11 @@ def test_adam_refuses_what_it_cannot_read():
                             1e-9)  # fmt: skip
     with pytest.raises(ValueError, match="gradient 1 is not"):
         kernels.adam_sum_squares([None, torch.zeros(4, 8).t()])
+
+
+def test_adam_sum_squares_says_when_the_library_could_not_allocate(monkeypatch):
+    if not kernels.fused_supported():
+        return
+    monkeypatch.setattr(kernels._LIB, "adam_sumsq", lambda *args: 1)  # malloc failed
+    with pytest.raises(MemoryError, match="adam_sum_squares: out of memory"):
+        kernels.adam_sum_squares([torch.ones(3)])
