@@ -648,10 +648,22 @@ int column_sums(const uint16_t *x, int64_t n, int64_t c, float *out, float *work
 #define RN (_MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
 #define ADAM_BLOCK 8192 /* the sum of squares in blocks, added in order: any thread count */
 
-AVX512BW static inline __m512 adam_grad(const void *g, int kind, int64_t i, __mmask16 k,
-                                        int flags, const float *h) {
-  __m512 x = kind == 1   ? widen(_mm256_maskz_loadu_epi16(k, (const uint16_t *)g + i))
-             : kind == 2 ? _mm512_maskz_loadu_ps(k, (const float *)g + i)
+/* 16 floats at p, the lanes of k: without a mask when k is all of them (masked loads and stores
+   cost 1.7x here); a constant k, inlined, leaves one of the two */
+#define ADAM_INLINE AVX512BW static inline __attribute__((always_inline))
+ADAM_INLINE __m512 adam_ld(const float *p, __mmask16 k) {
+  return k == 0xffff ? _mm512_loadu_ps(p) : _mm512_maskz_loadu_ps(k, p);
+}
+ADAM_INLINE void adam_st(float *p, __mmask16 k, __m512 v) {
+  if (k == 0xffff) _mm512_storeu_ps(p, v);
+  else _mm512_mask_storeu_ps(p, k, v);
+}
+
+ADAM_INLINE __m512 adam_grad(const void *g, int kind, int64_t i, __mmask16 k, int flags,
+                             const float *h) {
+  const uint16_t *g16 = (const uint16_t *)g + i;
+  __m512 x = kind == 1   ? (k == 0xffff ? ld16(g16) : widen(_mm256_maskz_loadu_epi16(k, g16)))
+             : kind == 2 ? adam_ld((const float *)g + i, k)
                          : _mm512_setzero_ps();
   if (flags & 2) x = _mm512_mul_round_ps(x, _mm512_set1_ps(h[4]), RN);
   if (flags & 4) x = _mm512_mul_round_ps(x, _mm512_set1_ps(h[5]), RN);
@@ -672,11 +684,8 @@ AVX512BW static double adam_sumsq_span(const void *g, int kind, int64_t i0, int6
                                        int flags, const float *h) {
   __m512d a = _mm512_setzero_pd(), b = _mm512_setzero_pd();
   int64_t i = i0;
-  for (; i + 16 <= i1 && kind; i += 16) { /* whole vectors without masks */
-    __m512 x = kind == 1 ? ld16((const uint16_t *)g + i) : _mm512_loadu_ps((const float *)g + i);
-    if (flags & 2) x = _mm512_mul_round_ps(x, _mm512_set1_ps(h[4]), RN);
-    adam_sq16(x, &a, &b);
-  }
+  for (; i + 16 <= i1 && kind; i += 16) /* whole vectors without masks */
+    adam_sq16(adam_grad(g, kind, i, 0xffff, flags & 2, h), &a, &b);
   for (; i < i1 && kind; i += 16)
     adam_sq16(adam_grad(g, kind, i, first16(i1 - i), flags & 2, h), &a, &b);
   return _mm512_reduce_add_pd(_mm512_add_pd(a, b));
@@ -706,41 +715,38 @@ AVX512BW static inline __m512 adam16(__m512 x, __m512 pv, __m512 *mv, __m512 *vv
                              RN);
 }
 
+/* the update of 16 values from i (k: the lanes; last: as adam16's) */
+ADAM_INLINE void adam_block(float *p, float *m, float *v, const void *g, int kind, void *q,
+                            int qkind, int64_t i, __mmask16 k, int64_t last, __m512 coeff,
+                            __m512 beta2, __m512 c2, __m512 eps, __m512 ss, __m512 bc,
+                            int flags, const float *h) {
+  __m512 mv = adam_ld(m + i, k), vv = adam_ld(v + i, k);
+  const __m512 pv = adam16(adam_grad(g, kind, i, k, flags, h), adam_ld(p + i, k), &mv, &vv,
+                           coeff, flags & 1, beta2, c2, eps, ss, bc, last);
+  adam_st(p + i, k, pv);
+  adam_st(m + i, k, mv);
+  adam_st(v + i, k, vv);
+  if (qkind == 1) {
+    if (k == 0xffff) _mm256_storeu_si256((__m256i *)((uint16_t *)q + i), narrow(pv));
+    else _mm256_mask_storeu_epi16((uint16_t *)q + i, k, narrow(pv));
+  } else if (qkind == 2) {
+    adam_st((float *)q + i, k, pv);
+  }
+}
+
 AVX512BW static void adam_span(float *p, float *m, float *v, const void *g, int kind, void *q,
                                int qkind, int64_t i0, int64_t i1, float step, float bc2,
                                int flags, const float *h) {
   const __m512 coeff = _mm512_set1_ps(h[0]), beta2 = _mm512_set1_ps(h[1]);
   const __m512 c2 = _mm512_set1_ps(h[2]), eps = _mm512_set1_ps(h[3]);
   const __m512 ss = _mm512_set1_ps(step), bc = _mm512_set1_ps(bc2);
-  const int small = flags & 1;
   int64_t i = i0;
-  for (; i + 16 <= i1; i += 16) { /* whole vectors without masks (masked ones cost 1.7x) */
-    __m512 x = kind == 1   ? ld16((const uint16_t *)g + i)
-               : kind == 2 ? _mm512_loadu_ps((const float *)g + i)
-                           : _mm512_setzero_ps();
-    if (flags & 2) x = _mm512_mul_round_ps(x, _mm512_set1_ps(h[4]), RN);
-    if (flags & 4) x = _mm512_mul_round_ps(x, _mm512_set1_ps(h[5]), RN);
-    __m512 mv = _mm512_loadu_ps(m + i), vv = _mm512_loadu_ps(v + i);
-    const __m512 pv = adam16(x, _mm512_loadu_ps(p + i), &mv, &vv, coeff, small, beta2, c2, eps,
-                             ss, bc, 16);
-    _mm512_storeu_ps(p + i, pv);
-    _mm512_storeu_ps(m + i, mv);
-    _mm512_storeu_ps(v + i, vv);
-    if (qkind == 1) _mm256_storeu_si256((__m256i *)((uint16_t *)q + i), narrow(pv));
-    else if (qkind == 2) _mm512_storeu_ps((float *)q + i, pv);
-  }
-  for (; i < i1; i += 16) {
-    const __mmask16 k = first16(i1 - i);
-    const __m512 x = adam_grad(g, kind, i, k, flags, h);
-    __m512 mv = _mm512_maskz_loadu_ps(k, m + i), vv = _mm512_maskz_loadu_ps(k, v + i);
-    const __m512 pv = adam16(x, _mm512_maskz_loadu_ps(k, p + i), &mv, &vv, coeff, small, beta2,
-                             c2, eps, ss, bc, i1 - i);
-    _mm512_mask_storeu_ps(p + i, k, pv);
-    _mm512_mask_storeu_ps(m + i, k, mv);
-    _mm512_mask_storeu_ps(v + i, k, vv);
-    if (qkind == 1) _mm256_mask_storeu_epi16((uint16_t *)q + i, k, narrow(pv));
-    else if (qkind == 2) _mm512_mask_storeu_ps((float *)q + i, k, pv);
-  }
+  for (; i + 16 <= i1; i += 16)
+    adam_block(p, m, v, g, kind, q, qkind, i, 0xffff, 16, coeff, beta2, c2, eps, ss, bc, flags,
+               h);
+  for (; i < i1; i += 16)
+    adam_block(p, m, v, g, kind, q, qkind, i, first16(i1 - i), i1 - i, coeff, beta2, c2, eps, ss,
+               bc, flags, h);
 }
 
 /* out = sum over the nt tensors of g^2 (scaled as flags & 2), in fp64 */
@@ -1699,11 +1705,14 @@ def _f32(x: float) -> float:
 _ADAM_KINDS = {torch.bfloat16: 1, torch.float32: 2}  # the library's kinds (0: None)
 
 
-def _adam_problem(what: str, i: int, t: torch.Tensor | None, shape: torch.Size | None) -> str:
+def _adam_problem(what: str, i: int, t: torch.Tensor | None, shape=None, fp32: bool = False) -> str:
+    """Why tensor t (None: none) cannot be read: not a contiguous CPU tensor of the library's
+    kinds (fp32 alone with `fp32`), or not of `shape`; "" if it can."""
     if t is None:
         return ""
-    if t.dtype not in _ADAM_KINDS or not t.is_contiguous() or t.device.type != "cpu":
-        return f"{what} {i} is not a contiguous bf16 or fp32 CPU tensor"
+    kinds = (torch.float32,) if fp32 else _ADAM_KINDS
+    if t.dtype not in kinds or not t.is_contiguous() or t.device.type != "cpu":
+        return f"{what} {i} is not a contiguous {'fp32' if fp32 else 'bf16 or fp32'} CPU tensor"
     if shape is not None and t.shape != shape:
         return f"{what} {i} has shape {tuple(t.shape)}, its master {tuple(shape)}"
     return ""
@@ -1714,10 +1723,10 @@ def adam_problem(masters, grads, params) -> str | None:
     each gradient and each parameter None or a contiguous bf16 or fp32 CPU tensor of its
     master's shape."""
     for i, (m, g, q) in enumerate(zip(masters, grads, params, strict=True)):
-        if not (m.dtype == torch.float32 and m.is_contiguous() and m.device.type == "cpu"):
-            return f"master {i} is not a contiguous fp32 CPU tensor"
-        problem = _adam_problem("gradient", i, g, m.shape) or _adam_problem(
-            "parameter", i, q, m.shape
+        problem = (
+            _adam_problem("master", i, m, fp32=True)
+            or _adam_problem("gradient", i, g, m.shape)
+            or _adam_problem("parameter", i, q, m.shape)
         )
         if problem:
             return problem
@@ -1780,8 +1789,8 @@ def adam_update(
     _require("adam_update")
     problem = adam_problem(masters, grads, params)
     for i, (m, a, b) in enumerate(zip(masters, exp_avgs, exp_avg_sqs, strict=True)):
-        if not problem and not all(
-            t.dtype == torch.float32 and t.is_contiguous() and t.shape == m.shape for t in (a, b)
+        if not problem and any(
+            t is None or _adam_problem("", i, t, m.shape, fp32=True) for t in (a, b)
         ):
             problem = f"the moments of master {i} are not contiguous fp32 tensors of its shape"
     if problem:
