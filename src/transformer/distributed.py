@@ -249,6 +249,12 @@ def _rank_main(rank: int, world: int, store: Path, level: int, conn, fn, args) -
     tqdm.set_lock(threading.RLock())
     try:
         dist.init_process_group("gloo", init_method=store.as_uri(), rank=rank, world_size=world)
+        # No rank goes on before every rank has joined: of each two, gloo has one connect to
+        # the other, and that one has joined as soon as its connection is written, before the
+        # other has taken it. With an fn that sends nothing it could end, closing its socket,
+        # while the other was still joining, which then failed (once in CI: "Gloo
+        # connectFullMesh failed with ... Connection closed by peer").
+        dist.barrier()
         result = fn(*args)
     except UserError as e:
         conn.send(("user", str(e)))

@@ -5,7 +5,10 @@ from __future__ import annotations
 import atexit
 import os
 import signal
+import sys
+import time
 import warnings
+from datetime import timedelta
 
 import pytest
 import torch
@@ -249,6 +252,81 @@ def _ok_then_abort(x: float) -> float:
 
 def test_a_rank_that_aborts_after_reporting_ok_does_not_fail_the_job():
     assert distributed.run_local(2, _ok_then_abort, (3.0,)) == 3.0
+
+
+class _LateListener(dist.Store):
+    """A rank's store, which keeps the peer's address from the rank that is to wait for the
+    peer's connection until the peer has left the job (or for 1 s). Each rank publishes its
+    address, and gloo has the one with the higher port connect to the other: that one has joined
+    as soon as its connection is written, before the other has taken it, and with nothing to
+    send it could leave while the other was still joining."""
+
+    def __init__(self, store: dist.Store, peer_pid: int) -> None:
+        super().__init__()
+        self.store, self.peer_pid, self.mine = store, peer_pid, b""
+
+    def set(self, key: str, value: bytes) -> None:
+        self.mine = value  # this rank's address, the only key gloo sets
+        self.store.set(key, value)
+
+    def get(self, key: str) -> bytes:
+        value = self.store.get(key)
+        if self.mine and _port(self.mine) < _port(value):
+            deadline = time.monotonic() + 1
+            while _running(self.peer_pid) and time.monotonic() < deadline:
+                time.sleep(0.02)
+        return value
+
+    def wait(self, keys: list[str], timeout: timedelta | None = None) -> None:
+        if timeout is None:
+            self.store.wait(keys)
+        else:
+            self.store.wait(keys, timeout)
+
+
+def _port(address: bytes) -> int:
+    """The port in gloo's record of a rank's address (the hostname's length and name, the
+    address's length, then a sockaddr: family, port), read as gloo compares two ports: as
+    native integers, not in network byte order."""
+    name = int.from_bytes(address[:8], sys.byteorder)
+    return int.from_bytes(address[name + 18 : name + 20], sys.byteorder)
+
+
+def _join_late_if_listening() -> None:
+    """Run in each rank as its arguments are unpickled, before it joins the job: the rank
+    joins through a _LateListener, and fails if its peer left the job before it had joined."""
+    join = dist.init_process_group
+
+    def init_process_group(backend: str, init_method: str, rank: int, world_size: int) -> None:
+        store, _, _ = next(dist.rendezvous(init_method, rank, world_size))
+        store.set(f"pid{rank}", str(os.getpid()))
+        peer_pid = int(store.get(f"pid{1 - rank}"))
+        join(backend, store=_LateListener(store, peer_pid), rank=rank, world_size=world_size)
+        if not _running(peer_pid):
+            raise AssertionError(f"process {1 - rank} left the job before process {rank} joined")
+
+    dist.init_process_group = init_process_group
+
+
+class _JoinsLateIfListening:
+    """An argument for `run_local`: unpickled, it is None, and it has run
+    _join_late_if_listening in the rank."""
+
+    def __reduce__(self):
+        return (_join_late_if_listening, ())
+
+
+def _nothing(_: None) -> None:
+    pass
+
+
+def test_no_rank_leaves_the_job_before_every_rank_has_joined_it():
+    """A rank whose function sends nothing does not leave before its peer has joined, however
+    long the peer takes to connect (_LateListener). It did, and in one CI run the peer's joining
+    failed ("Gloo connectFullMesh failed with ... Connection closed by peer", in
+    test_a_rank_that_aborts_after_reporting_ok_...); here, without the barrier that waits for
+    every rank, the peer either fails so or joins after the rank has left."""
+    assert distributed.run_local(2, _nothing, (_JoinsLateIfListening(),)) is None
 
 
 def test_train_says_what_a_killed_job_kept(tmp_path, monkeypatch, capsys):
