@@ -45,10 +45,12 @@ LAYERS = [  # rows, inputs, outputs, ReLU inputs, bias
 ]  # fmt: skip
 
 
-def paired(name: str, run, pairs: int, per: int = 1, switch=None) -> None:
+def paired(name: str, run, pairs: int, per: int = 1, switch=None, labels=None) -> None:
     """Time `run()` with the kernels and with torch's ops, `pairs` times each, order alternating;
     `per`: the calls one run makes (the times printed are per call). switch: (module, name) of
-    the function that says whether the kernels run (default `translate.int8_row_kernels`)."""
+    the function that says whether the kernels run (default `translate.int8_row_kernels`);
+    labels: what the two ways are called (default torch's ops, kernels)."""
+    off_name, on_name = labels or ("torch's ops", "kernels")
     owner, attr = switch or (T, "int8_row_kernels")
     times: dict[bool, list[float]] = {False: [], True: []}
     real = getattr(owner, attr)
@@ -64,7 +66,7 @@ def paired(name: str, run, pairs: int, per: int = 1, switch=None) -> None:
     before, after = statistics.median(times[False]) / per, statistics.median(times[True]) / per
     gains = [100 * (b - a) / b for b, a in zip(times[False], times[True], strict=True)]
     unit, scale = ("us", 1e6) if before < 0.01 else ("s", 1.0)
-    print(f"{name:34s} torch's ops {before * scale:9.3f} {unit}, kernels {after * scale:9.3f} "
+    print(f"{name:34s} {off_name} {before * scale:9.3f} {unit}, {on_name} {after * scale:9.3f} "
           f"{unit}: {100 * (before - after) / before:5.1f}% less; paired median "
           f"{statistics.median(gains):5.1f}%, faster in {sum(g > 0 for g in gains)} of {pairs}",
           flush=True)  # fmt: skip
@@ -89,7 +91,7 @@ def layers(args) -> None:
         paired(f"layer ({rows}, {k}) -> {n}", calls, args.pairs, per)
 
 
-def w2(args, switch=None, dtype: str = "int8") -> None:
+def w2(args, switch=None, dtype: str = "int8", labels=None) -> None:
     import bench_decode  # this script's folder is on sys.path
 
     src, src_mask = bench_decode.w2_source()
@@ -97,10 +99,11 @@ def w2(args, switch=None, dtype: str = "int8") -> None:
     for beam in (1, 4):
         bench_decode.run_ours(model, src, src_mask, beam, 4)  # the shapes' kernels built
         paired(f"W2 {dtype} beam {beam}", lambda b=beam: bench_decode.run_ours(
-            model, src, src_mask, b, args.out_len), args.pairs, switch=switch)  # fmt: skip
+            model, src, src_mask, b, args.out_len), args.pairs, switch=switch,
+            labels=labels)  # fmt: skip
 
 
-def real(args, switch=None, dtype: str = "int8") -> None:
+def real(args, switch=None, dtype: str = "int8", labels=None) -> None:
     threads = args.threads if args.threads == "auto" else int(args.threads)
     tr = T.Translator.from_path(args.model, dtype=dtype, threads=threads)
     with open(args.src, encoding="utf-8") as f:
@@ -110,7 +113,7 @@ def real(args, switch=None, dtype: str = "int8") -> None:
     for beam in (1, 4):
         paired(f"{os.path.basename(args.src)} {dtype} beam {beam}",
                lambda b=beam: tr.translate(lines, beam_size=b), args.pairs,
-               switch=switch)  # fmt: skip
+               switch=switch, labels=labels)  # fmt: skip
 
 
 def arguments(description: str, dtypes: bool = False) -> argparse.Namespace:

@@ -5,8 +5,8 @@ extends a `DecoderCache` in place; beam search reorders it with `DecoderCache.re
 cached, and why it is laid out as it is (docs/decoding.md, "Incremental decoding"):
 
 * self-attention keys/values of every layer in preallocated buffers, written in place; under
-  beam search on the CPU in fp32, never reordered, each hypothesis reaching its prefix through
-  back-pointers (`BeamHistory`);
+  beam search on the CPU in fp32 (and in bf16 with the compiled step attention), never
+  reordered, each hypothesis reaching its prefix through back-pointers (`BeamHistory`);
 * encoder-decoder keys/values, computed once per sentence (on the CPU padded to whole
   `model.KEY_BLOCK`s, the keys kept as K^T: `model._transposed_keys`), and the source padding
   as an additive bias;
@@ -36,9 +36,9 @@ from transformer.gradhelper import is_linear
 CACHE_CAPACITY = 32
 # Beam search keeps each hypothesis's keys/values where they were computed and follows
 # back-pointers (`BeamHistory`) on the CPU in fp32 (int8 decoding included): there one step's
-# K queries of a sentence against its K*(t+1) keys cost less than copying the prefix. A bf16
-# batched product through oneDNN copies a strided operand first, which is that copy again, so
-# bf16 (and CUDA, not measured) keeps the reordered buffers.
+# K queries of a sentence against its K*(t+1) keys cost less than copying the prefix. In bf16
+# too where a step's attention is `kernels.step_attention` (`model.bf16_beam_history`, which
+# adds bf16 to a cache's `history_dtypes`). CUDA (not measured) keeps the reordered buffers.
 HISTORY_DTYPES = (torch.float32,)
 # A sentence that leaves the beam search stays in the `BeamHistory` buffers until this fraction
 # of them has left; then one copy compacts them to the live sentences.
@@ -138,8 +138,9 @@ class DecoderCache:
     self_v: torch.Tensor | None = None  # (N, B, H, capacity, Vd)
     cross_bias: torch.Tensor | None = None  # (C, 1, 1, S): 0 at real source tokens, else -inf
     group: int = 1  # consecutive rows sharing one cross row (C = rows / group)
-    beam: BeamHistory | None = None  # beam search on the CPU in fp32: self_k / self_v unused
-    history: bool = True  # may switch to `BeamHistory` when beams are expanded (HISTORY_DTYPES)
+    beam: BeamHistory | None = None  # beam search on the CPU (`_may_track`): self_k / self_v unused
+    history: bool = True  # may switch to `BeamHistory` when beams are expanded ...
+    history_dtypes: tuple[torch.dtype, ...] = HISTORY_DTYPES  # ... with keys of these dtypes
 
     def _use(self, k: torch.Tensor, v: torch.Tensor) -> None:
         self.self_k, self.self_v = k, v
@@ -175,8 +176,8 @@ class DecoderCache:
         encoder-decoder keys/values are kept as they are: valid when `index` maps every row
         to a row with the same source, as beams of one sentence do. With cross=True the new
         rows' sources are regrouped (`_cross_rows`): only the cross rows that change are
-        copied, once per source. When `index` expands each sentence to K beams (CPU, fp32:
-        `HISTORY_DTYPES`), the cache switches to `BeamHistory`, whose reorders copy nothing.
+        copied, once per source. When `index` expands each sentence to K beams (CPU, a dtype
+        of `history_dtypes`), the cache switches to `BeamHistory`, whose reorders copy nothing.
         The cache reordered from must not be stepped again: under `BeamHistory` both share
         the buffers.
         """
@@ -196,7 +197,8 @@ class DecoderCache:
             rows, group = _cross_rows(index, self.group, self.cross_bias.size(0))
 
         layers, cross_bias = self._cross_picked(rows)
-        out = DecoderCache(layers, self.length, cross_bias=cross_bias, group=group)
+        out = DecoderCache(layers, self.length, cross_bias=cross_bias, group=group,
+                           history_dtypes=self.history_dtypes)  # fmt: skip
         if self.self_k is None:
             return out
         runs = group * out.cross_bias.size(0) == index.numel()  # every row in a run of `group`
@@ -240,7 +242,7 @@ class DecoderCache:
 
     def _may_track(self) -> bool:
         k = self.self_k
-        return self.history and k.device.type == "cpu" and k.dtype in HISTORY_DTYPES
+        return self.history and k.device.type == "cpu" and k.dtype in self.history_dtypes
 
     def _reorder_beams(self, index: torch.Tensor) -> DecoderCache | None:
         """`reorder` under `BeamHistory`: None where `index` is not beams of the same sentences,

@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+import transformer.cache as cache_module
 from transformer import gradhelper, kernels
 from transformer.cache import DecoderCache, LayerCache, StepProjections, padding_bias
 from transformer.config import ModelConfig
@@ -412,6 +413,17 @@ def step_attention_kernel() -> bool:
             logger.info("attention: torch's ops for a decoding step (the compiled kernel differs)")
             return False
     return True
+
+
+def bf16_beam_history() -> bool:
+    """Whether bf16 beam search on the CPU follows back-pointers (`cache.BeamHistory`) as fp32
+    and int8 do: where a step's attention is `kernels.step_attention` (`step_attention_kernel`),
+    which reads the bf16 keys in place and does not read the keys off a query's history, so a
+    step reads about what reordered buffers hold, and the copy of the prefix at every step is
+    gone: a W2 bf16 beam-4 search 5-8% faster on a Zen 5, the same translations
+    (docs/performance.md, "Round forty"). Through torch's ops the K * (t + 1) keys were widened
+    to fp32 every layer and step (0.95x, round twenty-three): there the copies stay."""
+    return step_attention_kernel()
 
 
 def _in_key_blocks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None):
@@ -1185,7 +1197,9 @@ class Transformer(nn.Module):
     def new_cache(self) -> DecoderCache:
         # A local attention window (cfg.attn_window) masks by position, which the
         # back-pointers of `BeamHistory` do not: its beams keep reordered buffers.
-        return DecoderCache(history=self.cfg.attn_window is None)
+        bf16 = (torch.bfloat16,) if bf16_beam_history() else ()
+        dtypes = cache_module.HISTORY_DTYPES + bf16
+        return DecoderCache(history=self.cfg.attn_window is None, history_dtypes=dtypes)
 
     def forward(
         self,

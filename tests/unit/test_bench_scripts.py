@@ -1,6 +1,7 @@
 """benchmarks/bench_step_phases.py, bench_grad_helper.py, bench_wakeup.py, bench_streams.py,
 bench_split_rows.py, bench_weighted_rows.py, bench_read_trees.py, bench_gc.py,
 bench_translate_stream.py, bench_int8_rows.py, bench_step_attention.py, bench_adam_step.py,
+bench_beam_history.py,
 issue19_table.sh and
 gpu/prepare_device.sh:
 bad input is one clear line (the script, the problem), exit status 2, before any timing starts."""
@@ -474,3 +475,34 @@ def test_adam_step_bench_times_a_quickstart_step_both_ways():
     assert "avx512f" in out.stdout.splitlines()[0]  # the CPU and its ISA beside the figures
     (row,) = [line for line in out.stdout.splitlines() if line.startswith("quickstart step")]
     assert "torch's ops" in row and "faster in" in row
+
+
+@pytest.mark.parametrize(
+    ("args", "message", "status"),
+    [
+        (["--pairs", "0"], "--pairs and --out-len must be at least 1", 2),
+        (["--what", "real"], "--what real needs --model and --src", 2),
+        (["--what", "layers", "--dtype", "bf16"], "--what w2 or real", 1),
+        (["--what", "w2", "--dtype", "int8"], "--dtype bf16", 1),
+    ],
+)
+def test_beam_history_bench_names_bad_arguments(args, message, status):
+    out = _run("bench_beam_history.py", *args)
+    assert out.returncode == status
+    assert message in out.stderr and "Traceback" not in out.stderr
+
+
+def test_beam_history_bench_times_a_real_models_searches_both_ways(tiny_model_file, tmp_path):
+    from transformer import model
+
+    src = tmp_path / "src.txt"
+    src.write_text("A man rides a bike.\nTwo dogs play in the snow.\n" * 10, encoding="utf-8")
+    out = _run("bench_beam_history.py", "--what", "real", "--model", str(tiny_model_file),
+               "--src", str(src), "--pairs", "1", "--threads", "1", "--dtype", "bf16")  # fmt: skip
+    if not model.bf16_beam_history():  # no compiled step attention: the copies are all there is
+        assert out.returncode == 1 and "bf16 takes the copies here" in out.stderr
+        return
+    assert out.returncode == 0, out.stderr
+    rows = [line for line in out.stdout.splitlines() if "bf16 beam" in line]
+    assert len(rows) == 2 and all("copies" in r and "back-pointers" in r for r in rows)
+    assert "avx512f" in out.stdout.splitlines()[0]  # the CPU and its ISA beside the figures

@@ -393,18 +393,72 @@ def test_a_beam_reorder_copies_no_prefix_and_keeps_its_buffers() -> None:
     torch.testing.assert_close(got, full[:, -1:], rtol=0, atol=1e-5)
 
 
-def test_bf16_and_local_attention_keep_reordered_copies() -> None:
-    # bf16's batched products copy a strided operand first (oneDNN), and a local attention
-    # window masks by position, which back-pointers do not: both keep the copying reorder.
+def test_local_attention_keeps_reordered_copies() -> None:
+    # A local attention window masks by position, which back-pointers do not: it keeps the
+    # copying reorder.
     src, src_mask = batch()
     index = torch.arange(3).repeat_interleave(2)
-    for model in (Transformer(tiny()).eval().to(torch.bfloat16),
-                  Transformer(tiny(attn_window=2)).eval()):  # fmt: skip
-        with torch.no_grad():
-            memory = model.encode(src, src_mask)
-            cache = model.new_cache()
-            model.decode(torch.ones(3, 1, dtype=torch.long), memory, src_mask, cache)
-            assert cache.reorder(index).beam is None
+    model = Transformer(tiny(attn_window=2)).eval()
+    with torch.no_grad():
+        memory = model.encode(src, src_mask)
+        cache = model.new_cache()
+        model.decode(torch.ones(3, 1, dtype=torch.long), memory, src_mask, cache)
+        assert cache.reorder(index).beam is None
+
+
+@pytest.mark.parametrize("history", [False, True])
+def test_bf16_follows_back_pointers_where_the_step_kernel_runs(monkeypatch, history) -> None:
+    # bf16 takes back-pointers where a step's attention is the compiled kernel, which skips the
+    # masked keys (`model.bf16_beam_history`); through torch's ops the K x (t + 1) keys would be
+    # widened every step, and the copying reorder is kept.
+    from transformer import model as model_module
+
+    monkeypatch.setattr(model_module, "bf16_beam_history", lambda: history)
+    src, src_mask = batch()
+    index = torch.arange(3).repeat_interleave(2)
+    model = Transformer(tiny()).eval().to(torch.bfloat16)
+    with torch.no_grad():
+        memory = model.encode(src, src_mask)
+        cache = model.new_cache()
+        model.decode(torch.ones(3, 1, dtype=torch.long), memory, src_mask, cache)
+        assert (cache.reorder(index).beam is not None) is history
+
+
+def test_bf16_back_pointers_follow_the_step_kernel() -> None:
+    from transformer import model as model_module
+
+    assert model_module.bf16_beam_history() is model_module.step_attention_kernel()
+    dtypes = Transformer(tiny()).new_cache().history_dtypes
+    assert (torch.bfloat16 in dtypes) is model_module.step_attention_kernel()
+    assert torch.float32 in dtypes
+
+
+@pytest.mark.parametrize("kernel", [True, False])
+def test_bf16_beam_search_through_back_pointers_equals_reordered_copies(monkeypatch,
+                                                                       kernel) -> None:  # fmt: skip
+    # With the step kernel (as it runs) and through torch's ops (forced), bf16 beam search over
+    # back-pointers gives the copying reorder's hypotheses, sentences leaving and the buffers
+    # growing on the way.
+    from transformer import model as model_module
+
+    if not kernel:
+        monkeypatch.setattr(model_module, "_step_kernel_takes", lambda *a: False)
+    model = Transformer(tiny(vocab_size=20, max_len=128)).eval()
+    with torch.no_grad():
+        model.src_embed.weight.mul_(3.0)  # spread the logits: beams trade places
+    model = model.to(torch.bfloat16)
+    src, src_mask = _sources(9, 20, seed=4)
+    kw = dict(beam_size=4, max_len_a=1.0, max_len_b=40, n_best=2)
+    spy = _Spy(monkeypatch)
+    with torch.no_grad():
+        monkeypatch.setattr(model_module, "bf16_beam_history", lambda: True)
+        tracked = beam_search(model, src, src_mask, **kw)
+        monkeypatch.setattr(model_module, "bf16_beam_history", lambda: False)
+        copied = beam_search(model, src, src_mask, **kw)
+    assert spy.expand == 1 and spy.fallback == 0
+    for a, b in zip(tracked, copied, strict=True):
+        assert [h.tokens for h in a] == [h.tokens for h in b]
+        assert [h.score for h in a] == pytest.approx([h.score for h in b], abs=1e-4)
 
 
 def test_slots_never_written_are_never_read() -> None:
