@@ -1197,7 +1197,11 @@ class Transformer(nn.Module):
     def new_cache(self) -> DecoderCache:
         # A local attention window (cfg.attn_window) masks by position, which the
         # back-pointers of `BeamHistory` do not: its beams keep reordered buffers.
-        bf16 = (torch.bfloat16,) if bf16_beam_history() else ()
+        # bf16 back-pointers only asked about for a bf16 model on the CPU: the question builds
+        # and checks the compiled step attention, which no other model's search needs here.
+        w = self.tgt_embed.weight
+        cpu_bf16 = w.dtype == torch.bfloat16 and w.device.type == "cpu"
+        bf16 = (torch.bfloat16,) if cpu_bf16 and bf16_beam_history() else ()
         dtypes = cache_module.HISTORY_DTYPES + bf16
         return DecoderCache(history=self.cfg.attn_window is None, history_dtypes=dtypes)
 

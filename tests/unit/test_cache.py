@@ -428,9 +428,10 @@ def test_bf16_back_pointers_follow_the_step_kernel() -> None:
     from transformer import model as model_module
 
     assert model_module.bf16_beam_history() is model_module.step_attention_kernel()
-    dtypes = Transformer(tiny()).new_cache().history_dtypes
+    dtypes = Transformer(tiny()).to(torch.bfloat16).new_cache().history_dtypes
     assert (torch.bfloat16 in dtypes) is model_module.step_attention_kernel()
     assert torch.float32 in dtypes
+    assert Transformer(tiny()).new_cache().history_dtypes == cache_module.HISTORY_DTYPES
 
 
 @pytest.mark.parametrize("kernel", [True, False])
