@@ -52,6 +52,7 @@ reaches this code.
     xs, top = int8_rows_in(x, nonnegative, tiny)   # x * (1 / top), top each row's max |x|
     y = int8_rows_out_(y, top, bias)               # y * top + bias, in place
     out = step_attention(q, k, v, bias, c)         # softmax(q k^T / c + bias) v, per head
+    ids, values = row_top(x, n)                    # each row's n largest, in one pass
     s = adam_sum_squares(grads, scale)             # sum of (g * scale)^2, in fp64
     adam_update(masters, exp_avgs, exp_avg_sqs, grads, params, steps, lr, betas, eps, scale)
 """
@@ -1324,6 +1325,130 @@ int step_attention(const float *q, int64_t qb, int64_t qh, int64_t qi, const voi
   }
   return 0;
 }
+
+/* ---- beam search's candidates: each row's n largest values (search._rows_best) ---- */
+
+/* A row's best n so far, vals[0 .. n) from the largest down and ids their columns: (v, j) goes
+   after every value >= v (a column seen earlier keeps its place in a tie), the last one out.
+   vals hold rank keys: a NaN ranks as -inf (never a better candidate than a number). */
+static inline void top_insert(float *vals, int64_t *ids, int64_t n, float v, int64_t j) {
+  int64_t i = n - 1;
+  for (; i > 0 && vals[i - 1] < v; --i) {
+    vals[i] = vals[i - 1];
+    ids[i] = ids[i - 1];
+  }
+  vals[i] = v;
+  ids[i] = j;
+}
+
+/* The row's first n columns, ranked (NaN as -inf): the scan's starting set */
+static void top_start(const float *x, int64_t n, float *vals, int64_t *ids) {
+  for (int64_t j = 0; j < n; ++j) {
+    const float v = x[j] != x[j] ? -INFINITY : x[j];
+    int64_t i = j;
+    for (; i > 0 && vals[i - 1] < v; --i) {
+      vals[i] = vals[i - 1];
+      ids[i] = ids[i - 1];
+    }
+    vals[i] = v;
+    ids[i] = j;
+  }
+}
+
+/* The columns of `bits` (bit b: column j + b) whose values beat the n-th best, in column order;
+   returns the new n-th best */
+static inline float top_take(const float *x, int64_t j, uint32_t bits, float *vals,
+                             int64_t *ids, int64_t n) {
+  float thr = vals[n - 1];
+  while (bits) {
+    const int b = __builtin_ctz(bits);
+    bits &= bits - 1;
+    if (x[j + b] > thr) {
+      top_insert(vals, ids, n, x[j + b], j + b);
+      thr = vals[n - 1];
+    }
+  }
+  return thr;
+}
+
+/* x (rows, V) fp32 rows -> ids (rows, n) the columns of each row's n largest values (1 <= n
+   <= V), from the largest down, a tie to the column first in the row, a NaN ranked as -inf
+   (never above a number); vals (rows, n) their values as x holds them. One pass over each
+   row: a vector compare against the n-th best so far, the rare column that beats it inserted
+   in order (the same columns as a scan one column at a time, whatever the vector width). */
+AVX512 int row_top(const float *x, int64_t rows, int64_t V, int64_t n, int64_t *ids,
+                   float *vals, int nthreads) {
+#pragma omp parallel for schedule(static) num_threads(nthreads)
+  for (int64_t r = 0; r < rows; ++r) {
+    const float *xr = x + r * V;
+    float *vr = vals + r * n;
+    int64_t *ir = ids + r * n;
+    top_start(xr, n, vr, ir);
+    float thr = vr[n - 1];
+    int64_t j = n;
+    for (; j + 64 <= V; j += 64) { /* four vectors a test: a column rarely beats the n-th */
+      const __m512 t = _mm512_set1_ps(thr);
+      const __mmask16 m0 = _mm512_cmp_ps_mask(_mm512_loadu_ps(xr + j), t, _CMP_GT_OQ);
+      const __mmask16 m1 = _mm512_cmp_ps_mask(_mm512_loadu_ps(xr + j + 16), t, _CMP_GT_OQ);
+      const __mmask16 m2 = _mm512_cmp_ps_mask(_mm512_loadu_ps(xr + j + 32), t, _CMP_GT_OQ);
+      const __mmask16 m3 = _mm512_cmp_ps_mask(_mm512_loadu_ps(xr + j + 48), t, _CMP_GT_OQ);
+      if (m0 | m1 | m2 | m3) {
+        thr = top_take(xr, j, m0, vr, ir, n);
+        thr = top_take(xr, j + 16, m1, vr, ir, n);
+        thr = top_take(xr, j + 32, m2, vr, ir, n);
+        thr = top_take(xr, j + 48, m3, vr, ir, n);
+      }
+    }
+    for (; j < V; j += 16) { /* the tail, 16 at a time, the lanes past V left out */
+      const __mmask16 in = V - j >= 16 ? 0xffff : (__mmask16)((1u << (V - j)) - 1);
+      const __m512 v = _mm512_maskz_loadu_ps(in, xr + j);
+      thr = top_take(xr, j, _mm512_mask_cmp_ps_mask(in, v, _mm512_set1_ps(thr), _CMP_GT_OQ),
+                     vr, ir, n);
+    }
+    for (int64_t i = 0; i < n; ++i) vr[i] = xr[ir[i]]; /* the values (a NaN's own, not -inf) */
+  }
+  return 0;
+}
+
+/* The same on AVX2 (8 lanes): the same columns */
+AVX2 int row_top_avx2(const float *x, int64_t rows, int64_t V, int64_t n, int64_t *ids,
+                      float *vals, int nthreads) {
+#pragma omp parallel for schedule(static) num_threads(nthreads)
+  for (int64_t r = 0; r < rows; ++r) {
+    const float *xr = x + r * V;
+    float *vr = vals + r * n;
+    int64_t *ir = ids + r * n;
+    top_start(xr, n, vr, ir);
+    float thr = vr[n - 1];
+    int64_t j = n;
+    for (; j + 32 <= V; j += 32) {
+      const __m256 t = _mm256_set1_ps(thr);
+      const uint32_t m0 = (uint32_t)_mm256_movemask_ps(
+          _mm256_cmp_ps(_mm256_loadu_ps(xr + j), t, _CMP_GT_OQ));
+      const uint32_t m1 = (uint32_t)_mm256_movemask_ps(
+          _mm256_cmp_ps(_mm256_loadu_ps(xr + j + 8), t, _CMP_GT_OQ));
+      const uint32_t m2 = (uint32_t)_mm256_movemask_ps(
+          _mm256_cmp_ps(_mm256_loadu_ps(xr + j + 16), t, _CMP_GT_OQ));
+      const uint32_t m3 = (uint32_t)_mm256_movemask_ps(
+          _mm256_cmp_ps(_mm256_loadu_ps(xr + j + 24), t, _CMP_GT_OQ));
+      if (m0 | m1 | m2 | m3) {
+        thr = top_take(xr, j, m0, vr, ir, n);
+        thr = top_take(xr, j + 8, m1, vr, ir, n);
+        thr = top_take(xr, j + 16, m2, vr, ir, n);
+        thr = top_take(xr, j + 24, m3, vr, ir, n);
+      }
+    }
+    for (; j < V; j += 8) { /* the lanes past V read as 0 and are left out of the mask */
+      const int64_t left = V - j < 8 ? V - j : 8;
+      const __m256 v = _mm256_maskload_ps(xr + j, first_lanes8(left));
+      const uint32_t in = (1u << left) - 1;
+      thr = top_take(xr, j, (uint32_t)_mm256_movemask_ps(
+          _mm256_cmp_ps(v, _mm256_set1_ps(thr), _CMP_GT_OQ)) & in, vr, ir, n);
+    }
+    for (int64_t i = 0; i < n; ++i) vr[i] = xr[ir[i]];
+  }
+  return 0;
+}
 """
 
 # -O3: the dropout mask's four PCG64 runs stay in registers (0.57 against 1.9 ms at -O2 for
@@ -1491,6 +1616,9 @@ def _load() -> None:
             + [f32, p, i32, p, i32, i32]
         )
         free.step_attention.restype = ctypes.c_int
+        for name in ("row_top", "row_top_avx2"):
+            getattr(free, name).argtypes = [p, i64, i64, i64, p, p, i32]
+            getattr(free, name).restype = ctypes.c_int
         _LIB, _NOGIL = lib, free
     except (OSError, subprocess.SubprocessError) as e:
         _WHY = str(e)
@@ -1856,6 +1984,45 @@ def int8_rows_out_(y: torch.Tensor, top: torch.Tensor, bias: torch.Tensor | None
         b = None if bias is None else bias.data_ptr()
         _row_kernel("out")(y.data_ptr(), top.numel(), n, top.data_ptr(), b, _threads(y.numel()))
     return y
+
+
+# `row_top` ranks this many columns a row at most: its insertion into a row's best n costs ~n
+# for each column that enters, and beam sizes past 32 are rare enough for torch's topk.
+ROW_TOP_MAX = 64
+
+
+def row_top_problem(x: torch.Tensor, n: int) -> str | None:
+    """Why `row_top` cannot take the n best of x's rows (None: it can): the kernel not here
+    (AVX-512 F or AVX2, `_ROWS_ISA`), or x not (R, V) fp32 contiguous on the CPU, or n not in
+    1 .. min(V, ROW_TOP_MAX)."""
+    if not rows_supported():
+        return unavailable() or "neither AVX-512 nor AVX2"
+    if x.dim() != 2 or x.dtype != torch.float32 or x.device.type != "cpu":
+        return "an (R, V) fp32 CPU tensor"
+    if not x.is_contiguous():
+        return "contiguous rows"
+    if not 1 <= n <= min(x.size(1), ROW_TOP_MAX):
+        return f"1 <= n <= min(V, {ROW_TOP_MAX}) (n = {n}, V = {x.size(1)})"
+    return None
+
+
+def row_top(x: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's n largest values in one pass: x (R, V) fp32 -> (ids (R, n) int64, values (R,
+    n) fp32 as x holds them), from the largest down; of equal values the column first in the
+    row ranks first, and a NaN ranks as -inf (never above a number). Beam search's
+    candidates (`search._rows_best`): torch's topk over V = 32,000 is a partial sort of every
+    row, this a vector compare against the n-th best so far, the rare column that beats it
+    inserted in order. The same columns in the AVX-512 and AVX2 forms and on any thread count."""
+    problem = row_top_problem(x, n)
+    if problem:
+        raise ValueError(f"row_top: {problem}")
+    R, V = x.shape
+    ids, values = torch.empty((R, n), dtype=torch.int64), torch.empty((R, n))
+    if R:
+        form = "row_top" if _ROWS_ISA == "avx512" else "row_top_avx2"
+        getattr(_NOGIL, form)(x.data_ptr(), R, V, n, ids.data_ptr(), values.data_ptr(),
+                              _threads(x.numel()))  # fmt: skip
+    return ids, values
 
 
 def attention_supported() -> bool:

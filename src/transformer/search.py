@@ -12,12 +12,15 @@ Shapes: B sentences, K beam size, R live rows (B * K, fewer once sentences finis
 
 from __future__ import annotations
 
+import functools
+import logging
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 
+from transformer import kernels
 from transformer.allocator import keep_large_blocks
 from transformer.cache import DecoderCache
 from transformer.config import STOP_RULES
@@ -26,6 +29,7 @@ from transformer.model import Transformer
 from transformer.threads import ThreadTuner
 from transformer.tokenizer import BOS_ID, EOS_ID, PAD_ID
 
+logger = logging.getLogger(__name__)
 NEG_INF = float("-inf")
 
 
@@ -533,9 +537,39 @@ def _top_candidates(
 def _rows_best(lprobs: torch.Tensor, beam_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Each row's best min(2K, V) tokens (R, n), in no set order, and their log-probs (R, n).
     A sentence's best 2K (beam, token) pairs are among each beam's own best 2K tokens: rank
-    k * 2K pairs, not k * V."""
-    ids = _row_top(lprobs, min(2 * beam_size, lprobs.size(-1)))
+    k * 2K pairs, not k * V. In one pass over each row where `kernels.row_top` runs."""
+    n = min(2 * beam_size, lprobs.size(-1))
+    if row_top_kernel() and not lprobs.requires_grad and not kernels.row_top_problem(lprobs, n):
+        return kernels.row_top(lprobs, n)
+    ids = _row_top(lprobs, n)
     return ids, lprobs.gather(1, ids)
+
+
+@functools.cache
+def row_top_kernel() -> bool:
+    """Whether beam search takes each row's best tokens by `kernels.row_top` (AVX-512 F or
+    AVX2, where the library builds, `TRANSFORMER_FUSED_KERNELS` not 0): only once it has found
+    topk's values on rows of every kind (ties, -inf, a NaN, fewer finite values than asked for,
+    widths off its vectors); `_row_top`'s torch ops otherwise. At V = 8,000 (the quickstart's
+    vocabulary) and 262 rows 0.7 ms -> 0.06 ms a step, at V = 32,000 and 256 rows 1.4 -> 0.4
+    ms (docs/performance.md, "Round forty-one"). Decoding streams may ask at once: each gets
+    the same answer."""
+    if kernels.row_top_problem(torch.zeros(1, 1), 1):
+        return False
+    g = torch.Generator().manual_seed(0)
+    for R, V, n in ((9, 5, 5), (9, 37, 8), (9, 300, 3), (70, 1039, 8)):
+        x = torch.randn(R, V, generator=g).round(decimals=1)  # ties
+        x[1], x[2, 4:] = NEG_INF, NEG_INF  # no finite value; fewer than n
+        x[3, V // 2], x[4, -1] = float("nan"), 50.0  # a NaN; the best in the tail
+        ids, values = kernels.row_top(x, n)
+        want = x.nan_to_num(nan=NEG_INF).topk(n, dim=1).values
+        read = x.gather(1, ids)
+        same = bool(((read == values) | (read.isnan() & values.isnan())).all())
+        distinct = all(len(set(row)) == n for row in ids.tolist())
+        if not (same and distinct and torch.equal(values.nan_to_num(nan=NEG_INF), want)):
+            logger.info("search: torch's topk for the candidates (the compiled kernel differs)")
+            return False
+    return True
 
 
 def _top_candidates_of_blocks(

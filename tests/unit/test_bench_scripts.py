@@ -1,7 +1,7 @@
 """benchmarks/bench_step_phases.py, bench_grad_helper.py, bench_wakeup.py, bench_streams.py,
 bench_split_rows.py, bench_weighted_rows.py, bench_read_trees.py, bench_gc.py,
 bench_translate_stream.py, bench_int8_rows.py, bench_step_attention.py, bench_adam_step.py,
-bench_beam_history.py,
+bench_beam_history.py, bench_row_top.py,
 issue19_table.sh and
 gpu/prepare_device.sh:
 bad input is one clear line (the script, the problem), exit status 2, before any timing starts."""
@@ -506,3 +506,35 @@ def test_beam_history_bench_times_a_real_models_searches_both_ways(tiny_model_fi
     rows = [line for line in out.stdout.splitlines() if "bf16 beam" in line]
     assert len(rows) == 2 and all("copies" in r and "back-pointers" in r for r in rows)
     assert "avx512f" in out.stdout.splitlines()[0]  # the CPU and its ISA beside the figures
+
+
+@pytest.mark.parametrize(
+    "args",
+    [["--pairs", "0"], ["--what", "real"], ["--what", "real", "--model", "nowhere", "--src", "x"]],
+)
+def test_row_top_bench_names_bad_arguments(args):
+    out = _run("bench_row_top.py", *args)
+    assert out.returncode == 2
+    assert "bench_row_top.py: error: --" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_row_top_bench_times_each_shape_and_a_real_models_searches_both_ways(
+    tiny_model_file, tmp_path
+):
+    from transformer import search
+
+    out = _run("bench_row_top.py", "--what", "layers", "--pairs", "1", "--threads", "1")
+    if not search.row_top_kernel():  # no AVX-512 or AVX2: torch's ops are all there is
+        assert out.returncode == 1 and "does not run here" in out.stderr
+        return
+    assert out.returncode == 0, out.stderr
+    assert " cores, " in out.stdout.splitlines()[0]  # the CPU and its ISA beside the figures
+    rows = [line for line in out.stdout.splitlines() if "best 8" in line]
+    assert len(rows) == 4 and all("torch's ops" in r and "kernel" in r for r in rows)
+    src = tmp_path / "src.txt"
+    src.write_text("A man rides a bike.\nTwo dogs play in the snow.\n" * 10, encoding="utf-8")
+    out = _run("bench_row_top.py", "--what", "real", "--model", str(tiny_model_file),
+               "--src", str(src), "--pairs", "1", "--threads", "1", "--dtype", "fp32")  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    rows = [line for line in out.stdout.splitlines() if "fp32 beam" in line]
+    assert len(rows) == 2 and all("faster in" in r for r in rows)

@@ -793,3 +793,65 @@ def test_adam_sum_squares_says_when_the_library_could_not_allocate(monkeypatch):
     monkeypatch.setattr(kernels._LIB, "adam_sumsq", lambda *args: 1)  # malloc failed
     with pytest.raises(MemoryError, match="adam_sum_squares: out of memory"):
         kernels.adam_sum_squares([torch.ones(3)])
+
+
+def _topk_by_scan(x: torch.Tensor, n: int) -> torch.Tensor:
+    """The reference for `row_top`: each row's columns ranked by value, largest first, a tie
+    to the column first in the row and a NaN ranked as -inf (a stable sort), the first n."""
+    keys = x.nan_to_num(nan=float("-inf"), posinf=float("inf"), neginf=float("-inf"))
+    return keys.sort(dim=1, descending=True, stable=True).indices[:, :n]
+
+
+@pytest.mark.parametrize("V", [1, 5, 16, 17, 63, 64, 65, 1000, 8000, 32000])
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("isa", ROWS_ISAS)
+def test_row_top_takes_each_rows_best_columns_as_a_stable_sort_would(monkeypatch, V, threads, isa):
+    """Each row's n best columns and their values: those of a stable descending sort (ties to
+    the first column, a NaN as -inf), on rows of every kind (ties, -inf, a NaN, +inf, fewer finite
+    values than n, the best in the tail past the last full vector, rising rows where every
+    column enters), for n from 1 to min(V, ROW_TOP_MAX), in each instruction set, on one
+    thread and on the team (70 x 32,000 is above MIN_THREADED)."""
+    monkeypatch.setattr(kernels, "_ROWS_ISA", isa)
+    g = torch.Generator().manual_seed(V)
+    x = torch.randn(70, V, generator=g).round(decimals=1)  # many ties
+    x[0] = float("-inf")
+    x[1, 3:] = float("-inf")
+    x[2, V // 2] = float("nan")
+    x[3, :] = float("nan")
+    x[4, -1] = 50.0
+    x[5] = torch.arange(V, dtype=torch.float32)  # rising: every column beats the n-th
+    x[6] = 7.0  # all tied
+    x[7, V // 3] = float("inf")
+    for n in sorted({1, 3, 8, min(V, 33), min(V, kernels.ROW_TOP_MAX)}):
+        if n > V:
+            continue
+        with threads_of(threads):
+            ids, values = kernels.row_top(x, n)
+        assert ids.dtype == torch.int64 and ids.shape == values.shape == (70, n)
+        assert torch.equal(ids, _topk_by_scan(x, n)), n
+        read = x.gather(1, ids)
+        assert torch.equal(read.isnan(), values.isnan())
+        assert torch.equal(read.nan_to_num(nan=0.0), values.nan_to_num(nan=0.0))
+
+
+def test_row_top_refuses_what_it_cannot_read_in_one_line():
+    x = torch.randn(4, 10)
+    assert kernels.row_top_problem(x, 3) is None
+    assert kernels.row_top(torch.empty(0, 10), 3)[0].shape == (0, 3)
+    for bad, n, says in ((x.double(), 3, "fp32"), (x[:, ::2], 2, "contiguous"),
+                         (x[0], 1, r"\(R, V\)"), (x, 0, "1 <= n"), (x, 11, "1 <= n"),
+                         (torch.randn(2, 100), kernels.ROW_TOP_MAX + 1, "1 <= n")):  # fmt: skip
+        assert kernels.row_top_problem(bad, n) is not None
+        with pytest.raises(ValueError, match=f"row_top: .*{says}"):
+            kernels.row_top(bad, n)
+    with pytest.MonkeyPatch.context() as m:  # no kernel here: a reason, never a crash
+        m.setattr(kernels, "_ROWS_ISA", None)
+        assert kernels.row_top_problem(x, 3)
+
+
+@pytest.mark.parametrize("isa", ROWS_ISAS)
+def test_row_top_calls_the_form_of_the_cpus_instruction_set(monkeypatch, isa):
+    monkeypatch.setattr(kernels, "_ROWS_ISA", isa)
+    called = _spy_library(monkeypatch)
+    kernels.row_top(torch.randn(3, 40), 4)
+    assert [name for name, _ in called] == ["row_top" + ("" if isa == "avx512" else "_avx2")]

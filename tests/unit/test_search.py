@@ -453,7 +453,14 @@ def test_row_argmax_gives_argmaxs_indices(V, bf16_read, monkeypatch):
     assert torch.equal(row_argmax(x[:0]), x[:0].argmax(dim=1))  # no rows left
 
 
-def test_top_candidates_equal_ranking_every_pair():
+# Each row's best tokens by the compiled kernel (`kernels.row_top`), where it runs here, and by
+# torch's ops (`_row_top`): the searches must not depend on which.
+ROW_TOP_WAYS = [False] + ([True] if search.row_top_kernel() else [])
+
+
+@pytest.mark.parametrize("kernel", ROW_TOP_WAYS)
+def test_top_candidates_equal_ranking_every_pair(kernel, monkeypatch):
+    monkeypatch.setattr(search, "row_top_kernel", lambda: kernel)
     g = torch.Generator().manual_seed(0)
     for k, V in ((1, 32000), (4, 32000), (4, 3000), (3, 7)):
         scores = torch.randn(6, k, generator=g) * 3
@@ -468,7 +475,9 @@ def test_top_candidates_equal_ranking_every_pair():
         assert torch.equal(got[1], want[1]) and torch.equal(got[2], want[2])  # no other ties
 
 
-def test_beam_search_with_a_large_vocabulary_equals_ranking_every_pair(monkeypatch):
+@pytest.mark.parametrize("kernel", ROW_TOP_WAYS)
+def test_beam_search_with_a_large_vocabulary_equals_ranking_every_pair(kernel, monkeypatch):
+    monkeypatch.setattr(search, "row_top_kernel", lambda: kernel)
     torch.manual_seed(0)
     model = tiny_model(vocab=3000, scale=30.0)
     src, src_mask = random_batch(3, 3000, [5, 9, 7])
@@ -478,6 +487,35 @@ def test_beam_search_with_a_large_vocabulary_equals_ranking_every_pair(monkeypat
     assert [[h.tokens for h in s] for s in got] == [[h.tokens for h in s] for s in want]
     for s, t in zip(got, want, strict=True):
         assert [h.score for h in s] == pytest.approx([h.score for h in t], abs=0, rel=0)
+
+
+@pytest.mark.skipif(not search.row_top_kernel(), reason="no compiled row_top on this CPU")
+def test_rows_best_takes_the_kernel_only_where_it_can_and_agrees_with_torchs_ops(monkeypatch):
+    """The same candidates both ways on rows without ties; rows the kernel cannot read (bf16, a
+    strided view, a beam too wide) and a row_top that differs from topk go through torch's ops."""
+    from transformer import kernels
+
+    g = torch.Generator().manual_seed(1)
+    lprobs = torch.log_softmax(torch.randn(12, 8000, generator=g) * 4, dim=-1)
+    lprobs[:, PAD_ID : BOS_ID + 1] = NEG_INF
+    ids, values = search._rows_best(lprobs, 4)
+    ref = _row_top(lprobs, 8)
+    assert torch.equal(ids, ref.gather(1, lprobs.gather(1, ref).argsort(1, descending=True)))
+    assert torch.equal(values, lprobs.gather(1, ids))
+    called = []
+    monkeypatch.setattr(kernels, "row_top", lambda *a: called.append(a) or None)
+    for rows, beam in ((lprobs.bfloat16(), 4), (lprobs[:, ::2], 4), (lprobs, 40)):
+        got_ids, got_values = search._rows_best(rows, beam)
+        want = rows.topk(got_ids.size(1)).values
+        assert torch.equal(got_values.sort(1).values, want.sort(1).values)
+    assert not called
+    # the check a process makes once: a kernel that ranks wrongly is not used
+
+    def wrong(x, n):
+        return x.topk(n).indices.flip(1), x.topk(n).values
+
+    monkeypatch.setattr(kernels, "row_top", wrong)
+    assert search.row_top_kernel.__wrapped__() is False
 
 
 class RecordingTuner:
