@@ -31,6 +31,12 @@ mask leaves out not read: a W2 search 5-6% faster greedy, 12% beam 4 (docs/perfo
 "Round thirty-eight"); an AVX2 form with FMA for CPUs without AVX-512. Its values are eq. (1)'s
 to fp32 rounding, not torch's bits.
 
+Beam search cuts each live row of a step's log-probabilities to its best 2K tokens
+(`search._rows_best`); in torch's ops four passes, one of them a topk that at V = 8,000 falls on
+torch's full sort. `row_top` takes each row in one pass, a vector compare against the 2K-th best
+so far (AVX-512, or AVX2), ties to the first column: the quickstart model's beam-4 search 5-12%
+faster, W2's 3% (docs/performance.md, "Round forty-one"). It is called without holding the GIL.
+
 With bf16 parameters the optimizer's step (`optim.MixedPrecisionAdam`) was five torch passes
 over every parameter: each bf16 gradient copied to fp32, scaled in place, its norm, torch's
 fused Adam on the fp32 masters, the masters copied back to bf16. `adam_sum_squares` and
