@@ -1334,31 +1334,18 @@ int step_attention(const float *q, int64_t qb, int64_t qh, int64_t qi, const voi
 
 /* ---- beam search's candidates: each row's n largest values (search._rows_best) ---- */
 
-/* A row's best n so far, vals[0 .. n) from the largest down and ids their columns: (v, j) goes
-   after every value >= v (a column seen earlier keeps its place in a tie), the last one out.
-   vals hold rank keys: a NaN ranks as -inf (never a better candidate than a number). */
-static inline void top_insert(float *vals, int64_t *ids, int64_t n, float v, int64_t j) {
-  int64_t i = n - 1;
+/* A row's best so far, vals[0 .. m) from the largest down and ids their columns: (v, j) goes
+   after every value >= v (a column seen earlier keeps its place in a tie); slot m - 1 is free,
+   or holds the one that drops out. vals hold rank keys: a NaN ranks as -inf (never a better
+   candidate than a number). */
+static inline void top_insert(float *vals, int64_t *ids, int64_t m, float v, int64_t j) {
+  int64_t i = m - 1;
   for (; i > 0 && vals[i - 1] < v; --i) {
     vals[i] = vals[i - 1];
     ids[i] = ids[i - 1];
   }
   vals[i] = v;
   ids[i] = j;
-}
-
-/* The row's first n columns, ranked (NaN as -inf): the scan's starting set */
-static void top_start(const float *x, int64_t n, float *vals, int64_t *ids) {
-  for (int64_t j = 0; j < n; ++j) {
-    const float v = x[j] != x[j] ? -INFINITY : x[j];
-    int64_t i = j;
-    for (; i > 0 && vals[i - 1] < v; --i) {
-      vals[i] = vals[i - 1];
-      ids[i] = ids[i - 1];
-    }
-    vals[i] = v;
-    ids[i] = j;
-  }
 }
 
 /* The columns of `bits` (bit b: column j + b) whose values beat the n-th best, in column order;
@@ -1377,81 +1364,80 @@ static inline float top_take(const float *x, int64_t j, uint32_t bits, float *va
   return thr;
 }
 
+/* A row's columns n .. V against its best n (ranked in vals, ids): 64 at a time, a vector
+   compare against the n-th best (a column rarely beats it), then the tail 16 at a time with
+   the lanes past V left out */
+AVX512 static void top_scan16(const float *x, int64_t V, int64_t n, float *vals, int64_t *ids) {
+  float thr = vals[n - 1];
+  int64_t j = n;
+  for (; j + 64 <= V; j += 64) {
+    const __m512 t = _mm512_set1_ps(thr);
+    const __mmask16 m0 = _mm512_cmp_ps_mask(_mm512_loadu_ps(x + j), t, _CMP_GT_OQ);
+    const __mmask16 m1 = _mm512_cmp_ps_mask(_mm512_loadu_ps(x + j + 16), t, _CMP_GT_OQ);
+    const __mmask16 m2 = _mm512_cmp_ps_mask(_mm512_loadu_ps(x + j + 32), t, _CMP_GT_OQ);
+    const __mmask16 m3 = _mm512_cmp_ps_mask(_mm512_loadu_ps(x + j + 48), t, _CMP_GT_OQ);
+    if (m0 | m1 | m2 | m3) {
+      thr = top_take(x, j, m0, vals, ids, n);
+      thr = top_take(x, j + 16, m1, vals, ids, n);
+      thr = top_take(x, j + 32, m2, vals, ids, n);
+      thr = top_take(x, j + 48, m3, vals, ids, n);
+    }
+  }
+  for (; j < V; j += 16) {
+    const __mmask16 in = V - j >= 16 ? 0xffff : (__mmask16)((1u << (V - j)) - 1);
+    const __m512 v = _mm512_maskz_loadu_ps(in, x + j);
+    thr = top_take(x, j, _mm512_mask_cmp_ps_mask(in, v, _mm512_set1_ps(thr), _CMP_GT_OQ), vals,
+                   ids, n);
+  }
+}
+
+/* The same on AVX2: 32 at a time, the tail 8 at a time (the lanes past V read as 0 and left out
+   of the mask): the same columns */
+AVX2 static uint32_t gt8(const float *p, __m256 t) {
+  return (uint32_t)_mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(p), t, _CMP_GT_OQ));
+}
+AVX2 static void top_scan8(const float *x, int64_t V, int64_t n, float *vals, int64_t *ids) {
+  float thr = vals[n - 1];
+  int64_t j = n;
+  for (; j + 32 <= V; j += 32) {
+    const __m256 t = _mm256_set1_ps(thr);
+    const uint32_t m0 = gt8(x + j, t), m1 = gt8(x + j + 8, t), m2 = gt8(x + j + 16, t),
+                   m3 = gt8(x + j + 24, t);
+    if (m0 | m1 | m2 | m3) {
+      thr = top_take(x, j, m0, vals, ids, n);
+      thr = top_take(x, j + 8, m1, vals, ids, n);
+      thr = top_take(x, j + 16, m2, vals, ids, n);
+      thr = top_take(x, j + 24, m3, vals, ids, n);
+    }
+  }
+  for (; j < V; j += 8) {
+    const int64_t left = V - j < 8 ? V - j : 8;
+    const __m256 v = _mm256_maskload_ps(x + j, first_lanes8(left));
+    const uint32_t in = (1u << left) - 1;
+    thr = top_take(x, j, (uint32_t)_mm256_movemask_ps(
+        _mm256_cmp_ps(v, _mm256_set1_ps(thr), _CMP_GT_OQ)) & in, vals, ids, n);
+  }
+}
+
 /* x (rows, V) fp32 rows -> ids (rows, n) the columns of each row's n largest values (1 <= n
    <= V), from the largest down, a tie to the column first in the row, a NaN ranked as -inf
    (never above a number); vals (rows, n) their values as x holds them. One pass over each
-   row: a vector compare against the n-th best so far, the rare column that beats it inserted
-   in order (the same columns as a scan one column at a time, whatever the vector width). */
-AVX512 int row_top(const float *x, int64_t rows, int64_t V, int64_t n, int64_t *ids,
-                   float *vals, int nthreads) {
+   row: its first n columns ranked, then the rest scanned by `top_scan16` where avx512 (AVX-512
+   F), else by `top_scan8` (AVX2): the same columns as a scan one column at a time, whatever the
+   vector width. The rows are shared out among nthreads OpenMP threads. */
+int row_top(const float *x, int64_t rows, int64_t V, int64_t n, int64_t *ids, float *vals,
+            int nthreads, int avx512) {
+  void (*scan)(const float *, int64_t, int64_t, float *, int64_t *) =
+      avx512 ? top_scan16 : top_scan8;
 #pragma omp parallel for schedule(static) num_threads(nthreads)
   for (int64_t r = 0; r < rows; ++r) {
     const float *xr = x + r * V;
     float *vr = vals + r * n;
     int64_t *ir = ids + r * n;
-    top_start(xr, n, vr, ir);
-    float thr = vr[n - 1];
-    int64_t j = n;
-    for (; j + 64 <= V; j += 64) { /* four vectors a test: a column rarely beats the n-th */
-      const __m512 t = _mm512_set1_ps(thr);
-      const __mmask16 m0 = _mm512_cmp_ps_mask(_mm512_loadu_ps(xr + j), t, _CMP_GT_OQ);
-      const __mmask16 m1 = _mm512_cmp_ps_mask(_mm512_loadu_ps(xr + j + 16), t, _CMP_GT_OQ);
-      const __mmask16 m2 = _mm512_cmp_ps_mask(_mm512_loadu_ps(xr + j + 32), t, _CMP_GT_OQ);
-      const __mmask16 m3 = _mm512_cmp_ps_mask(_mm512_loadu_ps(xr + j + 48), t, _CMP_GT_OQ);
-      if (m0 | m1 | m2 | m3) {
-        thr = top_take(xr, j, m0, vr, ir, n);
-        thr = top_take(xr, j + 16, m1, vr, ir, n);
-        thr = top_take(xr, j + 32, m2, vr, ir, n);
-        thr = top_take(xr, j + 48, m3, vr, ir, n);
-      }
-    }
-    for (; j < V; j += 16) { /* the tail, 16 at a time, the lanes past V left out */
-      const __mmask16 in = V - j >= 16 ? 0xffff : (__mmask16)((1u << (V - j)) - 1);
-      const __m512 v = _mm512_maskz_loadu_ps(in, xr + j);
-      thr = top_take(xr, j, _mm512_mask_cmp_ps_mask(in, v, _mm512_set1_ps(thr), _CMP_GT_OQ),
-                     vr, ir, n);
-    }
+    for (int64_t j = 0; j < n; ++j) /* the first n, ranked */
+      top_insert(vr, ir, j + 1, xr[j] != xr[j] ? -INFINITY : xr[j], j);
+    scan(xr, V, n, vr, ir);
     for (int64_t i = 0; i < n; ++i) vr[i] = xr[ir[i]]; /* the values (a NaN's own, not -inf) */
-  }
-  return 0;
-}
-
-/* The same on AVX2 (8 lanes): the same columns */
-AVX2 int row_top_avx2(const float *x, int64_t rows, int64_t V, int64_t n, int64_t *ids,
-                      float *vals, int nthreads) {
-#pragma omp parallel for schedule(static) num_threads(nthreads)
-  for (int64_t r = 0; r < rows; ++r) {
-    const float *xr = x + r * V;
-    float *vr = vals + r * n;
-    int64_t *ir = ids + r * n;
-    top_start(xr, n, vr, ir);
-    float thr = vr[n - 1];
-    int64_t j = n;
-    for (; j + 32 <= V; j += 32) {
-      const __m256 t = _mm256_set1_ps(thr);
-      const uint32_t m0 = (uint32_t)_mm256_movemask_ps(
-          _mm256_cmp_ps(_mm256_loadu_ps(xr + j), t, _CMP_GT_OQ));
-      const uint32_t m1 = (uint32_t)_mm256_movemask_ps(
-          _mm256_cmp_ps(_mm256_loadu_ps(xr + j + 8), t, _CMP_GT_OQ));
-      const uint32_t m2 = (uint32_t)_mm256_movemask_ps(
-          _mm256_cmp_ps(_mm256_loadu_ps(xr + j + 16), t, _CMP_GT_OQ));
-      const uint32_t m3 = (uint32_t)_mm256_movemask_ps(
-          _mm256_cmp_ps(_mm256_loadu_ps(xr + j + 24), t, _CMP_GT_OQ));
-      if (m0 | m1 | m2 | m3) {
-        thr = top_take(xr, j, m0, vr, ir, n);
-        thr = top_take(xr, j + 8, m1, vr, ir, n);
-        thr = top_take(xr, j + 16, m2, vr, ir, n);
-        thr = top_take(xr, j + 24, m3, vr, ir, n);
-      }
-    }
-    for (; j < V; j += 8) { /* the lanes past V read as 0 and are left out of the mask */
-      const int64_t left = V - j < 8 ? V - j : 8;
-      const __m256 v = _mm256_maskload_ps(xr + j, first_lanes8(left));
-      const uint32_t in = (1u << left) - 1;
-      thr = top_take(xr, j, (uint32_t)_mm256_movemask_ps(
-          _mm256_cmp_ps(v, _mm256_set1_ps(thr), _CMP_GT_OQ)) & in, vr, ir, n);
-    }
-    for (int64_t i = 0; i < n; ++i) vr[i] = xr[ir[i]];
   }
   return 0;
 }
@@ -1622,9 +1608,7 @@ def _load() -> None:
             + [f32, p, i32, p, i32, i32]
         )
         free.step_attention.restype = ctypes.c_int
-        for name in ("row_top", "row_top_avx2"):
-            getattr(free, name).argtypes = [p, i64, i64, i64, p, p, i32]
-            getattr(free, name).restype = ctypes.c_int
+        free.row_top.argtypes, free.row_top.restype = [p, i64, i64, i64, p, p, i32, i32], i32
         _LIB, _NOGIL = lib, free
     except (OSError, subprocess.SubprocessError) as e:
         _WHY = str(e)
@@ -2024,10 +2008,9 @@ def row_top(x: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         raise ValueError(f"row_top: {problem}")
     R, V = x.shape
     ids, values = torch.empty((R, n), dtype=torch.int64), torch.empty((R, n))
-    if R:
-        form = "row_top" if _ROWS_ISA == "avx512" else "row_top_avx2"
-        getattr(_NOGIL, form)(x.data_ptr(), R, V, n, ids.data_ptr(), values.data_ptr(),
-                              _threads(x.numel()))  # fmt: skip
+    if R:  # the last argument: which form runs (`_ROWS_ISA`)
+        _NOGIL.row_top(x.data_ptr(), R, V, n, ids.data_ptr(), values.data_ptr(),
+                       _threads(x.numel()), int(_ROWS_ISA == "avx512"))  # fmt: skip
     return ids, values
 
 
