@@ -976,13 +976,22 @@ AVX512BW static void step_head(const float *q, int64_t qi, const float *k, int k
    scaled back (not in the paper). The same bits as its torch ops, one pass each. ---- */
 
 /* top[r] = max(max_j |x[r, j]| (nonneg: max_j x[r, j]), tiny), NaN where the row has one
-   (torch's amax, then clamp_min); xs[r, j] = x[r, j] * (1 / top[r]) (reciprocal, multiply) */
+   (torch's amax, then clamp_min); xs[r, j] = x[r, j] * (1 / top[r]) (reciprocal, multiply).
+   With q (not NULL) the 8-bit inputs instead of xs: q[r, j] = round(xs[r, j] * levels) + zp to
+   nearest even, saturated to 0 .. 255, a NaN's as zp (xs not written). */
+AVX512 static inline void store_u8(uint8_t *q, __m512 xs, __m512 levels, int zp, __mmask16 t) {
+  __m512 v = _mm512_mul_ps(xs, levels);
+  v = _mm512_mask_mov_ps(v, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_setzero_ps());
+  __m512i i = _mm512_add_epi32(_mm512_cvtps_epi32(v), _mm512_set1_epi32(zp));
+  i = _mm512_max_epi32(_mm512_min_epi32(i, _mm512_set1_epi32(255)), _mm512_setzero_si512());
+  _mm512_mask_cvtepi32_storeu_epi8(q, t, i);
+}
 AVX512 int int8_rows_in(const float *x, int64_t rows, int64_t k, int nonneg, float tiny,
-                        float *xs, float *top, int nthreads) {
+                        float *xs, float *top, int nthreads, uint8_t *q, float levels, int zp) {
 #pragma omp parallel for schedule(static) num_threads(nthreads)
   for (int64_t r = 0; r < rows; ++r) {
     const float *xr = x + r * k;
-    float *o = xs + r * k;
+    float *o = q ? NULL : xs + r * k;
     __m512 m = _mm512_set1_ps(-INFINITY);
     __mmask16 nan = 0;
     int64_t j = 0;
@@ -1001,6 +1010,17 @@ AVX512 int int8_rows_in(const float *x, int64_t rows, int64_t k, int nonneg, flo
     mx = nan ? NAN : (mx < tiny ? tiny : mx);
     top[r] = mx;
     __m512 inv = _mm512_div_ps(_mm512_set1_ps(1.f), _mm512_set1_ps(mx));
+    if (q) {
+      const __m512 lv = _mm512_set1_ps(levels);
+      uint8_t *qr = q + r * k;
+      for (j = 0; j + 16 <= k; j += 16)
+        store_u8(qr + j, _mm512_mul_ps(_mm512_loadu_ps(xr + j), inv), lv, zp, 0xffff);
+      if (j < k) {
+        __mmask16 t = (__mmask16)((1u << (k - j)) - 1);
+        store_u8(qr + j, _mm512_mul_ps(_mm512_maskz_loadu_ps(t, xr + j), inv), lv, zp, t);
+      }
+      continue;
+    }
     for (j = 0; j + 16 <= k; j += 16)
       _mm512_storeu_ps(o + j, _mm512_mul_ps(_mm512_loadu_ps(xr + j), inv));
     if (j < k) {
@@ -1046,12 +1066,22 @@ AVX2 static inline __m256i first_lanes8(int64_t n) { /* lanes 0 .. n - 1 set */
   return _mm256_cmpgt_epi32(_mm256_set1_epi32((int)n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
 }
 
+AVX2 static inline void store_u8_avx2(uint8_t *q, __m256 xs, __m256 levels, int zp, int64_t n) {
+  __m256 v = _mm256_mul_ps(xs, levels);
+  v = _mm256_andnot_ps(_mm256_cmp_ps(v, v, _CMP_UNORD_Q), v); /* a NaN's lanes: 0 */
+  __m256i i = _mm256_add_epi32(_mm256_cvtps_epi32(v), _mm256_set1_epi32(zp));
+  i = _mm256_max_epi32(_mm256_min_epi32(i, _mm256_set1_epi32(255)), _mm256_setzero_si256());
+  int32_t lanes[8];
+  _mm256_storeu_si256((__m256i *)lanes, i);
+  for (int64_t l = 0; l < n; ++l) q[l] = (uint8_t)lanes[l];
+}
 AVX2 int int8_rows_in_avx2(const float *x, int64_t rows, int64_t k, int nonneg, float tiny,
-                           float *xs, float *top, int nthreads) {
+                           float *xs, float *top, int nthreads, uint8_t *q, float levels,
+                           int zp) {
 #pragma omp parallel for schedule(static) num_threads(nthreads)
   for (int64_t r = 0; r < rows; ++r) {
     const float *xr = x + r * k;
-    float *o = xs + r * k;
+    float *o = q ? NULL : xs + r * k;
     const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
     __m256 m = _mm256_set1_ps(-INFINITY);
     int nan = 0;
@@ -1075,6 +1105,16 @@ AVX2 int int8_rows_in_avx2(const float *x, int64_t rows, int64_t k, int nonneg, 
     mx = nan ? NAN : (mx < tiny ? tiny : mx);
     top[r] = mx;
     __m256 inv = _mm256_div_ps(_mm256_set1_ps(1.f), _mm256_set1_ps(mx));
+    if (q) {
+      const __m256 lv = _mm256_set1_ps(levels);
+      uint8_t *qr = q + r * k;
+      for (j = 0; j < k; j += 8) {
+        const int64_t n = k - j < 8 ? k - j : 8;
+        __m256 v = _mm256_maskload_ps(xr + j, first_lanes8(n));
+        store_u8_avx2(qr + j, _mm256_mul_ps(v, inv), lv, zp, n);
+      }
+      continue;
+    }
     for (j = 0; j + 8 <= k; j += 8)
       _mm256_storeu_ps(o + j, _mm256_mul_ps(_mm256_loadu_ps(xr + j), inv));
     if (j < k) {
@@ -1598,7 +1638,7 @@ def _load() -> None:
                 getattr(free, "int8_rows_out" + isa),
             )
             rows_in.argtypes, rows_out.argtypes = (
-                [p, i64, i64, i32, f32, p, p, i32],
+                [p, i64, i64, i32, f32, p, p, i32, p, f32, i32],
                 [p, i64, i64, p, p, i32],
             )
             rows_in.restype = rows_out.restype = ctypes.c_int
@@ -1957,8 +1997,25 @@ def int8_rows_in(x: torch.Tensor, nonnegative: bool, tiny: float):
     if x.numel():
         k = x.size(-1)
         _row_kernel("in")(x.data_ptr(), x.numel() // k, k, int(nonnegative), tiny, xs.data_ptr(),
-                          top.data_ptr(), _threads(x.numel()))  # fmt: skip
+                          top.data_ptr(), _threads(x.numel()), None, 0.0, 0)  # fmt: skip
     return xs, top
+
+
+def int8_rows_u8(x: torch.Tensor, nonnegative: bool, tiny: float, levels: float, zero: int):
+    """`int8_rows_in`'s rows quantized in the same pass: x (..., K) fp32, contiguous -> (q,
+    top), q (..., K) uint8 = round(x * (1 / top) * levels) + zero (to nearest even, then
+    saturated to 0 .. 255; where x * (1 / top) is NaN, zero), top as `int8_rows_in`'s. The
+    inputs of oneDNN's int8 product (`translate.Int8Linear`). Only where `rows_supported()`."""
+    _require("int8_rows_u8", x, bf16=False, rows=True)
+    if x.dtype != torch.float32 or x.dim() == 0:
+        raise ValueError("int8_rows_u8: a contiguous fp32 CPU tensor of rows")
+    q, top = torch.empty(x.shape, dtype=torch.uint8), torch.empty(x.shape[:-1] + (1,))
+    if x.numel():
+        k = x.size(-1)
+        _row_kernel("in")(x.data_ptr(), x.numel() // k, k, int(nonnegative), tiny, None,
+                          top.data_ptr(), _threads(x.numel()), q.data_ptr(), levels,
+                          zero)  # fmt: skip
+    return q, top
 
 
 def int8_rows_out_(y: torch.Tensor, top: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

@@ -112,7 +112,8 @@ class SentenceAttention:
 
 class Int8Linear(nn.Module):
     """y = x W^T + b with W in int8, one scale per output row (symmetric), and each row of x
-    quantized to 8 bits on its own range (fbgemm's int8 kernels).
+    quantized to 8 bits on its own range (oneDNN's int8 product where `int8_onednn()`: CPUs
+    with VNNI; fbgemm's elsewhere).
 
     Each input row is divided by its largest |x| and rounded on one fixed grid: [-1, 1] in 254
     steps (u8 1..255, zero point 128), or [0, 1] in 255 where the inputs are never negative
@@ -164,8 +165,16 @@ class Int8Linear(nn.Module):
                 qweight = torch.quantize_per_channel(w, scales, zeros, axis=0, dtype=torch.qint8)
             else:
                 qweight = torch._make_per_channel_quantized_tensor(ints, scales, zeros, 0)
-        # The bias is added after each row is scaled back, so the kernel gets none.
-        self.packed = torch.ops.quantized.linear_prepack(qweight, None)
+        # The bias is added after each row is scaled back, so the product gets none. oneDNN's
+        # product (`int8_onednn`) keeps the integers beside its packed copy (`stacked` reads
+        # them); fbgemm's packed weights give them back.
+        self.packed = self.ints = self.scales = self.dnn = None
+        if int8_onednn():
+            self.ints, self.scales = qweight.int_repr(), scales.double()
+            self.dnn = torch.ops.onednn.qlinear_prepack(self.ints, None)
+            self.dnn_scales, self.dnn_zeros = self.scales.float(), zeros
+        else:
+            self.packed = torch.ops.quantized.linear_prepack(qweight, None)
         self.bias = None if bias is None else bias.detach().float().contiguous()
         self.in_features, self.out_features = w.size(1), w.size(0)
         self.narrow_weights, self.out_dtype = narrow_weights, out_dtype
@@ -182,10 +191,10 @@ class Int8Linear(nn.Module):
         product (`cache.StepProjections`): one fbgemm call's fixed cost fewer per layer."""
         ints, scales, biases = [], [], []
         for part, factor in parts:
-            qweight = torch.ops.quantized.linear_unpack(part.packed)[0]
-            ints.append(qweight.int_repr())
-            scales.append(qweight.q_per_channel_scales().double() * factor)
-            rows = qweight.size(0)
+            part_ints, part_scales = part.integer_weights()
+            ints.append(part_ints)
+            scales.append(part_scales * factor)
+            rows = part_ints.size(0)
             biases.append(torch.zeros(rows) if part.bias is None else part.bias * factor)
         first = parts[0][0]
         if len({part.nonnegative_inputs for part, _ in parts}) > 1:
@@ -195,9 +204,19 @@ class Int8Linear(nn.Module):
                    rounded=(torch.cat(ints), torch.cat(scales)),
                    nonnegative_inputs=first.nonnegative_inputs)  # fmt: skip
 
+    def integer_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The weights as the product takes them: integers (out, in) int8 and each row's scale
+        (out,) fp64."""
+        if self.packed is None:
+            return self.ints, self.scales
+        qweight = torch.ops.quantized.linear_unpack(self.packed)[0]
+        return qweight.int_repr(), qweight.q_per_channel_scales().double()
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x.detach()  # inference only: fbgemm's product has no gradient
+        x = x.detach()  # inference only: the int8 products have no gradient
         fused = x.dtype == torch.float32 and x.is_contiguous() and int8_row_kernels()
+        if self.dnn is not None:
+            return self._forward_onednn(x, fused)
         # Each row's largest |x| (at least TINY: a row of zeros stays 0, not 0/0), and the
         # row times its inverse (a multiply by a per-row value: cheaper than dividing).
         if fused:  # the same bits in one pass each (`kernels.int8_rows_in`, `int8_rows_out_`)
@@ -211,11 +230,32 @@ class Int8Linear(nn.Module):
             return kernels.int8_rows_out_(y, top, self.bias).to(self.out_dtype or x.dtype)
         return _rows_out_(y, top, self.bias).to(self.out_dtype or x.dtype)
 
+    def _forward_onednn(self, x: torch.Tensor, fused: bool) -> torch.Tensor:
+        """oneDNN's product of each row's 8-bit inputs (`int8_onednn`): the rows quantized to
+        u8 in the pass that finds their ranges (`kernels.int8_rows_u8`, or `_rows_u8`)."""
+        scale, zero = self.grid
+        levels = 255.0 if self.nonnegative_inputs else 127.0  # 1 / scale
+        rows = x.reshape(-1, self.in_features)
+        if fused:
+            q, top = kernels.int8_rows_u8(rows, self.nonnegative_inputs, TINY, levels, zero)
+        else:
+            q, top = _rows_u8(rows, self.nonnegative_inputs)
+        if q.size(0):
+            y = torch.ops.onednn.qlinear_pointwise(
+                q, scale, zero, self.dnn, self.dnn_scales, self.dnn_zeros, None, 1.0, 0,
+                torch.float32, "none", [], "",
+            )  # fmt: skip
+        else:
+            y = torch.empty(0, self.out_features)
+        y = kernels.int8_rows_out_(y, top, self.bias) if fused else _rows_out_(y, top, self.bias)
+        return y.view(*x.shape[:-1], self.out_features).to(self.out_dtype or x.dtype)
+
     def extra_repr(self) -> str:
         narrow = self.narrow_weights
         nonneg = self.nonnegative_inputs
+        product = "onednn" if self.dnn is not None else "fbgemm"
         return (f"in={self.in_features}, out={self.out_features}, narrow_weights={narrow}, "
-                f"nonnegative_inputs={nonneg}")  # fmt: skip
+                f"nonnegative_inputs={nonneg}, product={product}")  # fmt: skip
 
 
 class PackedLinear(nn.Module):
@@ -338,6 +378,17 @@ def _rows_in(x: torch.Tensor, nonnegative: bool) -> tuple[torch.Tensor, torch.Te
     return x * top.reciprocal(), top
 
 
+def _rows_u8(x: torch.Tensor, nonnegative: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """`Int8Linear`'s 8-bit input rows in torch's ops (oneDNN's product): (q, top), q uint8 =
+    round(x * (1 / top) * levels) + zero point, to nearest even, saturated to 0 .. 255 (a
+    NaN: the zero point), on `Int8Linear.grid`'s levels: 255 from 0 (`nonnegative`), 127 either
+    side of 128."""
+    xs, top = _rows_in(x, nonnegative)
+    levels, zero = (255.0, 0) if nonnegative else (127.0, 128)
+    q = (xs.float() * levels).nan_to_num_(nan=0.0).round_().add_(zero).clamp_(0, 255)
+    return q.to(torch.uint8), top
+
+
 def _rows_out_(y: torch.Tensor, top: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """`Int8Linear`'s output rows in torch's ops, in place: y * top, then + bias (a multiply,
     then an add: never a fused multiply-add)."""
@@ -373,6 +424,48 @@ def int8_row_kernels() -> bool:
             return False
     nan = torch.tensor([[1.0, float("nan"), 2.0]])
     return bool(kernels.int8_rows_in(nan, False, TINY)[1].isnan().all())
+
+
+@functools.cache
+def int8_onednn() -> bool:
+    """Whether `Int8Linear` multiplies through oneDNN (`onednn::qlinear_pointwise` on u8 rows)
+    instead of fbgemm: on CPUs with VNNI (8-bit weights), where this torch has the op, and
+    only once it has matched the exact product (integer sums, then (sum x input scale) x row
+    scale, to 2e-7 of each row's largest) and given a row the same bits in any batch. At
+    decoding's shapes on a Zen 5 it multiplies 20-35% faster than fbgemm, whose integer sums
+    were off in 0.3% of the outputs at 256 rows with signed inputs (docs/performance.md,
+    "Round forty-one"). `TRANSFORMER_INT8_PRODUCT=fbgemm` keeps fbgemm's. Decoding streams
+    may ask at once: each gets the same answer."""
+    if os.environ.get("TRANSFORMER_INT8_PRODUCT", "").lower() == "fbgemm":
+        return False
+    if int8_narrow_weights() or not torch.backends.mkldnn.is_available():
+        return False
+    try:
+        prepack, product = torch.ops.onednn.qlinear_prepack, torch.ops.onednn.qlinear_pointwise
+        g = torch.Generator().manual_seed(0)
+        for k, n, zero, scale in ((300, 70, 128, 1 / 127), (37, 19, 0, 1 / 255)):
+            ints = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8)
+            scales = torch.rand(n, generator=g) * 0.01 + 1e-4
+            q = torch.randint(0, 256, (40, k), generator=g, dtype=torch.uint8)
+            packed, zeros = prepack(ints, None), torch.zeros(n, dtype=torch.long)
+
+            def mul(rows, packed=packed, scale=scale, zero=zero, scales=scales, zeros=zeros):
+                return product(rows, scale, zero, packed, scales, zeros, None, 1.0, 0,
+                               torch.float32, "none", [], "")  # fmt: skip
+
+            y = mul(q)
+            exact = ((q.double() - zero) @ ints.double().t()) * scale * scales.double()
+            close = (y.double() - exact).abs() <= 2e-7 * exact.abs().amax(1, keepdim=True)
+            alone = all(torch.equal(mul(q[i : i + m].contiguous()).view(torch.int32),
+                                    y[i : i + m].view(torch.int32))
+                        for i, m in ((5, 1), (0, 17), (23, 17)))  # fmt: skip
+            if not (bool(close.all()) and alone):
+                logger.info("Int8Linear: fbgemm's product (oneDNN's differs from the exact one)")
+                return False
+    except (AttributeError, RuntimeError) as e:  # no such op, or it refused
+        logger.info("Int8Linear: fbgemm's product (oneDNN's: %s)", e)
+        return False
+    return True
 
 
 def int8_kernels() -> bool:

@@ -1,7 +1,7 @@
 """benchmarks/bench_step_phases.py, bench_grad_helper.py, bench_wakeup.py, bench_streams.py,
 bench_split_rows.py, bench_weighted_rows.py, bench_read_trees.py, bench_gc.py,
 bench_translate_stream.py, bench_int8_rows.py, bench_step_attention.py, bench_adam_step.py,
-bench_beam_history.py, bench_row_top.py,
+bench_beam_history.py, bench_row_top.py, bench_int8_product.py,
 issue19_table.sh and
 gpu/prepare_device.sh:
 bad input is one clear line (the script, the problem), exit status 2, before any timing starts."""
@@ -538,3 +538,26 @@ def test_row_top_bench_times_each_shape_and_a_real_models_searches_both_ways(
     assert out.returncode == 0, out.stderr
     rows = [line for line in out.stdout.splitlines() if "fp32 beam" in line]
     assert len(rows) == 2 and all("faster in" in r for r in rows)
+
+
+@pytest.mark.parametrize("args", [["--pairs", "0"], ["--what", "real"], ["--threads", "x"]])
+def test_int8_product_bench_names_bad_arguments(args):
+    out = _run("bench_int8_product.py", *args)
+    assert out.returncode == 2
+    assert "bench_int8_product.py: error: --" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_int8_product_bench_times_a_real_models_searches_both_ways(tiny_model_file, tmp_path):
+    from transformer import translate
+
+    src = tmp_path / "src.txt"
+    src.write_text("A man rides a bike.\nTwo dogs play in the snow.\n" * 10, encoding="utf-8")
+    out = _run("bench_int8_product.py", "--what", "real", "--model", str(tiny_model_file),
+               "--src", str(src), "--pairs", "1", "--threads", "1")  # fmt: skip
+    if not translate.int8_onednn():  # no VNNI: fbgemm's product is all there is
+        assert out.returncode == 1 and "does not run here" in out.stderr
+        return
+    assert out.returncode == 0, out.stderr
+    rows = [line for line in out.stdout.splitlines() if "int8 beam" in line]
+    assert len(rows) == 2 and all("fbgemm" in r and "oneDNN" in r for r in rows)
+    assert " cores, " in out.stdout.splitlines()[0]  # the CPU and its ISA beside the figures

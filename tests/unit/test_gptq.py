@@ -97,14 +97,14 @@ def test_input_moments_and_quantize_int8_with_them(monkeypatch):
     ffn_rtn = rtn.encoder_layers[0].ffn.w_1
     ffn_gptq = calibrated.encoder_layers[0].ffn.w_1
     assert isinstance(ffn_gptq, Int8Linear)
-    w_rtn = torch.ops.quantized.linear_unpack(ffn_rtn.packed)[0]
-    w_gptq = torch.ops.quantized.linear_unpack(ffn_gptq.packed)[0]
-    assert torch.equal(w_rtn.q_per_channel_scales(), w_gptq.q_per_channel_scales())  # one grid
-    assert not torch.equal(w_rtn.int_repr(), w_gptq.int_repr())
+    (ints_rtn, scales_rtn), (ints_gptq, scales_gptq) = (
+        ffn_rtn.integer_weights(), ffn_gptq.integer_weights())  # fmt: skip
+    assert torch.equal(scales_rtn, scales_gptq)  # one grid
+    assert not torch.equal(ints_rtn, ints_gptq)
     levels = 63.0 if ffn_gptq.narrow_weights else 127.0
     w = model.encoder_layers[0].ffn.w_1.weight
     want = gptq_round(w, row_scales(w, levels), levels, moments["encoder_layers.0.ffn.w_1"])
-    assert torch.equal(w_gptq.int_repr().double(), want)
+    assert torch.equal(ints_gptq.double(), want)
     with pytest.raises(ValueError, match="no input moments for"):
         quantize_int8(model, moments={PROJECTION: moments[PROJECTION]})
     src = torch.randint(4, 30, (3, 6))
@@ -176,9 +176,9 @@ def test_translator_int8_takes_the_files_gptq_weights_and_auto_picks_them(
     assert int8_levels() == 63
     tr = Translator.from_path(out, dtype="int8")
     ints, scales = tr.loaded.int8[63]["encoder_layers.0.ffn.w_1"]
-    w = torch.ops.quantized.linear_unpack(tr.model.encoder_layers[0].ffn.w_1.packed)[0]
-    assert torch.equal(w.int_repr(), ints)
-    assert torch.equal(w.q_per_channel_scales().float(), scales)
+    w_ints, w_scales = tr.model.encoder_layers[0].ffn.w_1.integer_weights()
+    assert torch.equal(w_ints, ints)
+    assert torch.equal(w_scales.float(), scales)
     assert Translator.from_path(out, dtype="auto").dtype_name == "int8"
     assert Translator.from_path(plain, dtype="auto").dtype_name == "fp32"
     lines = ["A man is riding a bike.", "Two dogs play in the snow."]

@@ -407,6 +407,36 @@ def test_int8_rows_are_the_bits_of_int8_linears_torch_ops(
         assert torch.equal(got[~nan].view(torch.int32), want[~nan].view(torch.int32))
 
 
+@pytest.mark.parametrize("shape", [(1, 1), (3, 16), (5, 37), (12, 512), (64, 2048), (300, 260)])
+@pytest.mark.parametrize("nonnegative", [False, True])
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("isa", ROWS_ISAS)
+def test_int8_rows_u8_are_the_bytes_of_int8_linears_torch_ops(
+    monkeypatch, shape, nonnegative, threads, isa
+):
+    """oneDNN's 8-bit inputs (`translate.Int8Linear`): the same bytes and row maxima as its
+    torch ops (`_rows_u8`: rounding to nearest even, saturation, a NaN's zero point), for the
+    rows of every kind above, in each instruction set, on one thread and on the team."""
+    from transformer.translate import TINY, _rows_u8
+
+    monkeypatch.setattr(kernels, "_ROWS_ISA", isa)
+    x = _int8_rows(*shape, nonnegative)
+    levels, zero = (255.0, 0) if nonnegative else (127.0, 128)
+    with threads_of(threads):
+        q, top = kernels.int8_rows_u8(x, nonnegative, TINY, levels, zero)
+    want_q, want_top = _rows_u8(x, nonnegative)
+    assert q.dtype == torch.uint8 and q.shape == x.shape and top.shape == (shape[0], 1)
+    assert torch.equal(q, want_q)
+    nan = want_top.isnan()
+    assert torch.equal(top.isnan(), nan) and torch.equal(top[~nan], want_top[~nan])
+    halves = torch.tensor([[1.0, 0.5 / 127, 1.5 / 127, -0.5 / 127, 2.5 / 127]])  # ties: even
+    assert kernels.int8_rows_u8(halves, False, TINY, 127.0, 128)[0].tolist() == [
+        _rows_u8(halves, False)[0].flatten().tolist()
+    ]
+    with pytest.raises(ValueError, match="int8_rows_u8"):
+        kernels.int8_rows_u8(x.double(), nonnegative, TINY, levels, zero)
+
+
 @pytest.mark.parametrize("isa", ROWS_ISAS)
 def test_int8_rows_out_multiplies_then_adds_never_one_fma(monkeypatch, isa):
     """y * top + bias rounded twice: values where one fused multiply-add would differ."""

@@ -628,9 +628,21 @@ def test_the_stop_rule_reaches_the_search(model_file, monkeypatch):
     assert seen == ["t2t", "t2t", "fairseq", "fairseq"]  # two batches each (max_tokens=40)
 
 
+# `Int8Linear`'s products this CPU runs: fbgemm's everywhere, oneDNN's where
+# `int8_onednn()` holds (VNNI); the layer tests below run under each.
+INT8_PRODUCTS = ["fbgemm"] + (["onednn"] if transformer.translate.int8_onednn() else [])
+
+
+@pytest.fixture(params=INT8_PRODUCTS)
+def int8_product(request, monkeypatch):
+    """Layers built in this test multiply through this product."""
+    monkeypatch.setattr(transformer.translate, "int8_onednn", lambda: request.param == "onednn")
+    return request.param
+
+
 @pytest.mark.parametrize("narrow", [None, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_int8_linear_is_close_to_the_fp32_product(narrow, dtype):
+def test_int8_linear_is_close_to_the_fp32_product(narrow, dtype, int8_product):
     # None: the weights' range quantize_int8 takes on this CPU (8 bits with VNNI, 7 without:
     # 8-bit weights and inputs saturate there, test_int8_weights_are_narrow_without_vnni).
     narrow = int8_narrow_weights() if narrow is None else narrow
@@ -653,7 +665,7 @@ def test_int8_linear_is_close_to_the_fp32_product(narrow, dtype):
 @pytest.mark.parametrize("nonnegative", [False, True])
 @pytest.mark.parametrize("narrow", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_int8_linear_rows_do_not_depend_on_each_other(narrow, nonnegative, dtype):
+def test_int8_linear_rows_do_not_depend_on_each_other(narrow, nonnegative, dtype, int8_product):
     # Each row is quantized on its own range: rows 1,000x apart, a row of zeros, alone or in
     # any batch, give the same values bit for bit; and the small rows keep their precision.
     g = torch.Generator().manual_seed(3)
@@ -680,7 +692,7 @@ def test_int8_linear_rows_do_not_depend_on_each_other(narrow, nonnegative, dtype
         assert err[[0, 1, 2, 4, 5, 6]].max() < (0.02 if narrow else 0.015), err
 
 
-def test_int8_linear_takes_relu_inputs_on_their_own_8_bit_grid():
+def test_int8_linear_takes_relu_inputs_on_their_own_8_bit_grid(int8_product):
     # [0, max] in 255 steps for the FFN's second layer (ReLU's outputs), not half of [-max, max]
     # in 254: an input of 1/255 of its row's largest is exact there, and rounded to 0 or 2/254
     # on the signed grid.
@@ -702,7 +714,7 @@ def test_int8_linear_takes_relu_inputs_on_their_own_8_bit_grid():
 
 
 @pytest.mark.parametrize("narrow", [False, True])
-def test_stacked_int8_linears_give_each_parts_values_exactly(narrow):
+def test_stacked_int8_linears_give_each_parts_values_exactly(narrow, int8_product):
     # A decoder step's W^Q (times 1/8) and W^KV as one product must change no value: the same
     # 8-bit inputs, the same integers, each row's scale and bias times a power of two.
     g = torch.Generator().manual_seed(1)
@@ -742,7 +754,7 @@ def test_int8_cached_decoding_runs_stacked_projections_with_the_same_values(d_k,
         assert torch.equal(stacked, steps(model.new_cache()))  # the layers' own modules
 
 
-def test_narrow_int8_weights_do_not_saturate_on_any_cpu():
+def test_narrow_int8_weights_do_not_saturate_on_any_cpu(int8_product):
     # The worst case for AVX2's int16 pair sums: inputs at the top of their 8-bit range (u8 255,
     # zero point 0: ReLU outputs, the FFN's second layer) times weights at the top of theirs.
     # With 7-bit weights the product is exact on every CPU, VNNI or not; 8-bit weights give
@@ -765,7 +777,7 @@ def test_int8_weights_are_narrow_without_vnni(model_file, tmp_path, monkeypatch,
     q = quantize_int8(Translator.from_path(model_file).loaded.model)
     layers = [m for m in q.modules() if isinstance(m, Int8Linear)]
     assert layers and {m.narrow_weights for m in layers} == {narrow}
-    assert all(m.packed.unpack()[0].int_repr().abs().max() == (63 if narrow else 127)
+    assert all(m.integer_weights()[0].abs().max() == (63 if narrow else 127)
                for m in layers)  # fmt: skip
 
 
@@ -794,7 +806,7 @@ def _int8_study():
     return study
 
 
-def test_int8_error_study_simulates_the_int8_kernels():
+def test_int8_error_study_simulates_the_int8_kernels(int8_product):
     # benchmarks/int8_error_parts.py attributes int8's BLEU cost to weights and inputs by
     # simulating each rounding in fp32; its full variant must be what Int8Linear computes
     # (up to the kernels' accumulation order) with the weights this CPU takes (7 bits without
@@ -973,7 +985,7 @@ def test_packed_projection_shares_the_parameters_and_leaves_the_model_alone(mode
 @pytest.mark.parametrize("bias", [True, False])
 @pytest.mark.parametrize("shape", [(5, 7, 64), (1, 64), (64, 512)])
 def test_int8_linear_gives_the_same_bits_with_and_without_its_row_kernels(
-    monkeypatch, nonnegative, bias, shape
+    monkeypatch, nonnegative, bias, shape, int8_product
 ):
     # `kernels.int8_rows_in` / `int8_rows_out_` where they run (an AVX-512 CPU), torch's ops
     # otherwise: the same values either way, so a translation does not depend on which.
@@ -1014,3 +1026,65 @@ def test_int8_row_kernels_run_only_where_they_give_torchs_bits(monkeypatch, capl
     finally:
         monkeypatch.undo()
         check.cache_clear()
+
+
+def test_int8_linears_products_agree_and_onednns_is_the_exact_one(monkeypatch):
+    """oneDNN's product of the same 8-bit inputs and integer weights is fbgemm's to fp32
+    rounding where fbgemm's integer sums are exact, and the exact one (integer sums, then
+    (sum x input scale) x row scale) to 2e-7 of each row's largest everywhere; the layer says
+    which product it runs. A CPU without VNNI keeps fbgemm's 7-bit path."""
+    if not transformer.translate.int8_onednn():
+        assert int8_narrow_weights()  # the one reason a torch with oneDNN goes without it
+        return
+    g = torch.Generator().manual_seed(5)
+    for rows, k, n, nonneg in ((64, 512, 300, False), (256, 512, 300, False), (40, 96, 24, True)):
+        w, b = torch.randn(n, k, generator=g) * 0.1, torch.randn(n, generator=g)
+        x = torch.randn(rows, k, generator=g)
+        x = x.relu() if nonneg else x
+        layer = {}
+        for on in (False, True):
+            monkeypatch.setattr(transformer.translate, "int8_onednn", lambda on=on: on)
+            layer[on] = Int8Linear(w, b, False, nonnegative_inputs=nonneg)
+        assert "product=onednn" in repr(layer[True]) and "product=fbgemm" in repr(layer[False])
+        ints, scales = layer[True].integer_weights()
+        assert torch.equal(ints, layer[False].integer_weights()[0])
+        q, top = transformer.translate._rows_u8(x, nonneg)
+        zero = 0 if nonneg else 128
+        exact = ((q.double() - zero) @ ints.double().t()) * layer[True].grid[0] * scales
+        exact = exact.float() * top + b  # each row scaled back, then the bias, as both do
+        got = {on: layer[on](x) for on in (False, True)}
+        big = exact.abs().amax(1, keepdim=True)
+        assert bool(((got[True] - exact).abs() <= 1e-6 * big).all())
+        assert bool(((got[False] - exact).abs() <= 1e-3 * big).all())  # fbgemm: see the docstring
+
+
+def test_int8_onednn_is_chosen_only_where_it_matches_the_exact_product(monkeypatch, caplog):
+    check = transformer.translate.int8_onednn.__wrapped__
+    monkeypatch.setenv("TRANSFORMER_INT8_PRODUCT", "fbgemm")  # the user's choice
+    assert check() is False
+    monkeypatch.delenv("TRANSFORMER_INT8_PRODUCT")
+    monkeypatch.setattr(transformer.translate, "int8_narrow_weights", lambda: True)
+    assert check() is False  # no VNNI: fbgemm's 7-bit path
+    monkeypatch.setattr(transformer.translate, "int8_narrow_weights", lambda: False)
+    if not INT8_PRODUCTS[-1] == "onednn":
+        return
+    assert check() is True
+    real = torch.ops.onednn.qlinear_pointwise
+
+    class Ops:  # a product that is off by one part in 10^5
+        qlinear_prepack = torch.ops.onednn.qlinear_prepack
+
+        @staticmethod
+        def qlinear_pointwise(*args):
+            return real(*args) * (1 + 1e-5)
+
+    monkeypatch.setattr(torch.ops, "onednn", Ops)
+    with caplog.at_level(logging.INFO, logger="transformer.translate"):
+        assert check() is False
+    assert "oneDNN's differs from the exact one" in caplog.text
+
+    class Missing:
+        pass
+
+    monkeypatch.setattr(torch.ops, "onednn", Missing)
+    assert check() is False
