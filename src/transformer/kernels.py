@@ -56,6 +56,7 @@ reaches this code.
     y, s, mean, rstd = residual_norm(x, f, keep, scale, weight, bias, eps)
     dx, df, dw, db = residual_norm_backward(gy, s, mean, rstd, weight, keep, scale)
     xs, top = int8_rows_in(x, nonnegative, tiny)   # x * (1 / top), top each row's max |x|
+    q, top = int8_rows_u8(x, nonnegative, tiny, levels, zero)   # the same, rounded to u8
     y = int8_rows_out_(y, top, bias)               # y * top + bias, in place
     out = step_attention(q, k, v, bias, c)         # softmax(q k^T / c + bias) v, per head
     ids, values = row_top(x, n)                    # each row's n largest, in one pass
