@@ -1991,15 +1991,7 @@ def int8_rows_in(x: torch.Tensor, nonnegative: bool, tiny: float):
     """`translate.Int8Linear`'s input rows in one pass: x (..., K) fp32, contiguous -> (xs, top),
     top (..., 1) = each row's largest |x| (`nonnegative`: largest x) but at least `tiny` (NaN
     where the row has one), xs = x * (1 / top). Only where `rows_supported()`."""
-    _require("int8_rows_in", x, bf16=False, rows=True)
-    if x.dtype != torch.float32 or x.dim() == 0:
-        raise ValueError("int8_rows_in: a contiguous fp32 CPU tensor of rows")
-    xs, top = torch.empty_like(x), torch.empty(x.shape[:-1] + (1,))
-    if x.numel():
-        k = x.size(-1)
-        _row_kernel("in")(x.data_ptr(), x.numel() // k, k, int(nonnegative), tiny, xs.data_ptr(),
-                          top.data_ptr(), _threads(x.numel()), None, 0.0, 0)  # fmt: skip
-    return xs, top
+    return _int8_rows("int8_rows_in", x, nonnegative, tiny, torch.float32)
 
 
 def int8_rows_u8(x: torch.Tensor, nonnegative: bool, tiny: float, levels: float, zero: int):
@@ -2007,16 +1999,22 @@ def int8_rows_u8(x: torch.Tensor, nonnegative: bool, tiny: float, levels: float,
     top), q (..., K) uint8 = round(x * (1 / top) * levels) + zero (to nearest even, then
     saturated to 0 .. 255; where x * (1 / top) is NaN, zero), top as `int8_rows_in`'s. The
     inputs of oneDNN's int8 product (`translate.Int8Linear`). Only where `rows_supported()`."""
-    _require("int8_rows_u8", x, bf16=False, rows=True)
+    return _int8_rows("int8_rows_u8", x, nonnegative, tiny, torch.uint8, levels, zero)
+
+
+def _int8_rows(what, x, nonnegative, tiny, dtype, levels=0.0, zero=0):
+    """The library's `int8_rows_in` for `what`: the rows x * (1 / top) in fp32 (`dtype`), or
+    rounded to uint8 on (levels, zero); and top."""
+    _require(what, x, bf16=False, rows=True)
     if x.dtype != torch.float32 or x.dim() == 0:
-        raise ValueError("int8_rows_u8: a contiguous fp32 CPU tensor of rows")
-    q, top = torch.empty(x.shape, dtype=torch.uint8), torch.empty(x.shape[:-1] + (1,))
+        raise ValueError(f"{what}: a contiguous fp32 CPU tensor of rows")
+    out, top = torch.empty(x.shape, dtype=dtype), torch.empty(x.shape[:-1] + (1,))
     if x.numel():
-        k = x.size(-1)
-        _row_kernel("in")(x.data_ptr(), x.numel() // k, k, int(nonnegative), tiny, None,
-                          top.data_ptr(), _threads(x.numel()), q.data_ptr(), levels,
-                          zero)  # fmt: skip
-    return q, top
+        k, u8 = x.size(-1), dtype == torch.uint8
+        _row_kernel("in")(x.data_ptr(), x.numel() // k, k, int(nonnegative), tiny,
+                          None if u8 else out.data_ptr(), top.data_ptr(), _threads(x.numel()),
+                          out.data_ptr() if u8 else None, levels, zero)  # fmt: skip
+    return out, top
 
 
 def int8_rows_out_(y: torch.Tensor, top: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

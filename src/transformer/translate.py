@@ -55,6 +55,10 @@ AUTO = "auto"
 assert (AUTO, *DTYPES) == INFERENCE_DTYPES
 PROGRESS_S = 30.0  # `translate_stream` logs its progress at most this often
 TINY = torch.finfo(torch.float32).tiny  # `Int8Linear`'s least row scale (a row of zeros)
+# `Int8Linear`'s input grids, by whether the inputs are never negative: (levels, zero point), an
+# input row x / max|x| as u8 round(x * levels) + zero point: [-1, 1] in 254 steps around 128,
+# or [0, 1] in 255 from 0.
+INPUT_GRIDS = {False: (127.0, 128), True: (255.0, 0)}
 # 8-bit dot products (u8 x s8 summed in int32): fbgemm's int8 kernels then take full 8-bit inputs.
 VNNI_FLAGS = frozenset({"avx512_vnni", "avx_vnni", "amx_int8"})
 
@@ -180,7 +184,8 @@ class Int8Linear(nn.Module):
         self.narrow_weights, self.out_dtype = narrow_weights, out_dtype
         self.nonnegative_inputs = nonnegative_inputs
         # The inputs' grid (u8 = round(x / scale) + zero point, x in [-1, 1] or [0, 1]).
-        self.grid = (1 / 255, 0) if nonnegative_inputs else (1 / 127, 128)
+        levels, zero = INPUT_GRIDS[nonnegative_inputs]
+        self.grid = (1 / levels, zero)
 
     @classmethod
     def stacked(cls, parts: Sequence[tuple[Int8Linear, float]]) -> Int8Linear:
@@ -233,8 +238,7 @@ class Int8Linear(nn.Module):
     def _forward_onednn(self, x: torch.Tensor, fused: bool) -> torch.Tensor:
         """oneDNN's product of each row's 8-bit inputs (`int8_onednn`): the rows quantized to
         u8 in the pass that finds their ranges (`kernels.int8_rows_u8`, or `_rows_u8`)."""
-        scale, zero = self.grid
-        levels = 255.0 if self.nonnegative_inputs else 127.0  # 1 / scale
+        levels, zero = INPUT_GRIDS[self.nonnegative_inputs]
         rows = x.reshape(-1, self.in_features)
         if fused:
             q, top = kernels.int8_rows_u8(rows, self.nonnegative_inputs, TINY, levels, zero)
@@ -242,7 +246,7 @@ class Int8Linear(nn.Module):
             q, top = _rows_u8(rows, self.nonnegative_inputs)
         if q.size(0):
             y = torch.ops.onednn.qlinear_pointwise(
-                q, scale, zero, self.dnn, self.dnn_scales, self.dnn_zeros, None, 1.0, 0,
+                q, self.grid[0], zero, self.dnn, self.dnn_scales, self.dnn_zeros, None, 1.0, 0,
                 torch.float32, "none", [], "",
             )  # fmt: skip
         else:
@@ -384,7 +388,7 @@ def _rows_u8(x: torch.Tensor, nonnegative: bool) -> tuple[torch.Tensor, torch.Te
     NaN: the zero point), on `Int8Linear.grid`'s levels: 255 from 0 (`nonnegative`), 127 either
     side of 128."""
     xs, top = _rows_in(x, nonnegative)
-    levels, zero = (255.0, 0) if nonnegative else (127.0, 128)
+    levels, zero = INPUT_GRIDS[nonnegative]
     q = (xs.float() * levels).nan_to_num_(nan=0.0).round_().add_(zero).clamp_(0, 255)
     return q.to(torch.uint8), top
 

@@ -509,13 +509,15 @@ def test_beam_history_bench_times_a_real_models_searches_both_ways(tiny_model_fi
 
 
 @pytest.mark.parametrize(
-    "args",
-    [["--pairs", "0"], ["--what", "real"], ["--what", "real", "--model", "nowhere", "--src", "x"]],
-)
-def test_row_top_bench_names_bad_arguments(args):
-    out = _run("bench_row_top.py", *args)
+    ("script", "args"),
+    [(script, args) for script in ("bench_row_top.py", "bench_int8_product.py")
+     for args in (["--pairs", "0"], ["--what", "real"], ["--threads", "x"],
+                  ["--what", "real", "--model", "nowhere", "--src", "x"])],
+)  # fmt: skip
+def test_row_top_and_int8_product_benches_name_bad_arguments(script, args):
+    out = _run(script, *args)
     assert out.returncode == 2
-    assert "bench_row_top.py: error: --" in out.stderr and "Traceback" not in out.stderr
+    assert f"{script}: error: --" in out.stderr and "Traceback" not in out.stderr
 
 
 def test_row_top_bench_times_each_shape_and_a_real_models_searches_both_ways(
@@ -538,13 +540,6 @@ def test_row_top_bench_times_each_shape_and_a_real_models_searches_both_ways(
     assert out.returncode == 0, out.stderr
     rows = [line for line in out.stdout.splitlines() if "fp32 beam" in line]
     assert len(rows) == 2 and all("faster in" in r for r in rows)
-
-
-@pytest.mark.parametrize("args", [["--pairs", "0"], ["--what", "real"], ["--threads", "x"]])
-def test_int8_product_bench_names_bad_arguments(args):
-    out = _run("bench_int8_product.py", *args)
-    assert out.returncode == 2
-    assert "bench_int8_product.py: error: --" in out.stderr and "Traceback" not in out.stderr
 
 
 def test_int8_product_bench_times_a_real_models_searches_both_ways(tiny_model_file, tmp_path):
