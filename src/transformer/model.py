@@ -281,12 +281,26 @@ def _transposed_keys(k: torch.Tensor) -> torch.Tensor:
     """A decoding step's encoder-decoder keys k (B, H, S, K) as they are kept in the cache: on
     the CPU (no gradient wanted), a (B, H, S, K) view of K^T (B, H, K, S) in fp32 (an fp64
     model's in fp64), whose rows `_attention_rowwise` sums weighted by the few queries of a
-    step (a bf16 model's keys widened once here, not at every step); elsewhere contiguous."""
+    step (a bf16 model's keys widened once here, not at every step); elsewhere contiguous.
+
+    A bf16 model's keys stay bf16 rows where `bf16_key_rows()`."""
     if not _cpu_inference(k):
+        return k.contiguous()
+    if k.dtype == torch.bfloat16 and bf16_key_rows():
         return k.contiguous()
     if k.dtype not in (torch.float32, torch.float64):
         k = k.float()
     return k.transpose(-2, -1).contiguous().transpose(-2, -1)
+
+
+def bf16_key_rows() -> bool:
+    """Whether a bf16 model's encoder-decoder keys are kept as they are, bf16 rows, on the CPU
+    (`_transposed_keys`): where a step's attention is `kernels.step_attention`
+    (`step_attention_kernel`), which widens them in registers as it reads them. A greedy step
+    then reads half the bytes of the fp32 K^T: W2 bf16 greedy -6.8%, the quickstart model's test
+    set -2.4% (8 of 8 and 6 of 6 alternated searches, AMD Zen 5); beam 4 unchanged, as a
+    sentence's K queries share one read of its keys (docs/performance.md, "Round forty-two")."""
+    return step_attention_kernel()
 
 
 def _cpu_inference(*tensors: torch.Tensor) -> bool:

@@ -1,7 +1,7 @@
 """benchmarks/bench_step_phases.py, bench_grad_helper.py, bench_wakeup.py, bench_streams.py,
 bench_split_rows.py, bench_weighted_rows.py, bench_read_trees.py, bench_gc.py,
 bench_translate_stream.py, bench_int8_rows.py, bench_step_attention.py, bench_adam_step.py,
-bench_beam_history.py, bench_row_top.py, bench_int8_product.py,
+bench_beam_history.py, bench_row_top.py, bench_int8_product.py, bench_bf16_keys.py,
 issue19_table.sh and
 gpu/prepare_device.sh:
 bad input is one clear line (the script, the problem), exit status 2, before any timing starts."""
@@ -510,11 +510,12 @@ def test_beam_history_bench_times_a_real_models_searches_both_ways(tiny_model_fi
 
 @pytest.mark.parametrize(
     ("script", "args"),
-    [(script, args) for script in ("bench_row_top.py", "bench_int8_product.py")
+    [(script, args) for script in ("bench_row_top.py", "bench_int8_product.py",
+                                   "bench_bf16_keys.py")
      for args in (["--pairs", "0"], ["--what", "real"], ["--threads", "x"],
                   ["--what", "real", "--model", "nowhere", "--src", "x"])],
 )  # fmt: skip
-def test_row_top_and_int8_product_benches_name_bad_arguments(script, args):
+def test_row_top_int8_product_and_bf16_keys_benches_name_bad_arguments(script, args):
     out = _run(script, *args)
     assert out.returncode == 2
     assert f"{script}: error: --" in out.stderr and "Traceback" not in out.stderr
@@ -556,3 +557,25 @@ def test_int8_product_bench_times_a_real_models_searches_both_ways(tiny_model_fi
     rows = [line for line in out.stdout.splitlines() if "int8 beam" in line]
     assert len(rows) == 2 and all("fbgemm" in r and "oneDNN" in r for r in rows)
     assert " cores, " in out.stdout.splitlines()[0]  # the CPU and its ISA beside the figures
+
+
+def test_bf16_keys_bench_times_a_step_and_a_real_models_searches_both_ways(
+    tiny_model_file, tmp_path
+):
+    from transformer import model
+
+    out = _run("bench_bf16_keys.py", "--what", "layers", "--pairs", "1", "--threads", "1")
+    if not model.step_attention_kernel():  # no AVX-512 or AVX2: torch's ops are all there is
+        assert out.returncode == 1 and "does not run here" in out.stderr
+        return
+    assert out.returncode == 0, out.stderr
+    assert " cores, " in out.stdout.splitlines()[0]  # the CPU and its ISA beside the figures
+    rows = [line for line in out.stdout.splitlines() if "keys" in line and "faster in" in line]
+    assert len(rows) == 1 and "fp32 K^T" in rows[0] and "bf16 rows" in rows[0]
+    src = tmp_path / "src.txt"
+    src.write_text("A man rides a bike.\nTwo dogs play in the snow.\n" * 10, encoding="utf-8")
+    out = _run("bench_bf16_keys.py", "--what", "real", "--model", str(tiny_model_file),
+               "--src", str(src), "--pairs", "1", "--threads", "1")  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    rows = [line for line in out.stdout.splitlines() if "bf16 beam" in line]
+    assert len(rows) == 2 and all("faster in" in r for r in rows)

@@ -78,11 +78,20 @@ def test_cpu_decoding_stores_the_encoder_decoder_keys_in_whole_blocks() -> None:
     assert torch.equal(cache.cross_bias[:, 0, 0] == 0, real)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
-def test_cpu_decoding_keeps_the_encoder_decoder_keys_transposed(dtype) -> None:
-    """On the CPU the cross-attention keys are a view of K^T (B, H, K, S) in fp32 (bf16's
-    widened; fp64's kept), in that layout still after greedy search drops rows; decoding
-    equals full decoding throughout."""
+@pytest.mark.parametrize(
+    ("dtype", "kernel"),
+    [(torch.float32, True), (torch.bfloat16, True), (torch.bfloat16, False), (torch.float64, True)],
+)
+def test_cpu_decoding_keeps_the_encoder_decoder_keys_transposed(dtype, kernel, monkeypatch) -> None:
+    """On the CPU the cross-attention keys are a view of K^T (B, H, K, S) in fp32 (fp64's
+    kept), in that layout still after greedy search drops rows; a bf16 model's stay bf16 rows
+    where `kernels.step_attention` reads them (`bf16_key_rows`), else are widened to K^T;
+    decoding equals full decoding throughout."""
+    from transformer import model as model_module
+
+    if not kernel:
+        monkeypatch.setattr(model_module, "bf16_key_rows", lambda: False)
+    rows = dtype == torch.bfloat16 and model_module.bf16_key_rows()
     wide = torch.float64 if dtype == torch.float64 else torch.float32
     model = Transformer(tiny()).eval().to(dtype)
     src, src_mask = batch()
@@ -93,11 +102,15 @@ def test_cpu_decoding_keeps_the_encoder_decoder_keys_transposed(dtype) -> None:
         cache = model.new_cache()
         first = model.decode(tgt[:, :2], memory, src_mask, cache).float()
         k = cache.layers[0].cross_k
-        assert k.dtype == wide and k.transpose(-2, -1).is_contiguous()
+        if rows:
+            assert k.dtype == torch.bfloat16 and k.is_contiguous()
+        else:
+            assert k.dtype == wide and k.transpose(-2, -1).is_contiguous()
         keep = torch.tensor([0, 2])  # a sentence ended: its row dropped
         cache = cache.reorder(keep)
         k = cache.layers[1].cross_k
-        assert k.size(0) == 2 and k.transpose(-2, -1).is_contiguous()
+        assert k.size(0) == 2
+        assert k.is_contiguous() if rows else k.transpose(-2, -1).is_contiguous()
         rest = model.decode(tgt[keep, 2:], memory[keep], src_mask[keep], cache).float()
         with torch.enable_grad():  # a gradient wanted: the keys as the model computes them
             fp32_model = Transformer(tiny())
