@@ -521,25 +521,34 @@ def test_row_top_int8_product_and_bf16_keys_benches_name_bad_arguments(script, a
     assert f"{script}: error: --" in out.stderr and "Traceback" not in out.stderr
 
 
-def test_row_top_bench_times_each_shape_and_a_real_models_searches_both_ways(
-    tiny_model_file, tmp_path
+@pytest.mark.parametrize(
+    ("script", "switch", "marker", "n_layers", "labels", "dtype"),
+    [("bench_row_top.py", ("search", "row_top_kernel"), "best 8", 4, ("torch's ops", "kernel"),
+      "fp32"),
+     ("bench_bf16_keys.py", ("model", "step_attention_kernel"), " keys ", 1,
+      ("fp32 K^T", "bf16 rows"), "bf16")],
+)  # fmt: skip
+def test_row_top_and_bf16_keys_benches_time_the_layers_and_a_real_models_searches_both_ways(
+    script, switch, marker, n_layers, labels, dtype, tiny_model_file, tmp_path
 ):
-    from transformer import search
+    import importlib
 
-    out = _run("bench_row_top.py", "--what", "layers", "--pairs", "1", "--threads", "1")
-    if not search.row_top_kernel():  # no AVX-512 or AVX2: torch's ops are all there is
+    available = getattr(importlib.import_module(f"transformer.{switch[0]}"), switch[1])
+    out = _run(script, "--what", "layers", "--pairs", "1", "--threads", "1")
+    if not available():  # no AVX-512 or AVX2: torch's ops are all there is
         assert out.returncode == 1 and "does not run here" in out.stderr
         return
     assert out.returncode == 0, out.stderr
     assert " cores, " in out.stdout.splitlines()[0]  # the CPU and its ISA beside the figures
-    rows = [line for line in out.stdout.splitlines() if "best 8" in line]
-    assert len(rows) == 4 and all("torch's ops" in r and "kernel" in r for r in rows)
+    rows = [line for line in out.stdout.splitlines() if marker in line]
+    assert len(rows) == n_layers and all(labels[0] in r and labels[1] in r for r in rows)
     src = tmp_path / "src.txt"
     src.write_text("A man rides a bike.\nTwo dogs play in the snow.\n" * 10, encoding="utf-8")
-    out = _run("bench_row_top.py", "--what", "real", "--model", str(tiny_model_file),
-               "--src", str(src), "--pairs", "1", "--threads", "1", "--dtype", "fp32")  # fmt: skip
+    dtype_args = ["--dtype", dtype] if script == "bench_row_top.py" else []
+    out = _run(script, "--what", "real", "--model", str(tiny_model_file), "--src", str(src),
+               "--pairs", "1", "--threads", "1", *dtype_args)  # fmt: skip
     assert out.returncode == 0, out.stderr
-    rows = [line for line in out.stdout.splitlines() if "fp32 beam" in line]
+    rows = [line for line in out.stdout.splitlines() if f"{dtype} beam" in line]
     assert len(rows) == 2 and all("faster in" in r for r in rows)
 
 
@@ -557,25 +566,3 @@ def test_int8_product_bench_times_a_real_models_searches_both_ways(tiny_model_fi
     rows = [line for line in out.stdout.splitlines() if "int8 beam" in line]
     assert len(rows) == 2 and all("fbgemm" in r and "oneDNN" in r for r in rows)
     assert " cores, " in out.stdout.splitlines()[0]  # the CPU and its ISA beside the figures
-
-
-def test_bf16_keys_bench_times_a_step_and_a_real_models_searches_both_ways(
-    tiny_model_file, tmp_path
-):
-    from transformer import model
-
-    out = _run("bench_bf16_keys.py", "--what", "layers", "--pairs", "1", "--threads", "1")
-    if not model.step_attention_kernel():  # no AVX-512 or AVX2: torch's ops are all there is
-        assert out.returncode == 1 and "does not run here" in out.stderr
-        return
-    assert out.returncode == 0, out.stderr
-    assert " cores, " in out.stdout.splitlines()[0]  # the CPU and its ISA beside the figures
-    rows = [line for line in out.stdout.splitlines() if "keys" in line and "faster in" in line]
-    assert len(rows) == 1 and "fp32 K^T" in rows[0] and "bf16 rows" in rows[0]
-    src = tmp_path / "src.txt"
-    src.write_text("A man rides a bike.\nTwo dogs play in the snow.\n" * 10, encoding="utf-8")
-    out = _run("bench_bf16_keys.py", "--what", "real", "--model", str(tiny_model_file),
-               "--src", str(src), "--pairs", "1", "--threads", "1")  # fmt: skip
-    assert out.returncode == 0, out.stderr
-    rows = [line for line in out.stdout.splitlines() if "bf16 beam" in line]
-    assert len(rows) == 2 and all("faster in" in r for r in rows)
