@@ -180,15 +180,16 @@ class ModelStepper:
         logits = self.model.project(hidden)
         if not self.log_probs:
             return logits
-        # fp32 log-softmax read straight from bf16 logits: the same values as `.float()`
-        # first, without a (R, V) fp32 copy. fp32 logits (fp32, int8) go without `dtype`,
-        # which copies them first all the same: 3.0 -> 2.1 ms at (256, 32,000) on 2 cores;
-        # and written over themselves (the same kernel and values; the lines just read are
-        # written, no fresh 31 MiB block): 9.3 -> 7.2 ms at (256, 32,000) on Zen 3.
-        if logits.dtype != torch.float32:
-            return torch.log_softmax(logits, dim=-1, dtype=torch.float32)
+        # The fp32 log-softmax written over fp32 logits (fp32, int8; the same kernel and
+        # values; the lines just read are written, no fresh 31 MiB block): 9.3 -> 7.2 ms at
+        # (256, 32,000) on Zen 3. bf16 logits are widened to an fp32 copy first, which
+        # `log_softmax(dtype=torch.float32)` makes too (torch 2.13) before writing a second
+        # (R, V) block: over the copy instead, the same bits, 0.67 -> 0.56 ms at (65, 32,000)
+        # (docs/performance.md, "Round forty-two").
         if logits.requires_grad:  # out= is not differentiable (decoding outside no_grad)
-            return torch.log_softmax(logits, dim=-1)
+            return torch.log_softmax(logits, dim=-1, dtype=torch.float32)
+        if logits.dtype != torch.float32:
+            logits = logits.float()
         return torch.ops.aten._log_softmax.out(logits, -1, False, out=logits)
 
     def reorder(self, index: torch.Tensor, same_sentences: bool = False) -> None:

@@ -126,6 +126,23 @@ def test_greedy_on_logits_equals_greedy_on_log_probs():
     assert not torch.allclose(logits.logsumexp(-1), torch.zeros(5))  # really unnormalized
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_steps_scores_are_the_fp32_log_softmax_of_its_logits(dtype):
+    # Beam search ranks log-probabilities: fp32 rows normalized from the step's logits, bf16's
+    # widened first, with the bits of torch's log-softmax of the fp32 logits, in inference and
+    # with a gradient wanted.
+    model = tiny_model(scale=4.0).to(dtype)
+    src, src_mask = random_batch(5, 20, [6, 9, 4, 7, 2])
+    bos = torch.full((5,), BOS_ID)
+    for context in (torch.inference_mode, torch.enable_grad):
+        with context():
+            logits = ModelStepper(model, src, src_mask, log_probs=False).step(bos)
+            lprobs = ModelStepper(model, src, src_mask).step(bos)
+        assert logits.dtype == dtype and lprobs.dtype == torch.float32
+        assert torch.equal(lprobs.detach(), torch.log_softmax(logits.detach().float(), -1))
+        assert torch.allclose(lprobs.detach().exp().sum(-1), torch.ones(5))
+
+
 def test_outputs_respect_max_length_and_never_emit_specials():
     model = tiny_model(scale=4.0)
     src, src_mask = random_batch(4, 20, [3, 5, 2, 6])
