@@ -297,9 +297,10 @@ def bf16_key_rows() -> bool:
     """Whether a bf16 model's encoder-decoder keys are kept as they are, bf16 rows, on the CPU
     (`_transposed_keys`): where a step's attention is `kernels.step_attention`
     (`step_attention_kernel`), which widens them in registers as it reads them. A greedy step
-    then reads half the bytes of the fp32 K^T: W2 bf16 greedy -6.8%, the quickstart model's test
-    set -2.4% (8 of 8 and 6 of 6 alternated searches, AMD Zen 5); beam 4 unchanged, as a
-    sentence's K queries share one read of its keys (docs/performance.md, "Round forty-two")."""
+    then reads half the bytes of the fp32 K^T: W2 bf16 greedy -7.1%, the quickstart model's test
+    set -3.0% (8 of 8 and 7 of 8 alternated searches, AMD Zen 5; `bench_bf16_keys.py`); beam 4
+    within 2%, as a sentence's K queries share one read of its keys (docs/performance.md,
+    "Round forty-two")."""
     return step_attention_kernel()
 
 
