@@ -18,6 +18,14 @@ import pytest
 BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
 
 
+@pytest.fixture
+def src(tmp_path):
+    """Source lines for the benchmarks' `--what real` runs: 20 short English sentences."""
+    path = tmp_path / "src.txt"
+    path.write_text("A man rides a bike.\nTwo dogs play in the snow.\n" * 10, encoding="utf-8")
+    return path
+
+
 def _run(script: str, *args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, str(BENCH / script), *args],
                           capture_output=True, text=True, timeout=120)  # fmt: skip
@@ -492,11 +500,9 @@ def test_beam_history_bench_names_bad_arguments(args, message, status):
     assert message in out.stderr and "Traceback" not in out.stderr
 
 
-def test_beam_history_bench_times_a_real_models_searches_both_ways(tiny_model_file, tmp_path):
+def test_beam_history_bench_times_a_real_models_searches_both_ways(tiny_model_file, src):
     from transformer import model
 
-    src = tmp_path / "src.txt"
-    src.write_text("A man rides a bike.\nTwo dogs play in the snow.\n" * 10, encoding="utf-8")
     out = _run("bench_beam_history.py", "--what", "real", "--model", str(tiny_model_file),
                "--src", str(src), "--pairs", "1", "--threads", "1", "--dtype", "bf16")  # fmt: skip
     if not model.bf16_beam_history():  # no compiled step attention: the copies are all there is
@@ -529,7 +535,7 @@ def test_row_top_int8_product_and_bf16_keys_benches_name_bad_arguments(script, a
       ("fp32 K^T", "bf16 rows"), "bf16")],
 )  # fmt: skip
 def test_row_top_and_bf16_keys_benches_time_the_layers_and_a_real_models_searches_both_ways(
-    script, switch, marker, n_layers, labels, dtype, tiny_model_file, tmp_path
+    script, switch, marker, n_layers, labels, dtype, tiny_model_file, src
 ):
     import importlib
 
@@ -542,8 +548,6 @@ def test_row_top_and_bf16_keys_benches_time_the_layers_and_a_real_models_searche
     assert " cores, " in out.stdout.splitlines()[0]  # the CPU and its ISA beside the figures
     rows = [line for line in out.stdout.splitlines() if marker in line]
     assert len(rows) == n_layers and all(labels[0] in r and labels[1] in r for r in rows)
-    src = tmp_path / "src.txt"
-    src.write_text("A man rides a bike.\nTwo dogs play in the snow.\n" * 10, encoding="utf-8")
     dtype_args = ["--dtype", dtype] if script == "bench_row_top.py" else []
     out = _run(script, "--what", "real", "--model", str(tiny_model_file), "--src", str(src),
                "--pairs", "1", "--threads", "1", *dtype_args)  # fmt: skip
@@ -552,11 +556,9 @@ def test_row_top_and_bf16_keys_benches_time_the_layers_and_a_real_models_searche
     assert len(rows) == 2 and all("faster in" in r for r in rows)
 
 
-def test_int8_product_bench_times_a_real_models_searches_both_ways(tiny_model_file, tmp_path):
+def test_int8_product_bench_times_a_real_models_searches_both_ways(tiny_model_file, src):
     from transformer import translate
 
-    src = tmp_path / "src.txt"
-    src.write_text("A man rides a bike.\nTwo dogs play in the snow.\n" * 10, encoding="utf-8")
     out = _run("bench_int8_product.py", "--what", "real", "--model", str(tiny_model_file),
                "--src", str(src), "--pairs", "1", "--threads", "1")  # fmt: skip
     if not translate.int8_onednn():  # no VNNI: fbgemm's product is all there is
