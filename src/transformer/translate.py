@@ -614,8 +614,13 @@ class Translator:
         translator = cls(resolve_model(path, device, verify), decode, device, dtype)
         if torch.device(device).type == "cpu":
             # One unit per thread count in a probe: a unit is already several decoder steps
-            # (search.TUNER_STEPS), and a translation job is often short.
-            translator.tuner = resolve_threads(threads, probe_units=1)
+            # (search.TUNER_STEPS), and a translation job is often short. The process's first
+            # unit is not timed: it builds oneDNN's kernels for its shapes and faults in the
+            # cache's pages (~0.3 s on the quickstart's test set), and timed, every core looked
+            # slower than one thread, a choice kept for the next 30 s: `translate` of 200-400
+            # lines ran its searches ~40% slower than with --threads 2 on an idle 2-core Zen 5
+            # (docs/performance.md, "Round forty-three").
+            translator.tuner = resolve_threads(threads, probe_units=1, warmup_units=1)
             if translator.tuner is not None and translator.tuner.candidates[0] >= 2:
                 # One stream per core and one more: the extra one runs while another holds
                 # the GIL between ops, or while a busy process holds a core (`_decode_streams`).
