@@ -124,6 +124,8 @@ class ModelStepper:
         keep_large_blocks()  # per-step tensors of tens of MiB: reuse their pages (allocator.py)
         self.model, self.log_probs, self.tuner = model, log_probs, tuner
         self.src_mask = src_mask  # (R, S)
+        if tuner is not None:  # the encoder on the chosen count (one while others crowd)
+            tuner.settle()
         self.memory = model.encode(src, src_mask)  # (B, S, D); read only by the first step
         self.cache: DecoderCache = model.new_cache()
         self.steps = 0  # decoder steps so far

@@ -60,6 +60,12 @@ class ThreadTuner:
             tried first look slower than it is).
         helper: a `gradhelper.WeightGradHelper`: adds the candidate `HELPER` (one thread, the
             helper active), timed in a probe where one thread ran fastest of the counts.
+        crowded: says whether other processes keep this one's CPUs busy now (`OtherLoad`;
+            None: not asked). While they do, units run on the fewest threads, untimed: beside
+            a busy process every core's barriers wait for the core it holds, and the units a
+            probe or a drop's three spend finding that out cost a short job most of its time
+            (a 200-line `translate` beside one: 2.5-3.0 s against 2.1-2.2 with one thread,
+            docs/performance.md, "Round forty-three"). When they stop, a probe.
     """
 
     def __init__(
@@ -72,6 +78,7 @@ class ThreadTuner:
         clock: Callable[[], float] = time.perf_counter,
         warmup_units: int = 0,
         helper=None,
+        crowded: Callable[[], bool] | None = None,
     ) -> None:
         self.candidates: list[int | str] = sorted({max(1, int(c)) for c in candidates},
                                                   reverse=True)  # fmt: skip
@@ -91,6 +98,8 @@ class ThreadTuner:
         self._after_drop = False
         self._warmup = warmup_units
         self._timed = True  # whether the current unit counts
+        self.crowded = crowded
+        self._was_crowded = False
 
     @classmethod
     def for_this_machine(cls, helper: bool = False, **kwargs) -> ThreadTuner:
@@ -109,6 +118,11 @@ class ThreadTuner:
     def start(self) -> None:
         """Before a unit of work: set the thread count it runs with."""
         now = self.clock()
+        if self._crowded_now():
+            self._timed, self._queue = False, []  # a probe under way is dropped
+            self._set(min(self.candidates, key=lambda c: 1 if c == HELPER else c))
+            self._start = self.clock()
+            return
         self._timed = self._warmup <= 0
         if not self._timed:
             self._warmup -= 1
@@ -121,13 +135,34 @@ class ThreadTuner:
             order = [*others, self.best] if self._after_drop else [self.best, *others]
             self._queue = [c for c in order for _ in range(self.probe_units)]
             self._rates = {}
-        self._threads = self._queue[0] if self._queue else self.best
-        threads = 1 if self._threads == HELPER else self._threads
+        self._set(self._queue[0] if self._queue else self.best)
+        self._start = self.clock()
+
+    def settle(self) -> None:
+        """Between units (a search's encoder, before its first timed step): the count the
+        chosen one, or the fewest while others crowd the CPUs (`crowded`)."""
+        if self._crowded_now():
+            self._set(min(self.candidates, key=lambda c: 1 if c == HELPER else c))
+        else:
+            self._set(self.best)
+
+    def _crowded_now(self) -> bool:
+        """`crowded()`, and a probe due at once when the crowding has just ended."""
+        if self.crowded is None:
+            return False
+        crowded = self.crowded()
+        if self._was_crowded and not crowded:
+            self._next_probe, self._after_drop = self.clock(), False
+        self._was_crowded = crowded
+        return crowded
+
+    def _set(self, choice: int | str) -> None:
+        self._threads = choice
+        threads = 1 if choice == HELPER else choice
         if self.helper is not None:
-            self.helper.active = self._threads == HELPER
+            self.helper.active = choice == HELPER
         if torch.get_num_threads() != threads:
             torch.set_num_threads(threads)
-        self._start = self.clock()
 
     def stop(self, work: float) -> None:
         """After the unit: `work` done (tokens); updates the rates and the choice."""
@@ -195,8 +230,11 @@ class OtherLoad:
         cpus: Sequence[int] | None = None,
         clock: Callable[[], float] = time.monotonic,
         own_time: Callable[[], float] = time.process_time,
+        first_window_s: float | None = None,
     ) -> None:
         self.window_s, self.stat, self.clock, self.own_time = window_s, stat, clock, own_time
+        # The first window may end sooner (a short job's first batch asks ~0.2 s in)
+        self._length = window_s if first_window_s is None else first_window_s
         if cpus is None and hasattr(os, "sched_getaffinity"):
             cpus = sorted(os.sched_getaffinity(0))
         self.cpus = {f"cpu{c}" for c in cpus} if cpus is not None else None
@@ -232,9 +270,10 @@ class OtherLoad:
 
     def cores(self) -> float | None:
         """The others' mean cores over the current window (or, until it is `window_s` long,
-        the last whole one's); None where this cannot be measured or no window has ended."""
+        the last whole one's; the first: `first_window_s`); None where this cannot be measured
+        or no window has ended."""
         with self._lock:
-            if self._begin is None or self.clock() - self._begin[0] < self.window_s:
+            if self._begin is None or self.clock() - self._begin[0] < self._length:
                 return self.last
             end = self._read()
             if end is None:
@@ -242,7 +281,7 @@ class OtherLoad:
             seconds = end[0] - self._begin[0]
             others = (end[1] - self._begin[1]) - (end[2] - self._begin[2])
             self.last = max(0.0, others / seconds)
-            self._begin = end
+            self._begin, self._length = end, self.window_s
             return self.last
 
 

@@ -50,6 +50,8 @@ MIN_BATCHES_PER_STREAM = 2
 # Beside other busy processes (`OtherLoad`: at least this many cores kept busy by them) the streams
 # are pinned to the CPUs in turn and one more stream runs (`_decode_streams`).
 CROWDED_CORES = 0.25
+# The first window of `Translator.load`, from the start of `from_path` (seconds; later ones 0.5)
+FIRST_LOAD_WINDOW_S = 0.15
 DTYPES = {**model_dtypes, "int8": "int8"}  # int8: `quantize_int8`'s int8 products
 AUTO = "auto"
 assert (AUTO, *DTYPES) == INFERENCE_DTYPES
@@ -611,6 +613,9 @@ class Translator:
         threads: a CPU thread count, "auto" (tuned batch by batch to the machine's load unless
         OMP_NUM_THREADS is set, threads.py), or None (torch's setting, untouched).
         """
+        # Other processes' CPU use from here (the model's loading is this process's own time,
+        # not counted): the first batch of a short job asks ~0.2 s in (`OtherLoad`).
+        load = OtherLoad(first_window_s=FIRST_LOAD_WINDOW_S)
         translator = cls(resolve_model(path, device, verify), decode, device, dtype)
         if torch.device(device).type == "cpu":
             # One unit per thread count in a probe: a unit is already several decoder steps
@@ -625,8 +630,17 @@ class Translator:
                 # One stream per core and one more: the extra one runs while another holds
                 # the GIL between ops, or while a busy process holds a core (`_decode_streams`).
                 translator.streams = translator.tuner.candidates[0] + 1
-                translator.load = OtherLoad()  # its first window: from here to the first batch
+                translator.load = load
+                # A search on its own (a short job, `serve`) keeps to one thread while others
+                # crowd the CPUs, as the streams keep to one CPU each.
+                translator.tuner.crowded = translator.crowded
         return translator
+
+    def crowded(self) -> bool:
+        """Whether other processes keep at least CROWDED_CORES of this one's CPUs busy, over the
+        last whole window of `load` (False where that is not known)."""
+        cores = self.load.cores() if self.load is not None else None
+        return cores is not None and cores >= CROWDED_CORES
 
     def encode(self, lines: Sequence[str], first_line: int = 1) -> list[list[int]]:
         """Subword ids + EOS per line; a line longer than the model's maximum is truncated to
@@ -785,8 +799,7 @@ class Translator:
         errors: list[BaseException] = []
 
         def crowded() -> bool:
-            cores = load.cores() if load is not None else None
-            return cores is not None and cores >= CROWDED_CORES
+            return load is not None and self.crowded()
 
         def work(k: int) -> None:
             pinned = False

@@ -541,6 +541,11 @@ class RecordingTuner:
     def __init__(self) -> None:
         self.units: list[int] = []
         self.open = False
+        self.settled = 0
+
+    def settle(self) -> None:
+        assert not self.open  # between units: before the encoder
+        self.settled += 1
 
     def start(self) -> None:
         self.open = True
@@ -558,6 +563,7 @@ def test_stepper_times_units_of_several_steps_after_the_first():
     src, src_mask = random_batch(3, 20, [5, 7, 4])
     tuner = RecordingTuner()
     stepper = ModelStepper(model, src, src_mask, tuner=tuner)
+    assert tuner.settled == 1  # the encoder ran on the tuner's count, outside any unit
     tokens = torch.full((3,), BOS_ID)
     with torch.inference_mode():
         for n in range(1 + 2 * search.TUNER_STEPS + 3):

@@ -83,6 +83,40 @@ def test_beside_a_busy_process_it_moves_to_one_thread_within_a_few_units():
     assert tuner.best == 2 and used[-1] == 2
 
 
+def test_while_others_crowd_the_cpus_units_run_on_one_thread_untimed():
+    # `crowded` (OtherLoad's reading) says at once what a drop's three slow units and a probe
+    # find out: beside a busy process no unit runs on both cores; when it stops, a probe.
+    m = Machine()
+    tuner = ThreadTuner([2, 1], probe_units=1, every_s=30, max_every_s=480, clock=m.clock,
+                        crowded=lambda: m.busy)  # fmt: skip
+    for _ in range(20):
+        m.work(tuner)
+    assert tuner.best == 2
+    m.busy = True
+    used = [m.work(tuner) for _ in range(400)]  # 680 s: scheduled probes would have come
+    assert used == [1] * 400
+    assert tuner.best == 2  # nothing timed: the choice for an uncrowded machine stands
+    tuner.settle()  # between units (an encoder): one thread too
+    assert torch.get_num_threads() == 1
+    m.busy = False
+    tuner.settle()
+    assert torch.get_num_threads() == 2
+    probe = tuner._next_probe
+    assert probe <= m.now  # due at once: the machine changed
+    used = [m.work(tuner) for _ in range(5)]
+    assert used[:2] == [2, 1] and used[2:] == [2, 2, 2] and tuner.best == 2
+
+
+def test_a_probe_under_way_when_others_crowd_in_is_dropped():
+    m = Machine()
+    tuner = ThreadTuner([2, 1], probe_units=2, every_s=30, clock=m.clock, crowded=lambda: m.busy)
+    m.work(tuner)  # the first probe's first unit (2 threads)
+    m.busy = True
+    assert m.work(tuner) == 1 and tuner._queue == []
+    m.busy = False
+    assert [m.work(tuner) for _ in range(4)] == [2, 2, 1, 1] and tuner.best == 2
+
+
 def test_a_clearly_slower_count_is_timed_once_per_probe():
     m = Machine()
     m.busy = True
@@ -230,6 +264,27 @@ def test_other_load_counts_the_others_busy_time_on_this_processes_cpus(tmp_path,
     assert load.cores() == pytest.approx(1.0)
     _stat(stat, busy_per_cpu=260)  # 0.2 s busy in 1 s, 0.5 s of it ours: never below zero
     now[0], own[0] = 4.0, 1.5
+    assert load.cores() == 0.0
+
+
+def test_other_loads_first_window_may_be_shorter(tmp_path, monkeypatch):
+    from transformer.threads import OtherLoad
+
+    stat = tmp_path / "stat"
+    monkeypatch.setattr("os.sysconf", lambda name: 100)
+    now = [0.0]
+    _stat(stat, busy_per_cpu=100)
+    load = OtherLoad(window_s=0.5, stat=stat, cpus=[0, 1], clock=lambda: now[0],
+                     own_time=lambda: 0.0, first_window_s=0.2)  # fmt: skip
+    now[0] = 0.1
+    assert load.cores() is None
+    now[0] = 0.2  # the first window: 0.2 s, the other process's 20 ticks on cpu0 and cpu1
+    _stat(stat, busy_per_cpu=110)
+    assert load.cores() == pytest.approx(0.2 / 0.2)
+    now[0] = 0.5  # later windows are window_s long: 0.3 s in, the last figure
+    _stat(stat, busy_per_cpu=110)
+    assert load.cores() == pytest.approx(1.0)
+    now[0] = 0.75  # a whole window_s since 0.2: nothing busy
     assert load.cores() == 0.0
 
 

@@ -492,6 +492,50 @@ def test_translator_tuner_probes_one_unit_per_thread_count(model_file, monkeypat
     try:
         tr = Translator.from_path(model_file, threads="auto")
         assert tr.tuner is not None and tr.tuner.probe_units == 1 and tr.tuner._warmup == 1
+        if tr.tuner.candidates[0] >= 2:  # one thread while others crowd the CPUs
+            assert tr.tuner.crowded == tr.crowded and tr.load is not None
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("crowded", [True, False])
+def test_a_search_on_its_own_keeps_to_one_thread_while_others_crowd_the_cpus(
+    model_file, monkeypatch, crowded
+):
+    # Beside a busy process (`Translator.crowded`, from /proc/stat) a short job's one search
+    # runs its encoder and every step on one thread, as the streams keep to one CPU each.
+    from transformer import search
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr("os.cpu_count", lambda: 2)
+    before = torch.get_num_threads()
+    counts = []
+    encode, step = search.ModelStepper.__init__, search.ModelStepper.step
+
+    def spy_init(self, model, *args, **kwargs):
+        real = model.encode
+        model.encode = lambda *a, **k: (counts.append(torch.get_num_threads()), real(*a, **k))[1]
+        try:
+            encode(self, model, *args, **kwargs)
+        finally:
+            del model.encode
+
+    def spy_step(self, tokens):
+        counts.append(torch.get_num_threads())
+        return step(self, tokens)
+
+    monkeypatch.setattr(search.ModelStepper, "__init__", spy_init)
+    monkeypatch.setattr(search.ModelStepper, "step", spy_step)
+    try:
+        tr = Translator.from_path(model_file, threads="auto")
+        monkeypatch.setattr(tr, "crowded", lambda: crowded)
+        tr.tuner.crowded = tr.crowded
+        torch.set_num_threads(2)
+        tr.translate(["a b c", "d e"], beam_size=2)
+        if crowded:
+            assert counts and set(counts) == {1}
+        else:  # the encoder and the first steps on both (a probe may try one thread later)
+            assert counts[:2] == [2, 2]
     finally:
         torch.set_num_threads(before)
 
