@@ -120,7 +120,7 @@ class ThreadTuner:
         now = self.clock()
         if self._crowded_now():
             self._timed, self._queue = False, []  # a probe under way is dropped
-            self._set(min(self.candidates, key=lambda c: 1 if c == HELPER else c))
+            self._set(self._fewest())
             self._start = self.clock()
             return
         self._timed = self._warmup <= 0
@@ -139,12 +139,13 @@ class ThreadTuner:
         self._start = self.clock()
 
     def settle(self) -> None:
-        """Between units (a search's encoder, before its first timed step): the count the
-        chosen one, or the fewest while others crowd the CPUs (`crowded`)."""
-        if self._crowded_now():
-            self._set(min(self.candidates, key=lambda c: 1 if c == HELPER else c))
-        else:
-            self._set(self.best)
+        """Between units (a search's encoder, before its first timed step): sets the chosen
+        count, or the fewest threads while others crowd the CPUs (`crowded`)."""
+        self._set(self._fewest() if self._crowded_now() else self.best)
+
+    def _fewest(self) -> int | str:
+        """The candidate with the fewest threads (1 before the helper's one)."""
+        return min(self.candidates, key=lambda c: 1 if c == HELPER else c)
 
     def _crowded_now(self) -> bool:
         """`crowded()`, and a probe due at once when the crowding has just ended."""
