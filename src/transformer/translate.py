@@ -792,14 +792,14 @@ class Translator:
         before = torch.get_num_threads()
         torch.set_num_threads(max(1, before // streams))  # new threads inherit this count
         cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_setaffinity") else []
-        load = self.load if len(cpus) >= 2 else None
+        watch = self.load is not None and len(cpus) >= 2  # pinning needs 2 CPUs or more
         results: list = [None] * len(batches)
         taken = [0]  # batches handed out so far
         lock, stop = threading.Lock(), threading.Event()
         errors: list[BaseException] = []
 
         def crowded() -> bool:
-            return load is not None and self.crowded()
+            return watch and self.crowded()
 
         def work(k: int) -> None:
             pinned = False
@@ -831,7 +831,7 @@ class Translator:
 
         workers = [
             threading.Thread(target=work, args=(k,), name=f"decode-{k}", daemon=True)
-            for k in range(streams + (load is not None))
+            for k in range(streams + watch)
         ]
         try:
             for worker in workers:
