@@ -174,14 +174,11 @@ def load_model(path: Path, device: str | torch.device = "cpu", verify: bool = Tr
             "--no-verify loads it anyway"
         )
     int8, int8_info = _int8_weights(path, tensors, meta)
-    model = Transformer(config.model)
-    missing, unexpected = model.load_state_dict(tensors, strict=False)
-    # Tied weights are stored once; every missing key must be an alias of a stored tensor.
-    stored = set(tensors)
-    aliases = {n for n in missing if _alias_of(model, n) & stored}
-    if set(missing) - aliases or unexpected:
+    # Tied weights are stored once and fill every name they go by (`from_tensors`).
+    model, missing, unexpected = Transformer.from_tensors(config.model, tensors)
+    if missing or unexpected:
         raise UserError(
-            f"{path}: weights do not match the config (missing {sorted(set(missing) - aliases)}, "
+            f"{path}: weights do not match the config (missing {sorted(missing)}, "
             f"unexpected {sorted(unexpected)})"
         )
     model.to(device).eval()
@@ -320,10 +317,3 @@ def _check_header(
             "positional encodings, more than the whole model; refusing the header"
         )
     return config, spm
-
-
-def _alias_of(model: Transformer, name: str) -> set[str]:
-    """Names of the state-dict entries that share storage with `name`."""
-    state = model.state_dict()
-    ptr = state[name].data_ptr()
-    return {k for k, v in state.items() if v.data_ptr() == ptr and k != name}

@@ -136,8 +136,13 @@ def model_from_checkpoint(
     """The model (fp32 masters, or `weights` given with the same config) and config that a
     training checkpoint holds."""
     config = from_dict(state["config"], source=str(source))
-    model = Transformer(config.model)
-    model.load_state_dict(state["model"] if weights is None else weights)
+    tensors = state["model"] if weights is None else weights
+    model, missing, unexpected = Transformer.from_tensors(config.model, tensors)
+    if missing or unexpected:
+        raise UserError(
+            f"{source}: the weights do not match the config (missing {sorted(missing)}, "
+            f"unexpected {sorted(unexpected)})"
+        )
     return model, config
 
 

@@ -111,6 +111,49 @@ def test_tying_is_one_shared_tensor() -> None:
     assert torch.equal(model.output_weight()[5], torch.full((32,), 0.25))
 
 
+@pytest.mark.parametrize(
+    "kw",
+    [
+        {},
+        {"share_embeddings": False, "tgt_vocab_size": 29},
+        {"learned_pos": True},
+        {"norm_first": True},
+    ],  # fmt: skip
+)
+def test_a_model_from_tensors_is_the_model_they_came_from_with_no_values_drawn(kw) -> None:
+    torch.manual_seed(0)
+    model = Transformer(tiny(**kw)).eval()
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    if model.src_embed is model.tgt_embed:  # a file stores a shared tensor once
+        del state["tgt_embed.weight"]
+    rng = torch.get_rng_state()
+    loaded, missing, unexpected = Transformer.from_tensors(model.cfg, state)
+    assert torch.equal(torch.get_rng_state(), rng)  # nothing drawn to be overwritten
+    assert missing == [] and unexpected == []
+    assert not any(t.is_meta for t in [*loaded.parameters(), *loaded.buffers()])
+    for (n, a), (m, b) in zip(model.named_buffers(), loaded.named_buffers(), strict=True):
+        assert n == m and torch.equal(a, b)  # the sinusoid tables, which no file stores
+    assert all(p.requires_grad for p in loaded.parameters())
+    assert (loaded.tgt_embed is loaded.src_embed) == (model.tgt_embed is model.src_embed)
+    assert loaded.output_weight() is loaded.tgt_embed.weight
+    src, src_mask, tgt = batch()
+    tgt = tgt % model.cfg.target_vocab_size
+    assert torch.equal(loaded.eval()(src, src_mask, tgt), model(src, src_mask, tgt))
+
+
+def test_a_model_from_tensors_casts_them_and_names_what_is_missing_or_unexpected() -> None:
+    model = Transformer(tiny())
+    state = {k: v.to(torch.bfloat16) for k, v in model.state_dict().items()}
+    loaded, _, _ = Transformer.from_tensors(model.cfg, state)
+    assert {p.dtype for p in loaded.parameters()} == {torch.float32}  # as load_state_dict
+    assert torch.equal(loaded.src_embed.weight, state["src_embed.weight"].float())
+    del state["src_embed.weight"], state["tgt_embed.weight"]
+    state["decoder_layers.0.extra"] = torch.zeros(3)
+    _, missing, unexpected = Transformer.from_tensors(model.cfg, state)
+    assert missing == ["src_embed.weight", "tgt_embed.weight"]
+    assert unexpected == ["decoder_layers.0.extra"]
+
+
 @pytest.mark.parametrize("norm_first", [False, True])
 @pytest.mark.parametrize("window", [None, 2])
 def test_future_targets_never_change_earlier_outputs(norm_first: bool, window: int | None) -> None:
@@ -900,9 +943,10 @@ def test_a_meta_skeleton_has_the_models_names_and_shapes_and_draws_no_random_num
     assert skeleton.num_parameters() == real.num_parameters()
 
 
-def test_loading_a_model_file_does_not_import_torch_dynamo(tmp_path):
+def test_loading_a_model_file_and_the_kernels_imports_neither_torch_dynamo_nor_sympy(tmp_path):
     """A skeleton's meta kernels would import torch._dynamo (~1.8 s of every command that
-    loads a model file: `model.building_skeleton`)."""
+    loads a model file: `model.building_skeleton`); the kernels' check, a backward with its
+    gradient given, imported torch's symbolic shapes and sympy (0.2 s: `kernels._check`)."""
     import subprocess
     import sys
 
@@ -911,10 +955,11 @@ def test_loading_a_model_file_does_not_import_torch_dynamo(tmp_path):
     path = make_model_file(tmp_path, learned_pos=True)
     code = (
         "import sys; from transformer.modelfile import load_model; "
-        f"load_model({str(path)!r}); print('torch._dynamo' in sys.modules)"
+        f"from transformer import kernels; load_model({str(path)!r}); kernels._library(); "
+        "print('torch._dynamo' in sys.modules, 'sympy' in sys.modules, kernels._WHY)"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == "False", out.stderr
+    assert out.stdout.strip() == "False False None", out.stderr
 
 
 def _bf16_step(cfg, fused: bool, dtype=torch.bfloat16, train: bool = True):
