@@ -160,6 +160,7 @@ def bench_real(args) -> None:
 
     from transformer.bleu import corpus_bleu, paired_bootstrap, sentence_stats
     from transformer.data import load_prepared
+    from transformer.rundir import resolve_model
     from transformer.translate import Translator
 
     data = load_prepared(args.data)
@@ -176,10 +177,10 @@ def bench_real(args) -> None:
     dtypes, beams = args.dtypes.split(","), [int(b) for b in args.beams.split(",")]
     hyps: dict[tuple[str, int], list[str]] = {}
     bleus: dict[tuple[str, int], float] = {}
+    # What `--dtype auto` picks: the file's int8 grids count (an int8 Translator keeps none).
+    record["auto"], record["auto_why"] = auto_dtype("cpu", list(resolve_model(args.model).int8))
     for dtype in dtypes:
         tr = Translator.from_path(args.model, dtype=dtype)
-        if "auto" not in record:  # what `--dtype auto` picks: the file's int8 grids count
-            record["auto"], record["auto_why"] = auto_dtype("cpu", list(tr.loaded.int8))
         tr.translate(sources[:16])  # warm-up
         for beam in beams:
             t0 = time.perf_counter()

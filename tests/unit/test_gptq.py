@@ -169,13 +169,15 @@ def test_translator_int8_takes_the_files_gptq_weights_and_auto_picks_them(
     calibrated, monkeypatch, tmp_path
 ):
     from fixtures import CPUINFO_ZEN3, fake_cpuinfo
+    from transformer.modelfile import load_model
     from transformer.translate import Translator, int8_levels
 
     out, plain, _ = calibrated
     fake_cpuinfo(monkeypatch, tmp_path, CPUINFO_ZEN3)  # no AMX, no VNNI: 63 levels
     assert int8_levels() == 63
     tr = Translator.from_path(out, dtype="int8")
-    ints, scales = tr.loaded.int8[63]["encoder_layers.0.ffn.w_1"]
+    ints, scales = load_model(out).int8[63]["encoder_layers.0.ffn.w_1"]
+    assert tr.loaded.int8 == {}  # taken into the model, not kept beside it
     w_ints, w_scales = tr.model.encoder_layers[0].ffn.w_1.integer_weights()
     assert torch.equal(w_ints, ints)
     assert torch.equal(w_scales.float(), scales)

@@ -826,11 +826,44 @@ def test_int8_weights_are_narrow_without_vnni(model_file, tmp_path, monkeypatch,
                for m in layers)  # fmt: skip
 
 
+def test_an_int8_translator_keeps_no_fp32_weights_of_the_layers_it_quantized(model_file):
+    import gc
+    import weakref
+
+    loaded = load_model(model_file)
+    fp32 = [weakref.ref(m.weight) for m in loaded.model.modules() if is_linear(m)]
+    translator = Translator(loaded, dtype="int8")
+    assert not any(map(is_linear, translator.loaded.model.modules()))
+    assert translator.loaded.model is translator.model
+    assert translator.num_parameters == loaded.model.num_parameters()
+    assert loaded.model.encoder_layers[0].ffn.w_1.weight.dtype == torch.float32  # the caller's
+    del loaded
+    gc.collect()
+    assert fp32 and all(ref() is None for ref in fp32)  # freed with the caller's model
+
+
+def test_an_int8_translator_keeps_no_page_of_its_model_file(model_file, tmp_path):
+    """A model file's tensors are views of one mapping of the file (safetensors): a tensor
+    kept from it (an Int8Linear's bias) kept every page, the fp32 weights' too."""
+    import gc
+    import shutil
+
+    own = shutil.copy(model_file, tmp_path / "own.safetensors")
+    translators = [Translator.from_path(own, dtype=d) for d in ("fp32", "int8")]
+    gc.collect()
+    assert str(own) in Path("/proc/self/maps").read_text()  # the fp32 one's weights
+    del translators[0]
+    gc.collect()
+    assert str(own) not in Path("/proc/self/maps").read_text()
+    assert translators[0].translate_lines(["A dog runs."])
+
+
 def test_quantize_int8_leaves_the_model_unchanged(model_file):
     loaded = Translator.from_path(model_file).loaded
     before = {k: v.clone() for k, v in loaded.model.state_dict().items()}
     q = quantize_int8(loaded.model, torch.bfloat16)
-    assert all(torch.equal(v, before[k]) for k, v in loaded.model.state_dict().items())
+    after = loaded.model.state_dict()  # the copy shares the replaced weights: none written
+    assert all(v.dtype == before[k].dtype and torch.equal(v, before[k]) for k, v in after.items())
     assert sum(map(is_linear, loaded.model.modules())) == 2 * 5 + 2 * 8
     assert q.src_embed.weight.dtype == torch.bfloat16 and loaded.model.projection is None
     src = torch.tensor([[5, 6, EOS_ID]])

@@ -205,7 +205,7 @@ def _model_info(translator, limits: ServeLimits) -> dict[str, Any]:
         "name": Path(loaded.path).name,
         "src_lang": loaded.src_lang,
         "tgt_lang": loaded.tgt_lang,
-        "parameters": loaded.model.num_parameters(),
+        "parameters": translator.num_parameters,
         "vocab_size": translator.tokenizer.vocab_size,
         "model": asdict(loaded.config.model),
         "decode": asdict(translator.decode),

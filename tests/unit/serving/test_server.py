@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from fixtures import make_model_file, multi30k_lines
+from transformer.modelfile import load_model
 from transformer.serving.server import (
     ApiError,
     BatchingQueue,
@@ -53,7 +54,7 @@ def test_health_and_model_info(client, translator):
     info = client.get("/v1/model").json()
     assert (info["src_lang"], info["tgt_lang"]) == ("en", "de")
     assert info["model"]["d_model"] == 32
-    assert info["parameters"] == translator.loaded.model.num_parameters()
+    assert info["parameters"] == load_model(translator.loaded.path).model.num_parameters()
     assert info["limits"]["max_sentences"] == 4
 
 
