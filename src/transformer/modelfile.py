@@ -163,7 +163,10 @@ def load_model(path: Path, device: str | torch.device = "cpu", verify: bool = Tr
         raise UserError(f"{path}: not a readable safetensors model file: {e}") from e
     config, spm = _check_header(path, meta, shapes, dtypes)
     try:
-        tensors = load_file(str(path), device="cpu")
+        # Read into memory of their own (pread), not views of a mapping of the file: the model
+        # outlives the load, and a mapped file rewritten in place (`cp` over it) would change
+        # its weights under it, or end the process (SIGBUS) where the file was cut short.
+        tensors = load_file(str(path), device="cpu", backend="pread")
     except (SafetensorError, OSError, ValueError) as e:
         raise UserError(f"{path}: not a readable safetensors model file: {e}") from e
     if CHECKSUM not in meta:

@@ -181,8 +181,8 @@ class Int8Linear(nn.Module):
             self.dnn_scales, self.dnn_zeros = self.scales.float(), zeros
         else:
             self.packed = torch.ops.quantized.linear_prepack(qweight, None)
-        # A copy: a model file's tensors are views of its whole mapping (safetensors), which
-        # one tensor still referenced keeps (big: 0.86 GB of pages in the process's RSS).
+        # A copy, not a view of the caller's tensor: its model's memory is not kept (nor, were
+        # it read by mapping the file, `safetensors.safe_open`, the whole file's pages).
         self.bias = (
             None if bias is None else bias.detach().to(torch.float32, copy=True).contiguous()
         )

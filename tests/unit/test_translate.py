@@ -842,20 +842,24 @@ def test_an_int8_translator_keeps_no_fp32_weights_of_the_layers_it_quantized(mod
     assert fp32 and all(ref() is None for ref in fp32)  # freed with the caller's model
 
 
-def test_an_int8_translator_keeps_no_page_of_its_model_file(model_file, tmp_path):
-    """A model file's tensors are views of one mapping of the file (safetensors): a tensor
-    kept from it (an Int8Linear's bias) kept every page, the fp32 weights' too."""
-    import gc
+def test_a_translator_keeps_no_mapping_of_its_model_file_and_survives_its_rewriting(
+    model_file, tmp_path
+):
+    """A model file's tensors are read into memory of their own (`load_model`), not views of
+    a mapping of the file: a view kept (an Int8Linear's bias) kept every page of it, and a
+    file rewritten in place (`cp` over it) would change the weights under a running server,
+    or end it (SIGBUS) where the file was cut short."""
     import shutil
 
     own = shutil.copy(model_file, tmp_path / "own.safetensors")
     translators = [Translator.from_path(own, dtype=d) for d in ("fp32", "int8")]
-    gc.collect()
-    assert str(own) in Path("/proc/self/maps").read_text()  # the fp32 one's weights
-    del translators[0]
-    gc.collect()
     assert str(own) not in Path("/proc/self/maps").read_text()
-    assert translators[0].translate_lines(["A dog runs."])
+    lines = ["A dog runs.", "Two men are playing football in a park."]
+    before = [t.translate_lines(lines) for t in translators]
+    with open(own, "r+b") as f:  # cut short and overwritten in place, as `cp` would
+        f.truncate(100)
+        f.write(b"\0" * 100)
+    assert [t.translate_lines(lines) for t in translators] == before
 
 
 def test_quantize_int8_leaves_the_model_unchanged(model_file):
