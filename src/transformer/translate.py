@@ -548,7 +548,9 @@ class Translator:
     """Translate text with a loaded model.
 
     Args:
-        loaded: a model file's contents (`rundir.resolve_model`).
+        loaded: a model file's contents (`rundir.resolve_model`), kept as `self.loaded`; for
+            int8 with the int8 model in place of the fp32 one (whose weights are not kept)
+            and no GPTQ integers beside it (`num_parameters`: the model's count).
         decode: beam size, α, max-length rule, n-best and the token budget per batch.
         device: where to run.
         dtype: torch.float32, torch.bfloat16, or "fp32" / "bf16" / "int8" / "auto"
@@ -592,8 +594,8 @@ class Translator:
             model = quantize_int8(model, rounded=rounded)
             # `loaded.model` is the int8 copy, and the weights it took are not kept beside it:
             # neither the fp32 ones (a base model's 0.25 GB, big's 0.86 GB, in every int8
-            # process: `translate`, `serve`) nor a GPTQ file's int8 ones (`loaded.int8`), whose
-            # tensors, views of the file's mapping, would keep all of its pages.
+            # process: `translate`, `serve`) nor a GPTQ file's integers (`loaded.int8`), which
+            # the copy holds already.
             loaded = replace(loaded, model=model, int8={})
         elif dtype == torch.bfloat16 and self.device.type == "cpu":
             # Cast in place first, as for any dtype: the packed copy then shares the bf16
