@@ -17,7 +17,7 @@ import os
 import random
 import re
 import shutil
-from collections.abc import Sequence
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -184,10 +184,12 @@ def save_checkpoint(
     return path
 
 
-def load_checkpoint(path: Path) -> dict[str, Any]:
-    """Read a checkpoint (tensors and plain values only)."""
+def load_checkpoint(path: Path, mmap: bool = False) -> dict[str, Any]:
+    """Read a checkpoint (tensors and plain values only). `mmap`: its tensors are views of a
+    mapping of the file, read only where touched (`average_files` reads the model's and none
+    of the optimizer's); they must not outlive a file that may be rewritten."""
     try:
-        return torch.load(path, map_location="cpu", weights_only=True)
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
     except Exception as e:  # torch raises several types for truncated or foreign files
         raise CheckpointError(f"{path}: not a readable checkpoint: {e}") from e
 
@@ -254,8 +256,12 @@ def set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def average_checkpoints(states: Sequence[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+def average_checkpoints(states: Iterable[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
     """§6.1: the element-wise mean of several model state dicts (in fp64, returned as fp32).
+
+    The states are taken one at a time (an iterator may load each as it is asked for): the
+    memory is the fp64 sums and one state, not every state at once (a big model's 20
+    checkpoints, the paper's, would be 20 x 0.86 GB of weights and twice that of Adam's moments).
 
     Args:
         states: model state dicts with the same keys and shapes.
@@ -263,19 +269,24 @@ def average_checkpoints(states: Sequence[dict[str, torch.Tensor]]) -> dict[str, 
     Returns:
         The averaged state dict; non-float entries are taken from the last state.
     """
-    if not states:
+    totals: dict[str, torch.Tensor] = {}
+    others: dict[str, torch.Tensor] = {}  # the non-float entries of the latest state
+    keys: list[str] | None = None
+    n = 0
+    for state in states:  # (not enumerate: its reused tuple would hold the previous state)
+        if keys is None:
+            keys = list(state)
+        elif list(state) != keys:
+            raise ValueError(f"average_checkpoints: state {n} has different keys")
+        for k in keys:
+            if not state[k].is_floating_point():
+                others[k] = state[k].clone()
+                continue
+            if k not in totals:
+                totals[k] = torch.zeros(state[k].shape, dtype=torch.float64)
+            totals[k] += state[k].double()  # in the states' order, as when all were loaded
+        n += 1
+        del state  # not held while the next one loads
+    if keys is None:
         raise ValueError("average_checkpoints: no checkpoints given")
-    keys = list(states[-1])
-    for i, s in enumerate(states):
-        if list(s) != keys:
-            raise ValueError(f"average_checkpoints: state {i} has different keys")
-    out = {}
-    for k in keys:
-        if not states[-1][k].is_floating_point():
-            out[k] = states[-1][k].clone()
-            continue
-        total = torch.zeros(states[-1][k].shape, dtype=torch.float64)
-        for s in states:
-            total += s[k].double()
-        out[k] = (total / len(states)).float()
-    return out
+    return {k: (totals[k] / n).float() if k in totals else others[k] for k in keys}

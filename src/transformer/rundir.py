@@ -188,10 +188,23 @@ def average_run(
 def average_files(paths: Sequence[Path], out: Path) -> Path:
     """Average these checkpoint files (§6.1) into the model file `out`; the newest (last) one
     gives the config and the tokenizer. Returns `out`."""
-    states = [checkpoint.load_checkpoint(p) for p in paths]
-    averaged = checkpoint.average_checkpoints([s["model"] for s in states])
-    model, config = model_from_checkpoint(states[-1], paths[-1], averaged)
-    save_model(out, model, config, *_spm_of(states[-1]))
+    newest: dict = {}
+
+    def models() -> Iterator[dict[str, torch.Tensor]]:
+        # One checkpoint at a time, mapped: its model's tensors are read as they are summed,
+        # its optimizer's not at all (a checkpoint is ~3x its model: Adam's two moments).
+        for path in paths:
+            state = checkpoint.load_checkpoint(path, mmap=True)
+            newest.clear()
+            newest.update((k, v) for k, v in state.items() if k not in ("model", "optimizer"))
+            model = state.pop("model")
+            del state
+            yield model
+            del model  # not held while the next one loads
+
+    averaged = checkpoint.average_checkpoints(models())
+    model, config = model_from_checkpoint(newest, paths[-1], averaged)
+    save_model(out, model, config, *_spm_of(newest))
     logger.info("averaged %s into %s", ", ".join(p.name for p in paths), out)
     return out
 

@@ -90,6 +90,69 @@ def test_average_is_elementwise_mean():
     assert out["n"].item() == 2  # non-float entries come from the newest
 
 
+def test_average_takes_one_state_at_a_time_and_sums_in_their_order():
+    """The paper's big model averages 20 checkpoints (§6.1): all of them in memory at once
+    would be 20 x (0.86 GB of weights + Adam's moments). A state is let go before the next
+    is asked for, and the sums are the ones a list of all of them gave (fp64, in order)."""
+    import gc
+    import weakref
+
+    torch.manual_seed(0)
+    states = [{"w": torch.randn(50, 7) * 10**i, "n": torch.tensor(i)} for i in range(4)]
+    alive: list = []
+
+    def one_at_a_time():
+        for state in states:
+            copy = {k: v.clone() for k, v in state.items()}
+            gc.collect()
+            assert all(ref() is None for ref in alive)  # the previous one was let go
+            alive.append(weakref.ref(copy["w"]))
+            yield copy
+            del copy
+
+    out = average_checkpoints(one_at_a_time())
+    total = torch.zeros(50, 7, dtype=torch.float64)
+    for state in states:
+        total += state["w"].double()
+    assert torch.equal(out["w"], (total / 4).float()) and out["n"].item() == 3
+
+
+def test_averaging_files_reads_one_checkpoint_at_a_time_and_no_optimizer(tmp_path, monkeypatch):
+    import gc
+    import weakref
+
+    from transformer import rundir
+    from transformer.modelfile import load_model
+
+    cfg = RunConfig(
+        model=ModelConfig(vocab_size=20, n_layers=1, d_model=8, d_ff=16, n_heads=2, d_k=4, d_v=4)
+    )
+    data = {"spm_proto": torch.tensor([1], dtype=torch.uint8), "src": "en", "tgt": "de"}
+    models = []
+    for step in (1, 2, 3):
+        torch.manual_seed(step)
+        models.append(Transformer(cfg.model).state_dict())
+        moments = {k: [torch.randn_like(v), torch.rand_like(v)] for k, v in models[-1].items()}
+        state = {"model": models[-1], "optimizer": moments, "config": to_dict(cfg), "data": data}
+        save_checkpoint(tmp_path, step, state, keep_last=5)
+    loads: list = []
+    real = checkpoint.load_checkpoint
+
+    def one_at_a_time(path, mmap=False):
+        gc.collect()
+        assert all(ref() is None for ref in loads)  # the previous one's model was let go
+        state = real(path, mmap=mmap)
+        loads.append(weakref.ref(state["model"]["src_embed.weight"]))
+        return state
+
+    monkeypatch.setattr(checkpoint, "load_checkpoint", one_at_a_time)
+    out = rundir.average_files(list_checkpoints(tmp_path), tmp_path / "avg.safetensors")
+    assert len(loads) == 3
+    averaged = load_model(out).model.state_dict()
+    want = average_checkpoints(models)
+    assert all(torch.equal(averaged[k], want[k]) for k in averaged)
+
+
 def test_average_rejects_mismatched_or_empty():
     with pytest.raises(ValueError):
         average_checkpoints([])
