@@ -191,6 +191,10 @@ def load_checkpoint(path: Path, mmap: bool = False) -> dict[str, Any]:
     try:
         return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
     except Exception as e:  # torch raises several types for truncated or foreign files
+        if mmap:  # a file it cannot map is "not saved with the zipfile format": read, it says why
+            return load_checkpoint(path)
+        if Path(path).is_file() and Path(path).stat().st_size == 0:
+            raise CheckpointError(f"{path}: not a readable checkpoint: the file is empty") from e
         raise CheckpointError(f"{path}: not a readable checkpoint: {e}") from e
 
 

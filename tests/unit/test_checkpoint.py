@@ -56,6 +56,16 @@ def test_no_checkpoint_and_unreadable_checkpoint(tmp_path):
     bad.write_bytes(b"not a checkpoint")
     with pytest.raises(CheckpointError, match="ckpt_5.pt"):
         load_checkpoint(bad)
+    for mmap in (False, True):  # `average` maps them: torch's reason would be mmap's
+        with pytest.raises(CheckpointError, match="ckpt_5.pt") as error:
+            load_checkpoint(bad, mmap=mmap)
+        assert "mmap" not in str(error.value)
+        bad.write_bytes(b"")
+        with pytest.raises(
+            CheckpointError, match=r"ckpt_5\.pt: not a readable checkpoint: the file is empty"
+        ):
+            load_checkpoint(bad, mmap=mmap)
+        bad.write_bytes(b"not a checkpoint")
 
 
 def test_rng_state_roundtrip_through_weights_only_file(tmp_path):
