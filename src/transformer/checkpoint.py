@@ -198,12 +198,12 @@ def load_checkpoint(path: Path, mmap: bool = False) -> dict[str, Any]:
         raise CheckpointError(f"{path}: not a readable checkpoint: {e}") from e
 
 
-def load_latest(run_dir: Path) -> tuple[Path, dict[str, Any]] | None:
+def load_latest(run_dir: Path, mmap: bool = False) -> tuple[Path, dict[str, Any]] | None:
     """The newest readable checkpoint of a run and its contents, or None if it has none.
 
     `latest` names a complete file when written; if that file was damaged since (truncated by a
     copy, a full disk, a bad sector), the newest older checkpoint that loads is used instead,
-    with a warning naming both.
+    with a warning naming both. `mmap`: as `load_checkpoint`'s.
     """
     try:
         named = latest_checkpoint(run_dir)
@@ -218,7 +218,7 @@ def load_latest(run_dir: Path) -> tuple[Path, dict[str, Any]] | None:
     first_error = None
     for path in reversed(candidates):
         try:
-            state = load_checkpoint(path)
+            state = load_checkpoint(path, mmap=mmap)
         except CheckpointError as e:
             first_error = first_error or e
             logger.warning("%s; trying the previous checkpoint", e)

@@ -232,10 +232,18 @@ def resolve_model(
         return load_model(averages[-1], device, verify)
     if (path / QUICKSTART_RUN / CONFIG).is_file():
         return resolve_model(path / QUICKSTART_RUN, device, verify)
-    found = checkpoint.load_latest(path)
+    # Mapped, so that only the model's tensors are read (a checkpoint is ~3x its model: Adam's
+    # moments), then copied: the model outlives the file, which training may rewrite.
+    found = checkpoint.load_latest(path, mmap=True)
     if found is None:
         raise UserError(f"{path}: no model file ({MODEL}) and no checkpoints")
     ckpt, state = found
+    copies: dict[tuple, torch.Tensor] = {}  # a tied tensor (one storage, two names) copied once
+    for k, v in state["model"].items():
+        key = (v.data_ptr(), v.shape, v.stride(), v.dtype)
+        if key not in copies:
+            copies[key] = v.clone()
+        state["model"][k] = copies[key]
     model, config = model_from_checkpoint(state, ckpt)
     logger.info("using the latest checkpoint %s (no averaged model in %s)", ckpt, path)
     return LoadedModel(model.to(device).eval(), config, *_spm_of(state), ckpt)

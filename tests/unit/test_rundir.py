@@ -75,6 +75,23 @@ def test_resolve_model_from_any_path_the_product_wrote(tmp_path):
     assert rundir.resolve_model(top).src_lang == "en"
 
 
+def test_a_model_from_the_latest_checkpoint_is_its_weights_and_keeps_no_mapping(tmp_path):
+    """The checkpoint is mapped, so that Adam's moments are not read, and the model's tensors
+    copied: the model outlives a file that training may rewrite."""
+    from pathlib import Path
+
+    config = RunConfig(model=TINY)
+    rundir.write_run_files(tmp_path, config, tmp_path / "data")
+    _checkpoint(tmp_path, 3, config)
+    path = checkpoint.latest_checkpoint(tmp_path)
+    want = checkpoint.load_checkpoint(path)["model"]
+    loaded = rundir.resolve_model(tmp_path)
+    assert str(path) not in Path("/proc/self/maps").read_text()
+    got = loaded.model.state_dict()
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in got)
+    assert loaded.model.output_weight() is loaded.model.src_embed.weight  # still tied
+
+
 def test_average_run_writes_model_file(tmp_path):
     cfg = RunConfig(
         model=ModelConfig(vocab_size=20, n_layers=1, d_model=8, d_ff=16, n_heads=2, d_k=4, d_v=4)
