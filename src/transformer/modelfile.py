@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from transformer.checkpoint import replace_atomic
-from transformer.config import RunConfig, from_dict, to_dict
+from transformer.config import ModelConfig, RunConfig, from_dict, to_dict
 from transformer.errors import UserError
 from transformer.gradhelper import is_linear
 from transformer.model import Transformer
@@ -177,17 +177,24 @@ def load_model(path: Path, device: str | torch.device = "cpu", verify: bool = Tr
             "--no-verify loads it anyway"
         )
     int8, int8_info = _int8_weights(path, tensors, meta)
-    # Tied weights are stored once and fill every name they go by (`from_tensors`).
-    model, missing, unexpected = Transformer.from_tensors(config.model, tensors)
+    model = model_of_tensors(path, config.model, tensors)
+    model.to(device).eval()
+    return LoadedModel(
+        model, config, spm, meta["src_lang"], meta["tgt_lang"], path, int8, int8_info
+    )
+
+
+def model_of_tensors(path: Path, cfg: ModelConfig, tensors: dict[str, torch.Tensor]) -> Transformer:
+    """`Transformer.from_tensors` (a model file's or a checkpoint's weights, no initial values
+    drawn), where a weight missing or not the config's is an error naming `path`. Tied weights
+    are stored once and fill every name they go by."""
+    model, missing, unexpected = Transformer.from_tensors(cfg, tensors)
     if missing or unexpected:
         raise UserError(
             f"{path}: weights do not match the config (missing {sorted(missing)}, "
             f"unexpected {sorted(unexpected)})"
         )
-    model.to(device).eval()
-    return LoadedModel(
-        model, config, spm, meta["src_lang"], meta["tgt_lang"], path, int8, int8_info
-    )
+    return model
 
 
 def _int8_weights(path: Path, tensors: dict[str, torch.Tensor], meta: dict[str, str]):

@@ -27,7 +27,7 @@ from transformer import checkpoint
 from transformer.config import RunConfig, from_dict, to_dict
 from transformer.errors import UserError
 from transformer.model import Transformer
-from transformer.modelfile import LoadedModel, load_model, save_model
+from transformer.modelfile import LoadedModel, load_model, model_of_tensors, save_model
 
 logger = logging.getLogger(__name__)
 
@@ -136,13 +136,7 @@ def model_from_checkpoint(
     """The model (fp32 masters, or `weights` given with the same config) and config that a
     training checkpoint holds."""
     config = from_dict(state["config"], source=str(source))
-    tensors = state["model"] if weights is None else weights
-    model, missing, unexpected = Transformer.from_tensors(config.model, tensors)
-    if missing or unexpected:
-        raise UserError(
-            f"{source}: the weights do not match the config (missing {sorted(missing)}, "
-            f"unexpected {sorted(unexpected)})"
-        )
+    model = model_of_tensors(source, config.model, state["model"] if weights is None else weights)
     return model, config
 
 
@@ -233,17 +227,13 @@ def resolve_model(
     if (path / QUICKSTART_RUN / CONFIG).is_file():
         return resolve_model(path / QUICKSTART_RUN, device, verify)
     # Mapped, so that only the model's tensors are read (a checkpoint is ~3x its model: Adam's
-    # moments), then copied: the model outlives the file, which training may rewrite.
+    # moments), then copied: the model outlives the file, which training may rewrite. (A tied
+    # weight's two names fill one module, whichever copy it keeps.)
     found = checkpoint.load_latest(path, mmap=True)
     if found is None:
         raise UserError(f"{path}: no model file ({MODEL}) and no checkpoints")
     ckpt, state = found
-    copies: dict[tuple, torch.Tensor] = {}  # a tied tensor (one storage, two names) copied once
-    for k, v in state["model"].items():
-        key = (v.data_ptr(), v.shape, v.stride(), v.dtype)
-        if key not in copies:
-            copies[key] = v.clone()
-        state["model"][k] = copies[key]
+    state["model"] = {k: v.clone() for k, v in state["model"].items()}
     model, config = model_from_checkpoint(state, ckpt)
     logger.info("using the latest checkpoint %s (no averaged model in %s)", ckpt, path)
     return LoadedModel(model.to(device).eval(), config, *_spm_of(state), ckpt)

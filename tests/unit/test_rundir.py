@@ -92,6 +92,23 @@ def test_a_model_from_the_latest_checkpoint_is_its_weights_and_keeps_no_mapping(
     assert loaded.model.output_weight() is loaded.model.src_embed.weight  # still tied
 
 
+def test_a_checkpoint_whose_weights_are_not_the_configs_is_one_error_naming_them(tmp_path):
+    config = RunConfig(model=TINY)
+    rundir.write_run_files(tmp_path, config, tmp_path / "data")
+    _checkpoint(tmp_path, 3, config)
+    path = checkpoint.latest_checkpoint(tmp_path)
+    state = checkpoint.load_checkpoint(path)
+    del state["model"]["decoder_layers.0.ffn.w_1.bias"]
+    state["model"]["extra.weight"] = torch.zeros(2)
+    torch.save(state, path)
+    with pytest.raises(
+        UserError,
+        match=r"ckpt_3\.pt: weights do not match the config \(missing "
+        r"\['decoder_layers\.0\.ffn\.w_1\.bias'\], unexpected \['extra\.weight'\]\)",
+    ):
+        rundir.resolve_model(tmp_path)
+
+
 def test_average_run_writes_model_file(tmp_path):
     cfg = RunConfig(
         model=ModelConfig(vocab_size=20, n_layers=1, d_model=8, d_ff=16, n_heads=2, d_k=4, d_v=4)
