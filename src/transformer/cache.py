@@ -100,9 +100,9 @@ _STACKING = threading.Lock()
 
 @dataclass
 class LayerCache:
-    """One decoder layer's share of the cache: its self-attention keys/values, the layer's
-    buffers of `DecoderCache.self_k` / `self_v` (written in place), and its encoder-decoder
-    keys/values (computed once per sentence)."""
+    """One decoder layer's share of the cache: views of its self-attention keys/values in
+    `DecoderCache.self_k` / `self_v` (written in place), and its encoder-decoder keys/values
+    (computed once per sentence)."""
 
     proj: StepProjections | None = None  # None: the layer's own modules
     cross_k: torch.Tensor | None = None  # (B, H, S, K); on the CPU a view of K^T (B, H, K, S)
@@ -115,16 +115,15 @@ class LayerCache:
 class DecoderCache:
     """Incremental-decoding state for all decoder layers; `length` target positions so far.
 
-    The self-attention keys and values of each layer live in two preallocated buffers,
-    (B, H, capacity, K) and (B, H, capacity, Vd) (a pair per layer: `BeamHistory` says why),
-    written in place at the new positions (no `torch.cat` of the whole prefix per step). A
-    reorder (beam search without `BeamHistory`: every step) is one `index_select` of the
-    filled prefix per buffer into a buffer with room for exactly one more position: the next
-    step's keys and values then fill it, so attention reads them contiguous (a bf16 batched
-    product through oneDNN copies any other layout first). Full, the capacity doubles (greedy
-    search: rows are dropped, never reordered, and the rows left keep the capacity). The
-    encoder-decoder attention's padding mask is kept as an additive bias (one add per step
-    instead of masking twice).
+    The self-attention keys and values of every layer live in two preallocated buffers,
+    (N, B, H, capacity, K) and (N, B, H, capacity, Vd), written in place at the new positions
+    (no `torch.cat` of the whole prefix per step). A reorder (beam search: every step) is one
+    `index_select` of the filled prefix per buffer, for all layers at once, into a buffer with
+    room for exactly one more position: the next step's keys and values then fill it, so
+    attention reads them contiguous (a bf16 batched product through oneDNN copies any other
+    layout first). Full, the capacity doubles (greedy search: rows are dropped, never
+    reordered, and the rows left keep the capacity). The encoder-decoder attention's padding
+    mask is kept as an additive bias (one add per step instead of masking twice).
 
     The encoder-decoder keys and values are kept once per source, not once per row: `group`
     consecutive rows share one source (the beams of a sentence), row r reading cross row
@@ -135,46 +134,39 @@ class DecoderCache:
 
     layers: list[LayerCache] = field(default_factory=list)
     length: int = 0
-    self_k: tuple[torch.Tensor, ...] | None = None  # N layers' (B, H, capacity, K)
-    self_v: tuple[torch.Tensor, ...] | None = None  # N layers' (B, H, capacity, Vd)
+    self_k: torch.Tensor | None = None  # (N, B, H, capacity, K)
+    self_v: torch.Tensor | None = None  # (N, B, H, capacity, Vd)
     cross_bias: torch.Tensor | None = None  # (C, 1, 1, S): 0 at real source tokens, else -inf
     group: int = 1  # consecutive rows sharing one cross row (C = rows / group)
     beam: BeamHistory | None = None  # beam search on the CPU (`_may_track`): self_k / self_v unused
     history: bool = True  # may switch to `BeamHistory` when beams are expanded ...
     history_dtypes: tuple[torch.dtype, ...] = HISTORY_DTYPES  # ... with keys of these dtypes
 
-    def _use(self, k: tuple[torch.Tensor, ...], v: tuple[torch.Tensor, ...]) -> None:
+    def _use(self, k: torch.Tensor, v: torch.Tensor) -> None:
         self.self_k, self.self_v = k, v
         for i, layer in enumerate(self.layers):
             layer.self_k, layer.self_v = k[i], v[i]  # (B, H, capacity, K), (B, H, capacity, Vd)
 
-    def _capacity(self) -> int:
-        return self.self_k[0].size(2)
-
-    def _new_buffers(self, rows: int, capacity: int) -> tuple[tuple[torch.Tensor, ...], ...]:
-        """Each layer's keys and values in a buffer of its own (`BeamHistory`: why)."""
-        return tuple(tuple(b.new_empty(rows, b.size(1), capacity, b.size(-1)) for b in bufs)
-                     for bufs in (self.self_k, self.self_v))  # fmt: skip
+    def _new_buffers(self, rows: int, capacity: int) -> tuple[torch.Tensor, torch.Tensor]:
+        N, _, H, _, K = self.self_k.shape
+        return (self.self_k.new_empty(N, rows, H, capacity, K),
+                self.self_v.new_empty(N, rows, H, capacity, self.self_v.size(-1)))  # fmt: skip
 
     def reserve(
         self, n_new: int, shape: tuple[int, int, int], d_k: int, d_v: int, like: torch.Tensor
     ) -> None:
-        """Room for `n_new` more positions in buffers of `shape` (N, B, H): N layers' (B, H)
-        x (., K) and (., Vd), with `like`'s dtype and device."""
+        """Room for `n_new` more positions in buffers of `shape` (N, B, H) x (., K) and
+        (., Vd), with `like`'s dtype and device."""
         need = self.length + n_new
         if self.beam is not None:
             self.beam.reserve(self.length, need)
         elif self.self_k is None:
             capacity = max(need, CACHE_CAPACITY)
-            N, rest = shape[0], shape[1:]
-            self._use(tuple(like.new_empty(*rest, capacity, d_k) for _ in range(N)),
-                      tuple(like.new_empty(*rest, capacity, d_v) for _ in range(N)))  # fmt: skip
-        elif self._capacity() < need:
-            rows = self.self_k[0].size(0)
-            k, v = self._new_buffers(rows, max(need, 2 * self._capacity()))
+            self._use(like.new_empty(*shape, capacity, d_k), like.new_empty(*shape, capacity, d_v))
+        elif self.self_k.size(3) < need:
+            k, v = self._new_buffers(self.self_k.size(1), max(need, 2 * self.self_k.size(3)))
             t = self.length
-            for new, old in zip(k + v, self.self_k + self.self_v, strict=True):
-                new[:, :, :t] = old[:, :, :t]
+            k[:, :, :, :t], v[:, :, :, :t] = self.self_k[:, :, :, :t], self.self_v[:, :, :, :t]
             self._use(k, v)
 
     def reorder(self, index: torch.Tensor, cross: bool = True) -> DecoderCache:
@@ -220,14 +212,14 @@ class DecoderCache:
         # a contiguous prefix (a bf16 product through oneDNN copies any other layout). Rows
         # that greedy search drops keep the buffers' room: one copy, not a second one of the
         # whole prefix when the next step's `reserve` finds the buffers full.
-        room = t + 1 if group > 1 or self.group > 1 else max(t + 1, self._capacity())
+        room = t + 1 if group > 1 or self.group > 1 else max(t + 1, self.self_k.size(3))
         k, v = self._new_buffers(index.numel(), room)
-        for old, new in zip(self.self_k + self.self_v, k + v, strict=True):
-            prefix = old[:, :, :t]  # (B, H, t, .)
+        for old, new in ((self.self_k, k), (self.self_v, v)):
+            prefix = old[:, :, :, :t]  # (N, B, H, t, .)
             if prefix.requires_grad:  # out= is not differentiable (decoding outside no_grad)
-                new[:, :, :t] = prefix.index_select(0, index)
+                new[:, :, :, :t] = prefix.index_select(1, index)
             else:
-                torch.index_select(prefix, 0, index, out=new[:, :, :t])
+                torch.index_select(prefix, 1, index, out=new[:, :, :, :t])
         out._use(k, v)
         return out
 
@@ -249,7 +241,7 @@ class DecoderCache:
         return layers, pick(self.cross_bias)
 
     def _may_track(self) -> bool:
-        k = self.self_k[0]
+        k = self.self_k
         return self.history and k.device.type == "cpu" and k.dtype in self.history_dtypes
 
     def _reorder_beams(self, index: torch.Tensor) -> DecoderCache | None:
@@ -310,18 +302,10 @@ class BeamHistory:
 
     Sentences leave the search as they finish; their slots stay (`live` maps the live
     sentences to theirs, their queries are zeros) until COMPACT_DEAD of them have left.
-
-    Each layer's keys and values are a buffer of their own, not one (N, ...) buffer: a
-    decoding stream (a thread other than the main one, translate.py) allocates from an arena
-    whose heaps hold at most 64 MiB, and a larger block is a fresh mapping, faulted in page by
-    page after each expansion, growth or compaction (allocator.py). A layer's share is N times
-    smaller and is served from the heaps, whose pages stay for the next batch: the quickstart
-    model's val x 5 in three streams took 1.0 M minor faults and 2.4 s of system time, now
-    0.5 M and 1.5 s, 4% faster (docs/performance.md, "Round forty-five").
     """
 
-    k: tuple[torch.Tensor, ...]  # N layers' (C, H, capacity, K, d_k)
-    v: tuple[torch.Tensor, ...]  # N layers' (C, H, capacity, K, d_v)
+    k: torch.Tensor  # (N, C, H, capacity, K, d_k)
+    v: torch.Tensor  # (N, C, H, capacity, K, d_v)
     hist: torch.Tensor  # (C, K, capacity) long: positions [:length] filled
     live: torch.Tensor | None = None  # (C_live,) the buffer sentence of each live sentence
     bias: torch.Tensor | None = None  # (C, 1, K, (t + 1) * K) of the step (`begin_step`)
@@ -331,26 +315,21 @@ class BeamHistory:
         return self.hist.size(1)
 
     @staticmethod
-    def expand(
-        k: tuple[torch.Tensor, ...],
-        v: tuple[torch.Tensor, ...],
-        src: torch.Tensor,
-        beams: int,
-        t: int,
-    ):
-        """From one row per sentence (k, v: N layers' (B, H, capacity, .), positions [:t]) to
-        `beams` slots for each of the rows `src`: their prefixes in slot 0, every beam pointing
-        at it. The other slots of [:t] are zeros: masked, a key must still be finite (0 x inf
-        is NaN). Positions from t on are written, every slot of a live sentence, before they
-        are read, so they are left uninitialized here and when the buffers grow (`reserve`):
+    def expand(k: torch.Tensor, v: torch.Tensor, src: torch.Tensor, beams: int, t: int):
+        """From one row per sentence (k, v: (N, B, H, capacity, .), positions [:t]) to `beams`
+        slots for each of the rows `src`: their prefixes in slot 0, every beam pointing at it.
+        The other slots of [:t] are zeros: masked, a key must still be finite (0 x inf is
+        NaN). Positions from t on are written, every slot of a live sentence, before they are
+        read, so they are left uninitialized here and when the buffers grow (`reserve`):
         zeroing 2 x 200 MB at W2's shape cost ~3% of a search."""
+        N, _, H, capacity, K = k.shape
         C = src.numel()
-        nk, nv = (tuple(b.new_empty(C, b.size(1), b.size(2), beams, b.size(-1)) for b in bufs)
-                  for bufs in (k, v))  # fmt: skip
-        for new, old in zip(nk + nv, k + v, strict=True):
-            new[:, :, :t].zero_()
-            new[:, :, :t, 0] = old[:, :, :t].index_select(0, src)
-        hist = torch.zeros(C, beams, k[0].size(2), dtype=torch.long, device=src.device)
+        nk = k.new_empty(N, C, H, capacity, beams, K)
+        nv = v.new_empty(N, C, H, capacity, beams, v.size(-1))
+        for new, old in ((nk, k), (nv, v)):
+            new[:, :, :, :t].zero_()
+            new[:, :, :, :t, 0] = old[:, :, :, :t].index_select(1, src)
+        hist = torch.zeros(C, beams, capacity, dtype=torch.long, device=k.device)
         return BeamHistory(nk, nv, hist)
 
     def reserve(self, length: int, need: int) -> None:
@@ -359,9 +338,11 @@ class BeamHistory:
         if need <= capacity:
             return
         capacity, t = max(need, 2 * capacity), length
-        k, v = (tuple(_grown(b, capacity, t) for b in bufs) for bufs in (self.k, self.v))
+        k = self.k.new_empty(*self.k.shape[:3], capacity, *self.k.shape[4:])
+        v = self.v.new_empty(*self.v.shape[:3], capacity, *self.v.shape[4:])
         hist = self.hist.new_zeros(*self.hist.shape[:2], capacity)
-        hist[:, :, :t] = self.hist[:, :, :t]
+        k[:, :, :, :t], v[:, :, :, :t], hist[:, :, :t] = (
+            self.k[:, :, :, :t], self.v[:, :, :, :t], self.hist[:, :, :t])  # fmt: skip
         self.k, self.v, self.hist = k, v, hist
 
     def reorder(self, index: torch.Tensor) -> BeamHistory | None:
@@ -396,7 +377,10 @@ class BeamHistory:
     def compact(self, length: int) -> BeamHistory:
         """The live sentences' slots only (one copy of their prefixes)."""
         live, t = self.live, length
-        k, v = (tuple(_selected(b, live, t) for b in bufs) for bufs in (self.k, self.v))
+        k = self.k.new_empty(*self.k.shape[:1], live.numel(), *self.k.shape[2:])
+        v = self.v.new_empty(*self.v.shape[:1], live.numel(), *self.v.shape[2:])
+        torch.index_select(self.k[:, :, :, :t], 1, live, out=k[:, :, :, :t])
+        torch.index_select(self.v[:, :, :, :t], 1, live, out=v[:, :, :, :t])
         return BeamHistory(k, v, self.hist.index_select(0, live))
 
     def begin_step(self, t: int, dtype: torch.dtype) -> None:
@@ -425,8 +409,8 @@ class BeamHistory:
         return out[0], out[1]
 
     def gather(self, length: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """One row per live hypothesis: N layers' (R, H, capacity, .) with positions [:length]
-        each row's own history (`DecoderCache.without_history`)."""
+        """One row per live hypothesis: (N, R, H, capacity, .) with positions [:length] each
+        row's own history (`DecoderCache.without_history`)."""
         t, g = length, self.beams
         hist = self.hist if self.live is None else self.hist.index_select(0, self.live)
         C = hist.size(0)
@@ -434,32 +418,15 @@ class BeamHistory:
         s = torch.arange(t, device=hist.device)[None, None, :].expand(C, g, t)
         j = hist[:, :, :t]
         out = []
-        for bufs in (self.k, self.v):
-            news = []
-            for buf in bufs:
-                if self.live is not None:
-                    buf = buf.index_select(0, self.live)
-                _, H, _, _, d = buf.shape
-                new = buf.new_empty(C * g, H, max(t + 1, CACHE_CAPACITY), d)
-                rows = buf[c, :, s, j]  # (C, K, t, H, d)
-                new[:, :, :t] = rows.permute(0, 1, 3, 2, 4).reshape(C * g, H, t, d)
-                news.append(new)
-            out.append(tuple(news))
+        for buf in (self.k, self.v):
+            if self.live is not None:
+                buf = buf.index_select(1, self.live)
+            rows = buf[:, c, :, s, j]  # (C, K, t, N, H, d)
+            N, H, d = buf.size(0), buf.size(2), buf.size(-1)
+            new = buf.new_empty(N, C * g, H, max(t + 1, CACHE_CAPACITY), d)
+            new[:, :, :, :t] = rows.permute(3, 0, 1, 4, 2, 5).reshape(N, C * g, H, t, d)
+            out.append(new)
         return out[0], out[1]
-
-
-def _grown(buf: torch.Tensor, capacity: int, t: int) -> torch.Tensor:
-    """A copy of buf (C, H, capacity', K, d) with room for `capacity` positions, [:t] kept."""
-    new = buf.new_empty(*buf.shape[:2], capacity, *buf.shape[3:])
-    new[:, :, :t] = buf[:, :, :t]
-    return new
-
-
-def _selected(buf: torch.Tensor, rows: torch.Tensor, t: int) -> torch.Tensor:
-    """Sentences `rows` of buf (C, H, capacity, K, d), positions [:t] copied."""
-    new = buf.new_empty(rows.numel(), *buf.shape[1:])
-    torch.index_select(buf[:, :, :t], 0, rows, out=new[:, :, :t])
-    return new
 
 
 def _cross_rows(index: torch.Tensor, group: int, n_cross: int) -> tuple[torch.Tensor | None, int]:

@@ -51,12 +51,10 @@ def test_cache_writes_in_place_and_grows_past_its_capacity() -> None:
         steps, buffers = [], set()
         for i in range(tgt.size(1)):
             steps.append(model.decode(tgt[:, i : i + 1], memory, src_mask, cache))
-            buffers.add(tuple(b.data_ptr() for b in cache.self_k + cache.self_v))
+            buffers.add(cache.self_k.data_ptr())
     torch.testing.assert_close(torch.cat(steps, dim=1), full, rtol=0, atol=1e-5)
     assert len(buffers) == 2  # allocated once, grown once
-    # N layers' (B, H, capacity, K), each layer's keys and values a buffer of their own
-    assert [b.shape for b in cache.self_k] == [(3, 4, 2 * CACHE_CAPACITY, 8)] * 2
-    assert len({b.data_ptr() for b in cache.self_k + cache.self_v}) == 4
+    assert cache.self_k.shape == (2, 3, 4, 2 * CACHE_CAPACITY, 8)  # (N, B, H, capacity, K)
 
 
 def test_cpu_decoding_stores_the_encoder_decoder_keys_in_whole_blocks() -> None:
@@ -148,7 +146,7 @@ def test_beam_reorders_leave_room_for_exactly_one_step_so_attention_reads_contig
         index = torch.tensor([0, 0, 1, 1, 2, 2])  # each sentence expanded to 2 beams
         cache = cache.reorder(index)
         assert cache.group == 2 and cache.beam is None
-        assert [b.shape for b in cache.self_k] == [(6, 4, 3 + 1, 8)] * 2  # (B', H, t + 1, K)
+        assert cache.self_k.shape == (2, 6, 4, 3 + 1, 8)  # (N, B', H, t + 1, K)
         out = model.decode(tgt[index, 3:4], memory, src_mask, cache)
         full = model.decode(tgt[index], memory[index], src_mask[index])[:, 3:]
     assert all(c.self_k[:, :, :4].is_contiguous() for c in cache.layers)
@@ -162,10 +160,10 @@ def test_rows_dropped_by_greedy_search_keep_the_buffers_room() -> None:
     with torch.no_grad():
         keep = torch.tensor([0, 2])
         cache = cache.reorder(keep)
-        assert [b.shape for b in cache.self_k] == [(2, 4, CACHE_CAPACITY, 8)] * 2
-        before = [b.data_ptr() for b in cache.self_k]
+        assert cache.self_k.shape == (2, 2, 4, CACHE_CAPACITY, 8)
+        before = cache.self_k.data_ptr()
         out = [model.decode(tgt[keep, i : i + 1], memory, src_mask, cache) for i in (3, 4)]
-        assert [b.data_ptr() for b in cache.self_k] == before  # written in place
+        assert cache.self_k.data_ptr() == before  # written in place
         full = model.decode(tgt[keep], memory[keep], src_mask[keep])[:, 3:]
     torch.testing.assert_close(torch.cat(out, dim=1), full, rtol=0, atol=1e-5)
 
@@ -371,7 +369,7 @@ def test_back_pointers_fall_back_to_copies_for_any_other_reorder() -> None:
         assert cache.beam is not None
         index = torch.tensor([0, 2, 5, 5, 3, 1])  # across sentences
         moved = cache.reorder(index)
-        assert moved.beam is None and moved.self_k[0].size(0) == 6
+        assert moved.beam is None and moved.self_k.size(1) == 6
         rows = index // 2
         tgt = torch.randint(4, V, (6, 1))
         got = model.decode(tgt, memory[rows], src_mask[rows], moved)
@@ -396,10 +394,10 @@ def test_a_beam_reorder_copies_no_prefix_and_keeps_its_buffers() -> None:
     src, src_mask = batch()
     with torch.no_grad():
         memory, cache, prefix, index = _expanded(model, src, src_mask, beams=3, steps=4)
-        buffers = [b.data_ptr() for b in cache.beam.k + cache.beam.v]
+        buffers = cache.beam.k.data_ptr(), cache.beam.v.data_ptr()
         with _CountOps() as counter:
             moved = cache.reorder(index)
-        assert [b.data_ptr() for b in moved.beam.k + moved.beam.v] == buffers
+        assert (moved.beam.k.data_ptr(), moved.beam.v.data_ptr()) == buffers
         assert counter.ops["index_select"] == 0 and counter.ops["copy_"] == 0
         rows = torch.arange(3).repeat_interleave(3)
         tgt = torch.randint(4, V, (9, 1))
@@ -487,13 +485,11 @@ def test_slots_never_written_are_never_read() -> None:
         memory, cache, prefix, index = _expanded(model, src, src_mask, beams=2, steps=3)
         beam = cache.beam
         t = cache.length
-        for buf in beam.k + beam.v:
-            buf[:, :, t:] = float("nan")
+        beam.k[:, :, :, t:], beam.v[:, :, :, t:] = float("nan"), float("nan")
         index = index.view(5, 2)[[0, 2, 3, 4]].view(-1)  # sentence 1 is done
         moved = cache.reorder(index)
         assert moved.beam.live.tolist() == [0, 2, 3, 4]  # 4 of 5 live: not compacted yet
-        for buf in moved.beam.k + moved.beam.v:
-            buf[1] = float("nan")
+        moved.beam.k[:, 1], moved.beam.v[:, 1] = float("nan"), float("nan")
         rows = torch.tensor([0, 2, 3, 4]).repeat_interleave(2)
         tgt = torch.randint(4, V, (8, 1))
         got = model.decode(tgt, memory, src_mask, moved)
