@@ -303,11 +303,11 @@ class BeamHistory:
     Sentences leave the search as they finish; their slots stay (`live` maps the live
     sentences to theirs, their queries are zeros) until COMPACT_DEAD of them have left.
 
-    All layers share one buffer for keys and one for values. A pair per layer (smaller blocks,
-    which a decoding stream's malloc arena keeps for the next batch) and blocks kept across a
-    job's streams were tried: the quickstart model 2-4% faster either way, a base-size model
-    16% slower / no faster, with up to 52% / 26% more peak memory (docs/performance.md, "Round
-    forty-five").
+    All layers share one buffer for keys and one for values. Tried in three decoding streams
+    (docs/performance.md, "Round forty-five"): a pair per layer (smaller blocks, which a
+    stream's malloc arena keeps for the next batch), the quickstart model 4% faster but a
+    base-size one 16% slower, peak memory +15% / +52%; blocks kept across a job's streams, 2-4%
+    faster / no faster, +18% / +26%.
     """
 
     k: torch.Tensor  # (N, C, H, capacity, K, d_k)
