@@ -1,9 +1,11 @@
 """What the CPU is, from Linux's /proc/cpuinfo, without importing torch: its feature flags
-(`translate.auto_dtype` picks the decoding precision by them) and the one-line description every
-speed figure is printed beside (the benchmarks, whose parent processes stay torch-free)."""
+(`translate.auto_dtype` picks the decoding precision by them), the one-line description every
+speed figure is printed beside (the benchmarks, whose parent processes stay torch-free), and
+how many of its cores this process may use (`usable_cores`: affinity and CPU quota)."""
 
 from __future__ import annotations
 
+import math
 import os
 import platform
 from pathlib import Path
@@ -80,4 +82,109 @@ def cpu_line(cpuinfo: str | None = None) -> str:
         model += f" (family {family} model {number}{': ' + core if core else ''})"
     flags = set(info.get("flags", "").split())
     isa = [f for f in ISA if f in flags]
-    return f"{model}, {os.cpu_count()} cores, {' '.join(isa) or 'no AVX-512'}"
+    cores = f"{os.cpu_count()} cores"
+    if cpuinfo is None and usable_cores() != os.cpu_count():  # a cpuset, taskset or CPU quota
+        cores += f" ({usable_cores()} usable)"
+    return f"{model}, {cores}, {' '.join(isa) or 'no AVX-512'}"
+
+
+def usable_cores(proc: str | Path = "/proc/self", root: str | Path = "/") -> int:
+    """The cores this process may use: the CPUs of its affinity (taskset, a container's
+    cpuset), and no more than its control groups' CPU quota (`cpu_quota`: Docker's --cpus,
+    Kubernetes' CPU limit) rounded to the nearest whole core, at least one.
+
+    Under a quota every thread beyond it waits for the group's next period: on 2 Zen 5 cores,
+    `translate` of Multi30k val x 2 with the quickstart model in a group of 1.0 CPU took 6.8 s
+    on one thread, 8.6 s on two and 8.1 s in three decoding streams; of 1.2 CPUs 6.9 s, 7.4-7.5
+    and 7.0; of 1.5 CPUs 6.9-7.3 s, 6.0-6.1 and 5.8-6.4 (docs/performance.md, "Round
+    forty-six"): one thread up to about a core and a half, two from there.
+
+    Args:
+        proc: this process's /proc directory (tests pass a fake one).
+        root: where the file system's root is (the cgroup mounts are under it; tests).
+    """
+    if hasattr(os, "sched_getaffinity"):
+        cores = len(os.sched_getaffinity(0))
+    else:
+        cores = os.cpu_count() or 1
+    quota = cpu_quota(proc, root)
+    if quota is not None:
+        cores = min(cores, max(1, math.floor(quota + 0.5)))
+    return cores
+
+
+def cpu_quota(proc: str | Path = "/proc/self", root: str | Path = "/") -> float | None:
+    """The CPUs' worth of time per period that this process's control groups let it run
+    (Linux's CFS bandwidth control: cgroup v2 `cpu.max`, v1 `cpu.cfs_quota_us` over
+    `cpu.cfs_period_us`), the smallest set on its group or any group above it; None where none
+    is set or none can be read (no Linux, no cgroup file system mounted)."""
+    quotas = []
+    for version, directory, top in _cpu_cgroups(Path(proc), Path(root)):
+        while True:
+            quota = _group_quota(version, directory)
+            if quota is not None:
+                quotas.append(quota)
+            if directory == top or directory.parent == directory:
+                break
+            directory = directory.parent
+    return min(quotas) if quotas else None
+
+
+def _group_quota(version: int, directory: Path) -> float | None:
+    """One group's quota in CPUs (None: unlimited, or no readable setting)."""
+    try:
+        if version == 2:  # "max 100000" (unlimited) or "150000 100000"
+            quota, _, period = (directory / "cpu.max").read_text(encoding="ascii").partition(" ")
+        else:  # -1: unlimited
+            quota = (directory / "cpu.cfs_quota_us").read_text(encoding="ascii")
+            period = (directory / "cpu.cfs_period_us").read_text(encoding="ascii")
+        quota_us, period_us = int(quota), int(period)
+    except (OSError, ValueError, UnicodeDecodeError):
+        return None
+    return quota_us / period_us if quota_us > 0 and period_us > 0 else None
+
+
+def _cpu_cgroups(proc: Path, root: Path) -> list[tuple[int, Path, Path]]:
+    """(cgroup version, this process's group directory, its mount's top directory) for the
+    cgroup v2 hierarchy and the v1 hierarchy of the `cpu` controller, where mounted
+    (/proc/self/mountinfo) and named in /proc/self/cgroup."""
+    try:
+        mounts = (proc / "mountinfo").read_text(encoding="utf-8", errors="replace")
+        groups = (proc / "cgroup").read_text(encoding="utf-8", errors="replace")
+    except OSError:
+        return []
+    paths: dict[int, str] = {}  # version -> the group's path in that hierarchy
+    for line in groups.splitlines():  # "0::/user.slice/...", "4:cpu,cpuacct:/docker/..."
+        number, _, rest = line.partition(":")
+        controllers, _, path = rest.partition(":")
+        if number == "0" and not controllers:
+            paths.setdefault(2, path)
+        elif "cpu" in controllers.split(","):
+            paths.setdefault(1, path)
+    found = []
+    for line in mounts.splitlines():
+        # "36 25 0:30 / /sys/fs/cgroup/cpu rw,nosuid shared:9 - cgroup cgroup rw,cpu,cpuacct"
+        mine, _, theirs = line.partition(" - ")
+        mine_fields, theirs_fields = mine.split(), theirs.split()
+        if len(mine_fields) < 5 or len(theirs_fields) < 3:
+            continue
+        mount_root, point = _unescape(mine_fields[3]), _unescape(mine_fields[4])
+        fstype, options = theirs_fields[0], theirs_fields[2].split(",")
+        version = 2 if fstype == "cgroup2" else 1 if fstype == "cgroup" and "cpu" in options else 0
+        if version not in paths:
+            continue
+        path = paths.pop(version)
+        # The group's path is from its hierarchy's root; the mount shows `mount_root` of it
+        # (a container without its own cgroup namespace: its group, where the path goes on).
+        under = path == mount_root or path.startswith(mount_root.rstrip("/") + "/")
+        inside = path[len(mount_root) :] if under else ""
+        top = root / point.lstrip("/")
+        found.append((version, top / inside.strip("/") if inside.strip("/") else top, top))
+    return found
+
+
+def _unescape(field: str) -> str:
+    """A mountinfo path field: spaces, tabs, newlines and backslashes come as octal escapes."""
+    for code, char in (("\\040", " "), ("\\011", "\t"), ("\\012", "\n"), ("\\134", "\\")):
+        field = field.replace(code, char)
+    return field

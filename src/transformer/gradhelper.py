@@ -266,7 +266,7 @@ class WeightGradHelper:
         if not hasattr(os, "sched_setaffinity"):
             return None
         cpus = set(os.sched_getaffinity(0))
-        if len(cpus) < 2:
+        if len(cpus) < 2 or cpuinfo.usable_cores() < 2:  # under a quota of one CPU it only waits
             return None
         try:
             torch.set_num_interop_threads(1)

@@ -29,6 +29,7 @@ from pathlib import Path
 
 from transformer import corpora
 from transformer.checkpoint import remove_stale, write_atomic
+from transformer.cpuinfo import usable_cores
 from transformer.data import (
     FILTER_REASONS,
     FORMAT_VERSION,
@@ -116,7 +117,7 @@ def prepare_corpus(
         force: rebuild even if `out_dir` holds a matching or different preparation.
         download_dir: where downloads go (default `{out_dir}.downloads`).
         spm_sample: sentences sampled for sentencepiece training.
-        num_threads: threads for sentencepiece (default min(4, cpu count)).
+        num_threads: threads for sentencepiece (default min(4, the usable cores)).
         user_symbols: tokens kept whole in the vocabulary (§6.3 tree symbols, `Tokenizer.train`).
         mirror: fetch every download from this base URL instead of its host, same path
             (a local copy of statmt.org, or the tests' loopback server).
@@ -134,7 +135,7 @@ def prepare_corpus(
     """
     out_dir = Path(out_dir)
     _check_settings(max_len, max_ratio, vocab_size, spm_sample)
-    threads = num_threads or min(4, os.cpu_count() or 1)
+    threads = num_threads or min(4, usable_cores())
     if name == CUSTOM:
         inputs = _custom_inputs(train_files, valid_files, test_files)
         official: dict[str, str] = {}

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import sentencepiece as spm
 
+from transformer.cpuinfo import usable_cores
 from transformer.errors import UserError
 
 logger = logging.getLogger(__name__)
@@ -95,7 +96,7 @@ class Tokenizer:
             vocab_size: total size including the 4 special tokens and 256 byte pieces.
             model_type: "bpe" (§5.1 En-De) or "unigram" (word-piece style, §5.1 En-Fr).
             input_sentence_size: sentences sampled from `inputs` for training (0 = all).
-            num_threads: training threads; default min(4, cpu count).
+            num_threads: training threads; default min(4, the usable cores).
             seed_sentencepiece_size: unigram seed vocabulary size.
             user_symbols: whole space-separated tokens that must each be one subword, e.g. the
                 §6.3 tree symbols `(NP`, `)NP`, `XX`; they count towards `vocab_size`.
@@ -105,7 +106,7 @@ class Tokenizer:
         """
         if model_type not in MODEL_TYPES:
             raise ValueError(f"model_type must be one of {MODEL_TYPES}, got {model_type!r}")
-        threads = num_threads or min(4, os.cpu_count() or 1)
+        threads = num_threads or min(4, usable_cores())
         bad = [s for s in user_symbols if not s or any(c.isspace() for c in s)]
         if bad:
             raise ValueError(f"user_symbols must be non-empty and without spaces, got {bad[:3]}")

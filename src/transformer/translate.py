@@ -611,6 +611,7 @@ class Translator:
         self.tuner: ThreadTuner | None = None  # chooses the CPU threads step by step
         self.streams = 1  # batches decoded at once on CPU (`translate`), each on its threads
         self.load: OtherLoad | None = None  # other processes' CPU use, for the streams
+        self.spare_cpus = 0  # CPUs of `load` beyond the cores this process uses (`crowded`)
 
     @classmethod
     def from_path(
@@ -645,16 +646,22 @@ class Translator:
                 # the GIL between ops, or while a busy process holds a core (`_decode_streams`).
                 translator.streams = translator.tuner.candidates[0] + 1
                 translator.load = load
+                # CPUs of the affinity beyond the usable cores (a CPU quota): others' load
+                # there leaves this process's cores free (64 CPUs, a quota of 2: crowded
+                # once others keep 62.25 busy, not 0.25).
+                cpus = len(load.cpus) if load.cpus is not None else 0
+                translator.spare_cpus = max(0, cpus - translator.tuner.candidates[0])
                 # A search on its own (a short job, `serve`) keeps to one thread while others
                 # crowd the CPUs, as the streams keep to one CPU each.
                 translator.tuner.crowded = translator.crowded
         return translator
 
     def crowded(self) -> bool:
-        """Whether other processes keep at least CROWDED_CORES of this one's CPUs busy, over the
-        last whole window of `load` (False where that is not known)."""
+        """Whether other processes keep at least CROWDED_CORES of this one's cores busy, over
+        the last whole window of `load` (False where that is not known): of its CPUs, those
+        beyond the `spare_cpus` it may leave to others."""
         cores = self.load.cores() if self.load is not None else None
-        return cores is not None and cores >= CROWDED_CORES
+        return cores is not None and cores >= CROWDED_CORES + self.spare_cpus
 
     def encode(self, lines: Sequence[str], first_line: int = 1) -> list[list[int]]:
         """Subword ids + EOS per line; a line longer than the model's maximum is truncated to

@@ -442,3 +442,14 @@ def test_a_layer_on_fewer_than_row_major_rows_keeps_torchs_layouts(monkeypatch):
     assert "_RowMajorGradLinearBackward" not in _graph_nodes(layer(x).grad_fn)
     monkeypatch.setattr(gradhelper, "ROW_MAJOR_ROWS", 30)
     assert "_RowMajorGradLinearBackward" in _graph_nodes(layer(x).grad_fn)
+
+
+def test_a_quota_of_one_cpu_makes_no_helper(monkeypatch):
+    # Two CPUs in the affinity but a control group's quota of one: the helper could only wait.
+    from transformer import cpuinfo
+
+    monkeypatch.setattr(gradhelper, "_MADE", False)
+    monkeypatch.setattr(gradhelper, "_INSTANCE", None)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda _pid: {0, 1})
+    monkeypatch.setattr(cpuinfo, "cpu_quota", lambda *_: 1.0)
+    assert WeightGradHelper.for_this_process() is None

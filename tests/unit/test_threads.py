@@ -298,3 +298,24 @@ def test_other_load_is_none_where_proc_stat_says_nothing_usable(tmp_path, text):
     load = OtherLoad(stat=stat, cpus=[0], clock=lambda: next(clock))
     assert load.cores() is None
     assert OtherLoad(stat=tmp_path / "missing").cores() is None
+
+
+def test_auto_counts_the_cores_this_process_may_use_not_the_machines(monkeypatch):
+    # `taskset -c 0` or a CPU quota of one core on a 2-core machine: the candidates are the
+    # usable cores (os.cpu_count() counts the machine's), and torch's own count, which follows
+    # the affinity but not a quota, comes down to them for what runs outside the units.
+    import transformer.threads as threads
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    before = torch.get_num_threads()
+    try:
+        for usable, candidates in ((1, [1]), (2, [2, 1]), (8, [8, 4, 1])):
+            monkeypatch.setattr(threads, "usable_cores", lambda usable=usable: usable)
+            torch.set_num_threads(4)
+            assert resolve(AUTO).candidates == candidates
+            assert torch.get_num_threads() == min(4, usable)  # lowered, never raised
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")  # torchrun: two ranks share the cores
+        assert ThreadTuner.for_this_machine().candidates == [4, 2, 1]
+    finally:
+        torch.set_num_threads(before)

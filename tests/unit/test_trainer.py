@@ -5,7 +5,6 @@ from __future__ import annotations
 import functools
 import json
 import math
-import os
 from dataclasses import replace
 from pathlib import Path
 
@@ -30,6 +29,7 @@ from transformer.errors import UserError
 from transformer.gradhelper import WeightGradHelper
 from transformer.loss import chunked_label_smoothed_loss
 from transformer.optim import MixedPrecisionAdam, learning_rate
+from transformer.threads import usable_cores
 from transformer.train import auto_train_dtype, build_model, train
 from transformer.trainer import MAX_NONFINITE_IN_ROW, Trainer, TrainingError
 
@@ -564,8 +564,8 @@ def test_thread_count_follows_threads_then_omp_num_threads(monkeypatch):
         _setup_torch(RunConfig(), cpu, threads=1)  # --threads wins
         assert torch.get_num_threads() == 1
         monkeypatch.delenv("OMP_NUM_THREADS")
-        _setup_torch(RunConfig(), cpu)  # neither: every core
-        assert torch.get_num_threads() == max(1, os.cpu_count() or 1)
+        _setup_torch(RunConfig(), cpu)  # neither: every core it may use
+        assert torch.get_num_threads() == usable_cores()
         with pytest.raises(UserError, match=r"--threads: at least 1 \(or auto\), not 0"):
             _setup_torch(RunConfig(), cpu, threads=0)
         with pytest.raises(UserError, match="--threads: at most 1024 "):

@@ -327,7 +327,7 @@ def test_int8_streams_share_each_layers_stacked_projections(model_file, monkeypa
     # Three decoding streams start at once on a fresh int8 model: each layer's W^Q|W^KV is
     # stacked once (a lock), and the streams translate as one search at a time does.
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
-    monkeypatch.setattr(transformer.threads.os, "cpu_count", lambda: 2)
+    monkeypatch.setattr(transformer.threads, "usable_cores", lambda: 2)
     before = torch.get_num_threads()
     lines = [f"{w} {v} runs." for w in ("A man", "Two dogs", "The child") for v in LINES] * 2
     built = []
@@ -354,7 +354,7 @@ def test_streams_decode_batches_side_by_side_with_the_same_output(model_file, mo
     # batches), each search in its own thread; outputs and their order are those of one search
     # at a time.
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
-    monkeypatch.setattr(transformer.threads.os, "cpu_count", lambda: 2)
+    monkeypatch.setattr(transformer.threads, "usable_cores", lambda: 2)
     before = torch.get_num_threads()
     lines = [f"{w} {v} runs." for w in ("A man", "Two dogs", "The child") for v in LINES] * 2
     try:
@@ -414,7 +414,7 @@ def test_beside_a_busy_process_the_streams_keep_to_a_cpu_each_and_one_more_runs(
     import threading
 
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
-    monkeypatch.setattr(transformer.threads.os, "cpu_count", lambda: 2)
+    monkeypatch.setattr(transformer.threads, "usable_cores", lambda: 2)
     pins, decoders = [], set()
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
     monkeypatch.setattr(os, "sched_setaffinity", lambda pid, cpus: pins.append(
@@ -460,9 +460,34 @@ def test_beside_a_busy_process_the_streams_keep_to_a_cpu_each_and_one_more_runs(
         torch.set_num_threads(before)
 
 
+def test_one_usable_core_decodes_one_search_and_a_quota_leaves_the_other_cpus_to_others(
+    model_file, monkeypatch
+):
+    # One usable core (taskset, a quota of one CPU): no streams, no load watched. Eight CPUs
+    # in the affinity and a quota of two: crowded only once others keep more than the six CPUs
+    # beyond this process's two busy.
+    import os
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    before = torch.get_num_threads()
+    try:
+        monkeypatch.setattr(transformer.threads, "usable_cores", lambda: 1)
+        one = Translator.from_path(model_file, threads="auto")
+        assert one.streams == 1 and one.load is None and not one.crowded()
+        monkeypatch.setattr(transformer.threads, "usable_cores", lambda: 2)
+        monkeypatch.setattr(os, "sched_getaffinity", lambda _pid: set(range(8)))
+        two = Translator.from_path(model_file, threads="auto")
+        assert two.streams == 3 and two.spare_cpus == 6
+        for others, crowded in ((0.3, False), (6.0, False), (6.25, True), (7.5, True)):
+            two.load = _Crowded(others)
+            assert two.crowded() is crowded
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_a_failing_stream_stops_the_job_and_restores_the_threads(model_file, monkeypatch):
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
-    monkeypatch.setattr(transformer.threads.os, "cpu_count", lambda: 2)
+    monkeypatch.setattr(transformer.threads, "usable_cores", lambda: 2)
     before = torch.get_num_threads()
     lines = [f"A man number {i} runs to the red house." for i in range(40)]
     try:
@@ -507,7 +532,7 @@ def test_a_search_on_its_own_keeps_to_one_thread_while_others_crowd_the_cpus(
     from transformer import search
 
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
-    monkeypatch.setattr("os.cpu_count", lambda: 2)
+    monkeypatch.setattr("transformer.threads.usable_cores", lambda: 2)
     before = torch.get_num_threads()
     counts = []
     encode, step = search.ModelStepper.__init__, search.ModelStepper.step
