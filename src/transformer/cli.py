@@ -73,8 +73,9 @@ def _add_threads(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--threads", type=thread_count, default="auto", metavar="N|auto",
         help="CPU threads (default auto: OMP_NUM_THREADS if set, else tuned to the machine's "
-        "load as it runs; on 2+ cores decoding jobs of 4+ batches then run several batches "
-        "at once, up to one per core and one more, one thread each)",
+        "load as it runs, on the cores this process may use: its CPU affinity and CPU quota; "
+        "on 2+ such cores decoding jobs of 4+ batches then run several batches at once, up to "
+        "one per core and one more, one thread each)",
     )  # fmt: skip
 
 

@@ -62,12 +62,16 @@ class ThreadTuner:
             tried first look slower than it is).
         helper: a `gradhelper.WeightGradHelper`: adds the candidate `HELPER` (one thread, the
             helper active), timed in a probe where one thread ran fastest of the counts.
-        crowded: says whether other processes keep this one's CPUs busy now (`OtherLoad`;
-            None: not asked). While they do, units run on the fewest threads, untimed: beside
-            a busy process every core's barriers wait for the core it holds, and the units a
-            probe or a drop's three spend finding that out cost a short job most of its time
-            (a 200-line `translate` beside one: 2.5-3.0 s against 2.1-2.2 with one thread,
-            docs/performance.md, "Round forty-three"). When they stop, a probe.
+        room: while other processes crowd this one's cores (`OtherLoad`), the cores they
+            leave it; None while they do not (None as the argument: not asked). While they do,
+            units run untimed on the most threads among the candidates that fit in that room,
+            else the fewest: on 2 cores, one. Beside a busy process every thread's barriers
+            wait for the core it holds, and the units a probe or a drop's three spend finding
+            that out cost a short job most of its time (a 200-line `translate` beside one on 2
+            cores: 2.5-3.0 s against 2.1-2.2 with one thread, docs/performance.md, "Round
+            forty-three"). A machine of more cores keeps as many threads as its idle cores
+            hold (not measured: 16 cores, others busy on 1.2 of them: 8 of 16, 8, 1). When they
+            stop, a probe.
     """
 
     def __init__(
@@ -80,7 +84,7 @@ class ThreadTuner:
         clock: Callable[[], float] = time.perf_counter,
         warmup_units: int = 0,
         helper=None,
-        crowded: Callable[[], bool] | None = None,
+        room: Callable[[], float | None] | None = None,
     ) -> None:
         self.candidates: list[int | str] = sorted({max(1, int(c)) for c in candidates},
                                                   reverse=True)  # fmt: skip
@@ -100,7 +104,7 @@ class ThreadTuner:
         self._after_drop = False
         self._warmup = warmup_units
         self._timed = True  # whether the current unit counts
-        self.crowded = crowded
+        self.room = room
         self._was_crowded = False
 
     @classmethod
@@ -123,9 +127,10 @@ class ThreadTuner:
     def start(self) -> None:
         """Before a unit of work: set the thread count it runs with."""
         now = self.clock()
-        if self._crowded_now():
+        room = self._room_now()
+        if room is not None:
             self._timed, self._queue = False, []  # a probe under way is dropped
-            self._set(self._fewest())
+            self._set(self._fitting(room))
             self._start = self.clock()
             return
         self._timed = self._warmup <= 0
@@ -145,22 +150,28 @@ class ThreadTuner:
 
     def settle(self) -> None:
         """Between units (a search's encoder, before its first timed step): sets the chosen
-        count, or the fewest threads while others crowd the CPUs (`crowded`)."""
-        self._set(self._fewest() if self._crowded_now() else self.best)
+        count, or while others crowd the cores the count that fits beside them (`room`)."""
+        room = self._room_now()
+        self._set(self.best if room is None else self._fitting(room))
 
     def _fewest(self) -> int | str:
         """The candidate with the fewest threads (1 before the helper's one)."""
         return min(self.candidates, key=lambda c: 1 if c == HELPER else c)
 
-    def _crowded_now(self) -> bool:
-        """`crowded()`, and a probe due at once when the crowding has just ended."""
-        if self.crowded is None:
-            return False
-        crowded = self.crowded()
-        if self._was_crowded and not crowded:
+    def _fitting(self, room: float) -> int | str:
+        """The most threads among the candidates that `room` cores hold, else the fewest."""
+        fits = [c for c in self.candidates if c != HELPER and c <= room]
+        return max(fits) if fits else self._fewest()
+
+    def _room_now(self) -> float | None:
+        """`room()`, and a probe due at once when the crowding has just ended."""
+        if self.room is None:
+            return None
+        room = self.room()
+        if self._was_crowded and room is None:
             self._next_probe, self._after_drop = self.clock(), False
-        self._was_crowded = crowded
-        return crowded
+        self._was_crowded = room is not None
+        return room
 
     def _set(self, choice: int | str) -> None:
         self._threads = choice

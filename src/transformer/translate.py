@@ -611,7 +611,8 @@ class Translator:
         self.tuner: ThreadTuner | None = None  # chooses the CPU threads step by step
         self.streams = 1  # batches decoded at once on CPU (`translate`), each on its threads
         self.load: OtherLoad | None = None  # other processes' CPU use, for the streams
-        self.spare_cpus = 0  # CPUs of `load` beyond the cores this process uses (`crowded`)
+        self.cores = 1  # the cores the streams or one search use (auto: the usable cores)
+        self.spare_cpus = 0  # CPUs of `load` beyond `cores` (`crowded`)
 
     @classmethod
     def from_path(
@@ -649,19 +650,28 @@ class Translator:
                 # CPUs of the affinity beyond the usable cores (a CPU quota): others' load
                 # there leaves this process's cores free (64 CPUs, a quota of 2: crowded
                 # once others keep 62.25 busy, not 0.25).
+                translator.cores = translator.tuner.candidates[0]
                 cpus = len(load.cpus) if load.cpus is not None else 0
-                translator.spare_cpus = max(0, cpus - translator.tuner.candidates[0])
-                # A search on its own (a short job, `serve`) keeps to one thread while others
-                # crowd the CPUs, as the streams keep to one CPU each.
-                translator.tuner.crowded = translator.crowded
+                translator.spare_cpus = max(0, cpus - translator.cores)
+                # A search on its own (a short job, `serve`) keeps to the threads that fit
+                # beside others while they crowd the cores (on 2: one), as the streams keep
+                # to one CPU each.
+                translator.tuner.room = translator.room
         return translator
 
     def crowded(self) -> bool:
         """Whether other processes keep at least CROWDED_CORES of this one's cores busy, over
         the last whole window of `load` (False where that is not known): of its CPUs, those
         beyond the `spare_cpus` it may leave to others."""
-        cores = self.load.cores() if self.load is not None else None
-        return cores is not None and cores >= CROWDED_CORES + self.spare_cpus
+        return self.room() is not None
+
+    def room(self) -> float | None:
+        """While others crowd this process's cores (`crowded`), the cores they leave it (at
+        most 0.25 fewer than its own; 0 or less: none); else None."""
+        others = self.load.cores() if self.load is not None else None
+        if others is None or others < CROWDED_CORES + self.spare_cpus:
+            return None
+        return self.cores + self.spare_cpus - others
 
     def encode(self, lines: Sequence[str], first_line: int = 1) -> list[list[int]]:
         """Subword ids + EOS per line; a line longer than the model's maximum is truncated to
@@ -800,8 +810,8 @@ class Translator:
         Torch ops release the GIL, so the streams run in parallel; each holds its own batch
         (`streams` times the decoding memory of one search).
 
-        Beside other busy processes (`self.load`, from `from_path`: at least CROWDED_CORES of
-        this process's CPUs kept busy by others over the last half second, checked before each
+        Beside other busy processes (`crowded`, from `self.load`: at least CROWDED_CORES of
+        this process's cores kept busy by others over the last half second, checked before each
         batch) stream k keeps to CPU k mod cores and one more stream runs. A stream that waits
         for the GIL sleeps, and with no CPU idle Linux wakes it on the CPU of the stream that
         let the GIL go (gradhelper.py found the same for its helper): the streams pile up on

@@ -84,11 +84,11 @@ def test_beside_a_busy_process_it_moves_to_one_thread_within_a_few_units():
 
 
 def test_while_others_crowd_the_cpus_units_run_on_one_thread_untimed():
-    # `crowded` (OtherLoad's reading) says at once what a drop's three slow units and a probe
+    # `room` (from OtherLoad's reading) says at once what a drop's three slow units and a probe
     # find out: beside a busy process no unit runs on both cores; when it stops, a probe.
     m = Machine()
     tuner = ThreadTuner([2, 1], probe_units=1, every_s=30, max_every_s=480, clock=m.clock,
-                        crowded=lambda: m.busy)  # fmt: skip
+                        room=lambda: 1.0 if m.busy else None)  # fmt: skip
     for _ in range(20):
         m.work(tuner)
     assert tuner.best == 2
@@ -107,9 +107,25 @@ def test_while_others_crowd_the_cpus_units_run_on_one_thread_untimed():
     assert used[:2] == [2, 1] and used[2:] == [2, 2, 2] and tuner.best == 2
 
 
+@pytest.mark.parametrize(("room", "threads"), [(15.7, 8), (8.0, 8), (7.9, 1), (0.5, 1), (-3.0, 1)])
+def test_while_crowded_a_machine_of_more_cores_keeps_the_threads_its_idle_cores_hold(room, threads):
+    # 16 cores, others busy on 0.3 of them: 8 threads (the most of 16, 8, 1 that fit), not 1.
+    m = Machine()
+    m.ALONE = {16: 1.0, 8: 1.0, 1: 1.0}
+    tuner = ThreadTuner([16, 8, 1], probe_units=1, clock=m.clock, room=lambda: room)
+    before = torch.get_num_threads()
+    try:
+        assert m.work(tuner) == threads and tuner._queue == []
+        tuner.settle()
+        assert torch.get_num_threads() == threads
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_a_probe_under_way_when_others_crowd_in_is_dropped():
     m = Machine()
-    tuner = ThreadTuner([2, 1], probe_units=2, every_s=30, clock=m.clock, crowded=lambda: m.busy)
+    tuner = ThreadTuner([2, 1], probe_units=2, every_s=30, clock=m.clock,
+                        room=lambda: 1.0 if m.busy else None)  # fmt: skip
     m.work(tuner)  # the first probe's first unit (2 threads)
     m.busy = True
     assert m.work(tuner) == 1 and tuner._queue == []

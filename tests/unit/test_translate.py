@@ -478,9 +478,9 @@ def test_one_usable_core_decodes_one_search_and_a_quota_leaves_the_other_cpus_to
         monkeypatch.setattr(os, "sched_getaffinity", lambda _pid: set(range(8)))
         two = Translator.from_path(model_file, threads="auto")
         assert two.streams == 3 and two.spare_cpus == 6
-        for others, crowded in ((0.3, False), (6.0, False), (6.25, True), (7.5, True)):
+        for others, room in ((0.3, None), (6.0, None), (6.25, 1.75), (7.5, 0.5)):
             two.load = _Crowded(others)
-            assert two.crowded() is crowded
+            assert two.crowded() is (room is not None) and two.room() == room
     finally:
         torch.set_num_threads(before)
 
@@ -518,7 +518,7 @@ def test_translator_tuner_probes_one_unit_per_thread_count(model_file, monkeypat
         tr = Translator.from_path(model_file, threads="auto")
         assert tr.tuner is not None and tr.tuner.probe_units == 1 and tr.tuner._warmup == 1
         if tr.tuner.candidates[0] >= 2:  # one thread while others crowd the CPUs
-            assert tr.tuner.crowded == tr.crowded and tr.load is not None
+            assert tr.tuner.room == tr.room and tr.load is not None
     finally:
         torch.set_num_threads(before)
 
@@ -553,8 +553,8 @@ def test_a_search_on_its_own_keeps_to_one_thread_while_others_crowd_the_cpus(
     monkeypatch.setattr(search.ModelStepper, "step", spy_step)
     try:
         tr = Translator.from_path(model_file, threads="auto")
-        monkeypatch.setattr(tr, "crowded", lambda: crowded)
-        tr.tuner.crowded = tr.crowded
+        monkeypatch.setattr(tr, "room", lambda: 1.0 if crowded else None)
+        tr.tuner.room = tr.room
         torch.set_num_threads(2)
         tr.translate(["a b c", "d e"], beam_size=2)
         if crowded:
