@@ -2,7 +2,7 @@
 bench_split_rows.py, bench_weighted_rows.py, bench_read_trees.py, bench_gc.py,
 bench_translate_stream.py, bench_int8_rows.py, bench_step_attention.py, bench_adam_step.py,
 bench_beam_history.py, bench_row_top.py, bench_int8_product.py, bench_bf16_keys.py,
-issue19_table.sh and
+issue19_table.sh, bench_cpu_limits.sh and
 gpu/prepare_device.sh:
 bad input is one clear line (the script, the problem), exit status 2, before any timing starts."""
 
@@ -568,3 +568,44 @@ def test_int8_product_bench_times_a_real_models_searches_both_ways(tiny_model_fi
     rows = [line for line in out.stdout.splitlines() if "int8 beam" in line]
     assert len(rows) == 2 and all("fbgemm" in r and "oneDNN" in r for r in rows)
     assert " cores, " in out.stdout.splitlines()[0]  # the CPU and its ISA beside the figures
+
+
+def _limits(*args: str, **env: str) -> subprocess.CompletedProcess:
+    import os
+
+    return subprocess.run(["bash", str(BENCH / "bench_cpu_limits.sh"), *args],
+                          capture_output=True, text=True, timeout=300,
+                          env={**os.environ, **env})  # fmt: skip
+
+
+def test_cpu_limits_bench_names_bad_arguments_before_running(tmp_path, src):
+    tree = Path(__file__).resolve().parents[2] / "src"
+    cases = [
+        ((), {}, "usage: bench_cpu_limits.sh OLD_SRC MODEL INPUT (got 0 arguments)"),
+        ((str(tmp_path), str(src), str(src)), {}, "not a tree's src"),
+        ((str(tree), str(tmp_path / "no.safetensors"), str(src)), {}, "no such model file"),
+        ((str(tree), str(src), str(tmp_path / "none.txt")), {}, "none.txt: no such input file"),
+        ((str(tree), str(src), str(src)), {"RUNS": "0"}, "RUNS=0: a count of at least 1"),
+        ((str(tree), str(src), str(src)), {"QUOTAS": "1.0 -2"}, "QUOTAS: -2 is not a positive"),
+        ((str(tree), str(src), str(src)), {"QUOTAS": "0"}, "QUOTAS: 0 is not a positive"),
+    ]
+    for args, env, message in cases:
+        done = _limits(*args, **env)
+        assert done.returncode == 2 and done.stdout == ""
+        assert done.stderr.startswith("bench_cpu_limits.sh: ") and message in done.stderr
+        assert done.stderr.count("\n") == 1
+
+
+def test_cpu_limits_bench_runs_both_trees_on_one_cpu_and_unlimited(tiny_model_file, src):
+    import os
+
+    # No quota runs (they need root and a cgroup hierarchy): taskset's and the unlimited ones.
+    tree = Path(__file__).resolve().parents[2] / "src"
+    done = _limits(str(tree), str(tiny_model_file), str(src), RUNS="1", QUOTAS="none",
+                   PY=sys.executable)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    out = done.stdout
+    assert "== no quota runs (QUOTAS=none)" in out and "== taskset -c 0" in out
+    assert out.count("outputs identical") == 2
+    one_cpu = out.split("== no limit")[0]  # the CPU line says so where the machine has more
+    assert ("(1 usable)" in one_cpu) == ((os.cpu_count() or 1) > 1)
