@@ -83,8 +83,9 @@ def cpu_line(cpuinfo: str | None = None) -> str:
     flags = set(info.get("flags", "").split())
     isa = [f for f in ISA if f in flags]
     cores = f"{os.cpu_count()} cores"
-    if cpuinfo is None and usable_cores() != os.cpu_count():  # a cpuset, taskset or CPU quota
-        cores += f" ({usable_cores()} usable)"
+    usable = usable_cores() if cpuinfo is None else os.cpu_count()
+    if usable != os.cpu_count():  # a cpuset, taskset or CPU quota
+        cores += f" ({usable} usable)"
     return f"{model}, {cores}, {' '.join(isa) or 'no AVX-512'}"
 
 
