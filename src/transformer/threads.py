@@ -117,7 +117,9 @@ class ThreadTuner:
         # The cores this process may use, not the machine's: under `taskset -c 0` on 2 cores
         # (os.cpu_count() 2) a 2,028-line `translate` ran three decoding streams on one CPU,
         # 7.7 s against 6.7 on one thread ("Round forty-six").
-        cores = max(1, usable_cores() // local)
+        usable = usable_cores()
+        _say_usable(usable)
+        cores = max(1, usable // local)
         if helper and local == 1:  # the helper itself needs 2 usable CPUs
             from transformer.gradhelper import WeightGradHelper
 
@@ -306,6 +308,25 @@ def usable_cores() -> int:
     """The cores this process may use: its CPU affinity, and its CPU quota where a control
     group sets one (`cpuinfo.usable_cores`)."""
     return cpuinfo.usable_cores()
+
+
+def _say_usable(usable: int) -> None:
+    """Log once per process where the usable cores are fewer than the machine's, and why."""
+    global _said_usable
+    machine = os.cpu_count() or 1
+    if usable >= machine or _said_usable:
+        return
+    _said_usable = True
+    quota = cpuinfo.cpu_quota()
+    affinity = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else machine
+    if quota is not None and usable < affinity:
+        why = f"a CPU quota of {quota:g} CPU{'s' if quota != 1 else ''}"
+    else:
+        why = f"a CPU affinity of {affinity} CPU{'s' if affinity != 1 else ''}"
+    logger.info("threads auto: %d of the machine's %d cores usable (%s)", usable, machine, why)
+
+
+_said_usable = False
 
 
 def warn_if_oversubscribed(threads: int) -> None:

@@ -335,3 +335,32 @@ def test_auto_counts_the_cores_this_process_may_use_not_the_machines(monkeypatch
         assert ThreadTuner.for_this_machine().candidates == [4, 2, 1]
     finally:
         torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize(
+    ("quota", "affinity", "said"),
+    [(1.0, {0, 1}, "1 of the machine's 4 cores usable (a CPU quota of 1 CPU)"),
+     (1.2, {0, 1, 2, 3}, "1 of the machine's 4 cores usable (a CPU quota of 1.2 CPUs)"),
+     (None, {3}, "1 of the machine's 4 cores usable (a CPU affinity of 1 CPU)"),
+     (3.0, {0, 1}, "2 of the machine's 4 cores usable (a CPU affinity of 2 CPUs)"),
+     (None, {0, 1, 2, 3}, None)],
+)  # fmt: skip
+def test_auto_says_once_why_it_uses_fewer_cores_than_the_machine_has(
+    monkeypatch, caplog, quota, affinity, said
+):
+    import logging
+    import os
+
+    import transformer.cpuinfo as cpuinfo
+    import transformer.threads as threads
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(threads, "_said_usable", False)
+    monkeypatch.setattr(threads.os, "cpu_count", lambda: 4)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda _pid: affinity)
+    monkeypatch.setattr(cpuinfo, "cpu_quota", lambda *_: quota)
+    with caplog.at_level(logging.INFO, logger="transformer.threads"):
+        resolve(AUTO)
+        resolve(AUTO)
+    lines = [r.getMessage() for r in caplog.records if "usable" in r.getMessage()]
+    assert lines == ([] if said is None else [f"threads auto: {said}"])
