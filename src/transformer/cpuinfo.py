@@ -120,7 +120,7 @@ def cpu_quota(proc: str | Path = "/proc/self", root: str | Path = "/") -> float 
     `cpu.cfs_period_us`), the smallest set on its group or any group above it; None where none
     is set or none can be read (no Linux, no cgroup file system mounted)."""
     quotas = []
-    for version, directory, top in _cpu_cgroups(Path(proc), Path(root)):
+    for version, directory, top in _cgroups(Path(proc), Path(root), "cpu"):
         while True:
             quota = _group_quota(version, directory)
             if quota is not None:
@@ -145,9 +145,58 @@ def _group_quota(version: int, directory: Path) -> float | None:
     return quota_us / period_us if quota_us > 0 and period_us > 0 else None
 
 
-def _cpu_cgroups(proc: Path, root: Path) -> list[tuple[int, Path, Path]]:
+def available_memory(proc: str | Path = "/proc/self", root: str | Path = "/") -> int | None:
+    """Bytes this process can still take: the kernel's estimate of available memory
+    (/proc/meminfo's MemAvailable), and no more than each control group's memory limit above
+    its usage (cgroup v2 `memory.max` over `memory.current`, v1 `memory.limit_in_bytes` over
+    `memory.usage_in_bytes`; the group's inactive file pages, which the kernel drops before it
+    kills, not counted as used), on the process's group and every group above it; None where
+    none of these can be read."""
+    found = []
+    try:
+        for line in (Path(root) / "proc/meminfo").read_text(encoding="ascii").splitlines():
+            if line.startswith("MemAvailable:"):
+                found.append(int(line.split()[1]) * 1024)
+    except (OSError, ValueError, IndexError, UnicodeDecodeError):
+        pass
+    for version, directory, top in _cgroups(Path(proc), Path(root), "memory"):
+        while True:
+            room = _group_memory(version, directory)
+            if room is not None:
+                found.append(room)
+            if directory == top or directory.parent == directory:
+                break
+            directory = directory.parent
+    return max(0, min(found)) if found else None
+
+
+def _group_memory(version: int, directory: Path) -> int | None:
+    """One group's memory limit less its usage (None: unlimited, or nothing readable)."""
+    names = (("memory.max", "memory.current", ("inactive_file",)) if version == 2 else
+             ("memory.limit_in_bytes", "memory.usage_in_bytes",
+              ("total_inactive_file", "inactive_file")))  # fmt: skip
+    try:
+        limit_text = (directory / names[0]).read_text(encoding="ascii").strip()
+        if limit_text == "max":
+            return None
+        limit = int(limit_text)
+        used = int((directory / names[1]).read_text(encoding="ascii"))
+        stat = dict(
+            line.split(None, 1)
+            for line in (directory / "memory.stat").read_text(encoding="ascii").splitlines()
+            if " " in line
+        )
+    except (OSError, ValueError, UnicodeDecodeError):
+        return None
+    if limit >= 2**60:  # v1's "unlimited": a page-rounded LONG_MAX
+        return None
+    inactive = next((int(stat[n]) for n in names[2] if stat.get(n, "").strip().isdigit()), 0)
+    return limit - max(0, used - inactive)
+
+
+def _cgroups(proc: Path, root: Path, controller: str) -> list[tuple[int, Path, Path]]:
     """(cgroup version, this process's group directory, its mount's top directory) for the
-    cgroup v2 hierarchy and the v1 hierarchy of the `cpu` controller, where mounted
+    cgroup v2 hierarchy and the v1 hierarchy of `controller` ("cpu", "memory"), where mounted
     (/proc/self/mountinfo) and named in /proc/self/cgroup."""
     try:
         mounts = (proc / "mountinfo").read_text(encoding="utf-8", errors="replace")
@@ -160,7 +209,7 @@ def _cpu_cgroups(proc: Path, root: Path) -> list[tuple[int, Path, Path]]:
         controllers, _, path = rest.partition(":")
         if number == "0" and not controllers:
             paths.setdefault(2, path)
-        elif "cpu" in controllers.split(","):
+        elif controller in controllers.split(","):
             paths.setdefault(1, path)
     found = []
     for line in mounts.splitlines():
@@ -171,7 +220,9 @@ def _cpu_cgroups(proc: Path, root: Path) -> list[tuple[int, Path, Path]]:
             continue
         mount_root, point = _unescape(mine_fields[3]), _unescape(mine_fields[4])
         fstype, options = theirs_fields[0], theirs_fields[2].split(",")
-        version = 2 if fstype == "cgroup2" else 1 if fstype == "cgroup" and "cpu" in options else 0
+        version = (
+            2 if fstype == "cgroup2" else 1 if fstype == "cgroup" and controller in options else 0
+        )
         if version not in paths:
             continue
         path = paths.pop(version)

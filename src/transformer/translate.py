@@ -28,7 +28,7 @@ from torch import nn
 from transformer import kernels
 from transformer.batching import batch_by_tokens
 from transformer.config import INFERENCE_DTYPES, WINDOW_LINES, DecodeConfig
-from transformer.cpuinfo import cpu_flags, native_bf16
+from transformer.cpuinfo import available_memory, cpu_flags, native_bf16
 from transformer.data import read_lines, read_windows
 from transformer.errors import UserError
 from transformer.gptq import gptq_round, row_scales
@@ -47,6 +47,19 @@ logger = logging.getLogger(__name__)
 # Decoding streams (`Translator._decode_streams`): at most one per this many batches of a job (none
 # below two streams' worth): with fewer, one long batch can leave the other streams idle.
 MIN_BATCHES_PER_STREAM = 2
+# Of the memory the process can still take (`cpuinfo.available_memory`), the share the decoding
+# streams' batches may fill, each as much as the job's first batch took (`_streams_that_fit`).
+STREAMS_MEMORY_SHARE = 0.8
+# How often the first batch's resident memory is read while it decodes (seconds).
+RSS_EVERY_S = 0.005
+# A generous bound on one batch's decoding memory, in bytes per source token of the batch and
+# beam and per decoder layer and model dimension: fp32 self-attention keys and values (2 x 4
+# bytes) over about as many positions as source tokens, x3 for the doubling buffers' copies,
+# the cross-attention keys and values and the rest. Measured: a base-shape int8 batch of 4,000
+# tokens at beam 4 took 700-780 MiB, this bound 1,125 MiB (docs/performance.md, "Round
+# forty-six"). Where the memory available holds twice the streams' bound, the first batch is
+# not decoded alone to measure it: that costs 8-10% of a job's words/s.
+BATCH_BYTES_BOUND = 2 * 4 * 3
 # Beside other busy processes (`OtherLoad`: at least this many cores kept busy by them) the streams
 # are pinned to the CPUs in turn and one more stream runs (`_decode_streams`).
 CROWDED_CORES = 0.25
@@ -613,6 +626,9 @@ class Translator:
         self.load: OtherLoad | None = None  # other processes' CPU use, for the streams
         self.cores = 1  # the cores the streams or one search use (auto: the usable cores)
         self.spare_cpus = 0  # CPUs of `load` beyond `cores` (`crowded`)
+        # The most batches decoded at once that memory holds, found on the first job of
+        # streams (`_streams_that_fit`); None until then, 0 where it cannot be known.
+        self.batches_at_once: int | None = None
 
     @classmethod
     def from_path(
@@ -657,6 +673,13 @@ class Translator:
                 # beside others while they crowd the cores (on 2: one), as the streams keep
                 # to one CPU each.
                 translator.tuner.room = translator.room
+                # Others' load is read, not inferred from a fall in the rate: a decoding unit's
+                # rate falls ~3x within a batch as its hypotheses lengthen and finish (a base
+                # model on newstest2013: 3,137 -> 1,169 rows/s on two threads), which read as a
+                # drop, and the re-probe that timed the other count first on the falling rate
+                # chose one thread for the rest of the job (31.6 s against 18.8;
+                # docs/performance.md, "Round forty-six"). Scheduled probes remain.
+                translator.tuner.drop = 0.0
         return translator
 
     def crowded(self) -> bool:
@@ -820,12 +843,34 @@ class Translator:
         cores), pinned 3 + 1 3,064 (1.48 cores), medians of 4 rounds; alone, where nothing
         changes, 4,417 / 4,372 (6 rounds). docs/performance.md, "Round ten".
         """
+        results: list = [None] * len(batches)
+        taken = [0]  # batches handed out so far
         before = torch.get_num_threads()
+        if self.batches_at_once is None:
+            cfg_m = self.model.cfg
+            bound = cfg.max_tokens * cfg.beam_size * cfg_m.n_layers * cfg_m.d_model
+            available = available_memory()
+            if available is None or available >= 2 * streams * BATCH_BYTES_BOUND * bound:
+                self.batches_at_once = 0  # plenty, or not known: no bound
+        if self.batches_at_once is None or self.batches_at_once == 1:
+            try:
+                if self.batches_at_once is None:
+                    # The job's first batch, the longest (`batches`), decoded alone first: what
+                    # it takes in memory bounds the streams (`_streams_that_fit`).
+                    results[0] = self._streams_that_fit(batches[0], sources, cfg, alphas)
+                    taken[0] = 1
+                if self.batches_at_once == 1:  # one batch at a time, as without streams
+                    for i in range(taken[0], len(batches)):
+                        results[i] = self._decode(batches[i], sources, cfg, self.tuner, alphas)
+                    return results
+            finally:
+                torch.set_num_threads(before)
+        streams = min(streams, self.batches_at_once or streams)
         torch.set_num_threads(max(1, before // streams))  # new threads inherit this count
         cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_setaffinity") else []
         watch = self.load is not None and len(cpus) >= 2  # pinning needs 2 CPUs or more
-        results: list = [None] * len(batches)
-        taken = [0]  # batches handed out so far
+        # The extra stream only where memory holds one batch more.
+        watch = watch and (not self.batches_at_once or streams < self.batches_at_once)
         lock, stop = threading.Lock(), threading.Event()
         errors: list[BaseException] = []
 
@@ -878,6 +923,40 @@ class Translator:
         if errors:
             raise errors[0]
         return results
+
+    def _streams_that_fit(
+        self,
+        batch: list[int],
+        sources: Sequence[list[int]],
+        cfg: DecodeConfig,
+        alphas: tuple[float, ...],
+    ) -> list[list[list[tuple[list[int], float]]]]:
+        """`_decode` of `batch` on the tuned threads, alone, while its resident memory is read
+        every RSS_EVERY_S; sets `batches_at_once` to the batches of that size the memory still
+        available holds (STREAMS_MEMORY_SHARE of it, at least one), None where either cannot
+        be read.
+
+        Not in the paper. Each stream holds a batch of its own: under a memory limit of 2.5 GB
+        (a cgroup's, as Docker's --memory) a base-shape model's three streams over newstest2013
+        were killed by the kernel after 10 s, with nothing written, where one search on two
+        threads peaks at 1.9 GB (docs/performance.md, "Round forty-six").
+        """
+        peak = _PeakRSS()
+        with peak:
+            found = self._decode(batch, sources, cfg, self.tuner, alphas)
+        available = available_memory()
+        if peak.grown is None or available is None:
+            self.batches_at_once = 0  # not known: no limit
+            return found
+        fit = max(1, int(STREAMS_MEMORY_SHARE * available / max(peak.grown, 1)))
+        self.batches_at_once = fit
+        if fit < self.streams:
+            logger.info(
+                "%d decoding stream%s instead of %d: a batch took %.0f MiB and %.0f MiB are "
+                "available", fit, "s" if fit != 1 else "", self.streams, peak.grown / 2**20,
+                available / 2**20,
+            )  # fmt: skip
+        return found
 
     def options(
         self,
@@ -948,6 +1027,45 @@ class Translator:
             "translation": a.translation,
             **{k: [w.tolist() for w in v] for k, v in a.weights.items()},
         }
+
+
+class _PeakRSS:
+    """The most this process's resident memory grew over a `with` block, read from
+    /proc/self/statm every RSS_EVERY_S by a thread of its own (`grown`: bytes; None where
+    /proc/self/statm cannot be read)."""
+
+    def __init__(self) -> None:
+        self.grown: int | None = None
+        self._stop = threading.Event()
+        self._page = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+
+    def _rss(self) -> int | None:
+        try:
+            with open("/proc/self/statm", "rb") as f:
+                return int(f.read().split()[1]) * self._page
+        except (OSError, ValueError, IndexError):
+            return None
+
+    def _watch(self, start: int) -> None:
+        top = start
+        while not self._stop.wait(RSS_EVERY_S):
+            now = self._rss()
+            top = max(top, now or 0)
+        self.grown = max(top, self._rss() or 0) - start
+
+    def __enter__(self) -> _PeakRSS:
+        start = self._rss()
+        self._thread = None
+        if start is not None:
+            self._thread = threading.Thread(target=self._watch, args=(start,), daemon=True,
+                                            name="peak-rss")  # fmt: skip
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
 
 
 def translate_stream(

@@ -210,3 +210,37 @@ def test_a_process_limited_to_one_cpu_counts_one_core_without_being_told(tmp_pat
     cores, rest = out.stdout.split(" ", 1)
     assert cores == "1" and rest.startswith("[1]")
     assert ("(1 usable)" in rest) == ((os.cpu_count() or 1) > 1)
+
+
+def test_available_memory_is_the_least_of_memavailable_and_each_groups_room(tmp_path):
+    # MemAvailable alone; then a v1 group's limit over its usage less its inactive file pages
+    # (dropped before the kernel kills); then a v2 parent's tighter limit; "max": none.
+    from transformer.cpuinfo import available_memory
+
+    root = tmp_path / "root"
+    _write(root, "proc/meminfo", "MemTotal: 24000000 kB\nMemAvailable:   8000000 kB\n")
+    mem_v1 = "38 25 0:32 / /sys/fs/cgroup/memory rw - cgroup cgroup rw,memory\n"
+    proc = _proc(tmp_path, mem_v1, "5:memory:/m1\n0::/\n")
+    assert available_memory(proc, root) == 8000000 * 1024
+    _write(root, "sys/fs/cgroup/memory/m1/memory.limit_in_bytes", str(2500 * 2**20))
+    _write(root, "sys/fs/cgroup/memory/m1/memory.usage_in_bytes", str(1000 * 2**20))
+    _write(root, "sys/fs/cgroup/memory/m1/memory.stat",
+           f"cache 1\ntotal_inactive_file {300 * 2**20}\n")  # fmt: skip
+    assert available_memory(proc, root) == 1800 * 2**20
+    _write(root, "sys/fs/cgroup/memory/memory.limit_in_bytes", "9223372036854771712")  # none
+    assert available_memory(proc, root) == 1800 * 2**20
+    root2 = tmp_path / "root2"
+    _write(root2, "proc/meminfo", "MemAvailable: 8000000 kB\n")
+    mount = "30 25 0:27 / /sys/fs/cgroup rw - cgroup2 cgroup2 rw\n"
+    proc2 = tmp_path / "p2"
+    proc2.mkdir()
+    (proc2 / "mountinfo").write_text(mount, encoding="utf-8")
+    (proc2 / "cgroup").write_text("0::/a/b\n", encoding="utf-8")
+    _write(root2, "sys/fs/cgroup/a/b/memory.max", "max\n")
+    _write(root2, "sys/fs/cgroup/a/memory.max", f"{2**30}\n")
+    _write(root2, "sys/fs/cgroup/a/memory.current", f"{2**29}\n")
+    _write(root2, "sys/fs/cgroup/a/memory.stat", "anon 1\ninactive_file 0\n")
+    assert available_memory(proc2, root2) == 2**29
+    _write(root2, "sys/fs/cgroup/a/memory.current", f"{2**31}\n")  # over its limit: none left
+    assert available_memory(proc2, root2) == 0
+    assert available_memory(tmp_path / "none", tmp_path / "nothing") is None

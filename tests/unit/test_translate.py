@@ -426,6 +426,7 @@ def test_beside_a_busy_process_the_streams_keep_to_a_cpu_each_and_one_more_runs(
         par = Translator.from_path(model_file, threads="auto")
         assert par.streams == 3 and par.load is not None
         par.load = _Crowded(others)
+        par.batches_at_once = 0  # no first batch alone (`_streams_that_fit`, tested below)
         for tr in (seq, par):
             tr.decode = replace(tr.decode, **SMALL_BATCHES)
         assert len(list(par.batches(par.encode(lines)))) >= 12
@@ -485,6 +486,94 @@ def test_one_usable_core_decodes_one_search_and_a_quota_leaves_the_other_cpus_to
         torch.set_num_threads(before)
 
 
+@pytest.mark.parametrize(
+    ("available", "at_once", "decoders"),
+    [(10 * 2**30, 0, {"decode-0", "decode-1", "decode-2"}),  # plenty: not measured
+     (2.6, 2, {"MainThread", "decode-0", "decode-1"}),  # x the bound: measured, 2 fit
+     (1.2, 1, {"MainThread"}),
+     (None, 0, {"decode-0", "decode-1", "decode-2"})],
+)  # fmt: skip
+def test_the_first_batch_alone_bounds_the_streams_by_the_memory_available(
+    model_file, monkeypatch, caplog, available, at_once, decoders
+):
+    # Where the memory available does not hold twice the streams' bound (BATCH_BYTES_BOUND),
+    # the job's first batch is decoded alone, its resident memory read; the streams are as many
+    # as STREAMS_MEMORY_SHARE of the memory available holds batches of that size (here one
+    # batch "takes" the bound), one at a time where one fits, as before where the memory is
+    # plenty or unknown. Outputs are those of one search at a time every way; the caller's
+    # threads restored.
+    import logging
+    import threading
+
+    import transformer.translate as translate_module
+
+    class FakePeak:
+        grown = None  # set below: the bound
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            pass
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(transformer.threads, "usable_cores", lambda: 2)
+    monkeypatch.setattr(translate_module, "_PeakRSS", FakePeak)
+    before = torch.get_num_threads()
+    lines = [f"{w} {v} runs." for w in ("A man", "Two dogs", "The child") for v in LINES] * 3
+    try:
+        seq = Translator.from_path(model_file, threads=1)
+        par = Translator.from_path(model_file, threads="auto")
+        par.load = _Crowded(0.0)
+        for tr in (seq, par):
+            tr.decode = replace(tr.decode, **SMALL_BATCHES)
+        cfg, model_cfg = par.decode, par.model.cfg
+        bound = translate_module.BATCH_BYTES_BOUND * cfg.max_tokens * cfg.beam_size
+        bound *= model_cfg.n_layers * model_cfg.d_model
+        FakePeak.grown = bound
+        if available is not None and available < 100:
+            available *= bound
+        monkeypatch.setattr(translate_module, "available_memory", lambda: available)
+        seen, decode = set(), par._decode
+
+        def spy(*args):
+            seen.add(threading.current_thread().name)
+            threading.Event().wait(0.01)  # every stream starts a batch
+            return decode(*args)
+
+        monkeypatch.setattr(par, "_decode", spy)
+        torch.set_num_threads(2)
+        with caplog.at_level(logging.INFO, logger="transformer.translate"):
+            assert par.translate(lines) == seq.translate(lines)
+        assert par.batches_at_once == at_once and seen == decoders
+        assert torch.get_num_threads() == 2
+        said = [r.getMessage() for r in caplog.records if "decoding stream" in r.getMessage()]
+        if at_once in (1, 2):
+            assert said == [f"{at_once} decoding stream{'s' if at_once > 1 else ''} instead of "
+                            f"3: a batch took {bound / 2**20:.0f} MiB and "
+                            f"{available / 2**20:.0f} MiB are available"]  # fmt: skip
+        else:
+            assert said == []
+        seen.clear()  # the next job: no first batch alone, the same bound
+        assert par.translate(lines) == seq.translate(lines)
+        assert ("MainThread" in seen) == (at_once == 1)
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_peak_rss_reads_the_growth_of_resident_memory_over_its_block():
+    from transformer.translate import _PeakRSS
+
+    peak = _PeakRSS()
+    with peak:
+        block = bytearray(64 * 2**20)  # written: resident
+        block[::4096] = b"x" * len(block[::4096])
+        threading_wait = __import__("threading").Event().wait
+        threading_wait(0.05)
+        del block
+    assert peak.grown is not None and 48 * 2**20 <= peak.grown < 1024 * 2**20
+
+
 def test_a_failing_stream_stops_the_job_and_restores_the_threads(model_file, monkeypatch):
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     monkeypatch.setattr(transformer.threads, "usable_cores", lambda: 2)
@@ -519,6 +608,8 @@ def test_translator_tuner_probes_one_unit_per_thread_count(model_file, monkeypat
         assert tr.tuner is not None and tr.tuner.probe_units == 1 and tr.tuner._warmup == 1
         if tr.tuner.candidates[0] >= 2:  # one thread while others crowd the CPUs
             assert tr.tuner.room == tr.room and tr.load is not None
+            # others' load is read: a decoding unit's falling rate is no drop to re-probe on
+            assert tr.tuner.drop == 0.0
     finally:
         torch.set_num_threads(before)
 
