@@ -831,7 +831,9 @@ class Translator:
         median of 8, words/s alone 1,176 (2 streams) / 1,188 (3) / 1,152 (4), beside a busy
         process 779 / 876 / 917. docs/performance.md, "Decoding streams".
         Torch ops release the GIL, so the streams run in parallel; each holds its own batch
-        (`streams` times the decoding memory of one search).
+        (`streams` times the decoding memory of one search): where memory is short (the
+        bound BATCH_BYTES_BOUND), the first batch alone first tells how many fit
+        (`_streams_that_fit`; `batches_at_once`, kept for the translator's later jobs).
 
         Beside other busy processes (`crowded`, from `self.load`: at least CROWDED_CORES of
         this process's cores kept busy by others over the last half second, checked before each
