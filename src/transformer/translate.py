@@ -935,13 +935,15 @@ class Translator:
     ) -> list[list[list[tuple[list[int], float]]]]:
         """`_decode` of `batch` on the tuned threads, alone, while its resident memory is read
         every RSS_EVERY_S; sets `batches_at_once` to the batches of that size the memory still
-        available holds (STREAMS_MEMORY_SHARE of it, at least one), None where either cannot
-        be read.
+        available holds (STREAMS_MEMORY_SHARE of it, at least one), 0 (no bound) where either
+        cannot be read.
 
         Not in the paper. Each stream holds a batch of its own: under a memory limit of 2.5 GB
         (a cgroup's, as Docker's --memory) a base-shape model's three streams over newstest2013
-        were killed by the kernel after 10 s, with nothing written, where one search on two
-        threads peaks at 1.9 GB (docs/performance.md, "Round forty-six").
+        were killed by the kernel after 8-10 s, with nothing written, where one search on two
+        threads peaks at 1.75-1.86 GB (docs/performance.md, "Round forty-six"). On a machine of
+        many cores (one stream per core and one more) the same bound keeps the streams' batches
+        within its memory.
         """
         peak = _PeakRSS()
         with peak:
