@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 import os
 import platform
+from collections.abc import Callable
 from pathlib import Path
 
 CPUINFO = "/proc/cpuinfo"
@@ -119,16 +120,23 @@ def cpu_quota(proc: str | Path = "/proc/self", root: str | Path = "/") -> float 
     (Linux's CFS bandwidth control: cgroup v2 `cpu.max`, v1 `cpu.cfs_quota_us` over
     `cpu.cfs_period_us`), the smallest set on its group or any group above it; None where none
     is set or none can be read (no Linux, no cgroup file system mounted)."""
-    quotas = []
-    for version, directory, top in _cgroups(Path(proc), Path(root), "cpu"):
+    quotas = _up_the_groups(Path(proc), Path(root), "cpu", _group_quota)
+    return min(quotas) if quotas else None
+
+
+def _up_the_groups(proc: Path, root: Path, controller: str, read: Callable) -> list:
+    """`read(version, directory)` of the process's group and of every group above it, in each
+    hierarchy of `controller` (`_cgroups`), where not None."""
+    found = []
+    for version, directory, top in _cgroups(proc, root, controller):
         while True:
-            quota = _group_quota(version, directory)
-            if quota is not None:
-                quotas.append(quota)
+            value = read(version, directory)
+            if value is not None:
+                found.append(value)
             if directory == top or directory.parent == directory:
                 break
             directory = directory.parent
-    return min(quotas) if quotas else None
+    return found
 
 
 def _group_quota(version: int, directory: Path) -> float | None:
@@ -159,14 +167,7 @@ def available_memory(proc: str | Path = "/proc/self", root: str | Path = "/") ->
                 found.append(int(line.split()[1]) * 1024)
     except (OSError, ValueError, IndexError, UnicodeDecodeError):
         pass
-    for version, directory, top in _cgroups(Path(proc), Path(root), "memory"):
-        while True:
-            room = _group_memory(version, directory)
-            if room is not None:
-                found.append(room)
-            if directory == top or directory.parent == directory:
-                break
-            directory = directory.parent
+    found += _up_the_groups(Path(proc), Path(root), "memory", _group_memory)
     return max(0, min(found)) if found else None
 
 
