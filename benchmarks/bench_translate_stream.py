@@ -27,9 +27,12 @@ class RunFailed(Exception):
     """A run of `transformer translate` that did not end with status 0."""
 
 
-def run_once(src: Path | None, model: str, input_path: str, extra: list[str]) -> dict:
-    """One `transformer translate` in a fresh process (the tree at `src`, or this one's)."""
-    env = dict(os.environ)
+def run_once(
+    src: Path | None, model: str, input_path: str, extra: list[str], env: dict | None = None
+) -> dict:
+    """One `transformer translate` in a fresh process (the tree at `src`, or this one's; in
+    `env`, else this process's environment)."""
+    env = dict(os.environ if env is None else env)
     if src is not None:
         env["PYTHONPATH"] = f"{src}{os.pathsep}{env.get('PYTHONPATH', '')}"
     cmd = [sys.executable, "-m", "transformer", "translate", model, input_path, *extra]

@@ -762,6 +762,33 @@ def _add_export(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_cmd_export)
 
 
+def _cmd_kernels(args: argparse.Namespace) -> int:
+    from transformer import kernels
+
+    why = kernels.unavailable()
+    if why is not None:  # nothing to keep: torch's ops run here
+        raise UserError(f"the compiled kernels cannot be had here: {why}")
+    target = kernels.build_ahead(args.into)
+    for line in kernels.describe():
+        print(line)
+    found = "" if args.into is None else f" with TRANSFORMER_KERNELS={target.parent}"
+    print(f"kept in {target}: a process without a C compiler loads it from there{found}")
+    return 0
+
+
+def _add_kernels(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "kernels",
+        help="build the compiled CPU kernels now and keep them in the package's folder, for a "
+        "copy of this environment without a C compiler (a container image's second stage)",
+    )  # fmt: skip
+    p.add_argument(
+        "--into", type=Path, metavar="DIR",
+        help="keep the library here instead (a process finds it with TRANSFORMER_KERNELS=DIR)",
+    )  # fmt: skip
+    p.set_defaults(func=_cmd_kernels)
+
+
 def _cmd_parse(args: argparse.Namespace) -> int:
     from transformer.data import read_lines, write_output
     from transformer.parsing.parse import evaluate_parser, parse_file
@@ -843,6 +870,7 @@ _SUBCOMMANDS = [
     _add_parse,
     _add_serve,
     _add_export,
+    _add_kernels,
 ]
 
 

@@ -47,10 +47,15 @@ order, the same bits (AVX-512; docs/performance.md, "Round thirty-nine").
 The kernels are C, compiled on first use with the system's C compiler (`$CC`, else `cc`, `gcc`
 or `clang`) into a cache folder (`$TRANSFORMER_KERNELS`, else `$XDG_CACHE_HOME/transformer`,
 else `~/.cache/transformer`), keyed by the source's and compiler's hash, and loaded with
-ctypes; they are checked against torch once before they are used. Where they cannot be built
-(no compiler, another architecture, a read-only home) `transposed` is torch's own copy,
-`fused_supported()` is False, and `unavailable()` says why. Nothing in a model file
-reaches this code.
+ctypes; they are checked against torch once before they are used. A process without a C
+compiler (a slim container image, a copied environment), or whose compiler fails, loads one
+built ahead for this source instead: `transformer kernels` (`build_ahead`) keeps a copy in the
+package's own folder (`PREBUILT`), which goes wherever the package is installed or copied, and
+the cache folder is searched too. Where none can be had (another architecture, no compiler and
+nothing built ahead, a read-only home) `transposed` is torch's own copy, `fused_supported()` is
+False, and `unavailable()` says why; on x86-64 that is a warning, as decoding then runs at
+78-81% of its speed (docs/decoding.md, "The compiled kernels"). Nothing in a model file reaches
+this code.
 
     out = transposed(x)      # (C, R) contiguous, the same values as x.t().contiguous()
     y, s, mean, rstd = residual_norm(x, f, keep, scale, weight, bias, eps)
@@ -1496,8 +1501,14 @@ _ROWS_ISA = "avx512" if _AVX512 else "avx2" if "avx2" in cpuinfo.cpu_flags() els
 _ATTENTION_ISA = "avx512" if _AVX512 else "avx2" if {"avx2", "fma"} <= cpuinfo.cpu_flags() else None
 _LIB: ctypes.PyDLL | None = None
 _NOGIL: ctypes.CDLL | None = None  # the same library, called without the GIL
+_PATH: Path | None = None  # the file `_LIB` was loaded from
 _WHY: str | None = None  # why there is no library, once `_library` has tried
 _TRIED = False
+# Libraries built ahead (`build_ahead`, `transformer kernels`) for a process without a C
+# compiler: the package's own folder goes wherever the package is installed or copied (a
+# container image's second stage, an environment copied to a machine without gcc).
+PREBUILT = Path(__file__).resolve().parent / "compiled"
+NO_COMPILER = "no C compiler ($CC, cc, gcc or clang) on PATH"
 _LOADING = threading.Lock()
 
 
@@ -1516,11 +1527,16 @@ def _compiler() -> str | None:
     return next((p for p in map(shutil.which, ("cc", "gcc", "clang")) if p), None)
 
 
+def _source_key() -> str:
+    """The hash of the source and flags: a library of another version never matches it."""
+    return hashlib.sha256("\0".join([_SOURCE, *_FLAGS]).encode()).hexdigest()[:16]
+
+
 def _build(cc: str) -> Path:
     """The shared library for this source and compiler, compiled once into the cache folder."""
-    key = hashlib.sha256("\0".join([_SOURCE, os.path.realpath(cc), *_FLAGS]).encode())
+    compiler = hashlib.sha256(os.path.realpath(cc).encode()).hexdigest()[:8]
     folder = cache_dir()
-    path = folder / f"kernels-{key.hexdigest()[:16]}.so"
+    path = folder / f"kernels-{_source_key()}-{compiler}.so"
     if path.exists():
         return path
     folder.mkdir(parents=True, exist_ok=True)
@@ -1591,79 +1607,188 @@ def _library() -> ctypes.PyDLL | None:
     return _LIB
 
 
+def built_ahead() -> list[Path]:
+    """The libraries built ahead for this source, newest first: in the cache folder (built
+    there by another compiler, or put there by `build_ahead`), then in `PREBUILT`."""
+    found: list[Path] = []
+    for folder in dict.fromkeys((cache_dir(), PREBUILT)):
+        try:
+            paths = sorted(
+                folder.glob(f"kernels-{_source_key()}-*.so"),
+                key=lambda p: p.stat().st_mtime_ns, reverse=True,
+            )  # fmt: skip
+        except OSError:  # an unreadable folder, a file gone meanwhile
+            continue
+        found += [p for p in paths if p not in found]
+    return found
+
+
 def _load() -> None:
     """Build (or find), load and check the library: `_LIB` and `_NOGIL`, or `_WHY` not."""
-    global _LIB, _NOGIL, _WHY, _TRIED
+    global _LIB, _NOGIL, _PATH, _WHY, _TRIED
     try:
         if platform.machine().lower() not in ("x86_64", "amd64"):
             raise OSError(f"the kernel is for x86-64, this CPU is {platform.machine()}")
+        problems, built = [], None
         cc = _compiler()
-        if cc is None:
-            raise OSError("no C compiler ($CC, cc, gcc or clang) on PATH")
-        path = _build(cc)
-        before = _gomp()
-        try:
-            lib = ctypes.PyDLL(str(path))  # holds the GIL: a wait for it costs more than the copy
-        except OSError:  # a damaged file in the cache (a full disk, a copy cut short): again
-            path.unlink(missing_ok=True)
-            lib = ctypes.PyDLL(str(_build(cc)))
-        added = _gomp() - before
-        if added:  # its threads would spin beside torch's: slower than torch's own copy
-            raise OSError(f"it loaded a second OpenMP runtime ({', '.join(sorted(added))})")
-        lib.transpose16.argtypes = [ctypes.c_void_p, ctypes.c_void_p] + [ctypes.c_int64] * 3
-        lib.transpose16.argtypes += [ctypes.c_int]
-        lib.transpose16.restype = ctypes.c_int
-        p, i64, f32, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
-        lib.residual_norm_fwd.argtypes = [p, p, p, f32, p, p, f32, i64, i64, p, p, p, p, p, i32]
-        lib.residual_norm_bwd.argtypes = [p, p, p, p, p, p, f32, i64, i64, p, p, p, p, p, i32]
-        lib.residual_norm_fwd.restype = lib.residual_norm_bwd.restype = ctypes.c_int
-        lib.relu16.argtypes, lib.relu16_grad.argtypes = [p, i64, i32], [p, p, p, i64, i32]
-        lib.relu16.restype = lib.relu16_grad.restype = ctypes.c_int
-        u64 = ctypes.c_uint64
-        lib.dropout_keep.argtypes = [u64, u64, u64, u64, ctypes.c_uint32, p, i64, i32]
-        lib.dropout_keep.restype = ctypes.c_int
-        lib.masked_softmax_fwd.argtypes = [p, p] + [i64] * 8 + [f32, p, p, i32]
-        lib.masked_softmax_bwd.argtypes = [p, p, i64, i64, f32, p, i32]
-        lib.masked_softmax_fwd.restype = lib.masked_softmax_bwd.restype = ctypes.c_int
-        lib.column_sums.argtypes, lib.column_sums.restype = [p, i64, i64, p, p, i32], ctypes.c_int
-        lib.adam_sumsq.argtypes = [i64, p, p, p, i32, p, p, i32]
-        lib.adam_update.argtypes = [i64, p, p, p, p, p, p, p, p, p, p, i32, p, i32]
-        lib.adam_sumsq.restype = lib.adam_update.restype = ctypes.c_int
-        with torch.inference_mode(False):  # first called in a translation's, perhaps
-            _check(lib)
-        # `Int8Linear`'s row kernels and a step's attention let go of the GIL: a projection's
-        # rows in a batch of beams take a millisecond or more, which another decoding stream
-        # (translate.py) can spend in Python meanwhile.
-        free = ctypes.CDLL(lib._name)
-        for isa in ("", "_avx2"):
-            rows_in, rows_out = (
-                getattr(free, "int8_rows_in" + isa),
-                getattr(free, "int8_rows_out" + isa),
-            )
-            rows_in.argtypes, rows_out.argtypes = (
-                [p, i64, i64, i32, f32, p, p, i32, p, f32, i32],
-                [p, i64, i64, p, p, i32],
-            )
-            rows_in.restype = rows_out.restype = ctypes.c_int
-        free.step_attention.argtypes = (
-            [p, i64, i64, i64, p, i32, i64, i64, i64, i64, p, i32, i64, i64, i64, p]
-            + [i64] * 10
-            + [f32, p, i32, p, i32, i32]
-        )
-        free.step_attention.restype = ctypes.c_int
-        free.row_top.argtypes, free.row_top.restype = [p, i64, i64, i64, p, p, i32, i32], i32
-        _LIB, _NOGIL = lib, free
+        if cc is not None:
+            try:
+                built = _build(cc)
+                _LIB, _NOGIL = _opened(built, cc)
+                _PATH = Path(_LIB._name)
+            except (OSError, subprocess.SubprocessError) as e:
+                problems.append(str(e))
+        else:
+            problems.append(NO_COMPILER)
+        for path in built_ahead() if _LIB is None else ():
+            if path == built:  # tried above
+                continue
+            try:
+                _LIB, _NOGIL = _opened(path, None)
+                _PATH = path
+                break
+            except OSError as e:
+                problems.append(f"{path}: {e}")
+        if _LIB is None:
+            if len(problems) == 1:
+                problems.append(f"nothing built ahead (`transformer kernels`) in {PREBUILT}")
+            raise OSError("; ".join(problems))
+        if cc is None or problems:
+            logger.info("compiled kernels built ahead: %s (%s)", _PATH, problems[0])
     except (OSError, subprocess.SubprocessError) as e:
+        _LIB = _NOGIL = _PATH = None
         _WHY = str(e)
-        logger.info("torch's ops instead of the compiled kernels (%s)", _WHY)
+        if platform.machine().lower() in ("x86_64", "amd64"):  # a reason a user can remove
+            logger.warning(
+                "torch's ops instead of the compiled kernels (%s): decoding runs at ~80%% of "
+                "its speed; `transformer kernels` builds them ahead where there is a C compiler, "
+                'for a copy of this environment without one (docs/decoding.md, "The compiled '
+                'kernels")',
+                _WHY,
+            )
+        else:
+            logger.info("torch's ops instead of the compiled kernels (%s)", _WHY)
     finally:
         _TRIED = True  # last: a thread that sees it sees _LIB (or _WHY) as it will stay
+
+
+def _opened(path: Path, cc: str | None) -> tuple[ctypes.PyDLL, ctypes.CDLL]:
+    """The library at `path`, loaded, its functions typed and checked against torch; with `cc`
+    (the file is our cache's, built by it), a damaged file is built again once."""
+    before = _gomp()
+    try:
+        lib = ctypes.PyDLL(str(path))  # holds the GIL: a wait for it costs more than the copy
+    except OSError:  # a damaged file in the cache (a full disk, a copy cut short): again
+        if cc is None:
+            raise
+        path.unlink(missing_ok=True)
+        lib = ctypes.PyDLL(str(_build(cc)))
+    added = _gomp() - before
+    if added:  # its threads would spin beside torch's: slower than torch's own copy
+        raise OSError(f"it loaded a second OpenMP runtime ({', '.join(sorted(added))})")
+    lib.transpose16.argtypes = [ctypes.c_void_p, ctypes.c_void_p] + [ctypes.c_int64] * 3
+    lib.transpose16.argtypes += [ctypes.c_int]
+    lib.transpose16.restype = ctypes.c_int
+    p, i64, f32, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
+    lib.residual_norm_fwd.argtypes = [p, p, p, f32, p, p, f32, i64, i64, p, p, p, p, p, i32]
+    lib.residual_norm_bwd.argtypes = [p, p, p, p, p, p, f32, i64, i64, p, p, p, p, p, i32]
+    lib.residual_norm_fwd.restype = lib.residual_norm_bwd.restype = ctypes.c_int
+    lib.relu16.argtypes, lib.relu16_grad.argtypes = [p, i64, i32], [p, p, p, i64, i32]
+    lib.relu16.restype = lib.relu16_grad.restype = ctypes.c_int
+    u64 = ctypes.c_uint64
+    lib.dropout_keep.argtypes = [u64, u64, u64, u64, ctypes.c_uint32, p, i64, i32]
+    lib.dropout_keep.restype = ctypes.c_int
+    lib.masked_softmax_fwd.argtypes = [p, p] + [i64] * 8 + [f32, p, p, i32]
+    lib.masked_softmax_bwd.argtypes = [p, p, i64, i64, f32, p, i32]
+    lib.masked_softmax_fwd.restype = lib.masked_softmax_bwd.restype = ctypes.c_int
+    lib.column_sums.argtypes, lib.column_sums.restype = [p, i64, i64, p, p, i32], ctypes.c_int
+    lib.adam_sumsq.argtypes = [i64, p, p, p, i32, p, p, i32]
+    lib.adam_update.argtypes = [i64, p, p, p, p, p, p, p, p, p, p, i32, p, i32]
+    lib.adam_sumsq.restype = lib.adam_update.restype = ctypes.c_int
+    with torch.inference_mode(False):  # first called in a translation's, perhaps
+        _check(lib)
+    # `Int8Linear`'s row kernels and a step's attention let go of the GIL: a projection's
+    # rows in a batch of beams take a millisecond or more, which another decoding stream
+    # (translate.py) can spend in Python meanwhile.
+    free = ctypes.CDLL(lib._name)
+    for isa in ("", "_avx2"):
+        rows_in, rows_out = (
+            getattr(free, "int8_rows_in" + isa),
+            getattr(free, "int8_rows_out" + isa),
+        )
+        rows_in.argtypes, rows_out.argtypes = (
+            [p, i64, i64, i32, f32, p, p, i32, p, f32, i32],
+            [p, i64, i64, p, p, i32],
+        )
+        rows_in.restype = rows_out.restype = ctypes.c_int
+    free.step_attention.argtypes = (
+        [p, i64, i64, i64, p, i32, i64, i64, i64, i64, p, i32, i64, i64, i64, p]
+        + [i64] * 10
+        + [f32, p, i32, p, i32, i32]
+    )
+    free.step_attention.restype = ctypes.c_int
+    free.row_top.argtypes, free.row_top.restype = [p, i64, i64, i64, p, p, i32, i32], i32
+    return lib, free
 
 
 def unavailable() -> str | None:
     """None when the compiled kernel is in use, else why not (builds it on first call)."""
     _library()
     return _WHY
+
+
+def library_path() -> Path | None:
+    """The file the compiled kernels were loaded from (building them first where needed), or
+    None where there are none (`unavailable`)."""
+    _library()
+    return _PATH
+
+
+def build_ahead(into: Path | None = None) -> Path:
+    """The library in use (built first where needed), copied into `into` (default `PREBUILT`),
+    where a process without a C compiler finds it (`built_ahead`: in the cache folder,
+    `$TRANSFORMER_KERNELS`, or in `PREBUILT`); returns the copy's path. In `PREBUILT`, the
+    libraries of other versions of the source are removed. Raises OSError where there is no
+    library (`unavailable`'s reason) or the folder cannot be written (the file is whole or not
+    there: written aside, then renamed)."""
+    why = unavailable()
+    if why is not None:
+        raise OSError(why)
+    folder = PREBUILT if into is None else Path(into)
+    folder.mkdir(parents=True, exist_ok=True)
+    target = folder / _PATH.name
+    if not (target.exists() and os.path.samefile(target, _PATH)):
+        fd, name = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=folder)
+        os.close(fd)
+        try:
+            shutil.copyfile(_PATH, name)
+            os.chmod(name, 0o755)
+            os.replace(name, target)
+        finally:
+            Path(name).unlink(missing_ok=True)
+    if folder == PREBUILT:  # ours alone: an upgraded package's source leaves its old ones
+        for old in folder.glob("kernels-*.so"):
+            if not old.name.startswith(f"kernels-{_source_key()}-"):
+                old.unlink(missing_ok=True)
+    return target
+
+
+def describe() -> list[str]:
+    """What the compiled kernels do on this machine, a line each (after `unavailable`)."""
+    if unavailable() is not None:
+        return [f"not in use: {unavailable()}"]
+    off = "off (TRANSFORMER_FUSED_KERNELS=0)"
+    training = "AVX-512" if _AVX512 else "not on this CPU (no AVX-512 F, BW and VL)"
+    rows = _ROWS_ISA or "not on this CPU (neither AVX-512 nor AVX2)"
+    attention = _ATTENTION_ISA or "not on this CPU (neither AVX-512 nor AVX2 with FMA)"
+    return [
+        f"in use: {_PATH}",
+        "bf16 weight gradients' transposing copy, the dropout mask: x86-64",
+        f"bf16 training's residual LayerNorm, ReLU, attention softmax, Adam's step: "
+        f"{training if FUSED else off}",
+        f"int8 decoding's input rows, a beam's best tokens: {rows if FUSED else off}",
+        f"a decoding step's attention: {attention if FUSED else off}",
+    ]
 
 
 def transposed(x: torch.Tensor) -> torch.Tensor:

@@ -2,7 +2,7 @@
 bench_split_rows.py, bench_weighted_rows.py, bench_read_trees.py, bench_gc.py,
 bench_translate_stream.py, bench_int8_rows.py, bench_step_attention.py, bench_adam_step.py,
 bench_beam_history.py, bench_row_top.py, bench_int8_product.py, bench_bf16_keys.py,
-issue19_table.sh, bench_cpu_limits.sh and
+issue19_table.sh, bench_cpu_limits.sh, bench_no_compiler.py and
 gpu/prepare_device.sh:
 bad input is one clear line (the script, the problem), exit status 2, before any timing starts."""
 
@@ -609,3 +609,36 @@ def test_cpu_limits_bench_runs_both_trees_on_one_cpu_and_unlimited(tiny_model_fi
     assert out.count("outputs identical") == 2
     one_cpu = out.split("== no limit")[0]  # the CPU line says so where the machine has more
     assert ("(1 usable)" in one_cpu) == ((os.cpu_count() or 1) > 1)
+
+
+def test_no_compiler_bench_names_bad_arguments(tmp_path):
+    text = tmp_path / "in.txt"
+    text.write_text("A dog.\n", encoding="utf-8")
+    empty = tmp_path / "empty.txt"
+    empty.write_text("\n \n", encoding="utf-8")
+    for args, message in (
+        (["m", str(text), "--runs", "0"], "--runs: at least 1, not 0"),
+        (["m", str(tmp_path / "none.txt")], "none.txt: not a file"),
+        (["m", str(empty)], "empty.txt: no words to translate"),
+        ([str(tmp_path / "none.safetensors"), str(text)], "failed (2)"),
+    ):
+        out = _run("bench_no_compiler.py", *args)
+        assert out.returncode == 2, args
+        assert message in out.stderr and "Traceback" not in out.stderr, out.stderr
+
+
+def test_no_compiler_bench_runs_the_three_ways(tiny_model_file, src):
+    from transformer import kernels
+
+    if list(kernels.PREBUILT.glob(f"kernels-{kernels._source_key()}-*.so")):
+        out = _run("bench_no_compiler.py", str(tiny_model_file), str(src), "--runs", "1")
+        assert out.returncode == 2 and "a library built ahead; move it away" in out.stderr
+        return
+    out = _run("bench_no_compiler.py", str(tiny_model_file), str(src), "--runs", "1")
+    assert out.returncode == 0, out.stderr[-2000:]
+    lines = out.stdout.splitlines()
+    assert " cores, " in lines[0]  # the CPU and its ISA beside the figures
+    summary = [line for line in lines if "of the compiler's" in line]
+    assert [line.split(":")[0] for line in summary] == ["compiler", "no compiler", "built ahead"]
+    assert summary[0].endswith("0 lines differ from the kernels' (medians)")
+    assert summary[2].endswith("0 lines differ from the kernels' (medians)")

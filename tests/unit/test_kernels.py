@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import platform
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -25,12 +28,20 @@ def threads_of(n: int):
 
 @pytest.fixture
 def fresh(monkeypatch, tmp_path):
-    """kernels as if not yet loaded, building into an empty cache folder; restored after."""
-    saved = (kernels._LIB, kernels._NOGIL, kernels._WHY, kernels._TRIED)
+    """kernels as if not yet loaded, building into an empty cache folder, with an empty folder
+    of libraries built ahead (`kernels.PREBUILT`); restored after."""
+    saved = (kernels._LIB, kernels._NOGIL, kernels._PATH, kernels._WHY, kernels._TRIED)
     monkeypatch.setenv("TRANSFORMER_KERNELS", str(tmp_path / "cache"))
-    kernels._LIB, kernels._WHY, kernels._TRIED = None, None, False
+    monkeypatch.setattr(kernels, "PREBUILT", tmp_path / "prebuilt")
+    kernels._LIB, kernels._PATH, kernels._WHY, kernels._TRIED = None, None, None, False
     yield tmp_path / "cache"
-    kernels._LIB, kernels._NOGIL, kernels._WHY, kernels._TRIED = saved
+    kernels._LIB, kernels._NOGIL, kernels._PATH, kernels._WHY, kernels._TRIED = saved
+
+
+def _again():
+    """kernels as if not yet loaded (the folders as they are)."""
+    kernels._LIB, kernels._NOGIL, kernels._PATH, kernels._WHY = None, None, None, None
+    kernels._TRIED = False
 
 
 def test_it_builds_on_this_x86_64_machine():
@@ -74,11 +85,132 @@ def test_other_tensors_get_torchs_copy_with_the_same_values(x):
     assert torch.equal(kernels.transposed(x), x.t())
 
 
-def test_no_compiler_means_torchs_copy(fresh, monkeypatch):
+def test_no_compiler_means_torchs_copy(fresh, monkeypatch, caplog):
     monkeypatch.setenv("CC", "no-such-compiler-here")
     x = torch.randn(40, 24).to(torch.bfloat16)
-    assert torch.equal(kernels.transposed(x), x.t())
+    with caplog.at_level("INFO", logger="transformer.kernels"):
+        assert torch.equal(kernels.transposed(x), x.t())
     assert "no C compiler" in kernels.unavailable()
+    assert "nothing built ahead (`transformer kernels`)" in kernels.unavailable()
+    assert kernels.library_path() is None
+    (record,) = caplog.records  # a warning, once: it costs a search ~25% of its speed
+    assert record.levelname == "WARNING" and "transformer kernels" in record.getMessage()
+    assert kernels.describe() == [f"not in use: {kernels.unavailable()}"]
+
+
+def test_without_a_compiler_a_library_built_ahead_is_loaded(fresh, monkeypatch, tmp_path):
+    """`transformer kernels` where there is a compiler, then a process without one (a copy of
+    the environment, a container's second stage): the library in the package's folder."""
+    kept = kernels.build_ahead()
+    assert kept.parent == kernels.PREBUILT and kept.name == kernels.library_path().name
+    assert kernels.library_path().parent == fresh  # built into the cache folder first
+    monkeypatch.setenv("CC", "no-such-compiler-here")
+    monkeypatch.setenv("TRANSFORMER_KERNELS", str(tmp_path / "another-cache"))
+    _again()
+    assert kernels.unavailable() is None and kernels.library_path() == kept
+    assert kernels.describe()[0] == f"in use: {kept}"
+    x = torch.randn(40, 24).to(torch.bfloat16)
+    assert torch.equal(kernels.transposed(x), x.t())
+
+
+def test_without_a_compiler_the_cache_folders_library_is_loaded(fresh, monkeypatch):
+    """One built by another compiler (or kept there with --into): found by its source's key."""
+    assert kernels.unavailable() is None
+    built = kernels.library_path()
+    other = built.with_name(built.name.rsplit("-", 1)[0] + "-0badc0de.so")
+    built.rename(other)
+    monkeypatch.setenv("CC", "no-such-compiler-here")
+    _again()
+    assert kernels.unavailable() is None and kernels.library_path() == other
+
+
+def test_another_versions_library_is_not_loaded(fresh, monkeypatch):
+    kept = kernels.build_ahead()
+    for built in fresh.glob("*.so"):
+        built.unlink()
+    kept.rename(kept.with_name("kernels-0123456789abcdef-d162fbe9.so"))  # another source's
+    monkeypatch.setenv("CC", "no-such-compiler-here")
+    _again()
+    assert "nothing built ahead" in kernels.unavailable()
+
+
+def test_a_failing_compiler_falls_back_on_a_library_built_ahead(fresh, monkeypatch):
+    kept = kernels.build_ahead()
+    for built in fresh.glob("*.so"):
+        built.unlink()
+    monkeypatch.setenv("CC", "false")  # exits 1
+    _again()
+    assert kernels.unavailable() is None and kernels.library_path() == kept
+
+
+def test_a_damaged_library_built_ahead_is_passed_over_and_left_alone(fresh, monkeypatch):
+    kept = kernels.build_ahead()
+    for built in fresh.glob("*.so"):
+        built.unlink()
+    monkeypatch.setenv("CC", "no-such-compiler-here")
+    damaged = kept.with_name(kept.name.rsplit("-", 1)[0] + "-0badc0de.so")
+    damaged.write_bytes(b"\x7fELF not really")  # newer than `kept`: tried first
+    os.utime(kept, ns=(0, 0))
+    _again()
+    assert kernels.unavailable() is None and kernels.library_path() == kept
+    kept.unlink()
+    _again()
+    why = kernels.unavailable()
+    assert why.startswith("no C compiler") and f"{damaged}: " in why
+    assert damaged.read_bytes() == b"\x7fELF not really"  # not ours to remove
+
+
+def test_build_ahead_keeps_one_whole_library_per_version(fresh, tmp_path):
+    kernels.PREBUILT.mkdir()
+    stale = kernels.PREBUILT / "kernels-0123456789abcdef-d162fbe9.so"  # an older package's
+    stale.write_bytes(b"old")
+    kept = kernels.build_ahead()
+    assert kernels.build_ahead() == kept  # again: the same file
+    assert [p.name for p in kernels.PREBUILT.iterdir()] == [kept.name]
+    assert kept.read_bytes() == kernels.library_path().read_bytes()
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / stale.name).write_bytes(b"old")  # a folder of the user's: left as it is
+    assert kernels.build_ahead(elsewhere).parent == elsewhere
+    assert sorted(p.name for p in elsewhere.iterdir()) == sorted([stale.name, kept.name])
+
+
+def test_build_ahead_says_which_folder_it_cannot_write(fresh, tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    with pytest.raises(OSError) as e:
+        kernels.build_ahead(blocker / "kernels")
+    assert str(blocker) in str(e.value)
+
+
+def test_build_ahead_without_a_library_says_why(fresh, monkeypatch):
+    monkeypatch.setenv("CC", "no-such-compiler-here")
+    with pytest.raises(OSError, match="no C compiler"):
+        kernels.build_ahead()
+    assert not kernels.PREBUILT.exists()
+
+
+def test_a_process_without_a_compiler_on_its_path_loads_the_copy(fresh, tmp_path):
+    """A real process with no compiler on PATH (a slim image) and the copy kept with --into:
+    the same kernel's values as this process's."""
+    kept = kernels.build_ahead(tmp_path / "kept")
+    x = torch.randn(3, 300, generator=torch.Generator().manual_seed(1))
+    ids, _ = kernels.row_top(x, 7)
+    code = (
+        "import sys, torch\n"
+        "from transformer import kernels\n"
+        f"kernels.PREBUILT = kernels.Path({str(kernels.PREBUILT)!r})  # empty\n"
+        "assert kernels._compiler() is None, kernels._compiler()\n"
+        "x = torch.randn(3, 300, generator=torch.Generator().manual_seed(1))\n"
+        "print(kernels.unavailable(), kernels.library_path(), kernels.row_top(x, 7)[0].tolist())\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k not in ("CC", "PATH")}
+    env.update(PATH=str(tmp_path / "no-tools"), TRANSFORMER_KERNELS=str(kept.parent))
+    done = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split(" ", 2) == ["None", str(kept), f"{ids.tolist()}\n"]
 
 
 def test_a_failing_compiler_means_torchs_copy(fresh, monkeypatch):
@@ -885,3 +1017,30 @@ def test_row_top_calls_the_form_of_the_cpus_instruction_set(monkeypatch, isa):
     called = _spy_library(monkeypatch)
     kernels.row_top(torch.randn(3, 40), 4)
     assert [(name, args[-1]) for name, args in called] == [("row_top", int(isa == "avx512"))]
+
+
+def test_the_kernels_command_keeps_a_copy_and_says_what_runs(fresh, capsys, tmp_path):
+    from transformer.cli import main
+
+    assert main(["kernels"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    (kept,) = kernels.PREBUILT.glob("kernels-*.so")
+    assert out[0] == f"in use: {kernels.library_path()}" and out[1:-1] == kernels.describe()[1:]
+    assert out[-1].startswith(f"kept in {kept}: a process without a C compiler loads it")
+    assert main(["kernels", "--into", str(tmp_path / "k")]) == 0
+    assert (
+        capsys.readouterr()
+        .out.splitlines()[-1]
+        .endswith(f"from there with TRANSFORMER_KERNELS={tmp_path / 'k'}")
+    )
+
+
+def test_the_kernels_command_without_a_compiler_fails_in_one_line(fresh, monkeypatch, capsys):
+    from transformer.cli import main
+
+    monkeypatch.setenv("CC", "no-such-compiler-here")
+    assert main(["kernels"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("transformer kernels: error: the compiled kernels cannot be had here: ")
+    assert "no C compiler" in err and err.count("\n") == 1
+    assert not kernels.PREBUILT.exists()
