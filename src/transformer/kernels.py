@@ -71,6 +71,7 @@ this code.
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import hashlib
 import logging
@@ -1532,10 +1533,15 @@ def _source_key() -> str:
     return hashlib.sha256("\0".join([_SOURCE, *_FLAGS]).encode()).hexdigest()[:16]
 
 
-def _build(cc: str) -> Path:
-    """The shared library for this source and compiler, compiled once into the cache folder."""
+class CompileError(OSError):
+    """The C compiler failed on the source (as against a folder that cannot be written)."""
+
+
+def _build(cc: str, folder: Path | None = None) -> Path:
+    """The shared library for this source and compiler, compiled once into `folder` (default
+    the cache folder)."""
     compiler = hashlib.sha256(os.path.realpath(cc).encode()).hexdigest()[:8]
-    folder = cache_dir()
+    folder = cache_dir() if folder is None else folder
     path = folder / f"kernels-{_source_key()}-{compiler}.so"
     if path.exists():
         return path
@@ -1552,7 +1558,7 @@ def _build(cc: str) -> Path:
                 capture_output=True, text=True, timeout=120,
             )  # fmt: skip
             if done.returncode != 0:
-                raise OSError(f"{cc} failed: {done.stderr.strip().splitlines()[:1]}")
+                raise CompileError(f"{cc} failed: {done.stderr.strip().splitlines()[:1]}")
             os.replace(part, path)  # whole or not at all: another process may be loading it
         finally:
             part.unlink(missing_ok=True)
@@ -1629,32 +1635,38 @@ def _load() -> None:
     try:
         if platform.machine().lower() not in ("x86_64", "amd64"):
             raise OSError(f"the kernel is for x86-64, this CPU is {platform.machine()}")
-        problems, built = [], None
+        problems, built, unwritable = [], None, False
         cc = _compiler()
         if cc is not None:
             try:
                 built = _build(cc)
                 _LIB, _NOGIL = _opened(built, cc)
                 _PATH = Path(_LIB._name)
-            except (OSError, subprocess.SubprocessError) as e:
+            except (CompileError, subprocess.SubprocessError) as e:
                 problems.append(str(e))
+            except OSError as e:  # the cache folder: a read-only or missing home (`docker -u`)
+                problems.append(str(e))
+                unwritable = True
         else:
             problems.append(NO_COMPILER)
-        for path in built_ahead() if _LIB is None else ():
-            if path == built:  # tried above
-                continue
+        ahead = [p for p in built_ahead() if p != built] if _LIB is None else []
+        for path in ahead:
             try:
                 _LIB, _NOGIL = _opened(path, None)
                 _PATH = path
+                logger.info("compiled kernels built ahead: %s (%s)", _PATH, problems[0])
                 break
             except OSError as e:
                 problems.append(f"{path}: {e}")
+        if _LIB is None and unwritable:
+            try:
+                _LIB, _NOGIL, _PATH = _built_privately(cc, problems[0])
+            except (OSError, subprocess.SubprocessError) as e:
+                problems.append(f"built in a temporary folder: {e}")
         if _LIB is None:
-            if len(problems) == 1:
+            if not ahead:
                 problems.append(f"nothing built ahead (`transformer kernels`) in {PREBUILT}")
             raise OSError("; ".join(problems))
-        if cc is None or problems:
-            logger.info("compiled kernels built ahead: %s (%s)", _PATH, problems[0])
     except (OSError, subprocess.SubprocessError) as e:
         _LIB = _NOGIL = _PATH = None
         _WHY = str(e)
@@ -1672,9 +1684,28 @@ def _load() -> None:
         _TRIED = True  # last: a thread that sees it sees _LIB (or _WHY) as it will stay
 
 
-def _opened(path: Path, cc: str | None) -> tuple[ctypes.PyDLL, ctypes.CDLL]:
+def _built_privately(cc: str, why: str) -> tuple[ctypes.PyDLL, ctypes.CDLL, Path]:
+    """The library built for this process alone, in a folder of its own that only its user can
+    write (`mkdtemp`: no other user's file is ever loaded), removed at exit. For a cache folder
+    that cannot be written (`why`): a container run as a user without a home (`docker run -u`:
+    HOME=/), a read-only home. ~1.2 s a process (the build)."""
+    folder = Path(tempfile.mkdtemp(prefix="transformer-kernels-"))
+    atexit.register(shutil.rmtree, folder, ignore_errors=True)
+    lib, free = _opened(_build(cc, folder), cc, folder)
+    logger.info(
+        "compiled kernels built for this process alone in %s (%s): set TRANSFORMER_KERNELS to "
+        "a folder it may write, or run `transformer kernels` in the environment's image",
+        folder, why,
+    )  # fmt: skip
+    return lib, free, Path(lib._name)
+
+
+def _opened(
+    path: Path, cc: str | None, folder: Path | None = None
+) -> tuple[ctypes.PyDLL, ctypes.CDLL]:
     """The library at `path`, loaded, its functions typed and checked against torch; with `cc`
-    (the file is our cache's, built by it), a damaged file is built again once."""
+    (the file is one it built into `folder`, default the cache folder), a damaged file is built
+    again once."""
     before = _gomp()
     try:
         lib = ctypes.PyDLL(str(path))  # holds the GIL: a wait for it costs more than the copy
@@ -1682,7 +1713,7 @@ def _opened(path: Path, cc: str | None) -> tuple[ctypes.PyDLL, ctypes.CDLL]:
         if cc is None:
             raise
         path.unlink(missing_ok=True)
-        lib = ctypes.PyDLL(str(_build(cc)))
+        lib = ctypes.PyDLL(str(_build(cc, folder)))
     added = _gomp() - before
     if added:  # its threads would spin beside torch's: slower than torch's own copy
         raise OSError(f"it loaded a second OpenMP runtime ({', '.join(sorted(added))})")

@@ -7,6 +7,7 @@ import os
 import platform
 import subprocess
 import sys
+import tempfile
 
 import pytest
 import torch
@@ -246,11 +247,45 @@ def test_a_library_that_copies_wrongly_is_not_used(fresh, monkeypatch):
     assert torch.equal(kernels.transposed(x), x.t())
 
 
-def test_an_unwritable_cache_folder_means_torchs_copy(fresh, monkeypatch, tmp_path):
+def test_an_unwritable_cache_folder_means_a_build_for_the_process_alone(
+    fresh, monkeypatch, tmp_path, caplog
+):
+    """`docker run -u UID` (HOME=/), a read-only home: built in a private temporary folder."""
     blocker = tmp_path / "a-file"
     blocker.write_text("")
     monkeypatch.setenv("TRANSFORMER_KERNELS", str(blocker / "cache"))  # under a file
-    assert kernels.unavailable()
+    private = tmp_path / "tmp"
+    private.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(private))
+    with caplog.at_level("INFO", logger="transformer.kernels"):
+        assert kernels.unavailable() is None
+    (folder,) = private.glob("transformer-kernels-*")
+    assert kernels.library_path().parent == folder and folder.stat().st_mode & 0o077 == 0
+    (record,) = caplog.records
+    assert record.levelname == "INFO" and "built for this process alone" in record.getMessage()
+    x = torch.randn(16, 24).to(torch.bfloat16)
+    assert torch.equal(kernels.transposed(x), x.t())
+
+
+def test_a_library_built_ahead_is_preferred_to_a_build_for_the_process_alone(
+    fresh, monkeypatch, tmp_path
+):
+    kept = kernels.build_ahead()
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    monkeypatch.setenv("TRANSFORMER_KERNELS", str(blocker / "cache"))
+    _again()
+    assert kernels.unavailable() is None and kernels.library_path() == kept
+
+
+def test_no_folder_to_build_in_means_torchs_copy(fresh, monkeypatch, tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    monkeypatch.setenv("TRANSFORMER_KERNELS", str(blocker / "cache"))
+    monkeypatch.setattr(tempfile, "tempdir", str(blocker / "tmp"))  # no temporary folder either
+    why = kernels.unavailable()
+    assert "Not a directory" in why and "built in a temporary folder: " in why
+    assert "nothing built ahead" in why
     x = torch.randn(16, 24).to(torch.bfloat16)
     assert torch.equal(kernels.transposed(x), x.t())
 
