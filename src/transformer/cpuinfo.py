@@ -1,17 +1,20 @@
 """What the CPU is, from Linux's /proc/cpuinfo, without importing torch: its feature flags
 (`translate.auto_dtype` picks the decoding precision by them), the one-line description every
 speed figure is printed beside (the benchmarks, whose parent processes stay torch-free), and
-how many of its cores this process may use (`usable_cores`: affinity and CPU quota)."""
+how many of its cores this process may use (`usable_cores`: affinity and CPU quota), and how
+busy its CPUs have been since the package was imported (`busy_seconds`, `START`)."""
 
 from __future__ import annotations
 
 import math
 import os
 import platform
+import time
 from collections.abc import Callable
 from pathlib import Path
 
 CPUINFO = "/proc/cpuinfo"
+STAT = "/proc/stat"
 # (vendor, family, model range) -> core generation, for CPUs whose model name says too little
 # (a KVM guest of an AMD EPYC reports just "AMD EPYC"). AMD's family 25 holds both Zen 3 and
 # Zen 4 parts, told apart by the model; family 26 is Zen 5.
@@ -241,3 +244,54 @@ def _unescape(field: str) -> str:
     for code, char in (("\\040", " "), ("\\011", "\t"), ("\\012", "\n"), ("\\134", "\\")):
         field = field.replace(code, char)
     return field
+
+
+def busy_seconds(stat: str | os.PathLike = STAT, cpus: set[str] | None = None) -> float | None:
+    """The busy seconds since boot of the CPUs named in `cpus` ("cpu0", ...; None: all), from
+    Linux's /proc/stat: user, nice, system, irq and softirq (not idle, iowait or steal); None
+    where it cannot be read or names none of them."""
+    try:
+        with open(stat, encoding="ascii") as f:
+            lines = f.read().splitlines()
+    except (OSError, ValueError):
+        return None
+    busy = 0
+    seen = 0
+    for line in lines:
+        name, *fields = line.split() or [""]  # a blank line: no name, skipped
+        if not (name.startswith("cpu") and name != "cpu"):
+            continue
+        if cpus is not None and name not in cpus:
+            continue
+        try:  # user nice system idle iowait irq softirq ...
+            user, nice, system, _, _, irq, softirq = (int(v) for v in fields[:7])
+        except ValueError:
+            return None
+        busy += user + nice + system + irq + softirq
+        seen += 1
+    if not seen:
+        return None
+    return busy / (os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100)
+
+
+def affinity_names() -> set[str] | None:
+    """The CPUs this process may run on, as /proc/stat names them ("cpu0", ...), or None."""
+    if not hasattr(os, "sched_getaffinity"):
+        return None
+    return {f"cpu{c}" for c in os.sched_getaffinity(0)}
+
+
+# When the package was first imported (`transformer/__init__`): (monotonic seconds, busy
+# seconds of this process's CPUs, this process's CPU seconds, those CPUs), or None where
+# /proc/stat cannot be read. A command's imports take ~0.7 s of one core before its first model
+# op: others' use of the CPUs meanwhile tells whether they are crowded before anything is timed
+# (`threads.OtherLoad.since_start`).
+START: tuple[float, float, float, set[str] | None] | None = None
+
+
+def mark_start() -> None:
+    """Set `START` to now."""
+    global START
+    cpus = affinity_names()
+    busy = busy_seconds(STAT, cpus)
+    START = None if busy is None else (time.monotonic(), busy, time.process_time(), cpus)

@@ -257,35 +257,26 @@ class OtherLoad:
         if cpus is None and hasattr(os, "sched_getaffinity"):
             cpus = sorted(os.sched_getaffinity(0))
         self.cpus = {f"cpu{c}" for c in cpus} if cpus is not None else None
-        self.hz = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
         self.last = None  # the cores of the last whole window
         self._lock = threading.Lock()  # decoding streams ask from their own threads
         self._begin = self._read()
 
     def _read(self) -> tuple[float, float, float] | None:
         """(now, busy seconds of this process's CPUs, this process's CPU seconds), or None."""
-        try:
-            with open(self.stat, encoding="ascii") as f:
-                lines = f.read().splitlines()
-        except (OSError, ValueError):
-            return None
-        busy = 0
-        seen = 0
-        for line in lines:
-            name, *fields = line.split() or [""]  # a blank line: no name, skipped
-            if not (name.startswith("cpu") and name != "cpu"):
-                continue
-            if self.cpus is not None and name not in self.cpus:
-                continue
-            try:  # user nice system idle iowait irq softirq ...
-                user, nice, system, _, _, irq, softirq = (int(v) for v in fields[:7])
-            except ValueError:
-                return None
-            busy += user + nice + system + irq + softirq
-            seen += 1
-        if not seen:
-            return None
-        return self.clock(), busy / self.hz, self.own_time()
+        busy = cpuinfo.busy_seconds(self.stat, self.cpus)
+        return None if busy is None else (self.clock(), busy, self.own_time())
+
+    @classmethod
+    def since_start(cls, max_age_s: float = 10.0) -> OtherLoad:
+        """An OtherLoad whose first window began when the package was imported (`cpuinfo.START`,
+        a command's start) and may end now: `cores()` gives others' mean use of this process's
+        CPUs since then. None from `cores()` where that is older than `max_age_s` (a server, a
+        notebook: an old mean says little of now) or unknown."""
+        load = cls(first_window_s=0.0)
+        start = cpuinfo.START
+        fresh = start is not None and time.monotonic() - start[0] <= max_age_s
+        load._begin = start[:3] if fresh and start[3] == load.cpus else None
+        return load
 
     def cores(self) -> float | None:
         """The others' mean cores over the current window (or, until it is `window_s` long,

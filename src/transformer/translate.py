@@ -38,7 +38,7 @@ from transformer.model import PositionwiseFeedForward, accelerator_dtype
 from transformer.modelfile import PROJECTION, LoadedModel, int8_targets
 from transformer.rundir import resolve_model
 from transformer.search import Constrain, beam_search_alphas, greedy_search
-from transformer.threads import OtherLoad, ThreadTuner
+from transformer.threads import OtherLoad, ThreadTuner, omp_threads_fixed
 from transformer.threads import resolve as resolve_threads
 from transformer.tokenizer import BOS_ID, EOS_ID, PAD_ID
 
@@ -648,7 +648,20 @@ class Translator:
         # Other processes' CPU use from here (the model's loading is this process's own time,
         # not counted): the first batch of a short job asks ~0.2 s in (`OtherLoad`).
         load = OtherLoad(first_window_s=FIRST_LOAD_WINDOW_S)
-        translator = cls(resolve_model(path, device, verify), decode, device, dtype)
+        before = torch.get_num_threads()
+        alone = threads != AUTO or torch.device(device).type != "cpu" or omp_threads_fixed()
+        if not alone and (OtherLoad.since_start().cores() or 0.0) >= CROWDED_CORES:
+            # Others kept the CPUs busy while this command started (its imports): the loading's
+            # small ops (checks of the int8 weights, their packing) on one thread. On two, each
+            # op waits at a barrier for a thread that is not running: two `translate` started
+            # together on 2 cores took 2.0-3.2 s each to load the quickstart model instead of
+            # 0.5 (alone 0.16 on two threads, 0.18 on one; docs/performance.md, "Round
+            # forty-seven").
+            torch.set_num_threads(1)
+        try:
+            translator = cls(resolve_model(path, device, verify), decode, device, dtype)
+        finally:
+            torch.set_num_threads(before)
         if torch.device(device).type == "cpu":
             # One unit per thread count in a probe: a unit is already several decoder steps
             # (search.TUNER_STEPS), and a translation job is often short. The process's first

@@ -364,3 +364,51 @@ def test_auto_says_once_why_it_uses_fewer_cores_than_the_machine_has(
         resolve(AUTO)
     lines = [r.getMessage() for r in caplog.records if "usable" in r.getMessage()]
     assert lines == ([] if said is None else [f"threads auto: {said}"])
+
+
+def test_since_start_reads_others_since_the_packages_import(tmp_path, monkeypatch):
+    """A command's start (its imports, ~0.7 s of one core): others' use of this process's CPUs
+    since `cpuinfo.START`, at once; none where that is old (a server), unknown, or of other
+    CPUs."""
+    import time
+
+    from transformer import cpuinfo
+    from transformer.threads import OtherLoad
+
+    stat = tmp_path / "stat"
+    monkeypatch.setattr("os.sysconf", lambda name: 100)
+    monkeypatch.setattr(cpuinfo, "STAT", str(stat))
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0, 1})
+    _stat(stat, busy_per_cpu=100)
+    cpuinfo.mark_start()
+    start = cpuinfo.START
+    assert start[1] == pytest.approx(2.0) and start[3] == {"cpu0", "cpu1"}
+    # 1 s ago, with none of this process's CPU time since: 150 ticks more on each CPU
+    monkeypatch.setattr(
+        cpuinfo, "START", (time.monotonic() - 1.0, 2.0, time.process_time(), start[3])
+    )
+    _stat(stat, busy_per_cpu=250)
+    load = OtherLoad.since_start()
+    load.stat = stat
+    assert load.cores() == pytest.approx(3.0, rel=0.05)
+    monkeypatch.setattr(cpuinfo, "START", (time.monotonic() - 11.0, *cpuinfo.START[1:]))
+    assert OtherLoad.since_start().cores() is None  # older than max_age_s
+    monkeypatch.setattr(cpuinfo, "START", (time.monotonic() - 1.0, 2.0, 0.0, {"cpu5"}))
+    assert OtherLoad.since_start().cores() is None  # another affinity since
+    monkeypatch.setattr(cpuinfo, "START", None)
+    assert OtherLoad.since_start().cores() is None
+    stat.unlink()
+    cpuinfo.mark_start()  # unreadable: no mark
+    assert cpuinfo.START is None
+
+
+def test_busy_seconds_adds_the_named_cpus_busy_fields(tmp_path, monkeypatch):
+    from transformer.cpuinfo import busy_seconds
+
+    stat = tmp_path / "stat"
+    monkeypatch.setattr("os.sysconf", lambda name: 100)
+    _stat(stat, busy_per_cpu=100)  # user, nice, system, irq, softirq; not idle, iowait, steal
+    assert busy_seconds(stat, {"cpu0"}) == pytest.approx(1.0)
+    assert busy_seconds(stat, None) == pytest.approx(3.0)  # every CPU, not the "cpu" total
+    assert busy_seconds(stat, {"cpu7"}) is None
+    assert busy_seconds(tmp_path / "missing") is None

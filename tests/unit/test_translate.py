@@ -1286,3 +1286,42 @@ def test_int8_onednn_is_chosen_only_where_it_matches_the_exact_product(monkeypat
 
     monkeypatch.setattr(torch.ops, "onednn", Missing)
     assert check() is False
+
+
+@pytest.mark.parametrize(
+    ("threads", "others", "omp", "loading_threads"),
+    [
+        ("auto", 1.0, None, 1),  # crowded since the command started: one thread
+        ("auto", 0.1, None, 2),  # not crowded: as torch has it
+        ("auto", None, None, 2),  # not known
+        (2, 1.0, None, 2),  # a count the user gave: theirs
+        ("auto", 1.0, "2", 2),  # OMP_NUM_THREADS: the user's
+    ],
+)
+def test_a_model_loads_on_one_thread_where_others_crowded_the_cores_since_the_start(
+    model_file, monkeypatch, threads, others, omp, loading_threads
+):
+    import transformer.translate as tr
+
+    if omp is None:
+        monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    else:
+        monkeypatch.setenv("OMP_NUM_THREADS", omp)
+    monkeypatch.setattr(transformer.threads, "usable_cores", lambda: 2)
+    monkeypatch.setattr(tr.OtherLoad, "since_start", classmethod(lambda cls: _Crowded(others)))
+    seen = []
+    load = tr.resolve_model
+
+    def resolve_model(*args):
+        seen.append(torch.get_num_threads())
+        return load(*args)
+
+    monkeypatch.setattr(tr, "resolve_model", resolve_model)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        Translator.from_path(model_file, threads=threads)
+        assert seen == [loading_threads]
+        assert torch.get_num_threads() == 2  # the loading's count does not stay
+    finally:
+        torch.set_num_threads(before)
