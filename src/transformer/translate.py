@@ -888,12 +888,39 @@ class Translator:
         watch = watch and (not self.batches_at_once or streams < self.batches_at_once)
         lock, stop = threading.Lock(), threading.Event()
         errors: list[BaseException] = []
+        pinned: dict[int, int] = {}  # stream -> its thread's id, while it keeps to one CPU
 
         def crowded() -> bool:
             return watch and self.crowded()
 
+        def pin(k: int, now_crowded: bool) -> None:
+            """Stream k to CPU k mod cores (crowded), or to all of them again."""
+            with lock:
+                try:
+                    os.sched_setaffinity(0, {cpus[k % len(cpus)]} if now_crowded else cpus)
+                except OSError:  # a CPU taken away since (cpuset): left as it is
+                    return
+                if now_crowded:
+                    pinned[k] = threading.get_native_id()
+                else:
+                    pinned.pop(k, None)
+
+        def unpin_the_rest(k: int) -> None:
+            """No batch is left for stream k: the others, still decoding their last, may use
+            every CPU. Kept to one each, two `translate` jobs side by side on 2 cores (each
+            crowding the other) left one CPU idle for the last 1.5 s of their 4.8 s of decoding,
+            while both jobs' last batches shared the other (docs/performance.md, "Round
+            forty-seven")."""
+            with lock:
+                for other, tid in pinned.items():
+                    try:
+                        if other != k:  # stream k ends here
+                            os.sched_setaffinity(tid, cpus)
+                    except OSError:  # ended meanwhile, or a CPU taken away
+                        pass
+                pinned.clear()
+
         def work(k: int) -> None:
-            pinned = False
             try:
                 with torch.inference_mode():  # thread-local: the caller's does not reach here
                     while not stop.is_set():
@@ -903,18 +930,13 @@ class Translator:
                                 return
                             stop.wait(0.05)
                             continue
-                        if now_crowded != pinned:  # CPU k mod cores, or all of them again
-                            try:
-                                os.sched_setaffinity(
-                                    0, {cpus[k % len(cpus)]} if now_crowded else cpus
-                                )
-                            except OSError:  # a CPU taken away since (cpuset): left as it is
-                                pass
-                            pinned = now_crowded
                         with lock:
                             i, taken[0] = taken[0], taken[0] + 1
                         if i >= len(batches):
+                            unpin_the_rest(k)
                             return
+                        if now_crowded != (k in pinned):
+                            pin(k, now_crowded)
                         results[i] = self._decode(batches[i], sources, cfg, None, alphas)
             except BaseException as e:  # noqa: BLE001 - raised again in the caller's thread
                 errors.append(e)
