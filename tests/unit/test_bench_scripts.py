@@ -2,7 +2,7 @@
 bench_split_rows.py, bench_weighted_rows.py, bench_read_trees.py, bench_gc.py,
 bench_translate_stream.py, bench_int8_rows.py, bench_step_attention.py, bench_adam_step.py,
 bench_beam_history.py, bench_row_top.py, bench_int8_product.py, bench_bf16_keys.py,
-issue19_table.sh, bench_cpu_limits.sh, bench_no_compiler.py and
+issue19_table.sh, bench_cpu_limits.sh, bench_no_compiler.py, bench_side_by_side.py and
 gpu/prepare_device.sh:
 bad input is one clear line (the script, the problem), exit status 2, before any timing starts."""
 
@@ -642,3 +642,33 @@ def test_no_compiler_bench_runs_the_three_ways(tiny_model_file, src):
     assert [line.split(":")[0] for line in summary] == ["compiler", "no compiler", "built ahead"]
     assert summary[0].endswith("0 lines differ from the kernels' (medians)")
     assert summary[2].endswith("0 lines differ from the kernels' (medians)")
+
+
+def test_side_by_side_bench_names_bad_arguments(tmp_path):
+    text = tmp_path / "in.txt"
+    text.write_text("A dog.\n", encoding="utf-8")
+    empty = tmp_path / "empty.txt"
+    empty.write_text("\n \n", encoding="utf-8")
+    for args, message in (
+        (["m", str(text), "--jobs", "1"], "--jobs at least 2 and --rounds at least 1"),
+        (["m", str(text), "--rounds", "0"], "--jobs at least 2 and --rounds at least 1"),
+        (["m", str(tmp_path / "none.txt")], "none.txt: not a file"),
+        (["m", str(empty)], "empty.txt: no words to translate"),
+        (["m", str(text), "--before", str(tmp_path)], "holds no transformer package"),
+        (["m", str(text), "--", "--threads", "2"], "--threads: the script sets it"),
+        ([str(tmp_path / "none.safetensors"), str(text)], "failed [2, 2]"),
+    ):
+        out = _run("bench_side_by_side.py", *args)
+        assert out.returncode == 2, args
+        assert message in out.stderr and "Traceback" not in out.stderr, out.stderr
+
+
+def test_side_by_side_bench_runs_each_way(tiny_model_file, src):
+    tree = Path(__file__).resolve().parents[2] / "src"
+    out = _run("bench_side_by_side.py", str(tiny_model_file), str(src), "--rounds", "1",
+               "--before", str(tree))  # fmt: skip
+    assert out.returncode == 0, out.stderr[-2000:]
+    lines = out.stdout.splitlines()
+    assert " cores, " in lines[0] and "2 jobs of" in lines[0]
+    summary = [line.split(":")[0] for line in lines if "of --threads 1's rate" in line]
+    assert summary == ["before", "after", "threads 1", "one job"]
