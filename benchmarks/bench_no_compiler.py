@@ -23,7 +23,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from bench_translate_stream import RunFailed, run_once
+from bench_translate_stream import RunFailed, parse_with_options, run_once
 
 MODES = ("compiler", "no compiler", "built ahead")
 
@@ -34,17 +34,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("input")
     parser.add_argument("--runs", type=int, default=3, help="runs per mode (default 3)")
     parser.usage = "%(prog)s [-h] [--runs N] MODEL INPUT [-- TRANSLATE OPTIONS]"
-    argv = sys.argv[1:] if argv is None else argv
-    cut = argv.index("--") if "--" in argv else len(argv)  # after it: translate's own options
-    args, extra = parser.parse_args(argv[:cut]), argv[cut + 1 :]
+    args, extra, words = parse_with_options(parser, argv)
     if args.runs < 1:
         parser.error(f"argument --runs: at least 1, not {args.runs}")
-    if not Path(args.input).is_file():
-        parser.error(f"{args.input}: not a file")
-    with open(args.input, "rb") as f:
-        words = sum(len(line.split()) for line in f)
-    if words == 0:
-        parser.error(f"{args.input}: no words to translate")
 
     from transformer import kernels
     from transformer.cpuinfo import cpu_line

@@ -27,6 +27,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from bench_translate_stream import parse_with_options
+
 
 class RunFailed(Exception):
     """A job that did not end with status 0."""
@@ -62,23 +64,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.usage = (
         "%(prog)s [-h] [--jobs N] [--rounds N] [--before SRC] MODEL INPUT [-- TRANSLATE OPTIONS]"
     )
-    argv = sys.argv[1:] if argv is None else argv
-    cut = argv.index("--") if "--" in argv else len(argv)  # after it: translate's own options
-    args, extra = parser.parse_args(argv[:cut]), argv[cut + 1 :]
+    args, extra, words = parse_with_options(parser, argv)
     if args.jobs < 2 or args.rounds < 1:
         parser.error(
             f"--jobs at least 2 and --rounds at least 1, not {args.jobs} and {args.rounds}"
         )
-    if args.before is not None and not (args.before / "transformer").is_dir():
-        parser.error(f"argument --before: {args.before} holds no transformer package")
-    if not Path(args.input).is_file():
-        parser.error(f"{args.input}: not a file")
     if "--threads" in extra:
         parser.error("--threads: the script sets it (auto, then 1)")
     text = Path(args.input).read_bytes()
-    words = len(text.split())
-    if words == 0:
-        parser.error(f"{args.input}: no words to translate")
 
     from transformer.cpuinfo import cpu_line
 

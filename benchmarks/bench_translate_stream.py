@@ -50,6 +50,27 @@ def run_once(
     return {"wall": wall, "first": first_s, "rss_mib": usage.ru_maxrss / 1024, "output": output}
 
 
+def parse_with_options(
+    parser: argparse.ArgumentParser, argv: list[str] | None
+) -> tuple[argparse.Namespace, list[str], int]:
+    """`parser`'s arguments before "--", translate's own options after it, and the words of
+    INPUT (`args.input`); the parser's error for an input that is not a file or has no words,
+    and for a --before tree without the package (where the parser has --before)."""
+    argv = sys.argv[1:] if argv is None else argv
+    cut = argv.index("--") if "--" in argv else len(argv)  # after it: translate's own options
+    args, extra = parser.parse_args(argv[:cut]), argv[cut + 1 :]
+    before = getattr(args, "before", None)
+    if before is not None and not (before / "transformer").is_dir():
+        parser.error(f"argument --before: {before} holds no transformer package")
+    if not Path(args.input).is_file():
+        parser.error(f"{args.input}: not a file")
+    with open(args.input, "rb") as f:
+        words = sum(len(line.split()) for line in f)
+    if words == 0:  # no output to time: no first byte, no words/s
+        parser.error(f"{args.input}: no words to translate")
+    return args, extra, words
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("model")
@@ -57,20 +78,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--runs", type=int, default=3, help="runs per tree (default 3)")
     parser.add_argument("--before", type=Path, help="another tree's src folder, run alternately")
     parser.usage = "%(prog)s [-h] [--runs N] [--before SRC] MODEL INPUT [-- TRANSLATE OPTIONS]"
-    argv = sys.argv[1:] if argv is None else argv
-    cut = argv.index("--") if "--" in argv else len(argv)  # after it: translate's own options
-    args, extra = parser.parse_args(argv[:cut]), argv[cut + 1 :]
+    args, extra, words = parse_with_options(parser, argv)
     if args.runs < 1:
         parser.error(f"argument --runs: at least 1, not {args.runs}")
-    if args.before is not None and not (args.before / "transformer").is_dir():
-        parser.error(f"argument --before: {args.before} holds no transformer package")
-    if not Path(args.input).is_file():
-        parser.error(f"{args.input}: not a file")
-
-    with open(args.input, "rb") as f:
-        words = sum(len(line.split()) for line in f)
-    if words == 0:  # no output to time: no first byte, no words/s
-        parser.error(f"{args.input}: no words to translate")
 
     from transformer.cpuinfo import cpu_line
 

@@ -377,21 +377,34 @@ def test_w1_processes_names_a_failed_run_and_bad_arguments(tmp_path):
         assert bad.returncode == 2 and message in bad.stderr, bad.stderr
 
 
-def test_translate_stream_bench_names_bad_arguments_and_a_failed_run(tmp_path):
-    text = tmp_path / "in.txt"
+def _texts(tmp_path: Path) -> tuple[Path, Path]:
+    """A one-line input and one with no words: the translate benchmarks' bad arguments."""
+    text, empty = tmp_path / "in.txt", tmp_path / "empty.txt"
     text.write_text("A dog.\n", encoding="utf-8")
-    empty = tmp_path / "empty.txt"
     empty.write_text("\n \n", encoding="utf-8")
-    for args, message in (
-        (["m", str(text), "--runs", "0"], "--runs: at least 1, not 0"),
-        (["m", str(tmp_path / "none.txt")], "none.txt: not a file"),
-        (["m", str(empty)], "empty.txt: no words to translate"),
-        (["m", str(text), "--before", str(tmp_path)], "holds no transformer package"),
-        ([str(tmp_path / "none.safetensors"), str(text)], "failed (2)"),
-    ):
-        out = _run("bench_translate_stream.py", *args)
+    return text, empty
+
+
+def _names_each(script: str, cases) -> None:
+    """Each (args, message): exit status 2, the message, no traceback."""
+    for args, message in cases:
+        out = _run(script, *args)
         assert out.returncode == 2, args
         assert message in out.stderr and "Traceback" not in out.stderr, out.stderr
+
+
+def test_translate_stream_bench_names_bad_arguments_and_a_failed_run(tmp_path):
+    text, empty = _texts(tmp_path)
+    _names_each(
+        "bench_translate_stream.py",
+        [
+            (["m", str(text), "--runs", "0"], "--runs: at least 1, not 0"),
+            (["m", str(tmp_path / "none.txt")], "none.txt: not a file"),
+            (["m", str(empty)], "empty.txt: no words to translate"),
+            (["m", str(text), "--before", str(tmp_path)], "holds no transformer package"),
+            ([str(tmp_path / "none.safetensors"), str(text)], "failed (2)"),
+        ],
+    )
 
 
 @pytest.mark.parametrize(
@@ -612,19 +625,16 @@ def test_cpu_limits_bench_runs_both_trees_on_one_cpu_and_unlimited(tiny_model_fi
 
 
 def test_no_compiler_bench_names_bad_arguments(tmp_path):
-    text = tmp_path / "in.txt"
-    text.write_text("A dog.\n", encoding="utf-8")
-    empty = tmp_path / "empty.txt"
-    empty.write_text("\n \n", encoding="utf-8")
-    for args, message in (
-        (["m", str(text), "--runs", "0"], "--runs: at least 1, not 0"),
-        (["m", str(tmp_path / "none.txt")], "none.txt: not a file"),
-        (["m", str(empty)], "empty.txt: no words to translate"),
-        ([str(tmp_path / "none.safetensors"), str(text)], "failed (2)"),
-    ):
-        out = _run("bench_no_compiler.py", *args)
-        assert out.returncode == 2, args
-        assert message in out.stderr and "Traceback" not in out.stderr, out.stderr
+    text, empty = _texts(tmp_path)
+    _names_each(
+        "bench_no_compiler.py",
+        [
+            (["m", str(text), "--runs", "0"], "--runs: at least 1, not 0"),
+            (["m", str(tmp_path / "none.txt")], "none.txt: not a file"),
+            (["m", str(empty)], "empty.txt: no words to translate"),
+            ([str(tmp_path / "none.safetensors"), str(text)], "failed (2)"),
+        ],
+    )
 
 
 def test_no_compiler_bench_runs_the_three_ways(tiny_model_file, src):
@@ -645,22 +655,19 @@ def test_no_compiler_bench_runs_the_three_ways(tiny_model_file, src):
 
 
 def test_side_by_side_bench_names_bad_arguments(tmp_path):
-    text = tmp_path / "in.txt"
-    text.write_text("A dog.\n", encoding="utf-8")
-    empty = tmp_path / "empty.txt"
-    empty.write_text("\n \n", encoding="utf-8")
-    for args, message in (
-        (["m", str(text), "--jobs", "1"], "--jobs at least 2 and --rounds at least 1"),
-        (["m", str(text), "--rounds", "0"], "--jobs at least 2 and --rounds at least 1"),
-        (["m", str(tmp_path / "none.txt")], "none.txt: not a file"),
-        (["m", str(empty)], "empty.txt: no words to translate"),
-        (["m", str(text), "--before", str(tmp_path)], "holds no transformer package"),
-        (["m", str(text), "--", "--threads", "2"], "--threads: the script sets it"),
-        ([str(tmp_path / "none.safetensors"), str(text)], "failed [2, 2]"),
-    ):
-        out = _run("bench_side_by_side.py", *args)
-        assert out.returncode == 2, args
-        assert message in out.stderr and "Traceback" not in out.stderr, out.stderr
+    text, empty = _texts(tmp_path)
+    _names_each(
+        "bench_side_by_side.py",
+        [
+            (["m", str(text), "--jobs", "1"], "--jobs at least 2 and --rounds at least 1"),
+            (["m", str(text), "--rounds", "0"], "--jobs at least 2 and --rounds at least 1"),
+            (["m", str(tmp_path / "none.txt")], "none.txt: not a file"),
+            (["m", str(empty)], "empty.txt: no words to translate"),
+            (["m", str(text), "--before", str(tmp_path)], "holds no transformer package"),
+            (["m", str(text), "--", "--threads", "2"], "--threads: the script sets it"),
+            ([str(tmp_path / "none.safetensors"), str(text)], "failed [2, 2]"),
+        ],
+    )
 
 
 def test_side_by_side_bench_runs_each_way(tiny_model_file, src):

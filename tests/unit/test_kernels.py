@@ -8,6 +8,7 @@ import platform
 import subprocess
 import sys
 import tempfile
+from pathlib import Path
 
 import pytest
 import torch
@@ -99,6 +100,14 @@ def test_no_compiler_means_torchs_copy(fresh, monkeypatch, caplog):
     assert kernels.describe() == [f"not in use: {kernels.unavailable()}"]
 
 
+def _built_ahead_only(cache: Path) -> Path:
+    """The library built ahead into `kernels.PREBUILT` and nowhere else (the cache's removed)."""
+    kept = kernels.build_ahead()
+    for built in cache.glob("*.so"):
+        built.unlink()
+    return kept
+
+
 def test_without_a_compiler_a_library_built_ahead_is_loaded(fresh, monkeypatch, tmp_path):
     """`transformer kernels` where there is a compiler, then a process without one (a copy of
     the environment, a container's second stage): the library in the package's folder."""
@@ -126,9 +135,7 @@ def test_without_a_compiler_the_cache_folders_library_is_loaded(fresh, monkeypat
 
 
 def test_another_versions_library_is_not_loaded(fresh, monkeypatch):
-    kept = kernels.build_ahead()
-    for built in fresh.glob("*.so"):
-        built.unlink()
+    kept = _built_ahead_only(fresh)
     kept.rename(kept.with_name("kernels-0123456789abcdef-d162fbe9.so"))  # another source's
     monkeypatch.setenv("CC", "no-such-compiler-here")
     _again()
@@ -136,18 +143,14 @@ def test_another_versions_library_is_not_loaded(fresh, monkeypatch):
 
 
 def test_a_failing_compiler_falls_back_on_a_library_built_ahead(fresh, monkeypatch):
-    kept = kernels.build_ahead()
-    for built in fresh.glob("*.so"):
-        built.unlink()
+    kept = _built_ahead_only(fresh)
     monkeypatch.setenv("CC", "false")  # exits 1
     _again()
     assert kernels.unavailable() is None and kernels.library_path() == kept
 
 
 def test_a_damaged_library_built_ahead_is_passed_over_and_left_alone(fresh, monkeypatch):
-    kept = kernels.build_ahead()
-    for built in fresh.glob("*.so"):
-        built.unlink()
+    kept = _built_ahead_only(fresh)
     monkeypatch.setenv("CC", "no-such-compiler-here")
     damaged = kept.with_name(kept.name.rsplit("-", 1)[0] + "-0badc0de.so")
     damaged.write_bytes(b"\x7fELF not really")  # newer than `kept`: tried first
