@@ -29,6 +29,9 @@ from transformer import cpuinfo
 logger = logging.getLogger(__name__)
 
 AUTO = "auto"
+# Others' cores kept busy (`OtherLoad`) from which this process counts as crowded: a model then
+# loads on one thread, a training run starts on one, and decoding streams keep to a CPU each.
+CROWDED_CORES = 0.25
 # The tuner's candidate "one thread, and the weight gradients on a second" (gradhelper.py):
 # training only, where beside a busy process it beats one thread by ~10%.
 HELPER = "1+helper"

@@ -38,7 +38,7 @@ from transformer.model import PositionwiseFeedForward, accelerator_dtype
 from transformer.modelfile import PROJECTION, LoadedModel, int8_targets
 from transformer.rundir import resolve_model
 from transformer.search import Constrain, beam_search_alphas, greedy_search
-from transformer.threads import OtherLoad, ThreadTuner, omp_threads_fixed
+from transformer.threads import CROWDED_CORES, OtherLoad, ThreadTuner, omp_threads_fixed
 from transformer.threads import resolve as resolve_threads
 from transformer.tokenizer import BOS_ID, EOS_ID, PAD_ID
 
@@ -60,9 +60,6 @@ RSS_EVERY_S = 0.005
 # forty-six"). Where the memory available holds twice the streams' bound, the first batch is
 # not decoded alone to measure it: that costs 8-10% of a job's words/s.
 BATCH_BYTES_BOUND = 2 * 4 * 3
-# Beside other busy processes (`OtherLoad`: at least this many cores kept busy by them) the streams
-# are pinned to the CPUs in turn and one more stream runs (`_decode_streams`).
-CROWDED_CORES = 0.25
 # The first window of `Translator.load`, from the start of `from_path` (seconds; later ones 0.5)
 FIRST_LOAD_WINDOW_S = 0.15
 DTYPES = {**model_dtypes, "int8": "int8"}  # int8: `quantize_int8`'s int8 products

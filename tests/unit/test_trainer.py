@@ -551,9 +551,15 @@ def test_end_of_run_checkpoint_resumes_but_is_never_averaged(data_dir, tmp_path)
 
 
 def test_thread_count_follows_threads_then_omp_num_threads(monkeypatch):
+    import transformer.threads
     from transformer.config import RunConfig
     from transformer.train import _setup_torch
 
+    class Idle:  # others' load since the start (the suite's other workers): not read here
+        def cores(self):
+            return None
+
+    monkeypatch.setattr(transformer.threads.OtherLoad, "since_start", classmethod(lambda c: Idle()))
     before = torch.get_num_threads()
     cpu = torch.device("cpu")
     try:
@@ -570,6 +576,35 @@ def test_thread_count_follows_threads_then_omp_num_threads(monkeypatch):
             _setup_torch(RunConfig(), cpu, threads=0)
         with pytest.raises(UserError, match="--threads: at most 1024 "):
             _setup_torch(RunConfig(), cpu, threads=1025)
+    finally:
+        torch.set_num_threads(before)
+        torch.use_deterministic_algorithms(False)
+
+
+@pytest.mark.parametrize(("others", "first"), [(1.0, 1), (0.1, 2), (None, 2)])
+def test_a_run_starts_on_one_thread_where_others_crowded_the_cores_since_the_start(
+    monkeypatch, others, first
+):
+    """Two trainings started together: each starts on one thread until the tuner's first
+    probe; alone (or where it cannot be read), on every usable core as before."""
+    import transformer.threads
+    from transformer.config import RunConfig
+    from transformer.train import _setup_torch
+
+    class Reading:
+        def cores(self):
+            return others
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(transformer.threads, "usable_cores", lambda: 2)
+    monkeypatch.setattr(
+        transformer.threads.OtherLoad, "since_start", classmethod(lambda c: Reading())
+    )
+    before = torch.get_num_threads()
+    try:
+        tuner = _setup_torch(RunConfig(), torch.device("cpu"))
+        assert tuner.best == first and torch.get_num_threads() == first
+        assert tuner.candidates[0] == 2  # the probe still times every count
     finally:
         torch.set_num_threads(before)
         torch.use_deterministic_algorithms(False)
