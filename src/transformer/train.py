@@ -103,8 +103,8 @@ def _setup_torch(
             if (OtherLoad.since_start().cores() or 0.0) >= CROWDED_CORES:
                 # Others kept the CPUs busy while this command started (its imports): the first
                 # steps on one thread, until the first probe times the counts. On every core,
-                # two quickstart trainings of 40 steps started together took 10.4-12.2 s
-                # against 7.3-7.5 on one thread each (docs/performance.md, "Round
+                # two quickstart trainings of 40 steps started together took 9.9-10.3 s
+                # against 7.2 on one thread each; now 7.9-8.9 (docs/performance.md, "Round
                 # forty-seven").
                 tuner.best = min(c for c in tuner.candidates if c != HELPER)
             torch.set_num_threads(tuner.best)  # every core until the first step is timed
