@@ -1781,22 +1781,21 @@ def build_ahead(into: Path | None = None) -> Path:
     `$TRANSFORMER_KERNELS`, or in `PREBUILT`); returns the copy's path. In `PREBUILT`, the
     libraries of other versions of the source are removed. Raises OSError where there is no
     library (`unavailable`'s reason) or the folder cannot be written (the file is whole or not
-    there: written aside, then renamed)."""
+    there: `checkpoint.replace_atomic`)."""
     why = unavailable()
     if why is not None:
         raise OSError(why)
+    from transformer.checkpoint import replace_atomic
+
+    def copy(tmp: Path) -> None:
+        shutil.copyfile(_PATH, tmp)
+        os.chmod(tmp, 0o755)
+
     folder = PREBUILT if into is None else Path(into)
     folder.mkdir(parents=True, exist_ok=True)
     target = folder / _PATH.name
     if not (target.exists() and os.path.samefile(target, _PATH)):
-        fd, name = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=folder)
-        os.close(fd)
-        try:
-            shutil.copyfile(_PATH, name)
-            os.chmod(name, 0o755)
-            os.replace(name, target)
-        finally:
-            Path(name).unlink(missing_ok=True)
+        replace_atomic(target, copy)
     if folder == PREBUILT:  # ours alone: an upgraded package's source leaves its old ones
         for old in folder.glob("kernels-*.so"):
             if not old.name.startswith(f"kernels-{_source_key()}-"):

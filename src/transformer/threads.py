@@ -159,14 +159,14 @@ class ThreadTuner:
         room = self._room_now()
         self._set(self.best if room is None else self._fitting(room))
 
-    def _fewest(self) -> int | str:
+    def fewest(self) -> int | str:
         """The candidate with the fewest threads (1 before the helper's one)."""
         return min(self.candidates, key=lambda c: 1 if c == HELPER else c)
 
     def _fitting(self, room: float) -> int | str:
         """The most threads among the candidates that `room` cores hold, else the fewest."""
         fits = [c for c in self.candidates if c != HELPER and c <= room]
-        return max(fits) if fits else self._fewest()
+        return max(fits) if fits else self.fewest()
 
     def _room_now(self) -> float | None:
         """`room()`, and a probe due at once when the crowding has just ended."""
@@ -257,9 +257,8 @@ class OtherLoad:
         self.window_s, self.stat, self.clock, self.own_time = window_s, stat, clock, own_time
         # The first window may end sooner (a short job's first batch asks ~0.2 s in)
         self._length = window_s if first_window_s is None else first_window_s
-        if cpus is None and hasattr(os, "sched_getaffinity"):
-            cpus = sorted(os.sched_getaffinity(0))
-        self.cpus = {f"cpu{c}" for c in cpus} if cpus is not None else None
+        # As /proc/stat names them ("cpu0", ...): this process's affinity unless given.
+        self.cpus = cpuinfo.affinity_names() if cpus is None else {f"cpu{c}" for c in cpus}
         self.last = None  # the cores of the last whole window
         self._lock = threading.Lock()  # decoding streams ask from their own threads
         self._begin = self._read()
@@ -280,6 +279,13 @@ class OtherLoad:
         fresh = start is not None and time.monotonic() - start[0] <= max_age_s
         load._begin = start[:3] if fresh and start[3] == load.cpus else None
         return load
+
+    @classmethod
+    def crowded_since_start(cls) -> bool:
+        """Whether others kept at least CROWDED_CORES of this process's CPUs busy since the
+        command started (`since_start`; False where that is not known): a model then loads,
+        and a training run starts, on one thread."""
+        return (cls.since_start().cores() or 0.0) >= CROWDED_CORES
 
     def cores(self) -> float | None:
         """The others' mean cores over the current window (or, until it is `window_s` long,

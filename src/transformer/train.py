@@ -27,15 +27,7 @@ from transformer.errors import JobError, UserError, out_of_memory, what_to_lower
 from transformer.loss import chunked_label_smoothed_loss
 from transformer.model import DTYPES, Transformer, accelerator_dtype
 from transformer.optim import MixedPrecisionAdam
-from transformer.threads import (
-    AUTO,
-    CROWDED_CORES,
-    HELPER,
-    OtherLoad,
-    ThreadTuner,
-    count_problem,
-    usable_cores,
-)
+from transformer.threads import AUTO, OtherLoad, ThreadTuner, count_problem, usable_cores
 from transformer.threads import resolve as resolve_threads
 from transformer.trainer import Trainer, TrainState
 
@@ -100,13 +92,13 @@ def _setup_torch(
                                 warmup_units=TUNER_WARMUP_STEPS,
                                 helper=not config.train.compile)  # fmt: skip
         if tuner is not None:
-            if (OtherLoad.since_start().cores() or 0.0) >= CROWDED_CORES:
+            if OtherLoad.crowded_since_start():
                 # Others kept the CPUs busy while this command started (its imports): the first
                 # steps on one thread, until the first probe times the counts. On every core,
                 # two quickstart trainings of 40 steps started together took 9.9-10.3 s
                 # against 7.2 on one thread each; now 7.9-8.9 (docs/performance.md, "Round
                 # forty-seven").
-                tuner.best = min(c for c in tuner.candidates if c != HELPER)
+                tuner.best = tuner.fewest()
             torch.set_num_threads(tuner.best)  # every core until the first step is timed
         return tuner
     return None

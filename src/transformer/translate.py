@@ -647,7 +647,7 @@ class Translator:
         load = OtherLoad(first_window_s=FIRST_LOAD_WINDOW_S)
         before = torch.get_num_threads()
         alone = threads != AUTO or torch.device(device).type != "cpu" or omp_threads_fixed()
-        if not alone and (OtherLoad.since_start().cores() or 0.0) >= CROWDED_CORES:
+        if not alone and OtherLoad.crowded_since_start():
             # Others kept the CPUs busy while this command started (its imports): the loading's
             # small ops (checks of the int8 weights, their packing) on one thread. On two, each
             # op waits at a barrier for a thread that is not running: two `translate` started
