@@ -1082,3 +1082,13 @@ def test_the_kernels_command_without_a_compiler_fails_in_one_line(fresh, monkeyp
     assert err.startswith("transformer kernels: error: the compiled kernels cannot be had here: ")
     assert "no C compiler" in err and err.count("\n") == 1
     assert not kernels.PREBUILT.exists()
+
+
+def test_the_kernels_command_names_a_folder_it_cannot_write_in_one_line(fresh, capsys, tmp_path):
+    from transformer.cli import main
+
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    assert main(["kernels", "--into", str(blocker / "k")]) == 2
+    err = capsys.readouterr().err
+    assert err == f"transformer kernels: error: {blocker / 'k'}: Not a directory\n"
