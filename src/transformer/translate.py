@@ -454,7 +454,10 @@ def int8_onednn() -> bool:
     scale, to 2e-7 of each row's largest) and given a row the same bits in any batch. At
     decoding's shapes on a Zen 5 it multiplies 20-35% faster than fbgemm, whose integer sums
     were off in 0.3% of the outputs at 256 rows with signed inputs (docs/performance.md,
-    "Round forty-one"). `TRANSFORMER_INT8_PRODUCT=fbgemm` keeps fbgemm's. Decoding streams
+    "Round forty-one"). On the AMX Xeon of round forty-eight oneDNN's sums are exact but a
+    one-row batch's bits differ from the same row's in a batch of 40 (by 1 ulp), so there the
+    check keeps fbgemm's (bf16 is `auto_dtype`'s choice on AMX).
+    `TRANSFORMER_INT8_PRODUCT=fbgemm` keeps fbgemm's. Decoding streams
     may ask at once: each gets the same answer."""
     if os.environ.get("TRANSFORMER_INT8_PRODUCT", "").lower() == "fbgemm":
         return False
