@@ -100,6 +100,20 @@ class Table:
         return "\n".join(lines)
 
 
+def not_run(name: str, data: dict, table: Table, what: str) -> str:
+    """The implementations the harness could not build for `name` (its "failed": an import
+    error, a peer not installed), each listed among the missing with its error; "" or
+    "; not run: fairseq" for the row's peer column. Without this a row compares against the
+    peers that did run, and a missing fast peer raises our ratio (round forty-eight's first
+    table ran without fairseq's source tree)."""
+    failed = data.get("failed") or {}
+    if not isinstance(failed, dict):
+        raise SummaryError(f"{name}: 'failed' is not a mapping of implementation to error")
+    for impl, error in failed.items():
+        table.missing.append(f"{what}: {impl} did not run ({str(error)[:120]})")
+    return "; not run: " + ", ".join(failed) if failed else ""
+
+
 def first_of(out: Path, pattern: str) -> tuple[str, str, dict] | None:
     """(dtype, file name, contents) of pattern.format(dtype) in OUT, bf16's if there, else
     fp32's (bench_peers.sh runs W1 and W3 in fp32 on a CPU without native bf16)."""
@@ -170,9 +184,10 @@ def w1_row(out: Path, name: str, data: dict, dtype: str, how: str, amx: bool, ta
     peers = {k: v for k, v in results.items() if k != OURS_TRAIN}
     ours = _field(path, results[OURS_TRAIN], "tok_per_s")
     target = W1_RATIO[0 if amx else 1]
+    absent = not_run(path, data, table, f"W1{how}")
     if not peers:
         table.add(f"W1 training, base {dtype}{how} (tok/s)", f"{ours['median']:,.0f}",
-                  "no peer ran", "-", f">= {target}x")  # fmt: skip
+                  "no peer ran" + absent, "-", f">= {target}x")  # fmt: skip
         return None
     best = max(peers, key=lambda k: peers[k]["tok_per_s"]["median"])
     best_rate = peers[best]["tok_per_s"]["median"]
@@ -188,7 +203,7 @@ def w1_row(out: Path, name: str, data: dict, dtype: str, how: str, amx: bool, ta
     table.add(
         f"W1 training, base {dtype}{how} (target tok/s, median of {ours['n']})",
         f"**{ours['median']:,.0f}** ({ours['min']:,.0f}-{ours['max']:,.0f})",
-        f"{best} {best_rate:,.0f} ({others})",
+        f"{best} {best_rate:,.0f} ({others}){absent}",
         f"**{fmt_ratio(ratio, target)}** (round by round: {fmt_ratio(paired[worst])} against "
         f"{worst}): {verdict(ratio >= target)}",
         f">= {target}x" + (" (AMX)" if amx else " (no AMX)"),
@@ -222,6 +237,7 @@ def w2(out: Path, amx: bool, auto: str | None, table: Table) -> None:
             k.removeprefix(OURS_INFER): v for k, v in results.items() if k.startswith(OURS_INFER)
         }
         peers = {k: v for k, v in results.items() if not k.startswith(OURS_INFER)}
+        absent = not_run(path, data, table, f"W2 {label}")
         if CT2_INT8 not in peers:
             table.missing.append(f"W2 {label}: no {CT2_INT8} in {name}")
             continue
@@ -238,7 +254,7 @@ def w2(out: Path, amx: bool, auto: str | None, table: Table) -> None:
         table.add(
             f"W2 {label} (tok/s): ours {pick} ({why})" + (f"; {rest}" if rest else ""),
             f"**{rate:,.0f}**",
-            f"{CT2_INT8} {ref:,.0f}" + (f" ({others})" if others else ""),
+            f"{CT2_INT8} {ref:,.0f}" + (f" ({others})" if others else "") + absent,
             f"**{fmt_ratio(rate / ref, target)}**{rounds}: {verdict(rate / ref >= target)}",
             f">= {target}x CT2 int8" + (" (AMX)" if amx else " (no AMX)"),
         )
@@ -257,6 +273,7 @@ def w3(out: Path, table: Table) -> None:
             raise SummaryError(f"{path}: no result for {OURS_TRAIN}")
         ours = _field(path, results[OURS_TRAIN], "peak_rss_mib")
         peers = {k: v["peak_rss_mib"] for k, v in results.items() if k != OURS_TRAIN}
+        absent = not_run(path, data, table, f"W3 ~{size}")
         if not peers:
             table.missing.append(f"W3 ~{size}: no peer in {name}")
             continue
@@ -266,7 +283,7 @@ def w3(out: Path, table: Table) -> None:
         table.add(
             f"W3 peak RSS of a {dtype} step, {tokens:,} target tokens (MiB)",
             f"**{ours:,.0f}**",
-            f"{best} {peers[best]:,.0f}",
+            f"{best} {peers[best]:,.0f}{absent}",
             f"**{fmt_ratio(ratio, W3_RATIO)}**: {verdict(ratio <= W3_RATIO)}",
             f"<= {W3_RATIO}x",
         )

@@ -28,6 +28,32 @@ for f in "$QS/data/manifest.json" "$QS/model.safetensors" "$QS/quickstart.json";
 done
 mkdir -p "$OUT"
 ALPHA=$($OURS benchmarks/quickstart_alpha.py "$QS/quickstart.json" issue19_table.sh)
+# Every peer the rows compare against, imported before the ~25 minutes start: one that is not
+# installed (fairseq's source tree, OpenNMT-py: docs/performance.md, "Reproducing") drops out of
+# its rows, and a row without the fastest peer reads high (round forty-eight's first run had no
+# fairseq). PEERS_MISSING_OK=1 runs anyway; the summary names who did not run.
+if ! ABSENT=$($PY - 2>/dev/null <<'PY'
+import importlib, logging, sys
+sys.path.insert(0, "../shared/peers")
+logging.disable(logging.WARNING)
+absent = []
+for name, load in (("fairseq", lambda: importlib.import_module("train_adapters").import_fairseq()),
+                   ("onmt", lambda: importlib.import_module("onmt.encoders.transformer")),
+                   ("hf", lambda: importlib.import_module("transformers")),
+                   ("ct2", lambda: importlib.import_module("ctranslate2"))):
+    try:
+        load()
+    except Exception as e:  # noqa: BLE001 -- any failure to import is the peer's absence
+        absent.append(f"{name} ({type(e).__name__}: {e})")
+print("; ".join(absent))
+PY
+); then
+  echo "issue19_table.sh: $PY cannot run the peers' harness (PY: the peers' Python)" >&2; exit 2
+fi
+if [[ -n $ABSENT && ${PEERS_MISSING_OK:-0} != 1 ]]; then
+  echo "issue19_table.sh: peers not importable with $PY: $ABSENT (PEERS_MISSING_OK=1 runs without them)" >&2
+  exit 2
+fi
 DTYPES=fp32,int8
 if [[ -n $($OURS -c 'from transformer.cpuinfo import native_bf16; print(*native_bf16())') ]]; then
   DTYPES=fp32,int8,bf16  # bf16 decoding only where the CPU multiplies bf16 natively

@@ -125,6 +125,19 @@ def test_issue19_table_names_what_is_missing(tmp_path):
     assert "quickstart.json: no α chosen on val (KeyError" in no_alpha.stderr
     assert not (tmp_path / "out" / "w0.log").exists()  # stopped before any benchmark ran
 
+    # A peer the harness cannot import stops it before the benchmarks, naming the peer
+    (tmp_path / "quickstart.json").write_text(json.dumps({"chosen_on_val": {"alpha": 1.2}}))
+    no_peers = subprocess.run(
+        ["bash", str(BENCH / "issue19_table.sh"), str(tmp_path / "out")], capture_output=True,
+        text=True, timeout=120, env={"PATH": "/usr/bin:/bin", "QS": str(tmp_path),
+                                     "PEERS_FAIRSEQ_SRC": str(tmp_path / "no-fairseq")},
+    )  # fmt: skip
+    assert no_peers.returncode == 2, no_peers.stderr
+    said = "issue19_table.sh: peers not importable with .venv/bin/python: fairseq ("
+    assert said in no_peers.stderr
+    assert "PEERS_MISSING_OK=1" in no_peers.stderr and "Traceback" not in no_peers.stderr
+    assert not (tmp_path / "out" / "w0.log").exists()
+
 
 def test_prepare_device_names_what_is_missing_before_touching_dot_device(tmp_path):
     def prepare(*args):

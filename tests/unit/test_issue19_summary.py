@@ -141,6 +141,33 @@ def test_bleu_outside_the_tenth_and_memory_at_the_edge_are_not_met(tmp_path):
     assert "**0.651x**: **not met**" in _row(text, "W3 peak RSS of a bf16 step, 3,826")
 
 
+def test_a_peer_the_harness_could_not_build_is_named_in_its_row_and_among_the_missing(tmp_path):
+    """Round forty-eight's first table ran without fairseq's source tree: the harness wrote
+    "failed" and the W1 row compared against the peers that ran. The row now says who did not."""
+    out = _table(tmp_path / "out")
+    for name in ("w1_train_bf16.json", "w2_infer_beam4.json", "w3_mem_4k_bf16.json"):
+        record = json.loads((out / name).read_text(encoding="utf-8"))
+        record["failed"] = {"fairseq": "ModuleNotFoundError: No module named 'fairseq'"}
+        _write(out, name, record)
+    done = _run(out)
+    assert done.returncode == 0, done.stderr
+    text = done.stdout
+    w1 = _row(text, "W1 training, base bf16, the harness")
+    assert w1.count("not run: fairseq") == 1 and "**2.30x**" in w1
+    assert "not run" not in _row(text, "W1 training, base bf16, one process per implementation")
+    assert "not run: fairseq" in _row(text, "W2 beam 4")
+    assert "not run" not in _row(text, "W2 greedy")
+    assert "not run: fairseq" in _row(text, "W3 peak RSS of a bf16 step, 3,826")
+    missing = text.split("Not in OUT: ")[1]
+    assert "W1, the harness's one process: fairseq did not run (ModuleNotFoundError" in missing
+    assert "W2 beam 4: fairseq did not run" in missing and "W3 ~4k: fairseq did not run" in missing
+    # a "failed" that is not a mapping is the file's error, one line
+    _write(out, "w2_infer_greedy.json", {"results": [], "failed": ["fairseq"]})
+    done = _run(out)
+    assert done.returncode != 0 and "w2_infer_greedy.json" in done.stderr
+    assert "Traceback" not in done.stderr
+
+
 def test_missing_files_are_named_and_the_rest_is_summarized(tmp_path):
     out = _table(tmp_path / "out")
     for name in (
