@@ -127,15 +127,50 @@ def row_major_weight_grad(g: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     return kernels.transposed(kernels.transposed(x) @ g)
 
 
+# `_RowMajorGradLinear`'s forward with the bias added inside oneDNN's product (None: decided
+# on first use by `bias_in_product`; False: F.linear's, for a before/after in one process).
+BIAS_IN_PRODUCT: bool | None = None
+
+
+def bias_in_product() -> bool:
+    """Whether `mkldnn._linear_pointwise` gives F.linear's bits for bf16 rows with a bias,
+    checked once per process on two of the base model's shapes. F.linear (`addmm`) first
+    copies the bias into every output row and then multiplies with beta = 1, which reads them
+    back: on an AMX Xeon 34 ms of a 1.6 s W1 step (a (3,888 x 2,048) layer's forward 4.81 ms
+    against 4.49, a (3,888 x 1,024) one 2.74 against 1.79; docs/performance.md, "Round
+    forty-eight"). `_linear_pointwise` adds the bias to the product's fp32 sums, the same bits
+    there; where they differ (another oneDNN), F.linear's."""
+    global BIAS_IN_PRODUCT
+    if BIAS_IN_PRODUCT is None:
+        BIAS_IN_PRODUCT = False
+        if torch.backends.mkldnn.is_available() and kernels.unavailable() is None:
+            g = torch.Generator().manual_seed(0)
+            try:
+                same = True
+                for rows, k, n in ((320, 64, 96), (64, 96, 48)):
+                    x = torch.randn(rows, k, generator=g).bfloat16()
+                    w = (torch.randn(n, k, generator=g) * 0.1).bfloat16()
+                    b = torch.randn(n, generator=g).bfloat16()
+                    fused = torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [], "")
+                    same = same and torch.equal(fused, F.linear(x, w, b))
+                BIAS_IN_PRODUCT = same
+            except (AttributeError, RuntimeError):  # no such op, or it refused
+                pass
+    return BIAS_IN_PRODUCT
+
+
 class _RowMajorGradLinear(torch.autograd.Function):
     """y = x W^T + b (x 2-D) whose dW comes from `row_major_weight_grad`; dx as autograd's, db
     the fp32 column sums of `kernels.column_sums` where it runs (torch's bf16 sum(0) otherwise:
-    2.4x slower on (3,888 x 2,048), the same sums to bf16 rounding)."""
+    2.4x slower on (3,888 x 2,048), the same sums to bf16 rounding). y has F.linear's bits,
+    the bias added inside oneDNN's product where that gives them (`bias_in_product`)."""
 
     @staticmethod
     def forward(ctx, x, weight, bias):  # noqa: D102
         ctx.save_for_backward(x, weight)
         ctx.has_bias = bias is not None
+        if bias is not None and x.is_contiguous() and bias_in_product():
+            return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
         return F.linear(x, weight, bias)
 
     @staticmethod

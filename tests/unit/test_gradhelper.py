@@ -387,6 +387,45 @@ def test_a_row_major_layer_is_nn_linear_up_to_dws_rounding(shape, bias, monkeypa
     )
 
 
+def test_bias_in_product_is_kept_only_where_it_gives_f_linears_bits(monkeypatch):
+    real = torch.ops.mkldnn._linear_pointwise
+    monkeypatch.setattr(gradhelper, "BIAS_IN_PRODUCT", None)
+    expected = torch.backends.mkldnn.is_available() and gradhelper.kernels.unavailable() is None
+    assert gradhelper.bias_in_product() is expected
+    assert gradhelper.BIAS_IN_PRODUCT is expected  # decided once
+
+    def off_by_one_ulp(x, w, b, *rest):
+        y = real(x, w, b, *rest)
+        return (y.view(torch.int16) + 1).view(torch.bfloat16)
+
+    def refused(*args):
+        raise RuntimeError("no oneDNN kernel for this")
+
+    for fake in (off_by_one_ulp, refused):
+        monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise", fake)
+        monkeypatch.setattr(gradhelper, "BIAS_IN_PRODUCT", None)
+        assert gradhelper.bias_in_product() is False
+
+
+@pytest.mark.parametrize("in_product", [True, False])
+def test_a_row_major_layers_forward_has_f_linears_bits_either_way(in_product, monkeypatch):
+    """The bias added inside oneDNN's product (round forty-eight) or by F.linear: the same bits
+    at rows the W1 step has, and the layer calls the one it was told to."""
+    monkeypatch.setattr(gradhelper, "ROW_MAJOR_GRADS", True)
+    monkeypatch.setattr(gradhelper, "BIAS_IN_PRODUCT", in_product)
+    calls = []
+    real = torch.ops.mkldnn._linear_pointwise
+    monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise",
+                        lambda *a: calls.append(1) or real(*a))  # fmt: skip
+    torch.manual_seed(0)
+    layer = Linear(64, 160).bfloat16()
+    x = torch.randn(gradhelper.ROW_MAJOR_ROWS + 48, 64).bfloat16().requires_grad_(True)
+    y = layer(x)
+    assert torch.equal(y, F.linear(x, layer.weight, layer.bias))
+    assert len(calls) == (1 if in_product else 0)
+    assert "_RowMajorGradLinearBackward" in _graph_nodes(y.grad_fn)
+
+
 def test_row_major_grads_only_for_bf16_non_square_trained_cpu_weights(monkeypatch):
     monkeypatch.setattr(gradhelper, "ROW_MAJOR_GRADS", True)
     rows = gradhelper.ROW_MAJOR_ROWS
