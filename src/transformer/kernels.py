@@ -605,6 +605,332 @@ int masked_softmax_bwd(const uint16_t *g, const uint16_t *w, int64_t rows, int64
   return 0;
 }
 
+/* ---- a training step's eq. (1) (§3.2.1, §3.2.2) read from and written to packed rows ---- */
+
+/* One (batch row, head) of `model.Packing`'s batch. Query i's projected row is packed row
+   qrow[i] (-1: a padding position, not packed), key (value) j's is krow[j]; key j is legal if
+   packed, kmask[j] nonzero (kmask NULL: all) and, causal, j <= i (§3.2.3). The legal keys'
+   positions go to kj, ascending; their count is returned. */
+static int64_t legal_keys(const int64_t *krow, const uint8_t *kmask, int64_t Tk, int64_t *kj) {
+  int64_t n = 0;
+  for (int64_t j = 0; j < Tk; ++j)
+    if (krow[j] >= 0 && (!kmask || kmask[j])) kj[n++] = j;
+  return n;
+}
+
+/* The packed queries' positions qi (ascending) and each one's count of legal keys nr (all nk,
+   or under the causal mask those at j <= i); returns how many */
+static int64_t packed_queries(const int64_t *qrow, int64_t Tq, const int64_t *kj, int64_t nk,
+                              int causal, int64_t *qi, int64_t *nr) {
+  int64_t nq = 0, n = causal ? 0 : nk;
+  for (int64_t i = 0; i < Tq; ++i) {
+    if (causal)
+      while (n < nk && kj[n] <= i) ++n;
+    if (qrow[i] >= 0) qi[nq] = i, nr[nq++] = n;
+  }
+  return nq;
+}
+
+/* C[r, 16 U columns] (+)= sum over k < K of A[r ar + k ak] B[k ldb + ..], r < R: R x U
+   accumulators in registers, each B vector read once for the R rows */
+#define GEMM_TILE(R, U)                                                                      \
+  AVX512 static void tile##R##U(const float *A, int64_t ar, int64_t ak, const float *B,      \
+                                int64_t ldb, int64_t K, float *C, int64_t ldc, int add) {    \
+    __m512 c[R][U];                                                                          \
+    for (int r = 0; r < R; ++r)                                                              \
+      for (int u = 0; u < U; ++u)                                                            \
+        c[r][u] = add ? _mm512_loadu_ps(C + r * ldc + 16 * u) : _mm512_setzero_ps();         \
+    for (int64_t k = 0; k < K; ++k, A += ak, B += ldb) {                                     \
+      __m512 b[U];                                                                           \
+      for (int u = 0; u < U; ++u) b[u] = _mm512_loadu_ps(B + 16 * u);                        \
+      for (int r = 0; r < R; ++r) {                                                          \
+        const __m512 a = _mm512_set1_ps(A[r * ar]);                                          \
+        for (int u = 0; u < U; ++u) c[r][u] = _mm512_fmadd_ps(a, b[u], c[r][u]);             \
+      }                                                                                      \
+    }                                                                                        \
+    for (int r = 0; r < R; ++r)                                                              \
+      for (int u = 0; u < U; ++u) _mm512_storeu_ps(C + r * ldc + 16 * u, c[r][u]);           \
+  }
+GEMM_TILE(1, 1) GEMM_TILE(1, 2) GEMM_TILE(1, 3) GEMM_TILE(1, 4)
+GEMM_TILE(2, 1) GEMM_TILE(2, 2) GEMM_TILE(2, 3) GEMM_TILE(2, 4)
+GEMM_TILE(3, 1) GEMM_TILE(3, 2) GEMM_TILE(3, 3) GEMM_TILE(3, 4)
+GEMM_TILE(4, 1) GEMM_TILE(4, 2) GEMM_TILE(4, 3) GEMM_TILE(4, 4)
+typedef void (*gemm_tile)(const float *, int64_t, int64_t, const float *, int64_t, int64_t,
+                          float *, int64_t, int);
+static const gemm_tile GEMM_TILES[4][4] = {{tile11, tile12, tile13, tile14},
+                                           {tile21, tile22, tile23, tile24},
+                                           {tile31, tile32, tile33, tile34},
+                                           {tile41, tile42, tile43, tile44}};
+
+/* C (M, N) (+)= A (M, K) B (K, N), fp32: A's element (r, k) at A[r ar + k ak], B row-major
+   (stride ldb), C row-major (stride ldc), N a multiple of 16; in tiles of 4 rows x 64 columns */
+static void gemm(const float *A, int64_t ar, int64_t ak, const float *B, int64_t ldb, int64_t M,
+                 int64_t K, int64_t N, float *C, int64_t ldc, int add) {
+  for (int64_t r = 0; r < M; r += 4)
+    for (int64_t c = 0; c < N; c += 64)
+      GEMM_TILES[(M - r < 4 ? M - r : 4) - 1][(N - c < 64 ? (N - c) / 16 : 4) - 1](
+          A + r * ar, ar, ak, B + c, ldb, K, C + r * ldc + c, ldc, add);
+}
+
+/* fp32 copies of bf16 rows, D values (a multiple of 16) each: x's rows rows[sel[m]] (stride
+   ld) for m < n, as rows (n, D) into r, or transposed (D, tp) into t, columns n .. tp zero */
+AVX512 static void rows_f32(const uint16_t *x, int64_t ld, const int64_t *rows,
+                            const int64_t *sel, int64_t n, int64_t D, float *r) {
+  for (int64_t m = 0; m < n; ++m) {
+    const uint16_t *xr = x + rows[sel[m]] * ld;
+    for (int64_t d = 0; d < D; d += 16) _mm512_storeu_ps(r + m * D + d, ld16(xr + d));
+  }
+}
+AVX512 static void cols_f32(const uint16_t *x, int64_t ld, const int64_t *rows,
+                            const int64_t *sel, int64_t n, int64_t D, int64_t tp, float *t) {
+  for (int64_t d = 0; d < D; ++d)
+    for (int64_t m = n; m < tp; ++m) t[d * tp + m] = 0.f;
+  float blk[16 * 16];
+  for (int64_t m0 = 0; m0 < n; m0 += 16) {
+    const int64_t mn = n - m0 < 16 ? n - m0 : 16;
+    for (int64_t d0 = 0; d0 < D; d0 += 16) {
+      for (int64_t m = 0; m < mn; ++m)
+        _mm512_storeu_ps(blk + m * 16, ld16(x + rows[sel[m0 + m]] * ld + d0));
+      for (int64_t d = 0; d < 16; ++d)
+        for (int64_t m = 0; m < mn; ++m) t[(d0 + d) * tp + m0 + m] = blk[m * 16 + d];
+    }
+  }
+}
+
+/* fp32 rows (n, D) rounded to bf16 into x's rows rows[sel[m]] */
+AVX512 static void rows_bf16(const float *r, int64_t n, int64_t D, const int64_t *rows,
+                             const int64_t *sel, uint16_t *x, int64_t ld) {
+  for (int64_t m = 0; m < n; ++m) {
+    uint16_t *xr = x + rows[sel[m]] * ld;
+    for (int64_t d = 0; d < D; d += 16)
+      _mm256_storeu_si256((__m256i *)(xr + d), narrow(_mm512_loadu_ps(r + m * D + d)));
+  }
+}
+
+/* S's rows (nq, tp) (+)= A (nq rows of K) times B (K, tp), each block of 4 rows over the keys
+   its last row may see (nr: ascending); add: the weights' product, K limited likewise */
+static void blocks_times(const float *A, int64_t ar, const float *B, int64_t ldb, int64_t nq,
+                         int64_t K, int64_t N, const int64_t *nr, int keys_are_k, float *C,
+                         int64_t ldc) {
+  for (int64_t r = 0; r < nq; r += 4) {
+    const int64_t R = nq - r < 4 ? nq - r : 4, n = nr[r + R - 1];
+    if (keys_are_k)
+      gemm(A + r * ar, ar, 1, B, ldb, R, n, N, C + r * ldc, ldc, 0);
+    else
+      gemm(A + r * ar, ar, 1, B, ldb, R, K, (n + 15) & ~(int64_t)15, C + r * ldc, ldc, 0);
+  }
+}
+
+/* forward of one (batch row, head): out row qrow[i] = P_i V with P_i = bf16(softmax(q_i k^T
+   inv_c over its legal keys)), kept in p (Tq, Tk) over the legal keys in order (zeros past
+   them and for unpacked queries); a query with no legal key gets zeros. q, k, v, out point
+   at the head's first column. Scratch: kt (D, tp), vs (Tk, Dv), qf (Tq, D), s (Tq, tp),
+   o (Tq, Dv) floats; kj, qi, nr (Tk or Tq each) int64. */
+AVX512BW static void attn_fwd_head(const uint16_t *q, int64_t lq, const uint16_t *k,
+                                   const uint16_t *v, int64_t lk, const int64_t *qrow,
+                                   const int64_t *krow, const uint8_t *kmask, int causal,
+                                   int64_t Tq, int64_t Tk, int64_t D, int64_t Dv, float inv_c,
+                                   uint16_t *out, int64_t lo, uint16_t *p, float *kt, float *vs,
+                                   float *qf, float *s, float *o, int64_t *kj, int64_t *qi,
+                                   int64_t *nr) {
+  const int64_t nk = legal_keys(krow, kmask, Tk, kj), tp = (nk + 15) & ~(int64_t)15;
+  const int64_t nq = packed_queries(qrow, Tq, kj, nk, causal, qi, nr);
+  memset(p, 0, (size_t)(Tq * Tk) * 2);
+  if (nq == 0) return;
+  cols_f32(k, lk, krow, kj, nk, D, tp, kt);
+  rows_f32(v, lk, krow, kj, nk, Dv, vs);
+  rows_f32(q, lq, qrow, qi, nq, D, qf);
+  blocks_times(qf, D, kt, tp, nq, D, 0, nr, 0, s, tp); /* scores */
+  const __m512 vninf = _mm512_set1_ps(-__builtin_inff()), vic = _mm512_set1_ps(inv_c);
+  for (int64_t c = 0; c < nq; ++c) {
+    const int64_t n = nr[c], np = (n + 15) & ~(int64_t)15;
+    float *sr = s + c * tp;
+    uint16_t *pr = p + qi[c] * Tk;
+    __m512 top = vninf;
+    for (int64_t m = 0; m < np; m += 16) {
+      __m512 x = _mm512_mul_ps(_mm512_loadu_ps(sr + m), vic);
+      x = _mm512_mask_mov_ps(vninf, first16(n - m), x);
+      _mm512_storeu_ps(sr + m, x);
+      top = _mm512_max_ps(top, x);
+    }
+    const __m512 vt = _mm512_set1_ps(n ? _mm512_reduce_max_ps(top) : 0.f);
+    __m512 acc = _mm512_setzero_ps();
+    for (int64_t m = 0; m < np; m += 16) {
+      /* the keys past n at exp(0), then 0: exp(-inf) would be a denormal's slow path */
+      const __mmask16 in = first16(n - m);
+      __m512 e = exp_nonpositive(_mm512_maskz_sub_ps(in, _mm512_loadu_ps(sr + m), vt));
+      e = _mm512_maskz_mov_ps(in, e);
+      _mm512_storeu_ps(sr + m, e);
+      acc = _mm512_add_ps(acc, e);
+    }
+    const __m512 vs1 = _mm512_set1_ps(n ? 1.f / _mm512_reduce_add_ps(acc) : 0.f);
+    for (int64_t m = 0; m < np; m += 16) {
+      __m256i w = narrow(_mm512_mul_ps(_mm512_loadu_ps(sr + m), vs1));
+      _mm512_storeu_ps(sr + m, widen(w));
+      _mm256_mask_storeu_epi16(pr + m, first16(n - m), w);
+    }
+    for (int64_t m = np; m < tp; m += 16) _mm512_storeu_ps(sr + m, _mm512_setzero_ps());
+  }
+  blocks_times(s, tp, vs, Dv, nq, 0, Dv, nr, 1, o, Dv); /* P V */
+  rows_bf16(o, nq, Dv, qrow, qi, out, lo);
+}
+
+/* its gradient: g's rows (stride lg) as out's; dq's as q's (stride ldq); dk's, dv's as k's and
+   v's (stride ldk): each packed row of this batch row written at this head's columns, zeros
+   for a key no query may see. Scratch: kr (Tk, D), vt (Dv, tp), qf (Tq, D), gf (Tq, Dv),
+   pf, ds (Tq, tp each), dqf (Tq, D), dka (Tk, D), dva (Tk, Dv) floats; kj, qi, nr. */
+AVX512BW static void attn_bwd_head(const uint16_t *g, int64_t lg, const uint16_t *q, int64_t lq,
+                                   const uint16_t *k, const uint16_t *v, int64_t lk,
+                                   const int64_t *qrow, const int64_t *krow,
+                                   const uint8_t *kmask, int causal, int64_t Tq, int64_t Tk,
+                                   int64_t D, int64_t Dv, float inv_c, const uint16_t *p,
+                                   uint16_t *dq, int64_t ldq, uint16_t *dk, uint16_t *dv,
+                                   int64_t ldk, float *kr, float *vt, float *qf, float *gf,
+                                   float *pf, float *ds, float *dqf, float *dka, float *dva,
+                                   int64_t *kj, int64_t *qi, int64_t *nr) {
+  const int64_t nk = legal_keys(krow, kmask, Tk, kj), tp = (nk + 15) & ~(int64_t)15;
+  const int64_t nq = packed_queries(qrow, Tq, kj, nk, causal, qi, nr);
+  if (nq) {
+    rows_f32(k, lk, krow, kj, nk, D, kr);
+    cols_f32(v, lk, krow, kj, nk, Dv, tp, vt);
+    rows_f32(q, lq, qrow, qi, nq, D, qf);
+    rows_f32(g, lg, qrow, qi, nq, Dv, gf);
+    blocks_times(gf, Dv, vt, tp, nq, Dv, 0, nr, 0, ds, tp); /* dP = g V^T */
+    const __m512 vic = _mm512_set1_ps(inv_c);
+    for (int64_t c = 0; c < nq; ++c) {
+      const int64_t n = nr[c], np = (n + 15) & ~(int64_t)15;
+      const uint16_t *pr = p + qi[c] * Tk;
+      float *pfr = pf + c * tp, *dsr = ds + c * tp;
+      __m512 acc = _mm512_setzero_ps();
+      for (int64_t m = 0; m < np; m += 16) {
+        __m512 w = widen(_mm256_maskz_loadu_epi16(first16(n - m), pr + m));
+        _mm512_storeu_ps(pfr + m, w);
+        acc = _mm512_fmadd_ps(w, _mm512_loadu_ps(dsr + m), acc);
+      }
+      const __m512 vd = _mm512_set1_ps(_mm512_reduce_add_ps(acc));
+      for (int64_t m = 0; m < np; m += 16) { /* dS = P (dP - sum P dP) inv_c */
+        __m512 w = _mm512_loadu_ps(pfr + m);
+        __m512 x = _mm512_mul_ps(w, _mm512_sub_ps(_mm512_loadu_ps(dsr + m), vd));
+        _mm512_storeu_ps(dsr + m, _mm512_mul_ps(x, vic));
+      }
+      for (int64_t m = np; m < tp; m += 16) {
+        _mm512_storeu_ps(pfr + m, _mm512_setzero_ps());
+        _mm512_storeu_ps(dsr + m, _mm512_setzero_ps());
+      }
+    }
+    blocks_times(ds, tp, kr, D, nq, 0, D, nr, 1, dqf, D); /* dq = dS K */
+    rows_bf16(dqf, nq, D, qrow, qi, dq, ldq);
+    gemm(ds, 1, tp, qf, D, nk, nq, D, dka, D, 0);  /* dk = dS^T q */
+    gemm(pf, 1, tp, gf, Dv, nk, nq, Dv, dva, Dv, 0); /* dv = P^T g */
+  } else {
+    memset(dka, 0, (size_t)(nk * D) * 4);
+    memset(dva, 0, (size_t)(nk * Dv) * 4);
+  }
+  for (int64_t j = 0, m = 0; j < Tk; ++j) {
+    if (krow[j] < 0) continue;
+    uint16_t *dkr = dk + krow[j] * ldk, *dvr = dv + krow[j] * ldk;
+    if (m < nk && kj[m] == j) {
+      for (int64_t d = 0; d < D; d += 16)
+        _mm256_storeu_si256((__m256i *)(dkr + d), narrow(_mm512_loadu_ps(dka + m * D + d)));
+      for (int64_t d = 0; d < Dv; d += 16)
+        _mm256_storeu_si256((__m256i *)(dvr + d), narrow(_mm512_loadu_ps(dva + m * Dv + d)));
+      ++m;
+    } else {
+      memset(dkr, 0, (size_t)D * 2);
+      memset(dvr, 0, (size_t)Dv * 2);
+    }
+  }
+}
+
+/* A hint to bring rows[i]'s D bf16 values from x (stride ld) into L1, for i < n (-1: none):
+   the next head's, while this one is computed (its rows are scattered: one stall each) */
+static void prefetch_rows(const uint16_t *x, int64_t ld, const int64_t *rows, int64_t n,
+                          int64_t D) {
+  for (int64_t i = 0; i < n; ++i)
+    if (rows[i] >= 0)
+      for (int64_t off = 0; off < D * 2; off += 64)
+        _mm_prefetch((const char *)(x + rows[i] * ld) + off, _MM_HINT_T0);
+}
+
+/* The (B x H) heads shared out among nthreads OpenMP threads. q: packed rows of stride lq, head
+   h's D values at column h D; k and v: rows of stride lk, head h's at columns h D of k and h Dv
+   of v (k and v may be one tensor's two halves); qrow (B, Tq), krow (B, Tk): packed row or -1;
+   kmask (B, Tk) bytes or NULL; out: rows of stride lo, head h's at h Dv; p: (B, H, Tq, Tk) bf16.
+   D and Dv multiples of 16. Returns -1 where scratch could not be had. */
+int attention_train_fwd(const uint16_t *q, int64_t lq, const uint16_t *k, const uint16_t *v,
+                        int64_t lk, const int64_t *qrow, const int64_t *krow,
+                        const uint8_t *kmask, int causal, int64_t B, int64_t H, int64_t Tq,
+                        int64_t Tk, int64_t D, int64_t Dv, float inv_c, uint16_t *out,
+                        int64_t lo, uint16_t *p, int nthreads) {
+  const int64_t tp = (Tk + 15) & ~(int64_t)15;
+  int failed = 0;
+#pragma omp parallel num_threads(nthreads)
+  {
+    float *kt = malloc((size_t)(D * tp + Tk * Dv + Tq * D + Tq * tp + Tq * Dv) * 4);
+    int64_t *kj = malloc((size_t)(Tk + 2 * Tq) * 8);
+#pragma omp for schedule(dynamic, 4)
+    for (int64_t r = 0; r < B * H; ++r) {
+      if (!kt || !kj) {
+        failed = 1;
+        continue;
+      }
+      const int64_t b = r / H, h = r % H;
+      float *vs = kt + D * tp, *qf = vs + Tk * Dv, *s = qf + Tq * D, *o = s + Tq * tp;
+      if (h + 1 < H) {
+        prefetch_rows(q + (h + 1) * D, lq, qrow + b * Tq, Tq, D);
+        prefetch_rows(k + (h + 1) * D, lk, krow + b * Tk, Tk, D);
+        prefetch_rows(v + (h + 1) * Dv, lk, krow + b * Tk, Tk, Dv);
+      }
+      attn_fwd_head(q + h * D, lq, k + h * D, v + h * Dv, lk, qrow + b * Tq, krow + b * Tk,
+                    kmask ? kmask + b * Tk : NULL, causal, Tq, Tk, D, Dv, inv_c, out + h * Dv,
+                    lo, p + r * Tq * Tk, kt, vs, qf, s, o, kj, kj + Tk, kj + Tk + Tq);
+    }
+    free(kt);
+    free(kj);
+  }
+  return failed ? -1 : 0;
+}
+
+/* its gradient: g as out; dq as q (stride ldq); dk, dv as k, v (stride ldk) */
+int attention_train_bwd(const uint16_t *g, int64_t lg, const uint16_t *q, int64_t lq,
+                        const uint16_t *k, const uint16_t *v, int64_t lk, const int64_t *qrow,
+                        const int64_t *krow, const uint8_t *kmask, int causal, int64_t B,
+                        int64_t H, int64_t Tq, int64_t Tk, int64_t D, int64_t Dv, float inv_c,
+                        const uint16_t *p, uint16_t *dq, int64_t ldq, uint16_t *dk,
+                        uint16_t *dv, int64_t ldk, int nthreads) {
+  const int64_t tp = (Tk + 15) & ~(int64_t)15;
+  int failed = 0;
+#pragma omp parallel num_threads(nthreads)
+  {
+    float *kr = malloc((size_t)(2 * Tk * D + Dv * tp + 2 * Tq * D + Tq * Dv + 2 * Tq * tp +
+                                Tk * Dv) * 4);
+    int64_t *kj = malloc((size_t)(Tk + 2 * Tq) * 8);
+#pragma omp for schedule(dynamic, 4)
+    for (int64_t r = 0; r < B * H; ++r) {
+      if (!kr || !kj) {
+        failed = 1;
+        continue;
+      }
+      const int64_t b = r / H, h = r % H;
+      float *vt = kr + Tk * D, *qf = vt + Dv * tp, *gf = qf + Tq * D, *pf = gf + Tq * Dv;
+      float *ds = pf + Tq * tp, *dqf = ds + Tq * tp, *dka = dqf + Tq * D, *dva = dka + Tk * D;
+      if (h + 1 < H) {
+        prefetch_rows(g + (h + 1) * Dv, lg, qrow + b * Tq, Tq, Dv);
+        prefetch_rows(q + (h + 1) * D, lq, qrow + b * Tq, Tq, D);
+        prefetch_rows(k + (h + 1) * D, lk, krow + b * Tk, Tk, D);
+        prefetch_rows(v + (h + 1) * Dv, lk, krow + b * Tk, Tk, Dv);
+      }
+      attn_bwd_head(g + h * Dv, lg, q + h * D, lq, k + h * D, v + h * Dv, lk, qrow + b * Tq,
+                    krow + b * Tk, kmask ? kmask + b * Tk : NULL, causal, Tq, Tk, D, Dv, inv_c,
+                    p + r * Tq * Tk, dq + h * D, ldq, dk + h * D, dv + h * Dv, ldk, kr, vt, qf,
+                    gf, pf, ds, dqf, dka, dva, kj, kj + Tk, kj + Tk + Tq);
+    }
+    free(kr);
+    free(kj);
+  }
+  return failed ? -1 : 0;
+}
+
 /* ---- a linear layer's bias gradient: the column sums of (n, c) bf16, in fp32 ---- */
 
 /* part[j] += sum of x[r, j] over rows [r0, r1), four rows at a time */
@@ -1759,6 +2085,13 @@ def _opened(
     )
     free.step_attention.restype = ctypes.c_int
     free.row_top.argtypes, free.row_top.restype = [p, i64, i64, i64, p, p, i32, i32], i32
+    # A training step's attention lets go of the GIL too: the weight-gradient helper
+    # (gradhelper.py) runs beside its backward.
+    free.attention_train_fwd.argtypes = [p, i64, p, p, i64, p, p, p, i32] + [i64] * 6
+    free.attention_train_fwd.argtypes += [f32, p, i64, p, i32]
+    free.attention_train_bwd.argtypes = [p, i64, p, i64, p, p, i64, p, p, p, i32] + [i64] * 6
+    free.attention_train_bwd.argtypes += [f32, p, p, i64, p, p, i64, i32]
+    free.attention_train_fwd.restype = free.attention_train_bwd.restype = ctypes.c_int
     return lib, free
 
 
@@ -2289,3 +2622,129 @@ def step_attention(
         int(v.dtype == torch.bfloat16), work.data_ptr(), threads, int(_ATTENTION_ISA == "avx512"),
     )  # fmt: skip
     return out
+
+
+def _packed_problem(q, kv, qrow, krow, kmask, heads: int) -> str | None:
+    """Why `attention_train` cannot take these operands (None: it can)."""
+    if not all(t.device.type == "cpu" for t in (q, kv, qrow, krow)):
+        return "CPU tensors"
+    if q.dtype != torch.bfloat16 or kv.dtype != torch.bfloat16 or q.dim() != 2 or kv.dim() != 2:
+        return "bf16 q (Nq, H*D) and kv (Nk, H*(D+Dv))"
+    if not (q.is_contiguous() and kv.is_contiguous()):
+        return "contiguous q and kv"
+    if heads < 1 or q.size(1) % heads or kv.size(1) % heads:
+        return f"{heads} heads do not divide q's and kv's widths"
+    D = q.size(1) // heads
+    Dv = kv.size(1) // heads - D
+    if D < 16 or Dv < 16 or D % 16 or Dv % 16:
+        return f"head widths {D} and {Dv} not multiples of 16"
+    if qrow.dtype != torch.int64 or krow.dtype != torch.int64 or qrow.dim() != 2 or krow.dim() != 2:
+        return "int64 row maps (B, Tq) and (B, Tk)"
+    if qrow.size(0) != krow.size(0) or not (qrow.is_contiguous() and krow.is_contiguous()):
+        return "contiguous row maps of one batch"
+    if kmask is not None and (
+        kmask.dtype != torch.bool or kmask.shape != krow.shape or not kmask.is_contiguous()
+    ):
+        return "a contiguous (B, Tk) bool key mask"
+    for rows, n, what in ((qrow, q.size(0), "query"), (krow, kv.size(0), "key")):
+        if rows.numel() and not (-1 <= int(rows.min()) and int(rows.max()) < n):
+            return f"a {what} row map outside its {n} rows"
+    return None
+
+
+def attention_train(
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    qrow: torch.Tensor,
+    krow: torch.Tensor,
+    kmask: torch.Tensor | None,
+    causal: bool,
+    heads: int,
+    inv_c: float,
+    mapped: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """§3.2.2's heads of eq. (1) for a training step, read from and written to packed rows
+    (`model.Packing`), with no (B, H, T, D) copies: q (Nq, H*D) bf16 projected queries, kv
+    (Nk, H*D + H*Dv) bf16 keys then values; qrow (B, Tq) and krow (B, Tk) int64, each
+    position's packed row (-1: not packed); kmask (B, Tk) bool or None: the keys allowed;
+    causal: query i sees keys j <= i (§3.2.3); inv_c: the scores' factor (1 / sqrt(d_k)).
+    Returns out (Nq, H*Dv) bf16, each packed query's attended values (zeros for a query with
+    no legal key, and for the rows from `mapped` on, which no position maps to), and p (B, H,
+    Tq, Tk) bf16, the weights over each query's legal keys in order, for the backward.
+
+    Each (batch row, head) is one task: its legal keys' rows widened to fp32 once, the scores
+    in fp32, the softmax in fp32 (`exp_nonpositive`), the weights rounded to bf16, then
+    weights x values in fp32, rounded to bf16 once. Only where `fused_supported()`."""
+    _require("attention_train")
+    problem = _packed_problem(q, kv, qrow, krow, kmask, heads)
+    if problem:
+        raise ValueError(f"attention_train: {problem}")
+    (B, Tq), Tk = qrow.shape, krow.size(1)
+    D, Dv = q.size(1) // heads, kv.size(1) // heads - q.size(1) // heads
+    out = torch.empty((q.size(0), heads * Dv), dtype=torch.bfloat16)
+    p = torch.empty((B, heads, Tq, Tk), dtype=torch.bfloat16)
+    out[mapped:] = 0
+    if B * Tq and Tk:
+        km = None if kmask is None else kmask.view(torch.uint8).data_ptr()
+        done = _NOGIL.attention_train_fwd(
+            q.data_ptr(), q.stride(0), kv.data_ptr(), kv[:, heads * D :].data_ptr(), kv.stride(0),
+            qrow.data_ptr(), krow.data_ptr(), km, int(causal), B, heads, Tq, Tk, D, Dv, inv_c,
+            out.data_ptr(), out.stride(0), p.data_ptr(), _threads(B * heads * Tq * Tk * D),
+        )  # fmt: skip
+        if done != 0:
+            raise MemoryError("attention_train: no memory for its scratch")
+    elif B * Tq:
+        out.zero_()
+    return out, p
+
+
+def attention_train_backward(
+    g: torch.Tensor,
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    p: torch.Tensor,
+    qrow: torch.Tensor,
+    krow: torch.Tensor,
+    kmask: torch.Tensor | None,
+    causal: bool,
+    heads: int,
+    inv_c: float,
+    q_mapped: int,
+    k_mapped: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gradients of `attention_train`'s out with respect to q and kv, from g (Nq, H*Dv)
+    bf16 and its p: dq (Nq, H*D) and dkv (Nk, H*(D+Dv)) bf16, zeros at the rows no position
+    maps to (from q_mapped, k_mapped on) and at keys no query may see. Per (batch row, head),
+    fp32 inside: dP = g V^T, dS = P (dP - sum P dP) inv_c, dq = dS K, dk = dS^T q, dv = P^T g,
+    each rounded to bf16 once."""
+    _require("attention_train_backward")
+    problem = _packed_problem(q, kv, qrow, krow, kmask, heads)
+    D = q.size(1) // max(heads, 1)
+    Dv = kv.size(1) // max(heads, 1) - D
+    if problem is None and (g.dtype != torch.bfloat16 or not g.is_contiguous()):
+        problem = "a contiguous bf16 gradient"
+    if problem is None and (g.shape != (q.size(0), heads * Dv) or p.shape != (
+        qrow.size(0), heads, qrow.size(1), krow.size(1)
+    )):  # fmt: skip
+        problem = "g's or p's shape does not match"
+    if problem:
+        raise ValueError(f"attention_train_backward: {problem}")
+    (B, Tq), Tk = qrow.shape, krow.size(1)
+    dq, dkv = torch.empty_like(q), torch.empty_like(kv)
+    dq[q_mapped:] = 0
+    dkv[k_mapped:] = 0
+    if B * Tq and Tk:
+        km = None if kmask is None else kmask.view(torch.uint8).data_ptr()
+        done = _NOGIL.attention_train_bwd(
+            g.data_ptr(), g.stride(0), q.data_ptr(), q.stride(0), kv.data_ptr(),
+            kv[:, heads * D :].data_ptr(), kv.stride(0), qrow.data_ptr(), krow.data_ptr(), km,
+            int(causal), B, heads, Tq, Tk, D, Dv, inv_c, p.data_ptr(), dq.data_ptr(),
+            dq.stride(0), dkv.data_ptr(), dkv[:, heads * D :].data_ptr(), dkv.stride(0),
+            _threads(B * heads * Tq * Tk * D),
+        )  # fmt: skip
+        if done != 0:
+            raise MemoryError("attention_train_backward: no memory for its scratch")
+    else:
+        dq.zero_()
+        dkv.zero_()
+    return dq, dkv

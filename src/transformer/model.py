@@ -120,6 +120,7 @@ class Packing:
         self.slots = torch.full_like(flat, self.n, dtype=torch.long)
         self.slots[placed] = torch.arange(self.placed, device=mask.device)
         self._heads: dict[tuple[int, int], tuple[torch.Tensor, ...]] = {}
+        self._row_map: torch.Tensor | None = None
 
     def _head_index(self, n_heads: int, parts: int = 1) -> tuple[torch.Tensor, ...]:
         """For packed rows (N, parts, H) and padded ones (parts, B, H, T), both flattened:
@@ -146,6 +147,14 @@ class Packing:
                 spares,
             )
         return self._heads[key]
+
+    def row_map(self) -> torch.Tensor:
+        """(B, T) int64: each position's packed row, -1 where it is not packed (the padding
+        left out; `kernels.attention_train`)."""
+        if self._row_map is None:
+            slots = self.slots.masked_fill(self.slots == self.n, -1)
+            self._row_map = slots.view(self.B, self.T)
+        return self._row_map
 
     def pack(self, x: torch.Tensor) -> torch.Tensor:
         """(B, T, ...) -> (N, ...): the rows of the packed positions."""
@@ -594,6 +603,121 @@ class _ScaledMaskedSoftmax(torch.autograd.Function):
         return kernels.masked_softmax_backward(grad.contiguous(), w, ctx.c), None, None
 
 
+def _packed_attention_takes(q, kv, xs: Packing, kvs: Packing, mask, causal: bool, heads: int):
+    """Whether `_PackedAttention` takes a packed sub-layer's eq. (1): training in bf16 on a CPU
+    with the compiled kernels (`_fused_training`, `packed_attention_kernel`), no mask or a
+    (B, 1, 1, Tk) bool key mask, §3.2.3's causal mask only within one packing (self-attention),
+    and head widths that are multiples of 16 (`kernels.attention_train`)."""
+    if not _fused_training(q, kv) or xs.B != kvs.B or (causal and xs is not kvs):
+        return False
+    if mask is not None and (mask.dtype != torch.bool or mask.shape != (kvs.B, 1, 1, kvs.T)):
+        return False
+    d = q.size(1) // heads
+    widths = (d, kv.size(1) // heads - d)
+    if q.size(1) % heads or kv.size(1) % heads or any(w < 16 or w % 16 for w in widths):
+        return False
+    return packed_attention_kernel()
+
+
+class _PackedAttention(torch.autograd.Function):
+    """§3.2.2's heads of eq. (1) on a packed batch, forward and backward, by
+    `kernels.attention_train`: each (batch row, head) reads its projected query, key and value
+    rows where the packing keeps them and writes its attended values (forward) or their
+    gradients (backward) there. It replaces `Packing.to_heads`' and `from_heads`' gathers (and
+    their gradients' gathers and the keys' and values' stack), the two batched products each
+    way and `_ScaledMaskedSoftmax`; the scores, softmax and products are fp32 inside, so its
+    values differ from that path's (bf16 scores, a bf16 dP) by bf16's rounding
+    (docs/performance.md, "Round forty-nine")."""
+
+    @staticmethod
+    def forward(ctx, q, kv, xs: Packing, kvs: Packing, kmask, causal: bool, heads: int):  # noqa: D102
+        inv_c = 1.0 / math.sqrt(q.size(1) // heads)  # §3.2.1: 1 / sqrt(d_k)
+        qrow, krow = xs.row_map(), kvs.row_map()
+        out, p = kernels.attention_train(
+            q, kv, qrow, krow, kmask, causal, heads, inv_c, xs.placed
+        )  # fmt: skip
+        ctx.save_for_backward(q, kv, p)
+        ctx.args = (qrow, krow, kmask, causal, heads, inv_c, xs.placed, kvs.placed)
+        return out
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad: torch.Tensor):  # noqa: D102
+        q, kv, p = ctx.saved_tensors
+        dq, dkv = kernels.attention_train_backward(grad.contiguous(), q, kv, p, *ctx.args)
+        return dq, dkv, None, None, None, None, None
+
+
+def packed_attention_reference(q, kv, qrow, krow, kmask, causal: bool, heads: int, inv_c: float):
+    """`kernels.attention_train`'s out in fp64 by torch's ops on the padded layout (the
+    check of `packed_attention_kernel` and the tests'); differentiable in q and kv."""
+    B, Tq = qrow.shape
+    Tk = krow.size(1)
+    d = q.size(1) // heads
+    dv = kv.size(1) // heads - d
+    qp = q.double()[qrow.clamp(min=0)].view(B, Tq, heads, d).transpose(1, 2)
+    kvp = kv.double()[krow.clamp(min=0)]
+    k = kvp[..., : heads * d].reshape(B, Tk, heads, d).transpose(1, 2)
+    v = kvp[..., heads * d :].reshape(B, Tk, heads, dv).transpose(1, 2)
+    legal = (krow >= 0)[:, None, None, :]
+    if kmask is not None:
+        legal = legal & kmask[:, None, None, :]
+    if causal:
+        legal = legal & (torch.arange(Tk)[None, :] <= torch.arange(Tq)[:, None])
+    w = ((qp @ k.transpose(-2, -1)) * inv_c).masked_fill(~legal, -1e300).softmax(-1)
+    w = w * legal.any(-1, keepdim=True)  # no legal key: zeros
+    o = (w @ v).transpose(1, 2).reshape(B * Tq, heads * dv)
+    at = qrow.reshape(-1) >= 0
+    out = torch.zeros(q.size(0), heads * dv, dtype=torch.float64)
+    return out.index_put((qrow.reshape(-1)[at],), o[at])
+
+
+@functools.cache
+def packed_attention_kernel() -> bool:
+    """Whether training takes `_PackedAttention` (the compiled kernels built, AVX-512 F, BW and
+    VL, `TRANSFORMER_FUSED_KERNELS` not 0): only once `kernels.attention_train` and its backward
+    have agreed with `packed_attention_reference`, to 2% of the largest value, on batches of
+    every kind (causal, a key mask, unpacked positions, spare rows, a batch row with no legal
+    key, head widths 16 to 48, keys and values of different widths)."""
+    if not kernels.fused_supported():
+        return False
+    g = torch.Generator().manual_seed(0)
+    for B, Tq, Tk, H, d, dv, causal in ((3, 7, 7, 2, 16, 16, True), (3, 9, 21, 3, 32, 48, False)):
+        qrow = torch.full((B, Tq), -1, dtype=torch.long)
+        qlen = torch.randint(1, Tq + 1, (B,), generator=g)
+        qrow[torch.arange(Tq) < qlen[:, None]] = torch.arange(int(qlen.sum()))
+        krow = qrow
+        kmask = None
+        if not causal:
+            krow = torch.full((B, Tk), -1, dtype=torch.long)
+            klen = torch.randint(1, Tk + 1, (B,), generator=g)
+            krow[torch.arange(Tk) < klen[:, None]] = torch.arange(int(klen.sum()))
+            kmask = torch.rand(B, Tk, generator=g) < 0.7
+            kmask[1] = False  # a batch row with no legal key
+        nq, nk = int(qrow.max()) + 1, int(krow.max()) + 1
+        q = torch.randn(nq + 2, H * d, generator=g).bfloat16()  # 2 spare rows
+        kv = torch.randn(nk + 1, H * (d + dv), generator=g).bfloat16()
+        grad = torch.randn(nq + 2, H * dv, generator=g).bfloat16()
+        inv_c = 1.0 / math.sqrt(d)
+        try:
+            out, p = kernels.attention_train(q, kv, qrow, krow, kmask, causal, H, inv_c, nq)
+            dq, dkv = kernels.attention_train_backward(
+                grad, q, kv, p, qrow, krow, kmask, causal, H, inv_c, nq, nk
+            )  # fmt: skip
+        except (OSError, RuntimeError, ValueError) as e:
+            logger.warning("training attention kept on torch's ops: %s", e)
+            return False
+        with torch.enable_grad():
+            qd, kvd = q.double().requires_grad_(), kv.double().requires_grad_()
+            ref = packed_attention_reference(qd, kvd, qrow, krow, kmask, causal, H, inv_c)
+            (ref * grad.double()).sum().backward()
+        for ours, theirs in ((out, ref.detach()), (dq, qd.grad), (dkv, kvd.grad)):
+            if not bool(((ours.double() - theirs).abs() <= 0.02 * theirs.abs().max()).all()):
+                logger.warning("training attention kept on torch's ops: the kernel differs")
+                return False
+    return True
+
+
 def masked_softmax(scores: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """softmax over the last dimension with -inf where mask (bool, broadcastable) is False;
     zero weights for a row with no legal key (`_MaskedSoftmax`)."""
@@ -709,13 +833,18 @@ class MultiHeadAttention(nn.Module):
         values from packed kv (Nk, D) laid out by kvs; mask and causal as `attention`'s;
         returns packed (Nq, D). Equal to `forward` on the padded tensors at the real rows."""
         H, K = self.n_heads, self.d_k
-        q = xs.to_heads(self.w_q(x), H, K)  # (B, H, Tq, K)
-        if K == self.d_v:  # keys and values in one gather
-            k, v = kvs.to_heads(self.w_kv(kv), H, K, parts=2)  # (B, H, Tk, K) each
-        else:
-            k, v = self.w_kv(kv).split([H * K, H * self.d_v], dim=-1)  # (Nk, H*K), (Nk, H*Vd)
-            k, v = kvs.to_heads(k, H, K), kvs.to_heads(v, H, self.d_v)
         p = self.p_attn_drop if self.training else 0.0
+        qp, kvp = self.w_q(x), self.w_kv(kv)  # (Nq, H*K), (Nk, H*(K+Vd))
+        if p == 0.0 and _packed_attention_takes(qp, kvp, xs, kvs, mask, causal, H):
+            # Eq. (1) per head read from the packed rows, with no (B, H, T, K) copies.
+            kmask = None if mask is None else mask.reshape(kvs.B, kvs.T).contiguous()
+            return self.w_o(_PackedAttention.apply(qp, kvp, xs, kvs, kmask, causal, H))
+        q = xs.to_heads(qp, H, K)  # (B, H, Tq, K)
+        if K == self.d_v:  # keys and values in one gather
+            k, v = kvs.to_heads(kvp, H, K, parts=2)  # (B, H, Tk, K) each
+        else:
+            k, v = kvp.split([H * K, H * self.d_v], dim=-1)  # (Nk, H*K), (Nk, H*Vd)
+            k, v = kvs.to_heads(k, H, K), kvs.to_heads(v, H, self.d_v)
         out = attention(q, k, v, mask, causal, p)  # (B, H, Tq, Vd)
         return self.w_o(xs.from_heads(out))  # (Nq, D)
 

@@ -501,6 +501,122 @@ def test_masked_softmax_refuses_what_it_cannot_read():
         kernels.masked_softmax_backward(x, x[:1], 1.0)
 
 
+def _packed_batch(B, Tq, Tk, H, d, dv, causal, g, spares=2):
+    """Row maps of a right-padded batch (random lengths, the first row full, -1 at the padding
+    left out), a key mask with one batch row of no legal key (not causal), and random q, kv,
+    and out-gradient rows with `spares` rows no position maps to."""
+
+    def rows(T):
+        lens = torch.randint(1, T + 1, (B,), generator=g)
+        lens[0] = T
+        r = torch.full((B, T), -1, dtype=torch.long)
+        r[torch.arange(T) < lens[:, None]] = torch.arange(int(lens.sum()))
+        return r
+
+    qrow = rows(Tq)
+    krow, kmask = qrow, None
+    if not causal:
+        krow = rows(Tk)
+        kmask = torch.rand(B, Tk, generator=g) < 0.8
+        kmask[-1] = False
+    nq, nk = int(qrow.max()) + 1, int(krow.max()) + 1
+    q = torch.randn(nq + spares, H * d, generator=g).bfloat16()
+    kv = torch.randn(nk + spares, H * (d + dv), generator=g).bfloat16()
+    grad = torch.randn(nq + spares, H * dv, generator=g).bfloat16()
+    return q, kv, grad, qrow, krow, kmask, nq, nk
+
+
+@pytest.mark.parametrize(
+    "B, Tq, Tk, H, d, dv, causal",
+    [
+        (3, 7, 7, 2, 16, 16, True),  # tiny, causal
+        (4, 34, 34, 8, 64, 64, True),  # the W1 shape's decoder self-attention
+        (4, 34, 41, 8, 64, 64, False),  # encoder-decoder, keys off 16
+        (2, 9, 130, 3, 32, 48, False),  # keys in three column tiles; d != dv
+        (2, 70, 70, 1, 128, 80, True),  # 18 row tiles; widths past one tile of 64
+    ],
+)
+@pytest.mark.parametrize("threads", [1, 2])
+def test_training_attention_is_eq_1_to_bf16_rounding(B, Tq, Tk, H, d, dv, causal, threads):
+    """`attention_train` and its backward against eq. (1) in fp64 on the padded layout
+    (`model.packed_attention_reference`), by autograd: causal and key-masked batches, padding
+    left out, spare rows (zeros both ways) and a batch row with no legal key (zeros)."""
+    from transformer.model import packed_attention_reference
+
+    g = torch.Generator().manual_seed(Tq * Tk + d)
+    q, kv, grad, qrow, krow, kmask, nq, nk = _packed_batch(B, Tq, Tk, H, d, dv, causal, g)
+    inv_c = d**-0.5
+    if not kernels.fused_supported():
+        with pytest.raises(RuntimeError, match="not on this machine"):
+            kernels.attention_train(q, kv, qrow, krow, kmask, causal, H, inv_c, nq)
+        return
+    with threads_of(threads):
+        out, p = kernels.attention_train(q, kv, qrow, krow, kmask, causal, H, inv_c, nq)
+        dq, dkv = kernels.attention_train_backward(
+            grad, q, kv, p, qrow, krow, kmask, causal, H, inv_c, nq, nk
+        )
+    qd, kvd = q.double().requires_grad_(), kv.double().requires_grad_()
+    ref = packed_attention_reference(qd, kvd, qrow, krow, kmask, causal, H, inv_c)
+    (ref * grad.double()).sum().backward()
+    assert out.shape == (nq + 2, H * dv) and p.shape == (B, H, Tq, Tk)
+    assert dq.shape == q.shape and dkv.shape == kv.shape
+    for ours, theirs in ((out, ref.detach()), (dq, qd.grad), (dkv, kvd.grad)):
+        # one bf16 rounding of each operand's fp32 sums, and of the weights: ~2^-8 relative
+        assert (ours.double() - theirs).abs().max() <= 2**-6 * theirs.abs().max()
+    assert not out[nq:].any() and not dq[nq:].any() and not dkv[nk:].any()  # spares
+    # the weights kept: each packed query's sum to 1 over its legal keys, in order
+    sums = p.double().sum(-1)
+    packed = (qrow >= 0)[:, None, :].expand_as(sums)
+    if kmask is not None:
+        packed = packed & kmask.any(-1)[:, None, None]  # the row with no legal key: zeros
+        assert not p[-1].any() and not out[qrow[-1][qrow[-1] >= 0]].any()
+    assert (sums[packed] - 1).abs().max() < 2**-6 and not sums[~packed].any()
+
+
+def test_training_attention_is_the_same_bits_on_one_thread_or_two():
+    if not kernels.fused_supported():
+        return
+    g = torch.Generator().manual_seed(1)
+    q, kv, grad, qrow, krow, kmask, nq, nk = _packed_batch(6, 20, 25, 4, 32, 32, False, g)
+    runs = []
+    for threads in (1, 2):
+        with threads_of(threads):
+            out, p = kernels.attention_train(q, kv, qrow, krow, kmask, False, 4, 0.17, nq)
+            runs.append((out, p, *kernels.attention_train_backward(
+                grad, q, kv, p, qrow, krow, kmask, False, 4, 0.17, nq, nk
+            )))  # fmt: skip
+    assert all(torch.equal(a, b) for a, b in zip(*runs, strict=True))
+
+
+def test_training_attention_refuses_what_it_cannot_read():
+    if not kernels.fused_supported():
+        return
+    g = torch.Generator().manual_seed(2)
+    q, kv, grad, qrow, krow, kmask, nq, nk = _packed_batch(2, 5, 6, 2, 16, 16, False, g)
+
+    def fwd(q=q, kv=kv, qrow=qrow, krow=krow, kmask=kmask, heads=2):
+        return kernels.attention_train(q, kv, qrow, krow, kmask, False, heads, 0.25, nq)
+
+    for bad, match in (
+        (dict(q=q.float()), "bf16 q"),
+        (dict(kv=kv[:, :-16].contiguous()), "not multiples of 16"),  # values 8 wide
+        (dict(heads=3), "3 heads do not divide"),
+        (dict(q=q.t().contiguous().t()), "contiguous q"),
+        (dict(qrow=qrow.int()), "int64 row maps"),
+        (dict(krow=krow[:1]), "one batch"),
+        (dict(kmask=kmask.float()), "bool key mask"),
+        (dict(qrow=qrow + 100), "query row map outside"),
+        (dict(krow=krow.clamp(min=-2) - 1), "key row map outside"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            fwd(**bad)
+    out, p = fwd()
+    with pytest.raises(ValueError, match="shape does not match"):
+        kernels.attention_train_backward(
+            grad[:1], q, kv, p, qrow, krow, kmask, False, 2, 0.25, nq, nk
+        )  # fmt: skip
+
+
 def test_fused_off_keeps_torchs_ops(monkeypatch):
     monkeypatch.setattr(kernels, "FUSED", False)
     assert not kernels.fused_supported()
