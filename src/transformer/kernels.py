@@ -756,7 +756,7 @@ AVX512BW static void attn_fwd_head(const uint16_t *q, int64_t lq, const uint16_t
     const __m512 vt = _mm512_set1_ps(n ? _mm512_reduce_max_ps(top) : 0.f);
     __m512 acc = _mm512_setzero_ps();
     for (int64_t m = 0; m < np; m += 16) {
-      /* the keys past n at exp(0), then 0: exp(-inf) would be a denormal's slow path */
+      /* the keys past n at exp(0), then 0 */
       const __mmask16 in = first16(n - m);
       __m512 e = exp_nonpositive(_mm512_maskz_sub_ps(in, _mm512_loadu_ps(sr + m), vt));
       e = _mm512_maskz_mov_ps(in, e);
