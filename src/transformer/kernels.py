@@ -852,6 +852,15 @@ static void prefetch_rows(const uint16_t *x, int64_t ld, const int64_t *rows, in
         _mm_prefetch((const char *)(x + rows[i] * ld) + off, _MM_HINT_T0);
 }
 
+/* the same for head h's query, key and value rows of one batch row */
+static void prefetch_head(const uint16_t *q, int64_t lq, const uint16_t *k, const uint16_t *v,
+                          int64_t lk, const int64_t *qrow, const int64_t *krow, int64_t Tq,
+                          int64_t Tk, int64_t D, int64_t Dv, int64_t h) {
+  prefetch_rows(q + h * D, lq, qrow, Tq, D);
+  prefetch_rows(k + h * D, lk, krow, Tk, D);
+  prefetch_rows(v + h * Dv, lk, krow, Tk, Dv);
+}
+
 /* The (B x H) heads shared out among nthreads OpenMP threads. q: packed rows of stride lq, head
    h's D values at column h D; k and v: rows of stride lk, head h's at columns h D of k and h Dv
    of v (k and v may be one tensor's two halves); qrow (B, Tq), krow (B, Tk): packed row or -1;
@@ -876,11 +885,8 @@ int attention_train_fwd(const uint16_t *q, int64_t lq, const uint16_t *k, const 
       }
       const int64_t b = r / H, h = r % H;
       float *vs = kt + D * tp, *qf = vs + Tk * Dv, *s = qf + Tq * D, *o = s + Tq * tp;
-      if (h + 1 < H) {
-        prefetch_rows(q + (h + 1) * D, lq, qrow + b * Tq, Tq, D);
-        prefetch_rows(k + (h + 1) * D, lk, krow + b * Tk, Tk, D);
-        prefetch_rows(v + (h + 1) * Dv, lk, krow + b * Tk, Tk, Dv);
-      }
+      if (h + 1 < H)
+        prefetch_head(q, lq, k, v, lk, qrow + b * Tq, krow + b * Tk, Tq, Tk, D, Dv, h + 1);
       attn_fwd_head(q + h * D, lq, k + h * D, v + h * Dv, lk, qrow + b * Tq, krow + b * Tk,
                     kmask ? kmask + b * Tk : NULL, causal, Tq, Tk, D, Dv, inv_c, out + h * Dv,
                     lo, p + r * Tq * Tk, kt, vs, qf, s, o, kj, kj + Tk, kj + Tk + Tq);
@@ -916,9 +922,7 @@ int attention_train_bwd(const uint16_t *g, int64_t lg, const uint16_t *q, int64_
       float *ds = pf + Tq * tp, *dqf = ds + Tq * tp, *dka = dqf + Tq * D, *dva = dka + Tk * D;
       if (h + 1 < H) {
         prefetch_rows(g + (h + 1) * Dv, lg, qrow + b * Tq, Tq, Dv);
-        prefetch_rows(q + (h + 1) * D, lq, qrow + b * Tq, Tq, D);
-        prefetch_rows(k + (h + 1) * D, lk, krow + b * Tk, Tk, D);
-        prefetch_rows(v + (h + 1) * Dv, lk, krow + b * Tk, Tk, Dv);
+        prefetch_head(q, lq, k, v, lk, qrow + b * Tq, krow + b * Tk, Tq, Tk, D, Dv, h + 1);
       }
       attn_bwd_head(g + h * Dv, lg, q + h * D, lq, k + h * D, v + h * Dv, lk, qrow + b * Tq,
                     krow + b * Tk, kmask ? kmask + b * Tk : NULL, causal, Tq, Tk, D, Dv, inv_c,
@@ -2666,7 +2670,9 @@ def attention_train(
     """§3.2.2's heads of eq. (1) for a training step, read from and written to packed rows
     (`model.Packing`), with no (B, H, T, D) copies: q (Nq, H*D) bf16 projected queries, kv
     (Nk, H*D + H*Dv) bf16 keys then values; qrow (B, Tq) and krow (B, Tk) int64, each
-    position's packed row (-1: not packed); kmask (B, Tk) bool or None: the keys allowed;
+    position's packed row (-1: not packed; no row for two positions, as `model.Packing` makes
+    them: each (batch row, head) writes its rows unlocked); kmask (B, Tk) bool or None: the keys
+    allowed;
     causal: query i sees keys j <= i (§3.2.3); inv_c: the scores' factor (1 / sqrt(d_k)).
     Returns out (Nq, H*Dv) bf16, each packed query's attended values (zeros for a query with
     no legal key, and for the rows from `mapped` on, which no position maps to), and p (B, H,
