@@ -603,12 +603,23 @@ class _ScaledMaskedSoftmax(torch.autograd.Function):
         return kernels.masked_softmax_backward(grad.contiguous(), w, ctx.c), None, None
 
 
+# The longest padded key length `_PackedAttention` takes. Its (sentence, head) tasks keep their
+# scores whole (T x T fp32): a base-width sub-layer's forward and backward (8 heads of 64, ~4,096
+# positions a batch) ran 1.10-1.63x the batched path's speed at T = 34 to 512, 0.81x / 1.01x
+# (keys masked / causal) at 768 and 0.75x / 0.85x at 1,024 (AMX Xeon, 2 threads;
+# docs/performance.md, "Round forty-nine").
+PACKED_ATTENTION_MAX_KEYS = 512
+
+
 def _packed_attention_takes(q, kv, xs: Packing, kvs: Packing, mask, causal: bool, heads: int):
     """Whether `_PackedAttention` takes a packed sub-layer's eq. (1): training in bf16 on a CPU
     with the compiled kernels (`_fused_training`, `packed_attention_kernel`), no mask or a
     (B, 1, 1, Tk) bool key mask, §3.2.3's causal mask only within one packing (self-attention),
-    and head widths that are multiples of 16 (`kernels.attention_train`)."""
+    head widths that are multiples of 16 (`kernels.attention_train`) and keys padded to at most
+    `PACKED_ATTENTION_MAX_KEYS`."""
     if not _fused_training(q, kv) or xs.B != kvs.B or (causal and xs is not kvs):
+        return False
+    if kvs.T > PACKED_ATTENTION_MAX_KEYS:
         return False
     if mask is not None and (mask.dtype != torch.bool or mask.shape != (kvs.B, 1, 1, kvs.T)):
         return False

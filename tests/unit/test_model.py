@@ -1131,6 +1131,16 @@ def test_packed_training_attention_is_not_taken_where_it_cannot_be(kw, dtype, ta
     assert calls == (taken * cfg.n_layers if kernels.fused_supported() else [])
 
 
+def test_packed_training_attention_leaves_long_keys_to_the_batched_path(monkeypatch):
+    from transformer import model as model_module
+
+    monkeypatch.setattr(model_module, "PACKED_ATTENTION_MAX_KEYS", 8)  # sources 9, targets 7
+    cfg = tiny(d_model=64, n_heads=4, d_k=16, d_v=16, p_drop=0.0)
+    _, _, calls = _packed_bf16_step(cfg)
+    # the decoder's self-attention alone: the encoder's and encoder-decoder keys are 9 long
+    assert calls == ([True] * cfg.n_layers if kernels.fused_supported() else [])
+
+
 def test_a_training_attention_kernel_that_errs_is_not_used(monkeypatch, caplog):
     from transformer import model as model_module
 
