@@ -2671,9 +2671,9 @@ def attention_train(
     (`model.Packing`), with no (B, H, T, D) copies: q (Nq, H*D) bf16 projected queries, kv
     (Nk, H*D + H*Dv) bf16 keys then values; qrow (B, Tq) and krow (B, Tk) int64, each
     position's packed row (-1: not packed; no row for two positions, as `model.Packing` makes
-    them: each (batch row, head) writes its rows unlocked); kmask (B, Tk) bool or None: the keys
-    allowed;
-    causal: query i sees keys j <= i (§3.2.3); inv_c: the scores' factor (1 / sqrt(d_k)).
+    them: each (batch row, head) writes its rows unlocked); kmask (B, Tk) bool or None: the
+    keys allowed; causal: query i sees keys j <= i (§3.2.3); inv_c: the scores' factor
+    (1 / sqrt(d_k)).
     Returns out (Nq, H*Dv) bf16, each packed query's attended values (zeros for a query with
     no legal key, and for the rows from `mapped` on, which no position maps to), and p (B, H,
     Tq, Tk) bf16, the weights over each query's legal keys in order, for the backward.
@@ -2727,8 +2727,10 @@ def attention_train_backward(
     problem = _packed_problem(q, kv, qrow, krow, kmask, heads)
     D = q.size(1) // max(heads, 1)
     Dv = kv.size(1) // max(heads, 1) - D
-    if problem is None and (g.dtype != torch.bfloat16 or not g.is_contiguous()):
-        problem = "a contiguous bf16 gradient"
+    if problem is None and not all(
+        t.dtype == torch.bfloat16 and t.is_contiguous() and t.device.type == "cpu" for t in (g, p)
+    ):
+        problem = "a contiguous bf16 gradient and weights"
     if problem is None and (g.shape != (q.size(0), heads * Dv) or p.shape != (
         qrow.size(0), heads, qrow.size(1), krow.size(1)
     )):  # fmt: skip

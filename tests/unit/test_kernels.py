@@ -611,6 +611,10 @@ def test_training_attention_refuses_what_it_cannot_read():
         with pytest.raises(ValueError, match=match):
             fwd(**bad)
     out, p = fwd()
+    with pytest.raises(ValueError, match="bf16 gradient and weights"):
+        kernels.attention_train_backward(
+            grad, q, kv, p.float(), qrow, krow, kmask, False, 2, 0.25, nq, nk
+        )  # fmt: skip
     with pytest.raises(ValueError, match="shape does not match"):
         kernels.attention_train_backward(
             grad[:1], q, kv, p, qrow, krow, kmask, False, 2, 0.25, nq, nk
