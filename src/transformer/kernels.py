@@ -707,17 +707,18 @@ AVX512 static void rows_bf16(const float *r, int64_t n, int64_t D, const int64_t
   }
 }
 
-/* S's rows (nq, tp) (+)= A (nq rows of K) times B (K, tp), each block of 4 rows over the keys
-   its last row may see (nr: ascending); add: the weights' product, K limited likewise */
+/* C's nq rows = A's (row stride ar) times B, in blocks of 4 rows, each over the keys its last
+   row may see (nr: ascending): the keys are B's columns (keys_are_k 0: N, rounded up to 16;
+   K = fixed) or the sum's index (keys_are_k 1: K; N = fixed) */
 static void blocks_times(const float *A, int64_t ar, const float *B, int64_t ldb, int64_t nq,
-                         int64_t K, int64_t N, const int64_t *nr, int keys_are_k, float *C,
+                         int64_t fixed, const int64_t *nr, int keys_are_k, float *C,
                          int64_t ldc) {
   for (int64_t r = 0; r < nq; r += 4) {
     const int64_t R = nq - r < 4 ? nq - r : 4, n = nr[r + R - 1];
     if (keys_are_k)
-      gemm(A + r * ar, ar, 1, B, ldb, R, n, N, C + r * ldc, ldc, 0);
+      gemm(A + r * ar, ar, 1, B, ldb, R, n, fixed, C + r * ldc, ldc, 0);
     else
-      gemm(A + r * ar, ar, 1, B, ldb, R, K, (n + 15) & ~(int64_t)15, C + r * ldc, ldc, 0);
+      gemm(A + r * ar, ar, 1, B, ldb, R, fixed, (n + 15) & ~(int64_t)15, C + r * ldc, ldc, 0);
   }
 }
 
@@ -740,7 +741,7 @@ AVX512BW static void attn_fwd_head(const uint16_t *q, int64_t lq, const uint16_t
   cols_f32(k, lk, krow, kj, nk, D, tp, kt);
   rows_f32(v, lk, krow, kj, nk, Dv, vs);
   rows_f32(q, lq, qrow, qi, nq, D, qf);
-  blocks_times(qf, D, kt, tp, nq, D, 0, nr, 0, s, tp); /* scores */
+  blocks_times(qf, D, kt, tp, nq, D, nr, 0, s, tp); /* scores */
   const __m512 vninf = _mm512_set1_ps(-__builtin_inff()), vic = _mm512_set1_ps(inv_c);
   for (int64_t c = 0; c < nq; ++c) {
     const int64_t n = nr[c], np = (n + 15) & ~(int64_t)15;
@@ -771,7 +772,7 @@ AVX512BW static void attn_fwd_head(const uint16_t *q, int64_t lq, const uint16_t
     }
     for (int64_t m = np; m < tp; m += 16) _mm512_storeu_ps(sr + m, _mm512_setzero_ps());
   }
-  blocks_times(s, tp, vs, Dv, nq, 0, Dv, nr, 1, o, Dv); /* P V */
+  blocks_times(s, tp, vs, Dv, nq, Dv, nr, 1, o, Dv); /* P V */
   rows_bf16(o, nq, Dv, qrow, qi, out, lo);
 }
 
@@ -795,7 +796,7 @@ AVX512BW static void attn_bwd_head(const uint16_t *g, int64_t lg, const uint16_t
     cols_f32(v, lk, krow, kj, nk, Dv, tp, vt);
     rows_f32(q, lq, qrow, qi, nq, D, qf);
     rows_f32(g, lg, qrow, qi, nq, Dv, gf);
-    blocks_times(gf, Dv, vt, tp, nq, Dv, 0, nr, 0, ds, tp); /* dP = g V^T */
+    blocks_times(gf, Dv, vt, tp, nq, Dv, nr, 0, ds, tp); /* dP = g V^T */
     const __m512 vic = _mm512_set1_ps(inv_c);
     for (int64_t c = 0; c < nq; ++c) {
       const int64_t n = nr[c], np = (n + 15) & ~(int64_t)15;
@@ -818,7 +819,7 @@ AVX512BW static void attn_bwd_head(const uint16_t *g, int64_t lg, const uint16_t
         _mm512_storeu_ps(dsr + m, _mm512_setzero_ps());
       }
     }
-    blocks_times(ds, tp, kr, D, nq, 0, D, nr, 1, dqf, D); /* dq = dS K */
+    blocks_times(ds, tp, kr, D, nq, D, nr, 1, dqf, D); /* dq = dS K */
     rows_bf16(dqf, nq, D, qrow, qi, dq, ldq);
     gemm(ds, 1, tp, qf, D, nk, nq, D, dka, D, 0);  /* dk = dS^T q */
     gemm(pf, 1, tp, gf, Dv, nk, nq, Dv, dva, Dv, 0); /* dv = P^T g */
