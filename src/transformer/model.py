@@ -683,32 +683,47 @@ def packed_attention_reference(q, kv, qrow, krow, kmask, causal: bool, heads: in
     return out.index_put((qrow.reshape(-1)[at],), o[at])
 
 
+def packed_attention_case(B, Tq, Tk, H, d, dv, causal: bool, g: torch.Generator):
+    """A random operand set for `kernels.attention_train` (the check of `packed_attention_kernel`
+    and the tests'): the row maps of a right-padded batch (random lengths, the first row full,
+    -1 at the padding left out), a key mask with the last batch row of no legal key (not
+    causal), and random q, kv and out-gradient rows with 2 spare rows each that no position
+    maps to. Returns q, kv, grad, qrow, krow, kmask and the query and key rows mapped."""
+
+    def rows(T):
+        lens = torch.randint(1, T + 1, (B,), generator=g)
+        lens[0] = T
+        r = torch.full((B, T), -1, dtype=torch.long)
+        r[torch.arange(T) < lens[:, None]] = torch.arange(int(lens.sum()))
+        return r
+
+    qrow = rows(Tq)
+    krow, kmask = qrow, None
+    if not causal:
+        krow = rows(Tk)
+        kmask = torch.rand(B, Tk, generator=g) < 0.8
+        kmask[-1] = False
+    nq, nk = int(qrow.max()) + 1, int(krow.max()) + 1
+    q = torch.randn(nq + 2, H * d, generator=g).bfloat16()
+    kv = torch.randn(nk + 2, H * (d + dv), generator=g).bfloat16()
+    grad = torch.randn(nq + 2, H * dv, generator=g).bfloat16()
+    return q, kv, grad, qrow, krow, kmask, nq, nk
+
+
 @functools.cache
 def packed_attention_kernel() -> bool:
     """Whether training takes `_PackedAttention` (the compiled kernels built, AVX-512 F, BW and
     VL, `TRANSFORMER_FUSED_KERNELS` not 0): only once `kernels.attention_train` and its backward
     have agreed with `packed_attention_reference`, to 2% of the largest value, on batches of
-    every kind (causal, a key mask, unpacked positions, spare rows, a batch row with no legal
-    key, head widths 16 to 48, keys and values of different widths)."""
+    every kind (`packed_attention_case`: causal, a key mask, unpacked positions, spare rows, a
+    batch row with no legal key; head widths 16 to 48, keys and values of different widths)."""
     if not kernels.fused_supported():
         return False
     g = torch.Generator().manual_seed(0)
     for B, Tq, Tk, H, d, dv, causal in ((3, 7, 7, 2, 16, 16, True), (3, 9, 21, 3, 32, 48, False)):
-        qrow = torch.full((B, Tq), -1, dtype=torch.long)
-        qlen = torch.randint(1, Tq + 1, (B,), generator=g)
-        qrow[torch.arange(Tq) < qlen[:, None]] = torch.arange(int(qlen.sum()))
-        krow = qrow
-        kmask = None
-        if not causal:
-            krow = torch.full((B, Tk), -1, dtype=torch.long)
-            klen = torch.randint(1, Tk + 1, (B,), generator=g)
-            krow[torch.arange(Tk) < klen[:, None]] = torch.arange(int(klen.sum()))
-            kmask = torch.rand(B, Tk, generator=g) < 0.7
-            kmask[1] = False  # a batch row with no legal key
-        nq, nk = int(qrow.max()) + 1, int(krow.max()) + 1
-        q = torch.randn(nq + 2, H * d, generator=g).bfloat16()  # 2 spare rows
-        kv = torch.randn(nk + 1, H * (d + dv), generator=g).bfloat16()
-        grad = torch.randn(nq + 2, H * dv, generator=g).bfloat16()
+        q, kv, grad, qrow, krow, kmask, nq, nk = packed_attention_case(
+            B, Tq, Tk, H, d, dv, causal, g
+        )  # fmt: skip
         inv_c = 1.0 / math.sqrt(d)
         try:
             out, p = kernels.attention_train(q, kv, qrow, krow, kmask, causal, H, inv_c, nq)

@@ -15,6 +15,7 @@ import torch
 
 from transformer import kernels
 from transformer.cpuinfo import cpu_flags
+from transformer.model import packed_attention_case
 
 
 @contextlib.contextmanager
@@ -501,31 +502,6 @@ def test_masked_softmax_refuses_what_it_cannot_read():
         kernels.masked_softmax_backward(x, x[:1], 1.0)
 
 
-def _packed_batch(B, Tq, Tk, H, d, dv, causal, g, spares=2):
-    """Row maps of a right-padded batch (random lengths, the first row full, -1 at the padding
-    left out), a key mask with one batch row of no legal key (not causal), and random q, kv,
-    and out-gradient rows with `spares` rows no position maps to."""
-
-    def rows(T):
-        lens = torch.randint(1, T + 1, (B,), generator=g)
-        lens[0] = T
-        r = torch.full((B, T), -1, dtype=torch.long)
-        r[torch.arange(T) < lens[:, None]] = torch.arange(int(lens.sum()))
-        return r
-
-    qrow = rows(Tq)
-    krow, kmask = qrow, None
-    if not causal:
-        krow = rows(Tk)
-        kmask = torch.rand(B, Tk, generator=g) < 0.8
-        kmask[-1] = False
-    nq, nk = int(qrow.max()) + 1, int(krow.max()) + 1
-    q = torch.randn(nq + spares, H * d, generator=g).bfloat16()
-    kv = torch.randn(nk + spares, H * (d + dv), generator=g).bfloat16()
-    grad = torch.randn(nq + spares, H * dv, generator=g).bfloat16()
-    return q, kv, grad, qrow, krow, kmask, nq, nk
-
-
 @pytest.mark.parametrize(
     "B, Tq, Tk, H, d, dv, causal",
     [
@@ -544,7 +520,7 @@ def test_training_attention_is_eq_1_to_bf16_rounding(B, Tq, Tk, H, d, dv, causal
     from transformer.model import packed_attention_reference
 
     g = torch.Generator().manual_seed(Tq * Tk + d)
-    q, kv, grad, qrow, krow, kmask, nq, nk = _packed_batch(B, Tq, Tk, H, d, dv, causal, g)
+    q, kv, grad, qrow, krow, kmask, nq, nk = packed_attention_case(B, Tq, Tk, H, d, dv, causal, g)
     inv_c = d**-0.5
     if not kernels.fused_supported():
         with pytest.raises(RuntimeError, match="not on this machine"):
@@ -577,7 +553,7 @@ def test_training_attention_is_the_same_bits_on_one_thread_or_two():
     if not kernels.fused_supported():
         return
     g = torch.Generator().manual_seed(1)
-    q, kv, grad, qrow, krow, kmask, nq, nk = _packed_batch(6, 20, 25, 4, 32, 32, False, g)
+    q, kv, grad, qrow, krow, kmask, nq, nk = packed_attention_case(6, 20, 25, 4, 32, 32, False, g)
     runs = []
     for threads in (1, 2):
         with threads_of(threads):
@@ -592,7 +568,7 @@ def test_training_attention_refuses_what_it_cannot_read():
     if not kernels.fused_supported():
         return
     g = torch.Generator().manual_seed(2)
-    q, kv, grad, qrow, krow, kmask, nq, nk = _packed_batch(2, 5, 6, 2, 16, 16, False, g)
+    q, kv, grad, qrow, krow, kmask, nq, nk = packed_attention_case(2, 5, 6, 2, 16, 16, False, g)
 
     def fwd(q=q, kv=kv, qrow=qrow, krow=krow, kmask=kmask, heads=2):
         return kernels.attention_train(q, kv, qrow, krow, kmask, False, heads, 0.25, nq)
