@@ -2629,9 +2629,10 @@ def step_attention(
     return out
 
 
-def _packed_problem(q, kv, qrow, krow, kmask, heads: int) -> str | None:
-    """Why `attention_train` cannot take these operands (None: it can)."""
-    if not all(t.device.type == "cpu" for t in (q, kv, qrow, krow)):
+def attention_train_problem(q: torch.Tensor, kv: torch.Tensor, heads: int) -> str | None:
+    """Why `attention_train` cannot read the projections q and kv as they are (None: it can):
+    their device, dtype, layout, or head widths (`model._packed_attention_takes` asks this)."""
+    if q.device.type != "cpu" or kv.device.type != "cpu":
         return "CPU tensors"
     if q.dtype != torch.bfloat16 or kv.dtype != torch.bfloat16 or q.dim() != 2 or kv.dim() != 2:
         return "bf16 q (Nq, H*D) and kv (Nk, H*(D+Dv))"
@@ -2643,6 +2644,16 @@ def _packed_problem(q, kv, qrow, krow, kmask, heads: int) -> str | None:
     Dv = kv.size(1) // heads - D
     if D < 16 or Dv < 16 or D % 16 or Dv % 16:
         return f"head widths {D} and {Dv} not multiples of 16"
+    return None
+
+
+def _packed_problem(q, kv, qrow, krow, kmask, heads: int) -> str | None:
+    """Why `attention_train` cannot take these operands (None: it can)."""
+    problem = attention_train_problem(q, kv, heads)
+    if problem:
+        return problem
+    if qrow.device.type != "cpu" or krow.device.type != "cpu":
+        return "CPU tensors"
     if qrow.dtype != torch.int64 or krow.dtype != torch.int64 or qrow.dim() != 2 or krow.dim() != 2:
         return "int64 row maps (B, Tq) and (B, Tk)"
     if qrow.size(0) != krow.size(0) or not (qrow.is_contiguous() and krow.is_contiguous()):

@@ -615,19 +615,15 @@ def _packed_attention_takes(q, kv, xs: Packing, kvs: Packing, mask, causal: bool
     """Whether `_PackedAttention` takes a packed sub-layer's eq. (1): training in bf16 on a CPU
     with the compiled kernels (`_fused_training`, `packed_attention_kernel`), no mask or a
     (B, 1, 1, Tk) bool key mask, §3.2.3's causal mask only within one packing (self-attention),
-    head widths that are multiples of 16 (`kernels.attention_train`) and keys padded to at most
-    `PACKED_ATTENTION_MAX_KEYS`."""
+    projections the kernel reads as they are (`kernels.attention_train_problem`: head widths
+    that are multiples of 16) and keys padded to at most `PACKED_ATTENTION_MAX_KEYS`."""
     if not _fused_training(q, kv) or xs.B != kvs.B or (causal and xs is not kvs):
         return False
     if kvs.T > PACKED_ATTENTION_MAX_KEYS:
         return False
     if mask is not None and (mask.dtype != torch.bool or mask.shape != (kvs.B, 1, 1, kvs.T)):
         return False
-    d = q.size(1) // heads
-    widths = (d, kv.size(1) // heads - d)
-    if q.size(1) % heads or kv.size(1) % heads or any(w < 16 or w % 16 for w in widths):
-        return False
-    return packed_attention_kernel()
+    return kernels.attention_train_problem(q, kv, heads) is None and packed_attention_kernel()
 
 
 class _PackedAttention(torch.autograd.Function):
