@@ -2336,10 +2336,11 @@ def masked_softmax_backward(g: torch.Tensor, w: torch.Tensor, c: float) -> torch
     return dx
 
 
-def column_sums(x: torch.Tensor) -> torch.Tensor:
-    """x (N, C) bf16, contiguous -> (C,) in x's dtype: the column sums, accumulated in fp32 on
-    the threads (a linear layer's bias gradient; torch's bf16 `sum(0)` is slower). Only where
-    `fused_supported()`."""
+def column_sums(x: torch.Tensor, fp32: bool = False) -> torch.Tensor:
+    """x (N, C) bf16, contiguous -> (C,) in x's dtype (fp32 with `fp32`): the column sums,
+    accumulated in fp32 on the threads (a linear layer's bias gradient, the loss's sum over
+    classes of the output weight; torch's bf16 `sum(0)` is slower, and an fp32 sum(0) needs an
+    fp32 copy first). Only where `fused_supported()`."""
     _require("column_sums", x)
     if x.dim() != 2:
         raise ValueError("column_sums: a contiguous (N, C) bf16 CPU tensor")
@@ -2348,7 +2349,7 @@ def column_sums(x: torch.Tensor) -> torch.Tensor:
     threads = _threads(x.numel())
     work = torch.empty(threads * c)
     _LIB.column_sums(x.data_ptr(), n, c, out.data_ptr(), work.data_ptr(), threads)
-    return out.to(x.dtype)
+    return out if fp32 else out.to(x.dtype)
 
 
 def _f32(x: float) -> float:

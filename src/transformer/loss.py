@@ -24,6 +24,8 @@ from transformer.tokenizer import PAD_ID
 # (n, V) x (V, D) products run at twice the rate with twice the rows (docs/performance.md, "Round
 # twenty-four"); on a Zen 5 the loss took 473 / 476 / 469 ms at the three sizes ("Round fifteen").
 CHUNK_ROWS = 2048
+# Each chunk's rows as a multiple of this, the last chunk's padded with zero rows (`_chunks`).
+ALIGN = 4
 # Below this target probability the chunked loss takes log-sum-exp from the logits themselves
 # instead of from the (bf16) softmax, whose values lose precision near the float range's end.
 UNDERFLOW = 1e-30
@@ -75,18 +77,38 @@ def label_smoothed_cross_entropy(
     return loss, nll
 
 
-def _chunks(n_rows: int, chunk_rows: int, align: int = 4) -> list[tuple[int, int]]:
+def _chunks(n_rows: int, chunk_rows: int, align: int = ALIGN) -> list[tuple[int, int]]:
     """Row ranges of about chunk_rows rows (at most chunk_rows rounded up to a multiple of
-    `align`), as equal as can be in multiples of `align`, then the n_rows % align rows left
-    over on their own. On CPU the (n, V) products of a chunk whose row count is not a multiple
-    of 4 ran 7-20% slower (3,826 rows: 4 x 956 + 2, not 3 x 1,024 + 754 or 4 x 957)."""
+    `align`), as equal as can be in multiples of `align`, the last one with the n_rows % align
+    rows left over (`_ChunkedProjectionLoss` pads it with zero rows to a multiple of `align`).
+    On CPU the (n, V) products of a chunk whose row count is not a multiple of 4 ran 7-20%
+    slower (3,826 rows: 4 x 956 + 2, not 3 x 1,024 + 754 or 4 x 957); the 2 rows on their own
+    took 11 ms of a 1.45 s W1 step, two (n, V) products and a (V, D) sum of their own
+    (docs/performance.md, "Round fifty")."""
     body = n_rows - n_rows % align
     size = chunk_rows
     if body:
         n_chunks = -(-body // max(chunk_rows, align))
         size = max(align, -(-body // n_chunks // align) * align)
     bounds = [(a, min(a + size, body)) for a in range(0, body, size)]
-    return bounds + ([(body, n_rows)] if body < n_rows else [])
+    if body < n_rows:
+        bounds[-1:] = [(bounds[-1][0] if bounds else 0, n_rows)]
+    return bounds
+
+
+def _padded(n: int) -> int:
+    """n rows rounded up to a multiple of ALIGN."""
+    return -(-n // ALIGN) * ALIGN
+
+
+def _class_sum(weight: torch.Tensor) -> torch.Tensor:
+    """sum_c W_c (D,) in fp32 of the output projection (V, D): in bf16 by `kernels.column_sums`
+    in one pass, where `weight.float().sum(0)` made an fp32 copy first (9 ms of a 1.45 s W1
+    step: docs/performance.md, "Round fifty")."""
+    if weight.dtype == torch.bfloat16 and weight.device.type == "cpu" and weight.is_contiguous():
+        if kernels.fused_supported() and not torch.compiler.is_compiling():
+            return kernels.column_sums(weight.detach(), fp32=True)
+    return weight.float().sum(0)
 
 
 class _ChunkedProjectionLoss(torch.autograd.Function):
@@ -119,7 +141,7 @@ class _ChunkedProjectionLoss(torch.autograd.Function):
         nll = hidden.new_zeros((), dtype=torch.float32)
         eps_other = eps / (n_classes - 1)
         on_target = 1.0 - eps - eps_other  # q at the target minus the eps_other every class has
-        w_sum = weight.float().sum(0)  # (D,): sum over classes of the logits = h . w_sum
+        w_sum = _class_sum(weight)  # (D,) fp32: sum over classes of the logits = h . w_sum
         h_sum = torch.zeros(hidden.size(1), dtype=torch.float32, device=hidden.device)
         bounds = _chunks(n_rows, chunk_rows)
         # Every chunk's logits in one (n, V) block, made once and overwritten chunk by chunk.
@@ -130,20 +152,27 @@ class _ChunkedProjectionLoss(torch.autograd.Function):
         # holds its chunks' blocks until its products are done: a block each there.
         block = None
         if helper is None and bounds:
-            rows = max(stop - start for start, stop in bounds)
+            rows = max(_padded(stop - start) for start, stop in bounds)
             block = torch.empty((rows, n_classes), dtype=weight.dtype, device=weight.device)
         for start, stop in bounds:
+            n = stop - start
             h = hidden[start:stop]  # (n, D)
             t = target[start:stop]  # (n,)
+            # The products' rows: h, with zero rows to a multiple of ALIGN (the last chunk).
+            # A zero row's logits are 0 and its softmax 1 / V; it adds nothing to the (V, D)
+            # product h^T probs, and its loss and (n, D) gradient rows are not read.
+            hp = h
+            if _padded(n) > n:
+                hp = torch.cat([h, h.new_zeros(_padded(n) - n, h.size(1))])
             # Beside a busy process, with nothing of the helper's in flight, a third of the
             # two (n, V) x D products' rows runs on it (`split_linear`, SPLIT_SHARE).
             split = helper.split_linear if helper is not None and not parts else F.linear
-            # (n, V), in the parameters' dtype (bf16 matmul)
+            # (n, V) (the padded rows after), in the parameters' dtype (bf16 matmul)
             if block is not None:
-                logits = torch.mm(h, weight.t(), out=block[: stop - start])
+                logits = torch.mm(hp, weight.t(), out=block[: hp.size(0)])
             else:
-                logits = split(h, weight)
-            logit_t = logits.gather(-1, t[:, None]).squeeze(-1).float()  # (n,)
+                logits = split(hp, weight)
+            logit_t = logits[:n].gather(-1, t[:, None]).squeeze(-1).float()  # (n,)
             # The softmax, written over the logits (the kernel reads each row before it writes
             # it; the same values as a new tensor, ~3x faster as no page is newly touched), is
             # the one (n, V) block: it gives the gradient, and with two per-row numbers the
@@ -154,7 +183,7 @@ class _ChunkedProjectionLoss(torch.autograd.Function):
             # logits first (~3% of a base training step).
             h32 = h.float()  # (n, D)
             logit_sum = h32 @ w_sum  # (n,)
-            p_t = probs.gather(-1, t[:, None]).squeeze(-1).float()  # (n,)
+            p_t = probs[:n].gather(-1, t[:, None]).squeeze(-1).float()  # (n,)
             lse = logit_t - p_t.log()  # (n,) log sum_c exp(logit_c)
             tiny = p_t < UNDERFLOW  # target probability too small to carry the precision
             if bool(tiny.any()):  # those rows' logits again (rare: a diverging model)
@@ -167,22 +196,22 @@ class _ChunkedProjectionLoss(torch.autograd.Function):
             if need_grad:
                 # d loss / d logits = softmax - q. q (eps_other everywhere, 1 - eps at the target)
                 # is applied to the (n, D) and (V, D) products below instead of to the logits.
-                g_h = split(probs, weight.t()).float()  # (n, D) = probs @ weight
+                g_h = split(probs, weight.t())[:n].float()  # (n, D) = probs @ weight
                 g_h -= eps_other * w_sum + on_target * weight.index_select(0, t).float()
                 grad_hidden[start:stop] = g_h
                 if helper is not None:
-                    parts.append(helper.product(probs, h))
+                    parts.append(helper.product(probs, hp))
                     if len(parts) > 2:
                         grad_weight += parts.pop(0).wait()
                 elif fp32_sum:  # accumulated by the product itself: no (V, D) temporary
-                    grad_weight.addmm_(probs.t(), h)
+                    grad_weight.addmm_(probs.t(), hp)
                 elif row_major:  # (D, V) = h^T probs from a row-major copy of h^T
-                    h_t = kernels.transposed(h)  # (D, n)
+                    h_t = kernels.transposed(hp)  # (D, n)
                     partial = h_t @ probs if partial is None else partial.addmm_(h_t, probs)
                 elif partial is None:
-                    partial = probs.t() @ h  # (V, D)
+                    partial = probs.t() @ hp  # (V, D)
                 else:
-                    partial.addmm_(probs.t(), h)
+                    partial.addmm_(probs.t(), hp)
                 h_sum += h32.sum(0)
             # With the helper: freed before the next chunk's logits are made (with or without
             # the gradient), not when the name is rebound after them: otherwise two (n, V)

@@ -616,6 +616,11 @@ def test_column_sums_are_fp32_sums(shape, threads):
     ref = x.double().sum(0)
     assert out.dtype == torch.bfloat16 and out.shape == (shape[1],)
     assert (out.double() - ref).abs().max() <= 2**-8 * ref.abs().max() + 1e-6
+    with threads_of(threads):
+        out32 = kernels.column_sums(x, fp32=True)  # the same sums, not rounded to bf16
+    assert out32.dtype == torch.float32 and torch.equal(out32.to(torch.bfloat16), out)
+    bound = shape[0] * 2**-24 * x.double().abs().sum(0).max()  # n fp32 adds' worst case
+    assert (out32.double() - ref).abs().max() <= bound
     with pytest.raises(ValueError, match="column_sums"):
         kernels.column_sums(x[:, ::2])  # rows not contiguous
 

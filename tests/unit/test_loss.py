@@ -11,6 +11,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from transformer import gradhelper, kernels
+from transformer import loss as loss_module
 from transformer.loss import (
     chunked_label_smoothed_loss,
     label_smoothed_cross_entropy,
@@ -82,12 +83,13 @@ def _reference(hidden, weight, target, eps):
     return label_smoothed_cross_entropy(hidden @ weight.t(), target, eps, ignore_index=-1)
 
 
+@pytest.mark.parametrize("rows", [10, 3, 1])  # the last chunk padded with 2, 1 and 3 zero rows
 @pytest.mark.parametrize("chunk_rows", [3, 4, 7, 1024])
-def test_chunked_equals_reference_with_gradients(chunk_rows):
+def test_chunked_equals_reference_with_gradients(chunk_rows, rows):
     torch.manual_seed(0)
-    hidden = torch.randn(10, 8, dtype=torch.float64, requires_grad=True)
+    hidden = torch.randn(rows, 8, dtype=torch.float64, requires_grad=True)
     weight = torch.randn(13, 8, dtype=torch.float64, requires_grad=True)
-    target = torch.randint(1, 13, (10,))
+    target = torch.randint(1, 13, (rows,))
     loss, nll = chunked_label_smoothed_loss(hidden, weight, target, 0.1, chunk_rows)
     (2.0 * loss).backward()
     g_h, g_w = hidden.grad.clone(), weight.grad.clone()
@@ -99,6 +101,18 @@ def test_chunked_equals_reference_with_gradients(chunk_rows):
     # The chunked loss runs its log-softmax in fp32 whatever the input dtype.
     torch.testing.assert_close(g_h, hidden.grad, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(g_w, weight.grad, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("rows", [1, 3, 4, 10, 3826, 4097])
+@pytest.mark.parametrize("chunk_rows", [3, 4, 7, 2048])
+def test_chunks_tile_the_rows_in_multiples_of_four_but_the_last(rows, chunk_rows):
+    # The n % 4 rows left over join the last chunk (padded there), not a chunk of their own.
+    bounds = loss_module._chunks(rows, chunk_rows)
+    assert bounds[0][0] == 0 and bounds[-1][1] == rows
+    assert all(a[1] == b[0] for a, b in zip(bounds, bounds[1:], strict=False))
+    assert all((stop - start) % 4 == 0 for start, stop in bounds[:-1])
+    assert bounds[-1][1] - bounds[-1][0] >= min(rows, 4)
+    assert max(stop - start for start, stop in bounds) <= -(-chunk_rows // 4) * 4 + 3
 
 
 class _LogitBlocks(TorchDispatchMode):
