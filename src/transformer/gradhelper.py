@@ -83,13 +83,38 @@ class Linear(nn.Linear):
             helper = _INSTANCE
             if helper is not None and helper.active:
                 return helper.linear(x, self.weight, self.bias)
-            if row_major_grads(self.weight, x.shape[:-1].numel()):
-                # 2-D inside the Function: a view made in there could not be changed in place
-                if x.dim() == 2:
-                    return _RowMajorGradLinear.apply(x, self.weight, self.bias)
-                y = _RowMajorGradLinear.apply(x.reshape(-1, x.size(-1)), self.weight, self.bias)
-                return y.view(*x.shape[:-1], y.size(-1))
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """F.linear(x, weight, bias), through `_RowMajorGradLinear` where `own_weight_grads`
+    (a training product of many rows on AMX), with F.linear's values either way. Not the
+    helper's path (`Linear` goes there first)."""
+    if torch.is_grad_enabled() and own_weight_grads(weight, x.shape[:-1].numel()):
+        # 2-D inside the Function: a view made in there could not be changed in place
+        if x.dim() == 2:
+            return _RowMajorGradLinear.apply(x, weight, bias)
+        y = _RowMajorGradLinear.apply(x.reshape(-1, x.size(-1)), weight, bias)
+        return y.view(*x.shape[:-1], y.size(-1))
+    return F.linear(x, weight, bias)
+
+
+def stacked_linear(x: torch.Tensor, layers: list[nn.Linear]) -> torch.Tensor | None:
+    """[x W_1^T + b_1, x W_2^T + b_2, ...] of layers that read the same x, as one product of
+    their stacked weights (self-attention's W^Q and W^KV, §3.2.2): one (N, sum out) output
+    whose columns are the layers' in order, one input gradient for x where the layers' would
+    be added, and one weight-gradient product of the stacked width, which oneDNN runs at ~2x
+    a 512 x 512 one's rate on AMX (docs/performance.md, "Round fifty"). Each layer's weight
+    and bias gradients are their rows of the stacked ones (torch.cat's backward). None where
+    the helper is active (it adds each layer's gradients to its own weight: `Linear`) or the
+    layers are not plain linear layers alike in bias."""
+    if active() is not None or not all(is_linear(m) for m in layers):
+        return None
+    if len({m.bias is None for m in layers}) != 1:
+        return None
+    weight = torch.cat([m.weight for m in layers])
+    bias = None if layers[0].bias is None else torch.cat([m.bias for m in layers])
+    return linear(x, weight, bias)
 
 
 # Weight gradients from row-major copies (`_RowMajorGradLinear`): None decides on first use,
@@ -101,10 +126,9 @@ ROW_MAJOR_GRADS: bool | None = None
 ROW_MAJOR_ROWS = 2048
 
 
-def row_major_grads(weight: torch.Tensor, rows: int) -> bool:
-    """Whether a product of this weight over `rows` rows takes its dW from a row-major copy: a
-    bf16 CPU weight that is not square (a square layer's copy costs what its product saves),
-    `ROW_MAJOR_ROWS` rows or more, on an AMX CPU."""
+def own_weight_grads(weight: torch.Tensor, rows: int) -> bool:
+    """Whether a product of this weight over `rows` rows goes through `_RowMajorGradLinear`: a
+    bf16 CPU weight that needs a gradient, `ROW_MAJOR_ROWS` rows or more, on an AMX CPU."""
     global ROW_MAJOR_GRADS
     if weight.dtype != torch.bfloat16 or weight.device.type != "cpu" or not weight.requires_grad:
         return False
@@ -113,8 +137,14 @@ def row_major_grads(weight: torch.Tensor, rows: int) -> bool:
     if ROW_MAJOR_GRADS is None:
         amx = "amx_bf16" in cpuinfo.cpu_flags()
         ROW_MAJOR_GRADS = amx and kernels.unavailable() is None
-    square = weight.size(0) == weight.size(1)
-    return ROW_MAJOR_GRADS and not square and not torch.compiler.is_compiling()
+    return ROW_MAJOR_GRADS and not torch.compiler.is_compiling()
+
+
+def row_major_grads(weight: torch.Tensor, rows: int) -> bool:
+    """Whether a product of this weight over `rows` rows takes its dW from a row-major copy:
+    `own_weight_grads`, and a weight that is not square (a square layer's copy costs what its
+    product saves)."""
+    return own_weight_grads(weight, rows) and weight.size(0) != weight.size(1)
 
 
 def row_major_weight_grad(g: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -162,10 +192,12 @@ def bias_in_product() -> bool:
 
 
 class _RowMajorGradLinear(torch.autograd.Function):
-    """y = x W^T + b (x 2-D) whose dW comes from `row_major_weight_grad`; dx as autograd's, db
-    the fp32 column sums of `kernels.column_sums` where it runs (torch's bf16 sum(0) otherwise:
-    2.4x slower on (3,888 x 2,048), the same sums to bf16 rounding). y has F.linear's bits,
-    the bias added inside oneDNN's product where that gives them (`bias_in_product`)."""
+    """y = x W^T + b (x 2-D) whose dW comes from `row_major_weight_grad` (a square W's from
+    the transposed view, as autograd's: `row_major_grads`); dx as autograd's, db the fp32
+    column sums of `kernels.column_sums` where it runs (torch's bf16 sum(0) otherwise: 2.4x
+    slower on (3,888 x 2,048), the same sums to bf16 rounding). y has F.linear's bits, the bias
+    added inside oneDNN's product where that gives them (`bias_in_product`): F.linear first
+    copied the bias into every output row (9 ms of a 1.45 s W1 step for the square layers)."""
 
     @staticmethod
     def forward(ctx, x, weight, bias):  # noqa: D102
@@ -180,7 +212,10 @@ class _RowMajorGradLinear(torch.autograd.Function):
     def backward(ctx, g):  # noqa: D102
         x, weight = ctx.saved_tensors  # x (N, in), g (N, out)
         grad_x = g @ weight if ctx.needs_input_grad[0] else None
-        grad_w = row_major_weight_grad(g, x) if ctx.needs_input_grad[1] else None
+        grad_w = None
+        if ctx.needs_input_grad[1]:
+            square = weight.size(0) == weight.size(1)
+            grad_w = g.t() @ x if square else row_major_weight_grad(g, x)
         grad_b = None
         if ctx.has_bias and ctx.needs_input_grad[2]:
             fast = g.dtype == torch.bfloat16 and g.is_contiguous() and kernels.fused_supported()

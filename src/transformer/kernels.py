@@ -2637,8 +2637,8 @@ def attention_train_problem(q: torch.Tensor, kv: torch.Tensor, heads: int) -> st
         return "CPU tensors"
     if q.dtype != torch.bfloat16 or kv.dtype != torch.bfloat16 or q.dim() != 2 or kv.dim() != 2:
         return "bf16 q (Nq, H*D) and kv (Nk, H*(D+Dv))"
-    if not (q.is_contiguous() and kv.is_contiguous()):
-        return "contiguous q and kv"
+    if q.stride(1) != 1 or kv.stride(1) != 1:  # rows apart by any stride (a stacked q, kv)
+        return "q and kv with contiguous rows"
     if heads < 1 or q.size(1) % heads or kv.size(1) % heads:
         return f"{heads} heads do not divide q's and kv's widths"
     D = q.size(1) // heads
@@ -2730,12 +2730,14 @@ def attention_train_backward(
     inv_c: float,
     q_mapped: int,
     k_mapped: int,
+    out: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The gradients of `attention_train`'s out with respect to q and kv, from g (Nq, H*Dv)
     bf16 and its p: dq (Nq, H*D) and dkv (Nk, H*(D+Dv)) bf16, zeros at the rows no position
     maps to (from q_mapped, k_mapped on) and at keys no query may see. Per (batch row, head),
     fp32 inside: dP = g V^T, dS = P (dP - sum P dP) inv_c, dq = dS K, dk = dS^T q, dv = P^T g,
-    each rounded to bf16 once."""
+    each rounded to bf16 once. out: (dq, dkv) to write into (bf16, q's and kv's shapes, rows
+    contiguous: the two column blocks of one stacked gradient), else new tensors."""
     _require("attention_train_backward")
     problem = _packed_problem(q, kv, qrow, krow, kmask, heads)
     D = q.size(1) // max(heads, 1)
@@ -2748,10 +2750,18 @@ def attention_train_backward(
         qrow.size(0), heads, qrow.size(1), krow.size(1)
     )):  # fmt: skip
         problem = "g's or p's shape does not match"
+    if problem is None and out is not None and not all(
+        o.dtype == torch.bfloat16 and o.device.type == "cpu" and o.shape == t.shape
+        and o.stride(1) == 1
+        for o, t in zip(out, (q, kv), strict=True)
+    ):  # fmt: skip
+        problem = "out is not bf16 dq and dkv of q's and kv's shapes with contiguous rows"
     if problem:
         raise ValueError(f"attention_train_backward: {problem}")
     (B, Tq), Tk = qrow.shape, krow.size(1)
-    dq, dkv = torch.empty_like(q), torch.empty_like(kv)
+    if out is None:
+        out = torch.empty(q.shape, dtype=q.dtype), torch.empty(kv.shape, dtype=kv.dtype)
+    dq, dkv = out
     dq[q_mapped:] = 0
     dkv[k_mapped:] = 0
     if B * Tq and Tk:

@@ -617,7 +617,8 @@ def _packed_attention_takes(q, kv, xs: Packing, kvs: Packing, mask, causal: bool
     (B, 1, 1, Tk) bool key mask, §3.2.3's causal mask only within one packing (self-attention),
     projections the kernel reads as they are (`kernels.attention_train_problem`: head widths
     that are multiples of 16) and keys padded to at most `PACKED_ATTENTION_MAX_KEYS`."""
-    if not _fused_training(q, kv) or xs.B != kvs.B or (causal and xs is not kvs):
+    # The tensors' kind and layout are attention_train_problem's to judge (rows contiguous).
+    if not _fused_training() or xs.B != kvs.B or (causal and xs is not kvs):
         return False
     if kvs.T > PACKED_ATTENTION_MAX_KEYS:
         return False
@@ -637,22 +638,42 @@ class _PackedAttention(torch.autograd.Function):
     (docs/performance.md, "Round forty-nine")."""
 
     @staticmethod
-    def forward(ctx, q, kv, xs: Packing, kvs: Packing, kmask, causal: bool, heads: int):  # noqa: D102
+    def forward(ctx, q, kv, xs: Packing, kvs: Packing, kmask, causal: bool, heads: int, d_k=0):  # noqa: D102
+        # kv None: q is self-attention's stacked (N, H*K + H*(K+Vd)) projection, whose first
+        # d_k * heads columns are the queries (`gradhelper.stacked_linear`); its gradient is
+        # then written as one tensor, the stacked product's.
+        ctx.stacked = kv is None
+        qkv = q
+        if ctx.stacked:
+            q, kv = qkv.split([heads * d_k, qkv.size(1) - heads * d_k], dim=1)
         inv_c = 1.0 / math.sqrt(q.size(1) // heads)  # §3.2.1: 1 / sqrt(d_k)
         qrow, krow = xs.row_map(), kvs.row_map()
         out, p = kernels.attention_train(
             q, kv, qrow, krow, kmask, causal, heads, inv_c, xs.placed
         )  # fmt: skip
-        ctx.save_for_backward(q, kv, p)
+        if ctx.stacked:
+            ctx.save_for_backward(qkv, p)
+        else:
+            ctx.save_for_backward(q, kv, p)
         ctx.args = (qrow, krow, kmask, causal, heads, inv_c, xs.placed, kvs.placed)
+        ctx.d_k = d_k
         return out
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad: torch.Tensor):  # noqa: D102
+        rest = (None,) * 6
+        if ctx.stacked:
+            qkv, p = ctx.saved_tensors
+            d = ctx.args[4] * ctx.d_k
+            q, kv = qkv.split([d, qkv.size(1) - d], dim=1)
+            dqkv = torch.empty_like(qkv)
+            out = dqkv.split([d, qkv.size(1) - d], dim=1)
+            kernels.attention_train_backward(grad.contiguous(), q, kv, p, *ctx.args, out=out)
+            return dqkv, None, *rest
         q, kv, p = ctx.saved_tensors
         dq, dkv = kernels.attention_train_backward(grad.contiguous(), q, kv, p, *ctx.args)
-        return dq, dkv, None, None, None, None, None
+        return dq, dkv, *rest
 
 
 def packed_attention_reference(q, kv, qrow, krow, kmask, causal: bool, heads: int, inv_c: float):
@@ -856,11 +877,22 @@ class MultiHeadAttention(nn.Module):
         returns packed (Nq, D). Equal to `forward` on the padded tensors at the real rows."""
         H, K = self.n_heads, self.d_k
         p = self.p_attn_drop if self.training else 0.0
-        qp, kvp = self.w_q(x), self.w_kv(kv)  # (Nq, H*K), (Nk, H*(K+Vd))
+        qkv = None
+        if x is kv and p == 0.0 and _fused_training(x):
+            # Self-attention's W^Q and W^KV as one product (None: not taken).
+            qkv = gradhelper.stacked_linear(x, [self.w_q, self.w_kv])
+        if qkv is not None:
+            qp, kvp = qkv.split([H * K, qkv.size(1) - H * K], dim=1)  # views of qkv
+        else:
+            qp, kvp = self.w_q(x), self.w_kv(kv)  # (Nq, H*K), (Nk, H*(K+Vd))
         if p == 0.0 and _packed_attention_takes(qp, kvp, xs, kvs, mask, causal, H):
             # Eq. (1) per head read from the packed rows, with no (B, H, T, K) copies.
             kmask = None if mask is None else mask.reshape(kvs.B, kvs.T).contiguous()
-            return self.w_o(_PackedAttention.apply(qp, kvp, xs, kvs, kmask, causal, H))
+            if qkv is not None:
+                out = _PackedAttention.apply(qkv, None, xs, kvs, kmask, causal, H, K)
+            else:
+                out = _PackedAttention.apply(qp, kvp, xs, kvs, kmask, causal, H)
+            return self.w_o(out)
         q = xs.to_heads(qp, H, K)  # (B, H, Tq, K)
         if K == self.d_v:  # keys and values in one gather
             k, v = kvs.to_heads(kvp, H, K, parts=2)  # (B, H, Tk, K) each

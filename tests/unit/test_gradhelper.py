@@ -361,12 +361,13 @@ def test_row_major_weight_grad_is_g_transposed_x(n_in, n_out):
 
 @pytest.mark.parametrize("shape", [(37, 12), (3, 5, 12)])
 @pytest.mark.parametrize("bias", [True, False])
-def test_a_row_major_layer_is_nn_linear_up_to_dws_rounding(shape, bias, monkeypatch):
+@pytest.mark.parametrize("n_out", [7, 12])  # 12: square, dW from the transposed view
+def test_a_row_major_layer_is_nn_linear_up_to_dws_rounding(shape, bias, n_out, monkeypatch):
     monkeypatch.setattr(gradhelper, "ROW_MAJOR_GRADS", True)
     monkeypatch.setattr(gradhelper, "ROW_MAJOR_ROWS", 0)  # this layer is tiny
     torch.manual_seed(0)
-    ours = Linear(12, 7, bias=bias).bfloat16()
-    plain = nn.Linear(12, 7, bias=bias).bfloat16()
+    ours = Linear(12, n_out, bias=bias).bfloat16()
+    plain = nn.Linear(12, n_out, bias=bias).bfloat16()
     plain.load_state_dict(ours.state_dict())
     x = torch.randn(*shape).bfloat16()
     xa, xb = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
@@ -432,14 +433,58 @@ def test_row_major_grads_only_for_bf16_non_square_trained_cpu_weights(monkeypatc
     w = torch.zeros(7, 12, dtype=torch.bfloat16, requires_grad=True)
     assert gradhelper.row_major_grads(w, rows)
     assert not gradhelper.row_major_grads(w, rows - 1)  # too few rows: the copies cost more
+    square = torch.zeros(12, 12, dtype=torch.bfloat16, requires_grad=True)
+    assert not gradhelper.row_major_grads(square, rows)  # the copy would cost what it saves
+    assert gradhelper.own_weight_grads(square, rows)  # the rest of _RowMajorGradLinear pays
     for other in (
-        torch.zeros(12, 12, dtype=torch.bfloat16, requires_grad=True),  # square: no gain
         torch.zeros(7, 12, requires_grad=True),  # fp32
         torch.zeros(7, 12, dtype=torch.bfloat16),  # frozen
     ):
         assert not gradhelper.row_major_grads(other, rows)
+        assert not gradhelper.own_weight_grads(other, rows)
     monkeypatch.setattr(gradhelper, "ROW_MAJOR_GRADS", False)
     assert not gradhelper.row_major_grads(w, rows)
+    assert not gradhelper.own_weight_grads(square, rows)
+
+
+@pytest.mark.parametrize("rows", [30, 2100])  # F.linear's autograd; _RowMajorGradLinear
+@pytest.mark.parametrize("bias", [True, False])
+def test_a_stacked_linear_is_its_layers_side_by_side(rows, bias, monkeypatch):
+    # Self-attention's W^Q and W^KV as one product (model.MultiHeadAttention.attend_packed):
+    # the layers' outputs side by side, and each layer's gradients its rows of the stacked
+    # ones, near the separate layers' (one dx product where two were added, in bf16).
+    monkeypatch.setattr(gradhelper, "ROW_MAJOR_GRADS", True)
+    monkeypatch.setattr(gradhelper, "ROW_MAJOR_ROWS", 2048)
+    torch.manual_seed(0)
+    layers = [Linear(32, 32, bias=bias).bfloat16(), Linear(32, 64, bias=bias).bfloat16()]
+    plain = [nn.Linear(32, n, bias=bias).bfloat16() for n in (32, 64)]
+    for p, m in zip(plain, layers, strict=True):
+        p.load_state_dict(m.state_dict())
+    x = torch.randn(rows, 32).bfloat16()
+    xa, xb = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
+    y = gradhelper.stacked_linear(xa, layers)
+    ref = torch.cat([m(xb) for m in plain], 1)
+    own = "_RowMajorGradLinearBackward" in _graph_nodes(y.grad_fn)
+    assert own is (rows >= 2048)
+    torch.testing.assert_close(y.float(), ref.float(), rtol=2**-7, atol=2**-7)
+    g = torch.randn_like(y)
+    y.backward(g)
+    ref.backward(g)
+    torch.testing.assert_close(xa.grad.float(), xb.grad.float(), rtol=2e-2, atol=2e-2)
+    for m, p in zip(layers, plain, strict=True):
+        for a, b in zip(m.parameters(), p.parameters(), strict=True):
+            assert a.grad.shape == a.shape
+            scale = float(b.grad.float().abs().max())
+            torch.testing.assert_close(a.grad.float(), b.grad.float(), rtol=2e-2, atol=2e-2 * scale)
+
+
+def test_a_stacked_linear_is_not_taken_where_each_layer_keeps_its_own(monkeypatch):
+    x = torch.randn(8, 16).bfloat16()
+    a, b = Linear(16, 16).bfloat16(), Linear(16, 32).bfloat16()
+    assert gradhelper.stacked_linear(x, [a, Linear(16, 32, bias=False).bfloat16()]) is None
+    assert gradhelper.stacked_linear(x, [a, nn.Sequential(b)]) is None
+    monkeypatch.setattr(gradhelper, "active", lambda: object())  # the helper adds per weight
+    assert gradhelper.stacked_linear(x, [a, b]) is None
 
 
 @pytest.mark.parametrize("flags,expected", [({"avx512f"}, False), ({"amx_bf16", "avx512f"}, True)])

@@ -577,7 +577,7 @@ def test_training_attention_refuses_what_it_cannot_read():
         (dict(q=q.float()), "bf16 q"),
         (dict(kv=kv[:, :-16].contiguous()), "not multiples of 16"),  # values 8 wide
         (dict(heads=3), "3 heads do not divide"),
-        (dict(q=q.t().contiguous().t()), "contiguous q"),
+        (dict(q=q.t().contiguous().t()), "contiguous rows"),
         (dict(qrow=qrow.int()), "int64 row maps"),
         (dict(krow=krow[:1]), "one batch"),
         (dict(kmask=kmask.float()), "bool key mask"),
@@ -595,6 +595,39 @@ def test_training_attention_refuses_what_it_cannot_read():
         kernels.attention_train_backward(
             grad[:1], q, kv, p, qrow, krow, kmask, False, 2, 0.25, nq, nk
         )  # fmt: skip
+    for out in ((q.float(), kv), (q, kv[:-1]), (q.t().contiguous().t(), kv)):
+        with pytest.raises(ValueError, match="out is not bf16 dq and dkv"):
+            kernels.attention_train_backward(
+                grad, q, kv, p, qrow, krow, kmask, False, 2, 0.25, nq, nk, out=out
+            )  # fmt: skip
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_training_attention_reads_and_writes_a_stacked_projection(threads):
+    # Self-attention's q and kv as the two column blocks of one (N, H*D + H*(D+Dv)) tensor
+    # (gradhelper.stacked_linear), its gradient written into one such tensor: the same bits
+    # as from and into contiguous q and kv, every element of the stacked gradient written.
+    if not kernels.fused_supported():
+        return
+    g = torch.Generator().manual_seed(5)
+    q, kv, grad, qrow, krow, _, nq, nk = packed_attention_case(3, 9, 9, 2, 16, 32, True, g)
+    qkv = torch.cat([q, kv], 1)
+    qs, kvs = qkv.split([q.size(1), kv.size(1)], 1)
+    assert not qs.is_contiguous() and not kvs.is_contiguous()
+    with threads_of(threads):
+        out, p = kernels.attention_train(q, kv, qrow, krow, None, True, 2, 0.25, nq)
+        out_s, p_s = kernels.attention_train(qs, kvs, qrow, krow, None, True, 2, 0.25, nq)
+        dq, dkv = kernels.attention_train_backward(
+            grad, q, kv, p, qrow, krow, None, True, 2, 0.25, nq, nk
+        )  # fmt: skip
+        dqkv = torch.full_like(qkv, float("nan"))
+        parts = dqkv.split([q.size(1), kv.size(1)], 1)
+        got = kernels.attention_train_backward(
+            grad, qs, kvs, p_s, qrow, krow, None, True, 2, 0.25, nq, nk, out=parts
+        )  # fmt: skip
+    assert got[0].data_ptr() == dqkv.data_ptr()
+    assert torch.equal(out_s, out) and torch.equal(p_s, p)
+    assert torch.equal(dqkv, torch.cat([dq, dkv], 1))
 
 
 def test_fused_off_keeps_torchs_ops(monkeypatch):
