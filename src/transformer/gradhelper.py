@@ -99,6 +99,22 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> 
     return F.linear(x, weight, bias)
 
 
+def linear_relu(x: torch.Tensor, layer: nn.Linear) -> torch.Tensor | None:
+    """max(0, layer(x)) (§3.3 eq. (2)'s first half) with the max inside the layer's oneDNN
+    product, where the layer goes through `_RowMajorGradLinear` (`linear`) with a bias and the
+    compiled kernels run (`kernels.relu_grad` gives its gradient); None elsewhere. The max was
+    its own pass over the (N, d_ff) output: 8 ms of a 1.4 s W1 step (docs/performance.md,
+    "Round fifty")."""
+    if not torch.is_grad_enabled() or active() is not None or not is_linear(layer):
+        return None
+    weight, bias = layer.weight, layer.bias
+    if bias is None or x.dim() != 2 or not own_weight_grads(weight, x.size(0)):
+        return None
+    if not (x.dtype == torch.bfloat16 and x.is_contiguous() and kernels.fused_supported()):
+        return None
+    return _RowMajorGradLinear.apply(x, weight, bias, True)
+
+
 def stacked_linear(x: torch.Tensor, layers: list[nn.Linear]) -> torch.Tensor | None:
     """[x W_1^T + b_1, x W_2^T + b_2, ...] of layers that read the same x, as one product of
     their stacked weights (self-attention's W^Q and W^KV, §3.2.2): one (N, sum out) output
@@ -200,17 +216,26 @@ class _RowMajorGradLinear(torch.autograd.Function):
     copied the bias into every output row (9 ms of a 1.45 s W1 step for the square layers)."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias):  # noqa: D102
-        ctx.save_for_backward(x, weight)
-        ctx.has_bias = bias is not None
+    def forward(ctx, x, weight, bias, relu=False):  # noqa: D102
+        # relu (`linear_relu`): y = max(0, x W^T + b), the max in oneDNN's product with the bias
+        # (relu commutes with the rounding: `kernels.relu_`'s values, a -0 perhaps kept).
+        ctx.has_bias, ctx.relu = bias is not None, relu
         if bias is not None and x.is_contiguous() and bias_in_product():
-            return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
-        return F.linear(x, weight, bias)
+            act = "relu" if relu else "none"
+            y = torch.ops.mkldnn._linear_pointwise(x, weight, bias, act, [], "")
+        else:
+            y = F.linear(x, weight, bias)
+            if relu:
+                kernels.relu_(y)
+        ctx.save_for_backward(x, weight, y if relu else None)
+        return y
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, g):  # noqa: D102
-        x, weight = ctx.saved_tensors  # x (N, in), g (N, out)
+        x, weight, y = ctx.saved_tensors  # x (N, in), g (N, out)
+        if ctx.relu:  # through max(0, .): g where y > 0 (torch's threshold_backward)
+            g = kernels.relu_grad(g.contiguous(), y)
         grad_x = g @ weight if ctx.needs_input_grad[0] else None
         grad_w = None
         if ctx.needs_input_grad[1]:
@@ -220,7 +245,7 @@ class _RowMajorGradLinear(torch.autograd.Function):
         if ctx.has_bias and ctx.needs_input_grad[2]:
             fast = g.dtype == torch.bfloat16 and g.is_contiguous() and kernels.fused_supported()
             grad_b = kernels.column_sums(g) if fast else g.sum(0)  # fp32 sums either way
-        return grad_x, grad_w, grad_b
+        return grad_x, grad_w, grad_b, None
 
 
 def is_linear(module: nn.Module) -> bool:

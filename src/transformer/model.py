@@ -912,6 +912,9 @@ class PositionwiseFeedForward(nn.Module):
         self.w_2 = Linear(d_ff, d_model)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = gradhelper.linear_relu(x, self.w_1)  # max(0, .) inside the product (None: not)
+        if h is not None:
+            return self.w_2(h)
         h = self.w_1(x)  # (B, T, d_ff)
         if h.requires_grad and _compiled_relu(h):
             return self.w_2(_ReLU.apply(h))

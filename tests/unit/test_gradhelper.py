@@ -12,7 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from transformer import gradhelper
+from transformer import gradhelper, kernels
+from transformer import model as model_module
 from transformer.config import ModelConfig
 from transformer.gradhelper import Linear, WeightGradHelper, is_linear
 from transformer.loss import chunked_label_smoothed_loss
@@ -476,6 +477,46 @@ def test_a_stacked_linear_is_its_layers_side_by_side(rows, bias, monkeypatch):
             assert a.grad.shape == a.shape
             scale = float(b.grad.float().abs().max())
             torch.testing.assert_close(a.grad.float(), b.grad.float(), rtol=2e-2, atol=2e-2 * scale)
+
+
+@pytest.mark.parametrize("in_product", [True, False])
+def test_linear_relu_is_the_layer_then_relu_forward_and_backward(in_product, monkeypatch):
+    # The FFN's max(0, x W1 + b1) inside oneDNN's product (or F.linear then kernels.relu_):
+    # the bits of the layer then the compiled ReLU, its gradients too (the same relu_grad).
+    if not kernels.fused_supported():
+        assert gradhelper.linear_relu(torch.randn(8, 16).bfloat16(), Linear(16, 8)) is None
+        return
+    monkeypatch.setattr(gradhelper, "ROW_MAJOR_GRADS", True)
+    monkeypatch.setattr(gradhelper, "ROW_MAJOR_ROWS", 0)
+    monkeypatch.setattr(gradhelper, "BIAS_IN_PRODUCT", in_product)
+    torch.manual_seed(0)
+    layer = Linear(32, 96).bfloat16()
+    x = torch.randn(300, 32).bfloat16()
+    xa, xb = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
+    ya = gradhelper.linear_relu(xa, layer)
+    yb = model_module._ReLU.apply(layer(xb))
+    assert "_RowMajorGradLinearBackward" in _graph_nodes(ya.grad_fn)
+    assert torch.equal(ya, yb) and bool((ya == 0).any()) and bool((ya > 0).any())
+    g = torch.randn_like(ya)
+    ya.backward(g)
+    grads = [p.grad.clone() for p in layer.parameters()]
+    layer.zero_grad()
+    yb.backward(g)
+    assert torch.equal(xa.grad, xb.grad)
+    assert all(torch.equal(a, p.grad) for a, p in zip(grads, layer.parameters(), strict=True))
+
+
+def test_linear_relu_is_not_taken_where_the_layer_runs_as_it_was(monkeypatch):
+    monkeypatch.setattr(gradhelper, "ROW_MAJOR_GRADS", True)
+    monkeypatch.setattr(gradhelper, "ROW_MAJOR_ROWS", 0)
+    x = torch.randn(8, 16).bfloat16()
+    assert gradhelper.linear_relu(x, Linear(16, 8, bias=False).bfloat16()) is None
+    assert gradhelper.linear_relu(x.view(2, 4, 16), Linear(16, 8).bfloat16()) is None  # 3-D
+    assert gradhelper.linear_relu(x.float(), Linear(16, 8)) is None  # fp32
+    with torch.no_grad():
+        assert gradhelper.linear_relu(x, Linear(16, 8).bfloat16()) is None
+    monkeypatch.setattr(gradhelper, "active", lambda: object())  # the helper defers dW
+    assert gradhelper.linear_relu(x, Linear(16, 8).bfloat16()) is None
 
 
 def test_a_stacked_linear_is_not_taken_where_each_layer_keeps_its_own(monkeypatch):
