@@ -86,6 +86,60 @@ class Linear(nn.Linear):
         return linear(x, self.weight, self.bias)
 
 
+class ResidualPort:
+    """A post-norm sub-layer's way to add its residual's gradient into a product (§3.1:
+    LayerNorm(x + Sublayer(x)) sends x two gradients, the residual's and the sub-layer's).
+
+    Autograd adds the two as a pass of their own over (N, D) after the sub-layer's first
+    product of x has made its dx = g W: 30 such adds took ~22 ms of a 1.4 s W1 step. Instead
+    `model._Residual` offers a port for x while the sub-layer runs (`offering`); the first
+    `_RowMajorGradLinear` of that very x claims it (`_claim`); `model._ResidualNorm`'s backward
+    puts its dx for x in the port instead of returning it, and the product's backward adds g W
+    into it with oneDNN's accumulating product (`addmm_`, one rounding). The norm's backward
+    always runs first: the product's own gradient comes through it. Unclaimed, nothing
+    changes; claimed but with the norm not fused, the port stays empty and autograd adds."""
+
+    def __init__(self, x: torch.Tensor):
+        self.x: torch.Tensor | None = x  # cleared once the sub-layer has run
+        self.claimed = False
+        self.grad: torch.Tensor | None = None
+
+    def take(self) -> torch.Tensor | None:
+        """The residual's gradient for x, once (None: none was put)."""
+        grad, self.grad = self.grad, None
+        return grad
+
+
+_OFFERED: ResidualPort | None = None  # the port of the sub-layer running now
+
+
+class offering:  # noqa: N801 (a context manager, used as a function)
+    """`with offering(port):` the sub-layer's forward, its first product of port.x may claim
+    the port (port None: nothing offered)."""
+
+    def __init__(self, port: ResidualPort | None):
+        self.port = port
+
+    def __enter__(self) -> None:
+        global _OFFERED
+        self.outer, _OFFERED = _OFFERED, self.port
+
+    def __exit__(self, *exc) -> None:
+        global _OFFERED
+        _OFFERED = self.outer
+        if self.port is not None:
+            self.port.x = None
+
+
+def _claim(x: torch.Tensor) -> ResidualPort | None:
+    """The port offered for x, claimed once (None: none, or claimed already)."""
+    port = _OFFERED
+    if port is None or port.x is not x or port.claimed or not x.requires_grad:
+        return None
+    port.claimed = True
+    return port
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """F.linear(x, weight, bias), through `_RowMajorGradLinear` where `own_weight_grads`
     (a training product of many rows on AMX), with F.linear's values either way. Not the
@@ -93,7 +147,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> 
     if torch.is_grad_enabled() and own_weight_grads(weight, x.shape[:-1].numel()):
         # 2-D inside the Function: a view made in there could not be changed in place
         if x.dim() == 2:
-            return _RowMajorGradLinear.apply(x, weight, bias)
+            return _RowMajorGradLinear.apply(x, weight, bias, False, _claim(x))
         y = _RowMajorGradLinear.apply(x.reshape(-1, x.size(-1)), weight, bias)
         return y.view(*x.shape[:-1], y.size(-1))
     return F.linear(x, weight, bias)
@@ -112,7 +166,7 @@ def linear_relu(x: torch.Tensor, layer: nn.Linear) -> torch.Tensor | None:
         return None
     if not (x.dtype == torch.bfloat16 and x.is_contiguous() and kernels.fused_supported()):
         return None
-    return _RowMajorGradLinear.apply(x, weight, bias, True)
+    return _RowMajorGradLinear.apply(x, weight, bias, True, _claim(x))
 
 
 def stacked_linear(x: torch.Tensor, layers: list[nn.Linear]) -> torch.Tensor | None:
@@ -216,10 +270,11 @@ class _RowMajorGradLinear(torch.autograd.Function):
     copied the bias into every output row (9 ms of a 1.45 s W1 step for the square layers)."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, relu=False):  # noqa: D102
+    def forward(ctx, x, weight, bias, relu=False, port=None):  # noqa: D102
         # relu (`linear_relu`): y = max(0, x W^T + b), the max in oneDNN's product with the bias
         # (relu commutes with the rounding: `kernels.relu_`'s values, a -0 perhaps kept).
-        ctx.has_bias, ctx.relu = bias is not None, relu
+        # port: a `ResidualPort` whose gradient dx adds into (claimed for x).
+        ctx.has_bias, ctx.relu, ctx.port = bias is not None, relu, port
         if bias is not None and x.is_contiguous() and bias_in_product():
             act = "relu" if relu else "none"
             y = torch.ops.mkldnn._linear_pointwise(x, weight, bias, act, [], "")
@@ -236,7 +291,10 @@ class _RowMajorGradLinear(torch.autograd.Function):
         x, weight, y = ctx.saved_tensors  # x (N, in), g (N, out)
         if ctx.relu:  # through max(0, .): g where y > 0 (torch's threshold_backward)
             g = kernels.relu_grad(g.contiguous(), y)
-        grad_x = g @ weight if ctx.needs_input_grad[0] else None
+        grad_x = None
+        if ctx.needs_input_grad[0]:
+            residual = None if ctx.port is None else ctx.port.take()
+            grad_x = g @ weight if residual is None else residual.addmm_(g, weight)
         grad_w = None
         if ctx.needs_input_grad[1]:
             square = weight.size(0) == weight.size(1)
@@ -245,7 +303,7 @@ class _RowMajorGradLinear(torch.autograd.Function):
         if ctx.has_bias and ctx.needs_input_grad[2]:
             fast = g.dtype == torch.bfloat16 and g.is_contiguous() and kernels.fused_supported()
             grad_b = kernels.column_sums(g) if fast else g.sum(0)  # fp32 sums either way
-        return grad_x, grad_w, grad_b, None
+        return grad_x, grad_w, grad_b, None, None
 
 
 def is_linear(module: nn.Module) -> bool:

@@ -1085,13 +1085,17 @@ class _Residual(nn.Module):
     def forward(self, x: torch.Tensor, sublayer) -> torch.Tensor:
         if self.norm_first:
             return x + dropout(sublayer(layer_norm(self.norm, x)), self.p_drop, self.training)
-        f = sublayer(x)
+        # x's residual gradient may go into the sub-layer's first product of x (`ResidualPort`)
+        port = gradhelper.ResidualPort(x) if torch.is_grad_enabled() and x.requires_grad else None
+        with gradhelper.offering(port):
+            f = sublayer(x)
         if _fused_residual_norm(x, f, self.norm):
             p = self.p_drop if self.training else 0.0
             keep = None if p == 0.0 else dropout_keep(f, p)
             scale = 1.0 if keep is None else 1.0 / (1.0 - p)
             norm = self.norm
-            return _ResidualNorm.apply(x, f, keep, scale, norm.weight, norm.bias, norm.eps)
+            port = port if port is not None and port.claimed else None
+            return _ResidualNorm.apply(x, f, keep, scale, norm.weight, norm.bias, norm.eps, port)
         return layer_norm(self.norm, x + dropout(f, self.p_drop, self.training))
 
 
@@ -1119,7 +1123,9 @@ class _ResidualNorm(torch.autograd.Function):
     1 / std, and the bool mask."""
 
     @staticmethod
-    def forward(ctx, x, f, keep, scale, weight, bias, eps):  # noqa: D102
+    def forward(ctx, x, f, keep, scale, weight, bias, eps, port=None):  # noqa: D102
+        # port: a claimed `gradhelper.ResidualPort`, which takes dx (x's gradient is None then)
+        ctx.port = port
         d = x.size(-1)
         y, s, mean, rstd = kernels.residual_norm(
             x.view(-1, d), f.view(-1, d), None if keep is None else keep.view(-1, d),
@@ -1139,7 +1145,10 @@ class _ResidualNorm(torch.autograd.Function):
             None if keep is None else keep.view(-1, d), ctx.scale,
         )  # fmt: skip
         dw, db = dw.to(weight.dtype), db.to(weight.dtype)
-        return dx.view(ctx.shape), df.view(ctx.shape), None, None, dw, db, None
+        dx = dx.view(ctx.shape)
+        if ctx.port is not None:  # added into the sub-layer's product of x, in its backward
+            ctx.port.grad, dx = dx, None
+        return dx, df.view(ctx.shape), None, None, dw, db, None, None
 
 
 class EncoderLayer(nn.Module):
