@@ -500,9 +500,10 @@ AVX512BW static inline __mmask16 first16(int64_t n) { /* lanes 0 .. min(n, 16) -
 }
 
 /* rows [r0, r1) of (B, H, Tq, Tk), row r = ((b H + h) Tq + i): w = softmax(v) with v_j =
-   bf16(x_j / c) (c > 0; c = 0: x_j) where mask[b mb + h mh + i mi + j mj] is nonzero, -inf
-   elsewhere; a row with no legal key gets w = 0. buf: Tk rounded up to 16 floats, written
-   with whole vectors only (a vector load of smaller stores stalls). */
+   bf16(x_j / c) (c > 0; c = 0: x_j) where mask[b mb + h mh + i mi + j mj] is nonzero (mask
+   NULL: everywhere), -inf elsewhere; a row with no legal key gets w = 0. buf: Tk rounded up to
+   16 floats, written with whole vectors only (a vector load of smaller stores stalls). Each
+   row is read whole before it is written: w may be x. */
 AVX512BW static void softmax_rows(const uint16_t *x, const uint8_t *mask, int64_t H,
                                   int64_t Tq, int64_t Tk, int64_t mb, int64_t mh, int64_t mi,
                                   int64_t mj, float c, int64_t r0, int64_t r1, uint16_t *w,
@@ -517,22 +518,32 @@ AVX512BW static void softmax_rows(const uint16_t *x, const uint8_t *mask, int64_
       if (++h == H) h = 0, ++b;
     }
     const uint16_t *xr = x + r * Tk;
-    const uint8_t *mr = mask + b * mb + h * mh + i * mi;
+    const uint8_t *mr = mask ? mask + b * mb + h * mh + i * mi : 0;
     __m512 top = vninf;
+    __mmask16 nan = 0;
     for (int64_t j = 0; j < tp; j += 16) {
       const __mmask16 in = first16(Tk - j);
       __m512 v = widen(_mm256_maskz_loadu_epi16(in, xr + j));
       if (c > 0.f) v = widen(narrow(_mm512_div_ps(v, vc)));
-      const uint8_t *mk = mr + j * mj;
-      if (mj != 1) { /* a mask strided along the keys: its bytes gathered first */
-        for (int64_t k = 0; k < 16; ++k) row_mask[k] = j + k < Tk ? mk[k * mj] : 0;
-        mk = row_mask;
+      __mmask16 legal = in;
+      if (mr) {
+        const uint8_t *mk = mr + j * mj;
+        if (mj != 1) { /* a mask strided along the keys: its bytes gathered first */
+          for (int64_t k = 0; k < 16; ++k) row_mask[k] = j + k < Tk ? mk[k * mj] : 0;
+          mk = row_mask;
+        }
+        legal = _mm512_mask_cmpneq_epi32_mask(
+            in, _mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(in, mk)), _mm512_setzero_si512());
       }
-      __mmask16 legal = _mm512_mask_cmpneq_epi32_mask(
-          in, _mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(in, mk)), _mm512_setzero_si512());
       v = _mm512_mask_mov_ps(vninf, legal, v);
       _mm512_storeu_ps(buf + j, v);
       top = _mm512_max_ps(top, v);
+      nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+    }
+    if (nan) { /* a NaN among the legal values: a NaN row, as torch's softmax (exp_nonpositive
+                  and max would drop it) */
+      for (int64_t j = 0; j < Tk; ++j) w[r * Tk + j] = 0x7fc0;
+      continue;
     }
     float t = _mm512_reduce_max_ps(top);
     if (t == -__builtin_inff()) t = -3.40282347e38f; /* no legal key: exp(-inf) = 0 */
@@ -547,9 +558,13 @@ AVX512BW static void softmax_rows(const uint16_t *x, const uint8_t *mask, int64_
     }
     float sum = _mm512_reduce_add_ps(acc);
     const __m512 vs = _mm512_set1_ps(sum < 1.f ? 1.f : sum); /* a legal row's sum is >= 1 */
+    /* With no mask (the loss's rows, V wide) times 1 / sum: a division per value took a
+       quarter of the time there. The attention's rows keep the division (their bits). */
+    const __m512 vr = _mm512_div_ps(_mm512_set1_ps(1.f), vs);
     for (int64_t j = 0; j < tp; j += 16) {
       const __mmask16 in = first16(Tk - j);
-      __m256i o = narrow(_mm512_div_ps(_mm512_loadu_ps(buf + j), vs));
+      const __m512 e = _mm512_loadu_ps(buf + j);
+      __m256i o = narrow(mask ? _mm512_div_ps(e, vs) : _mm512_mul_ps(e, vr));
       _mm256_mask_storeu_epi16(w + r * Tk + j, in, o);
     }
   }
@@ -2318,6 +2333,24 @@ def masked_softmax(x: torch.Tensor, mask: torch.Tensor, c: float) -> torch.Tenso
             work.data_ptr(), threads,
         )  # fmt: skip
     return w
+
+
+def softmax_(x: torch.Tensor) -> torch.Tensor:
+    """softmax over the last dimension of x (n, V), contiguous bf16, written over x: fp32
+    inside (`masked_softmax`'s rows with every class legal), the output rounded to bf16 once.
+    The chunked loss's (n, V) softmax (loss.py): torch's bf16 kernel ran ~2x slower there.
+    Only where `fused_supported()`."""
+    _require("softmax_", x)
+    if x.dim() != 2:
+        raise ValueError("softmax_: a contiguous (n, V) bf16 CPU tensor")
+    n, v = x.shape
+    if x.numel():
+        threads = _threads(x.numel())
+        work = torch.empty(threads * ((v + 15) // 16 * 16))
+        _LIB.masked_softmax_fwd(
+            x.data_ptr(), None, 1, 1, n, v, 0, 0, 0, 0, 0.0, x.data_ptr(), work.data_ptr(), threads
+        )  # fmt: skip
+    return x
 
 
 def masked_softmax_backward(g: torch.Tensor, w: torch.Tensor, c: float) -> torch.Tensor:

@@ -96,6 +96,16 @@ def _chunks(n_rows: int, chunk_rows: int, align: int = ALIGN) -> list[tuple[int,
     return bounds
 
 
+def _softmax_(logits: torch.Tensor) -> torch.Tensor:
+    """softmax over V, written over the (n, V) logits: `kernels.softmax_` in bf16 on a CPU
+    with the compiled kernels (torch's took 23.7 ms a 1,912-row chunk there, it 16.4), torch's
+    elsewhere; fp32 inside either way."""
+    if logits.dtype == torch.bfloat16 and logits.device.type == "cpu" and logits.is_contiguous():
+        if kernels.fused_supported() and not torch.compiler.is_compiling():
+            return kernels.softmax_(logits)
+    return torch.ops.aten._softmax.out(logits, -1, False, out=logits)
+
+
 def _padded(n: int) -> int:
     """n rows rounded up to a multiple of ALIGN."""
     return -(-n // ALIGN) * ALIGN
@@ -177,7 +187,7 @@ class _ChunkedProjectionLoss(torch.autograd.Function):
             # it; the same values as a new tensor, ~3x faster as no page is newly touched), is
             # the one (n, V) block: it gives the gradient, and with two per-row numbers the
             # loss. In the parameters' dtype, fp32 inside the kernel.
-            probs = torch.ops.aten._softmax.out(logits, -1, False, out=logits)  # (n, V)
+            probs = _softmax_(logits)  # (n, V)
             del logits
             # sum_c logit_c as h . sum_c W_c: (n, V).sum(dtype=fp32) made an fp32 copy of the
             # logits first (~3% of a base training step).

@@ -490,6 +490,40 @@ def test_masked_softmax_is_the_models_to_bf16_rounding(shape, c):
             assert bool((w[0] == 0).all()) and bool((dx[0] == 0).all())
 
 
+@pytest.mark.parametrize("shape", [(1, 1), (3, 37), (5, 32000), (64, 1000)])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_softmax_in_place_is_softmax_to_bf16_rounding(shape, threads):
+    # The chunked loss's (n, V) softmax over its logits (loss.py), fp32 inside.
+    x = (torch.randn(shape, generator=torch.Generator().manual_seed(shape[1])) * 4).bfloat16()
+    if not kernels.fused_supported():
+        with pytest.raises(RuntimeError, match="not on this machine"):
+            kernels.softmax_(x)
+        return
+    ref = torch.softmax(x.double(), -1)
+    y = x.clone()
+    with threads_of(threads):
+        out = kernels.softmax_(y)
+    assert out.data_ptr() == y.data_ptr() and out.dtype == torch.bfloat16  # written over x
+    assert ((out.double() - ref).abs() <= 2**-8 * ref).all()  # one bf16 rounding
+    with threads_of(3 - threads):
+        assert torch.equal(kernels.softmax_(x.clone()), out)  # one thread or two: the same bits
+    # torch's bf16 softmax: the same rounding, but for a few values one bf16 step apart
+    torch_out = torch.softmax(x, -1)
+    assert ((out.double() - torch_out.double()).abs() <= 2**-7 * ref).all()
+
+
+def test_softmax_in_place_keeps_a_nan_row_nan_and_refuses_what_it_cannot_read():
+    if not kernels.fused_supported():
+        return
+    x = torch.randn(3, 40).bfloat16()
+    x[1, 7] = float("nan")
+    out = kernels.softmax_(x.clone())
+    assert out[1].isnan().all() and not out[[0, 2]].isnan().any()  # as torch's
+    for bad in (x.float(), x.t(), x[None]):
+        with pytest.raises(ValueError, match="softmax_"):
+            kernels.softmax_(bad)
+
+
 def test_masked_softmax_refuses_what_it_cannot_read():
     if not kernels.fused_supported():
         return
