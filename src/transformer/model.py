@@ -11,6 +11,7 @@ dropout and LayerNorm in one pass when training in bf16).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import math
@@ -1085,9 +1086,13 @@ class _Residual(nn.Module):
     def forward(self, x: torch.Tensor, sublayer) -> torch.Tensor:
         if self.norm_first:
             return x + dropout(sublayer(layer_norm(self.norm, x)), self.p_drop, self.training)
-        # x's residual gradient may go into the sub-layer's first product of x (`ResidualPort`)
-        port = gradhelper.ResidualPort(x) if torch.is_grad_enabled() and x.requires_grad else None
-        with gradhelper.offering(port):
+        # x's residual gradient may go into the sub-layer's first product of x (`ResidualPort`:
+        # packed (N, D) rows in training, not inside torch.compile's trace)
+        port = None
+        if torch.is_grad_enabled() and x.requires_grad and x.dim() == 2:
+            if not torch.compiler.is_compiling():
+                port = gradhelper.ResidualPort(x)
+        with gradhelper.offering(port) if port is not None else contextlib.nullcontext():
             f = sublayer(x)
         if _fused_residual_norm(x, f, self.norm):
             p = self.p_drop if self.training else 0.0
