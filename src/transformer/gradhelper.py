@@ -134,7 +134,7 @@ class offering:  # noqa: N801 (a context manager, used as a function)
 def _claim(x: torch.Tensor) -> ResidualPort | None:
     """The port offered for x, claimed once (None: none, or claimed already)."""
     port = _OFFERED
-    if port is None or port.x is not x or port.claimed or not x.requires_grad:
+    if port is None or port.x is not x or port.claimed:  # (offered only where x needs grad)
         return None
     port.claimed = True
     return port
@@ -164,7 +164,7 @@ def linear_relu(x: torch.Tensor, layer: nn.Linear) -> torch.Tensor | None:
     weight, bias = layer.weight, layer.bias
     if bias is None or x.dim() != 2 or not own_weight_grads(weight, x.size(0)):
         return None
-    if not (x.dtype == torch.bfloat16 and x.is_contiguous() and kernels.fused_supported()):
+    if not kernels.fused_takes(x):
         return None
     return _RowMajorGradLinear.apply(x, weight, bias, True, _claim(x))
 

@@ -2199,6 +2199,20 @@ def fused_supported() -> bool:
     return FUSED and _AVX512 and _library() is not None
 
 
+def fused_takes(*tensors: torch.Tensor) -> bool:
+    """Whether the fused kernels may take these tensors: each contiguous bf16 on the CPU,
+    `fused_supported()`, not inside torch.compile's trace (the callers' gate before a kernel;
+    `_require` is the kernels' own check, which raises)."""
+    return (
+        all(
+            t.dtype == torch.bfloat16 and t.device.type == "cpu" and t.is_contiguous()
+            for t in tensors
+        )
+        and not torch.compiler.is_compiling()
+        and fused_supported()
+    )
+
+
 def _threads(n: int) -> int:
     """OpenMP threads for a kernel over n values: torch's count, one below MIN_THREADED."""
     return torch.get_num_threads() if n >= MIN_THREADED else 1

@@ -100,9 +100,8 @@ def _softmax_(logits: torch.Tensor) -> torch.Tensor:
     """softmax over V, written over the (n, V) logits: `kernels.softmax_` in bf16 on a CPU
     with the compiled kernels (torch's took 23.7 ms a 1,912-row chunk there, it 16.4), torch's
     elsewhere; fp32 inside either way."""
-    if logits.dtype == torch.bfloat16 and logits.device.type == "cpu" and logits.is_contiguous():
-        if kernels.fused_supported() and not torch.compiler.is_compiling():
-            return kernels.softmax_(logits)
+    if kernels.fused_takes(logits):
+        return kernels.softmax_(logits)
     return torch.ops.aten._softmax.out(logits, -1, False, out=logits)
 
 
@@ -115,9 +114,8 @@ def _class_sum(weight: torch.Tensor) -> torch.Tensor:
     """sum_c W_c (D,) in fp32 of the output projection (V, D): in bf16 by `kernels.column_sums`
     in one pass, where `weight.float().sum(0)` made an fp32 copy first (9 ms of a 1.45 s W1
     step: docs/performance.md, "Round fifty")."""
-    if weight.dtype == torch.bfloat16 and weight.device.type == "cpu" and weight.is_contiguous():
-        if kernels.fused_supported() and not torch.compiler.is_compiling():
-            return kernels.column_sums(weight.detach(), fp32=True)
+    if kernels.fused_takes(weight):
+        return kernels.column_sums(weight.detach(), fp32=True)
     return weight.float().sum(0)
 
 

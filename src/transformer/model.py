@@ -573,15 +573,7 @@ def _compiled_softmax(scores: torch.Tensor) -> bool:
 def _fused_training(*tensors: torch.Tensor) -> bool:
     """Whether a fused kernel (`kernels.fused_supported`) may take these tensors: gradients on
     (training), each contiguous bf16 on the CPU, not inside torch.compile's trace."""
-    return (
-        torch.is_grad_enabled()
-        and all(
-            t.dtype == torch.bfloat16 and t.device.type == "cpu" and t.is_contiguous()
-            for t in tensors
-        )
-        and not torch.compiler.is_compiling()
-        and kernels.fused_supported()
-    )
+    return torch.is_grad_enabled() and kernels.fused_takes(*tensors)
 
 
 class _ScaledMaskedSoftmax(torch.autograd.Function):
@@ -646,7 +638,8 @@ class _PackedAttention(torch.autograd.Function):
         ctx.stacked = kv is None
         qkv = q
         if ctx.stacked:
-            q, kv = qkv.split([heads * d_k, qkv.size(1) - heads * d_k], dim=1)
+            ctx.widths = [heads * d_k, qkv.size(1) - heads * d_k]  # queries | keys, values
+            q, kv = qkv.split(ctx.widths, dim=1)
         inv_c = 1.0 / math.sqrt(q.size(1) // heads)  # §3.2.1: 1 / sqrt(d_k)
         qrow, krow = xs.row_map(), kvs.row_map()
         out, p = kernels.attention_train(
@@ -657,7 +650,6 @@ class _PackedAttention(torch.autograd.Function):
         else:
             ctx.save_for_backward(q, kv, p)
         ctx.args = (qrow, krow, kmask, causal, heads, inv_c, xs.placed, kvs.placed)
-        ctx.d_k = d_k
         return out
 
     @staticmethod
@@ -666,10 +658,9 @@ class _PackedAttention(torch.autograd.Function):
         rest = (None,) * 6
         if ctx.stacked:
             qkv, p = ctx.saved_tensors
-            d = ctx.args[4] * ctx.d_k
-            q, kv = qkv.split([d, qkv.size(1) - d], dim=1)
+            q, kv = qkv.split(ctx.widths, dim=1)
             dqkv = torch.empty_like(qkv)
-            out = dqkv.split([d, qkv.size(1) - d], dim=1)
+            out = dqkv.split(ctx.widths, dim=1)
             kernels.attention_train_backward(grad.contiguous(), q, kv, p, *ctx.args, out=out)
             return dqkv, None, *rest
         q, kv, p = ctx.saved_tensors
