@@ -10,6 +10,12 @@ decoding of 64 sentences forced to 50 tokens with the shared Marian weights.
     .venv/bin/python benchmarks/bench_before_after.py --rev 242feec --what real \
         --data QS/data --preset quickstart --batches 40
 
+`--switch attention_amx`: a kernel switch (`transformer.kernels.attention_amx`) off before each
+'before' call and on before each 'after' one; with `--rev HEAD` the same code either side:
+
+    .venv/bin/python benchmarks/bench_before_after.py --rev HEAD --switch attention_amx \
+        --what train,real --data QS/data --reps 12
+
 `--what real`: training steps on the first batches of a prepared training split (the preset's
 batch size, length-sorted as `transformer train` makes them, bf16 with fp32-master Adam), each
 batch stepped before, after, after, before (the second step of a shape finds its oneDNN kernels
@@ -50,13 +56,25 @@ def module_at(rev: str, path: str, name: str) -> types.ModuleType:
     return module
 
 
+# `--switch`: the kernel switch set off for 'before' and on for 'after' (`switched`).
+SWITCH = None
+
+
+def switched(k: str) -> None:
+    """Set `SWITCH` for the side k ('before': off, 'after': on), where there is one."""
+    if SWITCH is not None:
+        SWITCH(k == "after")
+
+
 def interleave(runs: dict, reps: int) -> dict[str, float]:
     """Median seconds per call of each zero-argument function, calls round-robin."""
-    for f in runs.values():
+    for k, f in runs.items():
+        switched(k)
         f()  # warm-up
     times: dict[str, list[float]] = {k: [] for k in runs}
     for _ in range(reps):
         for k, f in runs.items():
+            switched(k)
             start = time.perf_counter()
             f()
             times[k].append(time.perf_counter() - start)
@@ -74,10 +92,20 @@ def main() -> None:
     p.add_argument("--data", help="prepared data directory (--what real)")
     p.add_argument("--preset", default="quickstart", help="model preset (--what real)")
     p.add_argument("--batches", type=int, default=40, help="training batches (--what real)")
+    p.add_argument(
+        "--switch", choices=["attention_amx"], help="a kernel switch: off before, on after"
+    )
     args = p.parse_args()
     if "real" in args.what and not args.data:
         p.error("--what real needs --data DIR (a prepared-data directory)")
     torch.set_num_threads(args.threads)
+    global SWITCH
+    if args.switch:
+        from transformer import kernels
+
+        SWITCH = getattr(kernels, args.switch)
+        if not SWITCH(True):
+            sys.exit(f"bench_before_after.py: {args.switch} cannot be switched on here")
     old_model = module_at(args.rev, "src/transformer/model.py", "before_model")
     old_loss = module_at(args.rev, "src/transformer/loss.py", "before_loss")
     print(f"torch {torch.__version__}, {args.threads} threads, before = {args.rev}, "
@@ -167,7 +195,8 @@ def real_batches(args, old_model: types.ModuleType, old_loss: types.ModuleType) 
         "before": trainer(old_model.Transformer, old_loss.chunked_label_smoothed_loss),
         "after": trainer(Transformer, chunked_label_smoothed_loss),
     }
-    for step in steps.values():  # warm-up
+    for k, step in steps.items():  # warm-up
+        switched(k)
         for b in batches[:3]:
             step(b)
     seconds = {k: 0.0 for k in steps}
@@ -180,6 +209,7 @@ def real_batches(args, old_model: types.ModuleType, old_loss: types.ModuleType) 
         for b in batches:
             took = dict.fromkeys(steps, 0.0)
             for k in ("before", "after", "after", "before"):
+                switched(k)
                 start = time.perf_counter()
                 steps[k](b)
                 took[k] += time.perf_counter() - start

@@ -791,6 +791,27 @@ AVX512BW static void attn_fwd_head(const uint16_t *q, int64_t lq, const uint16_t
   rows_bf16(o, nq, Dv, qrow, qi, out, lo);
 }
 
+/* a head's key gradients dka (nk, D) and dva (nk, Dv), fp32, rounded into each packed key's
+   row of dk and dv (stride ldk) at this head's columns; zeros for a key no query may see */
+AVX512 static void head_keys_out(const int64_t *krow, const int64_t *kj, int64_t nk, int64_t Tk,
+                                 int64_t D, int64_t Dv, const float *dka, const float *dva,
+                                 uint16_t *dk, uint16_t *dv, int64_t ldk) {
+  for (int64_t j = 0, m = 0; j < Tk; ++j) {
+    if (krow[j] < 0) continue;
+    uint16_t *dkr = dk + krow[j] * ldk, *dvr = dv + krow[j] * ldk;
+    if (m < nk && kj[m] == j) {
+      for (int64_t d = 0; d < D; d += 16)
+        _mm256_storeu_si256((__m256i *)(dkr + d), narrow(_mm512_loadu_ps(dka + m * D + d)));
+      for (int64_t d = 0; d < Dv; d += 16)
+        _mm256_storeu_si256((__m256i *)(dvr + d), narrow(_mm512_loadu_ps(dva + m * Dv + d)));
+      ++m;
+    } else {
+      memset(dkr, 0, (size_t)D * 2);
+      memset(dvr, 0, (size_t)Dv * 2);
+    }
+  }
+}
+
 /* its gradient: g's rows (stride lg) as out's; dq's as q's (stride ldq); dk's, dv's as k's and
    v's (stride ldk): each packed row of this batch row written at this head's columns, zeros
    for a key no query may see. Scratch: kr (Tk, D), vt (Dv, tp), qf (Tq, D), gf (Tq, Dv),
@@ -842,21 +863,316 @@ AVX512BW static void attn_bwd_head(const uint16_t *g, int64_t lg, const uint16_t
     memset(dka, 0, (size_t)(nk * D) * 4);
     memset(dva, 0, (size_t)(nk * Dv) * 4);
   }
-  for (int64_t j = 0, m = 0; j < Tk; ++j) {
-    if (krow[j] < 0) continue;
-    uint16_t *dkr = dk + krow[j] * ldk, *dvr = dv + krow[j] * ldk;
-    if (m < nk && kj[m] == j) {
-      for (int64_t d = 0; d < D; d += 16)
-        _mm256_storeu_si256((__m256i *)(dkr + d), narrow(_mm512_loadu_ps(dka + m * D + d)));
-      for (int64_t d = 0; d < Dv; d += 16)
-        _mm256_storeu_si256((__m256i *)(dvr + d), narrow(_mm512_loadu_ps(dva + m * Dv + d)));
-      ++m;
-    } else {
-      memset(dkr, 0, (size_t)D * 2);
-      memset(dvr, 0, (size_t)Dv * 2);
+  head_keys_out(krow, kj, nk, Tk, D, Dv, dka, dva, dk, dv, ldk);
+}
+
+/* ---- the same two heads' products on AMX: bf16 tiles, fp32 sums ---- */
+
+/* Where the compiler knows AMX's intrinsics (gcc 11, clang 12 on). The products above run on
+   AVX-512's fp32 lanes at ~100 GFLOP/s on two cores of the AMX Xeon; its tiles multiply bf16 at
+   ~20x that. Each operand is an exact bf16 value either way (q, k, v, g, the bf16 weights P)
+   and the sums are fp32 either way, in another order; dS, fp32, goes in as two bf16 parts
+   (hi = bf16(dS), lo = bf16(dS - hi)): ~16 bits of its 24. */
+#if defined(__x86_64__) && ((defined(__clang__) && __clang_major__ >= 12) || \
+                            (!defined(__clang__) && defined(__GNUC__) && __GNUC__ >= 11))
+#define HAVE_AMX 1
+#include <sys/syscall.h>
+#include <unistd.h>
+#define AMXBW __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl")))
+#endif
+static int attn_amx = 0;
+
+/* Whether the training attention's products run on AMX (on: 1 asks for it). Linux gives a
+   process the tiles' state only when asked (arch_prctl ARCH_REQ_XCOMP_PERM for
+   XFEATURE_XTILEDATA); oneDNN asks the same for its own products. on < 0: no change. Returns
+   the state now. */
+int attention_amx(int on) {
+#ifdef HAVE_AMX
+  if (on < 0) return attn_amx;
+  if (on && !attn_amx && syscall(SYS_arch_prctl, 0x1023, 18) != 0) return 0;
+  attn_amx = on != 0;
+  return attn_amx;
+#else
+  (void)on;
+  return 0;
+#endif
+}
+
+#ifdef HAVE_AMX
+typedef uint32_t __attribute__((may_alias)) word32;
+static inline int64_t up16(int64_t n) { return (n + 15) & ~(int64_t)15; }
+static inline int64_t up32(int64_t n) { return (n + 31) & ~(int64_t)31; }
+
+/* tiles 0-3 (C: 16 x 16 fp32), 4-5 (A: 16 x 32 bf16) and 6-7 (B: 16 x 16 bf16 pairs), this
+   thread's until `amx_stop`; oneDNN configures its own for each of its products */
+AMXBW static void amx_start(void) {
+  struct {
+    uint8_t palette, start_row, zero[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+  } cfg;
+  memset(&cfg, 0, sizeof cfg);
+  cfg.palette = 1;
+  for (int t = 0; t < 8; ++t) cfg.colsb[t] = 64, cfg.rows[t] = 16;
+  /* not gcc 12's _tile_loadconfig, whose asm names only the first 8 bytes as read: the
+     stores of the rest were dropped as dead */
+  __asm__ volatile("ldtilecfg %0" ::"m"(cfg));
+}
+AMXBW static void amx_stop(void) { _tile_release(); }
+
+/* C (M x N fp32, row stride ldc) = A B (+ A2 B): A, A2 (M x K bf16, row stride lda), B as
+   pairs of its rows (K/2 rows of N words (b[2r][j], b[2r+1][j]), row stride ldb words); M and
+   N multiples of 16, K of 32. In blocks of 2 x 2 tiles (four independent sums: one tile's
+   chain of products waits on each product's latency). lim 1: a block's columns only to
+   up16(its last row's keys, nr), lim 2: its sum only to up32 of them (the weights past them
+   are zero); nr ascending. */
+AMXBW static void amx_gemm(const uint16_t *A, const uint16_t *A2, int64_t lda, const word32 *B,
+                           int64_t ldb, int64_t M, int64_t N, int64_t K, float *C, int64_t ldc,
+                           const int64_t *nr, int64_t nq, int lim) {
+  const int64_t sa = lda * 2, sb = ldb * 4, sc = ldc * 4;
+  for (int64_t m = 0; m < M; m += 32) {
+    const int rows2 = m + 16 < M;
+    int64_t n1 = N, k1 = K;
+    if (lim) {
+      const int64_t last = m + (rows2 ? 31 : 15);
+      const int64_t keys = nr[last < nq ? last : nq - 1];
+      if (lim == 1) n1 = up16(keys);
+      else k1 = up32(keys);
+    }
+    const uint16_t *a = A + m * lda, *a2 = A2 ? A2 + m * lda : NULL;
+    float *c = C + m * ldc;
+    for (int64_t n = 0; n < n1; n += 32) {
+      const int cols2 = n + 16 < n1;
+      _tile_zero(0);
+      _tile_zero(1);
+      _tile_zero(2);
+      _tile_zero(3);
+      for (int64_t k = 0; k < k1; k += 32) {
+        const word32 *b = B + (k / 2) * ldb + n;
+        _tile_loadd(6, b, sb);
+        if (cols2) _tile_loadd(7, b + 16, sb);
+        for (int part = 0; part < (a2 ? 2 : 1); ++part) {
+          const uint16_t *ap = (part ? a2 : a) + k;
+          _tile_loadd(4, ap, sa);
+          _tile_dpbf16ps(0, 4, 6);
+          if (cols2) _tile_dpbf16ps(1, 4, 7);
+          if (rows2) {
+            _tile_loadd(5, ap + 16 * lda, sa);
+            _tile_dpbf16ps(2, 5, 6);
+            if (cols2) _tile_dpbf16ps(3, 5, 7);
+          }
+        }
+      }
+      _tile_stored(0, c + n, sc);
+      if (cols2) _tile_stored(1, c + n + 16, sc);
+      if (rows2) {
+        _tile_stored(2, c + 16 * ldc + n, sc);
+        if (cols2) _tile_stored(3, c + 16 * ldc + n + 16, sc);
+      }
     }
   }
 }
+
+/* x's rows rows[sel[m]] (m < n, D bf16 values) as M rows of W (zeros past D and past n) */
+static void rows_pad(const uint16_t *x, int64_t ld, const int64_t *rows, const int64_t *sel,
+                     int64_t n, int64_t M, int64_t D, int64_t W, uint16_t *r) {
+  for (int64_t m = 0; m < M; ++m) {
+    uint16_t *rr = r + m * W;
+    if (m < n) {
+      memcpy(rr, x + rows[sel[m]] * ld, (size_t)D * 2);
+      memset(rr + D, 0, (size_t)(W - D) * 2);
+    } else {
+      memset(rr, 0, (size_t)W * 2);
+    }
+  }
+}
+
+/* 16 x 16 32-bit values transposed in registers */
+AMXBW static inline void t16x16(__m512i *r) {
+  __m512i t[16];
+  for (int i = 0; i < 8; ++i) {
+    t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+  }
+  for (int i = 0; i < 4; ++i) {
+    r[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+    r[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+    r[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+    r[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+  }
+  for (int i = 0; i < 4; ++i) {
+    t[i] = _mm512_shuffle_i32x4(r[i], r[i + 4], 0x88);
+    t[i + 4] = _mm512_shuffle_i32x4(r[i], r[i + 4], 0xdd);
+    t[i + 8] = _mm512_shuffle_i32x4(r[i + 8], r[i + 12], 0x88);
+    t[i + 12] = _mm512_shuffle_i32x4(r[i + 8], r[i + 12], 0xdd);
+  }
+  for (int i = 0; i < 8; ++i) {
+    r[i] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0x88);
+    r[i + 8] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0xdd);
+  }
+}
+
+/* the same rows' words (pairs of values) transposed: t (W/2, N), t[r][m] = row m's values
+   2r, 2r + 1; zeros past n and past D: B = x^T in pairs, for a product A x^T (N a multiple
+   of 16, D of 16, W of 32) */
+AMXBW static void words_t(const uint16_t *x, int64_t ld, const int64_t *rows,
+                          const int64_t *sel, int64_t n, int64_t N, int64_t D, int64_t W,
+                          word32 *t) {
+  __m512i r[16];
+  for (int64_t m0 = 0; m0 < N; m0 += 16)
+    for (int64_t w0 = 0; w0 < D / 2; w0 += 16) {
+      const __mmask16 in = w0 + 16 <= D / 2 ? 0xffff : 0xff; /* D / 2: a multiple of 8 */
+      for (int i = 0; i < 16; ++i)
+        r[i] = m0 + i < n ? _mm512_maskz_loadu_epi32(in, x + rows[sel[m0 + i]] * ld + 2 * w0)
+                          : _mm512_setzero_si512();
+      t16x16(r);
+      for (int i = 0; i < (in == 0xffff ? 16 : 8); ++i)
+        _mm512_storeu_si512((void *)(t + (w0 + i) * N + m0), r[i]);
+    }
+  memset(t + D / 2 * N, 0, (size_t)((W - D) / 2 * N) * 4);
+}
+
+/* the same rows two by two: t (K2/2, D) words, t[r][e] = (row 2r's e-th, row 2r+1's e-th);
+   zero rows past n: B = x in pairs, for a product A x (D a multiple of 16) */
+AMXBW static void pairs(const uint16_t *x, int64_t ld, const int64_t *rows, const int64_t *sel,
+                        int64_t n, int64_t K2, int64_t D, word32 *t) {
+  const __m512i zero = _mm512_setzero_si512();
+  for (int64_t r = 0; r < K2 / 2; ++r) {
+    const uint16_t *a = 2 * r < n ? x + rows[sel[2 * r]] * ld : NULL;
+    const uint16_t *b = 2 * r + 1 < n ? x + rows[sel[2 * r + 1]] * ld : NULL;
+    for (int64_t e = 0; e < D; e += 16) {
+      __m512i lo = a ? _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(a + e))) : zero;
+      __m512i hi = b ? _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(b + e))) : zero;
+      _mm512_storeu_si512((void *)(t + r * D + e), _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
+    }
+  }
+}
+
+/* d (C x R) = s (R x C) transposed, R and C multiples of 8 */
+static void t16(const uint16_t *s, int64_t R, int64_t C, uint16_t *d) {
+  for (int64_t i = 0; i < R; i += 8)
+    for (int64_t j = 0; j < C; j += 8) t8x8(s + i * C + j, C, d + j * R + i, R);
+}
+
+/* `attn_fwd_head` with the products on AMX (the same softmax, the same outputs). Scratch:
+   qa (up32(Tq), up32(D)) bf16, kb (up32(D) / 2, up32(Tk)) words, s (up32(Tq), up32(Tk)),
+   o (up32(Tq), Dv) floats, pa (up32(Tq), up32(Tk)) bf16, vb (up32(Tk) / 2, Dv) words. */
+AMXBW static void attn_fwd_head_amx(const uint16_t *q, int64_t lq, const uint16_t *k,
+                                    const uint16_t *v, int64_t lk, const int64_t *qrow,
+                                    const int64_t *krow, const uint8_t *kmask, int causal,
+                                    int64_t Tq, int64_t Tk, int64_t D, int64_t Dv, float inv_c,
+                                    uint16_t *out, int64_t lo, uint16_t *p, uint16_t *qa,
+                                    word32 *kb, float *s, float *o, uint16_t *pa, word32 *vb,
+                                    int64_t *kj, int64_t *qi, int64_t *nr) {
+  const int64_t nk = legal_keys(krow, kmask, Tk, kj);
+  const int64_t nq = packed_queries(qrow, Tq, kj, nk, causal, qi, nr);
+  memset(p, 0, (size_t)(Tq * Tk) * 2);
+  if (nq == 0) return;
+  const int64_t M = up16(nq), N = up16(nk), K2 = up32(nk), Dp = up32(D);
+  rows_pad(q, lq, qrow, qi, nq, M, D, Dp, qa);
+  words_t(k, lk, krow, kj, nk, N, D, Dp, kb);
+  amx_gemm(qa, NULL, Dp, kb, N, M, N, Dp, s, N, nr, nq, 1); /* scores */
+  const __m512 vninf = _mm512_set1_ps(-__builtin_inff()), vic = _mm512_set1_ps(inv_c);
+  for (int64_t c = 0; c < M; ++c) {
+    const int64_t n = c < nq ? nr[c] : 0, np = up16(n);
+    float *sr = s + c * N;
+    uint16_t *par = pa + c * K2;
+    __m512 top = vninf;
+    for (int64_t m = 0; m < np; m += 16) {
+      __m512 x = _mm512_mul_ps(_mm512_loadu_ps(sr + m), vic);
+      x = _mm512_mask_mov_ps(vninf, first16(n - m), x);
+      _mm512_storeu_ps(sr + m, x);
+      top = _mm512_max_ps(top, x);
+    }
+    const __m512 vt = _mm512_set1_ps(n ? _mm512_reduce_max_ps(top) : 0.f);
+    __m512 acc = _mm512_setzero_ps();
+    for (int64_t m = 0; m < np; m += 16) {
+      const __mmask16 in = first16(n - m);
+      __m512 e = exp_nonpositive(_mm512_maskz_sub_ps(in, _mm512_loadu_ps(sr + m), vt));
+      e = _mm512_maskz_mov_ps(in, e);
+      _mm512_storeu_ps(sr + m, e);
+      acc = _mm512_add_ps(acc, e);
+    }
+    const __m512 vs1 = _mm512_set1_ps(n ? 1.f / _mm512_reduce_add_ps(acc) : 0.f);
+    for (int64_t m = 0; m < np; m += 16) {
+      __m256i w = narrow(_mm512_mul_ps(_mm512_loadu_ps(sr + m), vs1));
+      _mm256_storeu_si256((__m256i *)(par + m), w); /* zeros past n */
+      _mm256_mask_storeu_epi16(p + qi[c] * Tk + m, first16(n - m), w);
+    }
+    memset(par + np, 0, (size_t)(K2 - np) * 2);
+  }
+  pairs(v, lk, krow, kj, nk, K2, Dv, vb);
+  amx_gemm(pa, NULL, K2, vb, Dv, M, Dv, K2, o, Dv, nr, nq, 2); /* P V */
+  rows_bf16(o, nq, Dv, qrow, qi, out, lo);
+}
+
+/* `attn_bwd_head` with the products on AMX. Scratch: ga (up32(Tq), up32(Dv)) bf16, vt
+   (up32(Dv) / 2, up32(Tk)) words, dp (up32(Tq), up32(Tk)) floats, dsh, dsl, pb (up32(Tq),
+   up32(Tk)) and dth, dtl, pt (up32(Tk), up32(Tq)) bf16, kp (up32(Tk) / 2, D), qp (up32(Tq) / 2,
+   D), gp (up32(Tq) / 2, Dv) words, dqf (up32(Tq), D), dka (up32(Tk), D), dva (up32(Tk), Dv)
+   floats. */
+AMXBW static void attn_bwd_head_amx(const uint16_t *g, int64_t lg, const uint16_t *q,
+                                    int64_t lq, const uint16_t *k, const uint16_t *v, int64_t lk,
+                                    const int64_t *qrow, const int64_t *krow,
+                                    const uint8_t *kmask, int causal, int64_t Tq, int64_t Tk,
+                                    int64_t D, int64_t Dv, float inv_c, const uint16_t *p,
+                                    uint16_t *dq, int64_t ldq, uint16_t *dk, uint16_t *dv,
+                                    int64_t ldk, uint16_t *ga, word32 *vt, float *dp,
+                                    uint16_t *dsh, uint16_t *dsl, uint16_t *pb, uint16_t *dth,
+                                    uint16_t *dtl, uint16_t *pt, word32 *kp, word32 *qp,
+                                    word32 *gp, float *dqf, float *dka, float *dva, int64_t *kj,
+                                    int64_t *qi, int64_t *nr) {
+  const int64_t nk = legal_keys(krow, kmask, Tk, kj);
+  const int64_t nq = packed_queries(qrow, Tq, kj, nk, causal, qi, nr);
+  const int64_t N = up16(nk);
+  if (nq) {
+    const int64_t M = up16(nq), M2 = up32(nq), K2 = up32(nk), Dvp = up32(Dv);
+    rows_pad(g, lg, qrow, qi, nq, M, Dv, Dvp, ga);
+    words_t(v, lk, krow, kj, nk, N, Dv, Dvp, vt);
+    amx_gemm(ga, NULL, Dvp, vt, N, M, N, Dvp, dp, N, nr, nq, 1); /* dP = g V^T */
+    const __m512 vic = _mm512_set1_ps(inv_c);
+    for (int64_t c = 0; c < M2; ++c) {
+      const int64_t n = c < nq ? nr[c] : 0, np = up16(n);
+      const uint16_t *pr = c < nq ? p + qi[c] * Tk : NULL;
+      float *dpr = dp + c * N;
+      uint16_t *hr = dsh + c * K2, *lr = dsl + c * K2, *wr = pb + c * K2;
+      __m512 acc = _mm512_setzero_ps();
+      for (int64_t m = 0; m < np; m += 16) {
+        __m512 w = widen(_mm256_maskz_loadu_epi16(first16(n - m), pr + m));
+        acc = _mm512_fmadd_ps(w, _mm512_loadu_ps(dpr + m), acc);
+      }
+      const __m512 vd = _mm512_set1_ps(_mm512_reduce_add_ps(acc));
+      for (int64_t m = 0; m < np; m += 16) { /* dS = P (dP - sum P dP) inv_c, as two bf16 */
+        __m256i wb = _mm256_maskz_loadu_epi16(first16(n - m), pr + m);
+        __m512 w = widen(wb);
+        __m512 x = _mm512_mul_ps(w, _mm512_sub_ps(_mm512_loadu_ps(dpr + m), vd));
+        x = _mm512_mul_ps(x, vic);
+        __m256i h = narrow(x);
+        _mm256_storeu_si256((__m256i *)(hr + m), h);
+        _mm256_storeu_si256((__m256i *)(lr + m), narrow(_mm512_sub_ps(x, widen(h))));
+        _mm256_storeu_si256((__m256i *)(wr + m), wb);
+      }
+      memset(hr + np, 0, (size_t)(K2 - np) * 2);
+      memset(lr + np, 0, (size_t)(K2 - np) * 2);
+      memset(wr + np, 0, (size_t)(K2 - np) * 2);
+    }
+    pairs(k, lk, krow, kj, nk, K2, D, kp);
+    amx_gemm(dsh, dsl, K2, kp, D, M, D, K2, dqf, D, nr, nq, 2); /* dq = dS K */
+    rows_bf16(dqf, nq, D, qrow, qi, dq, ldq);
+    t16(dsh, M2, K2, dth);
+    t16(dsl, M2, K2, dtl);
+    t16(pb, M2, K2, pt);
+    pairs(q, lq, qrow, qi, nq, M2, D, qp);
+    pairs(g, lg, qrow, qi, nq, M2, Dv, gp);
+    amx_gemm(dth, dtl, M2, qp, D, N, D, M2, dka, D, NULL, 0, 0); /* dk = dS^T q */
+    amx_gemm(pt, NULL, M2, gp, Dv, N, Dv, M2, dva, Dv, NULL, 0, 0); /* dv = P^T g */
+  } else {
+    memset(dka, 0, (size_t)(nk * D) * 4);
+    memset(dva, 0, (size_t)(nk * Dv) * 4);
+  }
+  head_keys_out(krow, kj, nk, Tk, D, Dv, dka, dva, dk, dv, ldk);
+}
+#endif
 
 /* A hint to bring rows[i]'s D bf16 values from x (stride ld) into L1, for i < n (-1: none):
    the next head's, while this one is computed (its rows are scattered: one stall each) */
@@ -877,6 +1193,110 @@ static void prefetch_head(const uint16_t *q, int64_t lq, const uint16_t *k, cons
   prefetch_rows(v + h * Dv, lk, krow, Tk, Dv);
 }
 
+#ifdef HAVE_AMX
+/* bytes of `n` values of `size` each, rounded up to whole 64-byte lines */
+static inline size_t line_bytes(int64_t n, int64_t size) {
+  return ((size_t)(n * size) + 63) & ~(size_t)63;
+}
+
+/* `attention_train_fwd` with each head's products on AMX */
+static int attention_train_fwd_amx(const uint16_t *q, int64_t lq, const uint16_t *k,
+                                   const uint16_t *v, int64_t lk, const int64_t *qrow,
+                                   const int64_t *krow, const uint8_t *kmask, int causal,
+                                   int64_t B, int64_t H, int64_t Tq, int64_t Tk, int64_t D,
+                                   int64_t Dv, float inv_c, uint16_t *out, int64_t lo,
+                                   uint16_t *p, int nthreads) {
+  const int64_t TQ = up32(Tq), TK = up32(Tk), Dp = up32(D);
+  const size_t sizes[6] = {line_bytes(TQ * Dp, 2), line_bytes(Dp / 2 * TK, 4),
+                           line_bytes(TQ * TK, 4), line_bytes(TQ * Dv, 4),
+                           line_bytes(TQ * TK, 2), line_bytes(TK / 2 * Dv, 4)};
+  size_t total = 0;
+  for (int i = 0; i < 6; ++i) total += sizes[i];
+  int failed = 0;
+#pragma omp parallel num_threads(nthreads)
+  {
+    char *scratch = aligned_alloc(64, total);
+    int64_t *kj = malloc((size_t)(Tk + 2 * Tq) * 8);
+    char *part[6];
+    part[0] = scratch;
+    for (int i = 1; i < 6; ++i) part[i] = part[i - 1] + sizes[i - 1];
+    amx_start();
+#pragma omp for schedule(dynamic, 4)
+    for (int64_t r = 0; r < B * H; ++r) {
+      if (!scratch || !kj) {
+        failed = 1;
+        continue;
+      }
+      const int64_t b = r / H, h = r % H;
+      if (h + 1 < H)
+        prefetch_head(q, lq, k, v, lk, qrow + b * Tq, krow + b * Tk, Tq, Tk, D, Dv, h + 1);
+      attn_fwd_head_amx(q + h * D, lq, k + h * D, v + h * Dv, lk, qrow + b * Tq, krow + b * Tk,
+                        kmask ? kmask + b * Tk : NULL, causal, Tq, Tk, D, Dv, inv_c,
+                        out + h * Dv, lo, p + r * Tq * Tk, (uint16_t *)part[0],
+                        (word32 *)part[1], (float *)part[2], (float *)part[3],
+                        (uint16_t *)part[4], (word32 *)part[5], kj, kj + Tk, kj + Tk + Tq);
+    }
+    amx_stop();
+    free(scratch);
+    free(kj);
+  }
+  return failed ? -1 : 0;
+}
+
+/* `attention_train_bwd` with each head's products on AMX */
+static int attention_train_bwd_amx(const uint16_t *g, int64_t lg, const uint16_t *q, int64_t lq,
+                                   const uint16_t *k, const uint16_t *v, int64_t lk,
+                                   const int64_t *qrow, const int64_t *krow,
+                                   const uint8_t *kmask, int causal, int64_t B, int64_t H,
+                                   int64_t Tq, int64_t Tk, int64_t D, int64_t Dv, float inv_c,
+                                   const uint16_t *p, uint16_t *dq, int64_t ldq, uint16_t *dk,
+                                   uint16_t *dv, int64_t ldk, int nthreads) {
+  const int64_t TQ = up32(Tq), TK = up32(Tk), Dvp = up32(Dv);
+  const size_t sizes[15] = {
+      line_bytes(TQ * Dvp, 2), line_bytes(Dvp / 2 * TK, 4), line_bytes(TQ * TK, 4),
+      line_bytes(TQ * TK, 2),  line_bytes(TQ * TK, 2),      line_bytes(TQ * TK, 2),
+      line_bytes(TK * TQ, 2),  line_bytes(TK * TQ, 2),      line_bytes(TK * TQ, 2),
+      line_bytes(TK / 2 * D, 4), line_bytes(TQ / 2 * D, 4), line_bytes(TQ / 2 * Dv, 4),
+      line_bytes(TQ * D, 4),   line_bytes(TK * D, 4),       line_bytes(TK * Dv, 4)};
+  size_t total = 0;
+  for (int i = 0; i < 15; ++i) total += sizes[i];
+  int failed = 0;
+#pragma omp parallel num_threads(nthreads)
+  {
+    char *scratch = aligned_alloc(64, total);
+    int64_t *kj = malloc((size_t)(Tk + 2 * Tq) * 8);
+    char *s[15];
+    s[0] = scratch;
+    for (int i = 1; i < 15; ++i) s[i] = s[i - 1] + sizes[i - 1];
+    amx_start();
+#pragma omp for schedule(dynamic, 4)
+    for (int64_t r = 0; r < B * H; ++r) {
+      if (!scratch || !kj) {
+        failed = 1;
+        continue;
+      }
+      const int64_t b = r / H, h = r % H;
+      if (h + 1 < H) {
+        prefetch_rows(g + (h + 1) * Dv, lg, qrow + b * Tq, Tq, Dv);
+        prefetch_head(q, lq, k, v, lk, qrow + b * Tq, krow + b * Tk, Tq, Tk, D, Dv, h + 1);
+      }
+      attn_bwd_head_amx(g + h * Dv, lg, q + h * D, lq, k + h * D, v + h * Dv, lk,
+                        qrow + b * Tq, krow + b * Tk, kmask ? kmask + b * Tk : NULL, causal,
+                        Tq, Tk, D, Dv, inv_c, p + r * Tq * Tk, dq + h * D, ldq, dk + h * D,
+                        dv + h * Dv, ldk, (uint16_t *)s[0], (word32 *)s[1], (float *)s[2],
+                        (uint16_t *)s[3], (uint16_t *)s[4], (uint16_t *)s[5],
+                        (uint16_t *)s[6], (uint16_t *)s[7], (uint16_t *)s[8], (word32 *)s[9],
+                        (word32 *)s[10], (word32 *)s[11], (float *)s[12], (float *)s[13],
+                        (float *)s[14], kj, kj + Tk, kj + Tk + Tq);
+    }
+    amx_stop();
+    free(scratch);
+    free(kj);
+  }
+  return failed ? -1 : 0;
+}
+#endif
+
 /* The (B x H) heads shared out among nthreads OpenMP threads. q: packed rows of stride lq, head
    h's D values at column h D; k and v: rows of stride lk, head h's at columns h D of k and h Dv
    of v (k and v may be one tensor's two halves); qrow (B, Tq), krow (B, Tk): packed row or -1;
@@ -887,6 +1307,11 @@ int attention_train_fwd(const uint16_t *q, int64_t lq, const uint16_t *k, const 
                         const uint8_t *kmask, int causal, int64_t B, int64_t H, int64_t Tq,
                         int64_t Tk, int64_t D, int64_t Dv, float inv_c, uint16_t *out,
                         int64_t lo, uint16_t *p, int nthreads) {
+#ifdef HAVE_AMX
+  if (attn_amx)
+    return attention_train_fwd_amx(q, lq, k, v, lk, qrow, krow, kmask, causal, B, H, Tq, Tk, D,
+                                   Dv, inv_c, out, lo, p, nthreads);
+#endif
   const int64_t tp = (Tk + 15) & ~(int64_t)15;
   int failed = 0;
 #pragma omp parallel num_threads(nthreads)
@@ -920,6 +1345,11 @@ int attention_train_bwd(const uint16_t *g, int64_t lg, const uint16_t *q, int64_
                         int64_t H, int64_t Tq, int64_t Tk, int64_t D, int64_t Dv, float inv_c,
                         const uint16_t *p, uint16_t *dq, int64_t ldq, uint16_t *dk,
                         uint16_t *dv, int64_t ldk, int nthreads) {
+#ifdef HAVE_AMX
+  if (attn_amx)
+    return attention_train_bwd_amx(g, lg, q, lq, k, v, lk, qrow, krow, kmask, causal, B, H, Tq,
+                                   Tk, D, Dv, inv_c, p, dq, ldq, dk, dv, ldk, nthreads);
+#endif
   const int64_t tp = (Tk + 15) & ~(int64_t)15;
   int failed = 0;
 #pragma omp parallel num_threads(nthreads)
@@ -1846,6 +2276,12 @@ _AVX512 = {"avx512f", "avx512bw", "avx512vl"} <= cpuinfo.cpu_flags()
 _ROWS_ISA = "avx512" if _AVX512 else "avx2" if "avx2" in cpuinfo.cpu_flags() else None
 # A decoding step's attention (`step_attention`) in AVX-512 (F, BW, VL), or AVX2 with FMA.
 _ATTENTION_ISA = "avx512" if _AVX512 else "avx2" if {"avx2", "fma"} <= cpuinfo.cpu_flags() else None
+# A training step's attention (`attention_train`) multiplies on AMX's tiles where the CPU has
+# them: its heads' products ran on AVX-512's fp32 lanes at ~100 GFLOP/s, 11% of a W1 step on
+# the AMX Xeon (docs/performance.md, "Round fifty-one"). TRANSFORMER_ATTENTION_AMX=0 keeps the
+# lanes (a before/after); `attention_amx` switches it in a process.
+_AMX = {"amx_tile", "amx_bf16"} <= cpuinfo.cpu_flags() and _AVX512
+ATTENTION_AMX = os.environ.get("TRANSFORMER_ATTENTION_AMX", "1") != "0"
 _LIB: ctypes.PyDLL | None = None
 _NOGIL: ctypes.CDLL | None = None  # the same library, called without the GIL
 _PATH: Path | None = None  # the file `_LIB` was loaded from
@@ -2112,7 +2548,20 @@ def _opened(
     free.attention_train_bwd.argtypes = [p, i64, p, i64, p, p, i64, p, p, p, i32] + [i64] * 6
     free.attention_train_bwd.argtypes += [f32, p, p, i64, p, p, i64, i32]
     free.attention_train_fwd.restype = free.attention_train_bwd.restype = ctypes.c_int
+    lib.attention_amx.argtypes, lib.attention_amx.restype = [i32], i32
+    lib.attention_amx(int(ATTENTION_AMX and _AMX))
     return lib, free
+
+
+def attention_amx(on: bool | None = None) -> bool:
+    """Whether `attention_train` and its backward multiply on AMX's tiles (bf16 operands, fp32
+    sums) rather than AVX-512's fp32 lanes; `on` sets it first (True takes only where the CPU
+    has AMX-BF16, the compiler knew its instructions, and Linux gives the process the tiles)."""
+    if _library() is None:
+        return False
+    if on is not None:
+        _LIB.attention_amx(int(on and _AMX))
+    return bool(_LIB.attention_amx(-1))
 
 
 def unavailable() -> str | None:
@@ -2171,7 +2620,19 @@ def describe() -> list[str]:
         f"{training if FUSED else off}",
         f"int8 decoding's input rows, a beam's best tokens: {rows if FUSED else off}",
         f"a decoding step's attention: {attention if FUSED else off}",
+        f"bf16 training's attention products: {_attention_products() if FUSED else off}",
     ]
+
+
+def _attention_products() -> str:
+    """Where `attention_train`'s products run, for `describe`."""
+    if attention_amx():
+        return "AMX tiles"
+    if not _AVX512:
+        return "not on this CPU (no AVX-512 F, BW and VL)"
+    if _AMX and not ATTENTION_AMX:
+        return "AVX-512 fp32 (TRANSFORMER_ATTENTION_AMX=0)"
+    return "AVX-512 fp32"
 
 
 def transposed(x: torch.Tensor) -> torch.Tensor:

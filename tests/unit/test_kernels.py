@@ -19,6 +19,19 @@ from transformer.model import packed_attention_case
 
 
 @contextlib.contextmanager
+def attention_on_amx(on: bool):
+    """The training attention's products on AMX's tiles (on) or AVX-512's fp32 lanes inside,
+    as it was after; on=True only where the CPU has AMX (else the lanes, asserted)."""
+    old = kernels.attention_amx()
+    try:
+        got = kernels.attention_amx(on)
+        assert got == (on and {"amx_tile", "amx_bf16"} <= cpu_flags())
+        yield
+    finally:
+        kernels.attention_amx(old)
+
+
+@contextlib.contextmanager
 def threads_of(n: int):
     """torch (and so the kernels' OpenMP teams) at n threads inside, as it was after."""
     old = torch.get_num_threads()
@@ -547,7 +560,8 @@ def test_masked_softmax_refuses_what_it_cannot_read():
     ],
 )
 @pytest.mark.parametrize("threads", [1, 2])
-def test_training_attention_is_eq_1_to_bf16_rounding(B, Tq, Tk, H, d, dv, causal, threads):
+@pytest.mark.parametrize("amx", [False, True])
+def test_training_attention_is_eq_1_to_bf16_rounding(B, Tq, Tk, H, d, dv, causal, threads, amx):
     """`attention_train` and its backward against eq. (1) in fp64 on the padded layout
     (`model.packed_attention_reference`), by autograd: causal and key-masked batches, padding
     left out, spare rows (zeros both ways) and a batch row with no legal key (zeros)."""
@@ -560,7 +574,7 @@ def test_training_attention_is_eq_1_to_bf16_rounding(B, Tq, Tk, H, d, dv, causal
         with pytest.raises(RuntimeError, match="not on this machine"):
             kernels.attention_train(q, kv, qrow, krow, kmask, causal, H, inv_c, nq)
         return
-    with threads_of(threads):
+    with threads_of(threads), attention_on_amx(amx):
         out, p = kernels.attention_train(q, kv, qrow, krow, kmask, causal, H, inv_c, nq)
         dq, dkv = kernels.attention_train_backward(
             grad, q, kv, p, qrow, krow, kmask, causal, H, inv_c, nq, nk
@@ -583,19 +597,45 @@ def test_training_attention_is_eq_1_to_bf16_rounding(B, Tq, Tk, H, d, dv, causal
     assert (sums[packed] - 1).abs().max() < 2**-6 and not sums[~packed].any()
 
 
-def test_training_attention_is_the_same_bits_on_one_thread_or_two():
+@pytest.mark.parametrize("amx", [False, True])
+def test_training_attention_is_the_same_bits_on_one_thread_or_two(amx):
     if not kernels.fused_supported():
         return
     g = torch.Generator().manual_seed(1)
     q, kv, grad, qrow, krow, kmask, nq, nk = packed_attention_case(6, 20, 25, 4, 32, 32, False, g)
     runs = []
     for threads in (1, 2):
-        with threads_of(threads):
+        with threads_of(threads), attention_on_amx(amx):
             out, p = kernels.attention_train(q, kv, qrow, krow, kmask, False, 4, 0.17, nq)
             runs.append((out, p, *kernels.attention_train_backward(
                 grad, q, kv, p, qrow, krow, kmask, False, 4, 0.17, nq, nk
             )))  # fmt: skip
     assert all(torch.equal(a, b) for a, b in zip(*runs, strict=True))
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_training_attention_on_amx_is_the_lanes_to_bf16_rounding(causal):
+    """The tiles' products (bf16 operands, dS in two bf16 parts) against the fp32 lanes' on
+    the W1 shape's heads, with padding, a key mask and a row of 16 + 1 queries (a lone tile):
+    the same weights to one bf16 step, every output within a few bf16 roundings."""
+    if not kernels.fused_supported():
+        return
+    g = torch.Generator().manual_seed(7)
+    q, kv, grad, qrow, krow, kmask, nq, nk = packed_attention_case(5, 17, 33, 8, 64, 64, causal, g)
+    runs = {}
+    for amx in (False, True):
+        with attention_on_amx(amx):
+            out, p = kernels.attention_train(q, kv, qrow, krow, kmask, causal, 8, 0.125, nq)
+            runs[amx] = (out, p, *kernels.attention_train_backward(
+                grad, q, kv, p, qrow, krow, kmask, causal, 8, 0.125, nq, nk
+            ))  # fmt: skip
+    if not {"amx_tile", "amx_bf16"} <= cpu_flags():  # the lanes both times: the same bits
+        assert all(torch.equal(a, b) for a, b in zip(runs[True], runs[False], strict=True))
+        return
+    for ours, lanes in zip(runs[True], runs[False], strict=True):
+        scale = lanes.double().abs().max()
+        assert (ours.double() - lanes.double()).abs().max() <= 2**-7 * scale
+    assert (runs[True][1].double() - runs[False][1].double()).abs().max() <= 2**-8
 
 
 def test_training_attention_refuses_what_it_cannot_read():
@@ -637,7 +677,8 @@ def test_training_attention_refuses_what_it_cannot_read():
 
 
 @pytest.mark.parametrize("threads", [1, 2])
-def test_training_attention_reads_and_writes_a_stacked_projection(threads):
+@pytest.mark.parametrize("amx", [False, True])
+def test_training_attention_reads_and_writes_a_stacked_projection(threads, amx):
     # Self-attention's q and kv as the two column blocks of one (N, H*D + H*(D+Dv)) tensor
     # (gradhelper.stacked_linear), its gradient written into one such tensor: the same bits
     # as from and into contiguous q and kv, every element of the stacked gradient written.
@@ -648,7 +689,7 @@ def test_training_attention_reads_and_writes_a_stacked_projection(threads):
     qkv = torch.cat([q, kv], 1)
     qs, kvs = qkv.split([q.size(1), kv.size(1)], 1)
     assert not qs.is_contiguous() and not kvs.is_contiguous()
-    with threads_of(threads):
+    with threads_of(threads), attention_on_amx(amx):
         out, p = kernels.attention_train(q, kv, qrow, krow, None, True, 2, 0.25, nq)
         out_s, p_s = kernels.attention_train(qs, kvs, qrow, krow, None, True, 2, 0.25, nq)
         dq, dkv = kernels.attention_train_backward(
