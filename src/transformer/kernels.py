@@ -1174,6 +1174,47 @@ AMXBW static void attn_bwd_head_amx(const uint16_t *g, int64_t lg, const uint16_
 }
 #endif
 
+/* A hint to bring a batch row's packed rows (n bytes each from x, stride ld elements) into L2:
+   the next batch row's, whole rows in order (the per-head hints fetch 128 scattered bytes a
+   row, one stall each); write 1: lines about to be written */
+static void prefetch_l2(const uint16_t *x, int64_t ld, const int64_t *rows, int64_t T,
+                        int64_t n, int write) {
+  for (int64_t i = 0; i < T; ++i)
+    if (rows[i] >= 0)
+      for (int64_t off = 0; off < n; off += 64) {
+        if (write)
+          __builtin_prefetch((const char *)(x + rows[i] * ld) + off, 1, 2);
+        else
+          _mm_prefetch((const char *)(x + rows[i] * ld) + off, _MM_HINT_T1);
+      }
+}
+
+/* the hints for the next batch row `bn` of a thread's (its next, as OpenMP hands out whole
+   batch rows in turn): its rows of q, k, v (and g), to be read, of out (dq, dk, dv) and its
+   weights p, to be written (read in the backward) */
+static void prefetch_batch_row(const uint16_t *q, int64_t lq, const uint16_t *k,
+                               const uint16_t *v, int64_t lk, const uint16_t *g, int64_t lg,
+                               const int64_t *qrow, const int64_t *krow, int64_t Tq,
+                               int64_t Tk, int64_t H, int64_t D, int64_t Dv, const uint16_t *p,
+                               int p_write, uint16_t *out, int64_t lo, uint16_t *dk,
+                               uint16_t *dv, int64_t ldk) {
+  prefetch_l2(q, lq, qrow, Tq, H * D * 2, 0);
+  prefetch_l2(k, lk, krow, Tk, H * D * 2, 0);
+  prefetch_l2(v, lk, krow, Tk, H * Dv * 2, 0);
+  if (g) prefetch_l2(g, lg, qrow, Tq, H * Dv * 2, 0);
+  for (int64_t off = 0; off < H * Tq * Tk * 2; off += 64) {
+    if (p_write)
+      __builtin_prefetch((const char *)p + off, 1, 2);
+    else
+      _mm_prefetch((const char *)p + off, _MM_HINT_T1);
+  }
+  prefetch_l2(out, lo, qrow, Tq, H * (g ? D : Dv) * 2, 1); /* out, or dq */
+  if (dk) {
+    prefetch_l2(dk, ldk, krow, Tk, H * D * 2, 1);
+    prefetch_l2(dv, ldk, krow, Tk, H * Dv * 2, 1);
+  }
+}
+
 /* A hint to bring rows[i]'s D bf16 values from x (stride ld) into L1, for i < n (-1: none):
    the next head's, while this one is computed (its rows are scattered: one stall each) */
 static void prefetch_rows(const uint16_t *x, int64_t ld, const int64_t *rows, int64_t n,
@@ -1221,13 +1262,17 @@ static int attention_train_fwd_amx(const uint16_t *q, int64_t lq, const uint16_t
     part[0] = scratch;
     for (int i = 1; i < 6; ++i) part[i] = part[i - 1] + sizes[i - 1];
     amx_start();
-#pragma omp for schedule(dynamic, 4)
+#pragma omp for schedule(dynamic, H)
     for (int64_t r = 0; r < B * H; ++r) {
       if (!scratch || !kj) {
         failed = 1;
         continue;
       }
       const int64_t b = r / H, h = r % H;
+      if (h == 0 && b + nthreads < B)
+        prefetch_batch_row(q, lq, k, v, lk, NULL, 0, qrow + (b + nthreads) * Tq,
+                           krow + (b + nthreads) * Tk, Tq, Tk, H, D, Dv,
+                           p + (b + nthreads) * H * Tq * Tk, 1, out, lo, NULL, NULL, 0);
       if (h + 1 < H)
         prefetch_head(q, lq, k, v, lk, qrow + b * Tq, krow + b * Tk, Tq, Tk, D, Dv, h + 1);
       attn_fwd_head_amx(q + h * D, lq, k + h * D, v + h * Dv, lk, qrow + b * Tq, krow + b * Tk,
@@ -1269,13 +1314,17 @@ static int attention_train_bwd_amx(const uint16_t *g, int64_t lg, const uint16_t
     s[0] = scratch;
     for (int i = 1; i < 15; ++i) s[i] = s[i - 1] + sizes[i - 1];
     amx_start();
-#pragma omp for schedule(dynamic, 4)
+#pragma omp for schedule(dynamic, H)
     for (int64_t r = 0; r < B * H; ++r) {
       if (!scratch || !kj) {
         failed = 1;
         continue;
       }
       const int64_t b = r / H, h = r % H;
+      if (h == 0 && b + nthreads < B)
+        prefetch_batch_row(q, lq, k, v, lk, g, lg, qrow + (b + nthreads) * Tq,
+                           krow + (b + nthreads) * Tk, Tq, Tk, H, D, Dv,
+                           p + (b + nthreads) * H * Tq * Tk, 0, dq, ldq, dk, dv, ldk);
       if (h + 1 < H) {
         prefetch_rows(g + (h + 1) * Dv, lg, qrow + b * Tq, Tq, Dv);
         prefetch_head(q, lq, k, v, lk, qrow + b * Tq, krow + b * Tk, Tq, Tk, D, Dv, h + 1);
@@ -1318,7 +1367,7 @@ int attention_train_fwd(const uint16_t *q, int64_t lq, const uint16_t *k, const 
   {
     float *kt = malloc((size_t)(D * tp + Tk * Dv + Tq * D + Tq * tp + Tq * Dv) * 4);
     int64_t *kj = malloc((size_t)(Tk + 2 * Tq) * 8);
-#pragma omp for schedule(dynamic, 4)
+#pragma omp for schedule(dynamic, H)
     for (int64_t r = 0; r < B * H; ++r) {
       if (!kt || !kj) {
         failed = 1;
@@ -1326,6 +1375,10 @@ int attention_train_fwd(const uint16_t *q, int64_t lq, const uint16_t *k, const 
       }
       const int64_t b = r / H, h = r % H;
       float *vs = kt + D * tp, *qf = vs + Tk * Dv, *s = qf + Tq * D, *o = s + Tq * tp;
+      if (h == 0 && b + nthreads < B)
+        prefetch_batch_row(q, lq, k, v, lk, NULL, 0, qrow + (b + nthreads) * Tq,
+                           krow + (b + nthreads) * Tk, Tq, Tk, H, D, Dv,
+                           p + (b + nthreads) * H * Tq * Tk, 1, out, lo, NULL, NULL, 0);
       if (h + 1 < H)
         prefetch_head(q, lq, k, v, lk, qrow + b * Tq, krow + b * Tk, Tq, Tk, D, Dv, h + 1);
       attn_fwd_head(q + h * D, lq, k + h * D, v + h * Dv, lk, qrow + b * Tq, krow + b * Tk,
@@ -1357,7 +1410,7 @@ int attention_train_bwd(const uint16_t *g, int64_t lg, const uint16_t *q, int64_
     float *kr = malloc((size_t)(2 * Tk * D + Dv * tp + 2 * Tq * D + Tq * Dv + 2 * Tq * tp +
                                 Tk * Dv) * 4);
     int64_t *kj = malloc((size_t)(Tk + 2 * Tq) * 8);
-#pragma omp for schedule(dynamic, 4)
+#pragma omp for schedule(dynamic, H)
     for (int64_t r = 0; r < B * H; ++r) {
       if (!kr || !kj) {
         failed = 1;
@@ -1366,6 +1419,10 @@ int attention_train_bwd(const uint16_t *g, int64_t lg, const uint16_t *q, int64_
       const int64_t b = r / H, h = r % H;
       float *vt = kr + Tk * D, *qf = vt + Dv * tp, *gf = qf + Tq * D, *pf = gf + Tq * Dv;
       float *ds = pf + Tq * tp, *dqf = ds + Tq * tp, *dka = dqf + Tq * D, *dva = dka + Tk * D;
+      if (h == 0 && b + nthreads < B)
+        prefetch_batch_row(q, lq, k, v, lk, g, lg, qrow + (b + nthreads) * Tq,
+                           krow + (b + nthreads) * Tk, Tq, Tk, H, D, Dv,
+                           p + (b + nthreads) * H * Tq * Tk, 0, dq, ldq, dk, dv, ldk);
       if (h + 1 < H) {
         prefetch_rows(g + (h + 1) * Dv, lg, qrow + b * Tq, Tq, Dv);
         prefetch_head(q, lq, k, v, lk, qrow + b * Tq, krow + b * Tk, Tq, Tk, D, Dv, h + 1);
