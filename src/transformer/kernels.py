@@ -1048,10 +1048,28 @@ AMXBW static void pairs(const uint16_t *x, int64_t ld, const int64_t *rows, cons
   }
 }
 
-/* d (C x R) = s (R x C) transposed, R and C multiples of 8 */
-static void t16(const uint16_t *s, int64_t R, int64_t C, uint16_t *d) {
-  for (int64_t i = 0; i < R; i += 8)
-    for (int64_t j = 0; j < C; j += 8) t8x8(s + i * C + j, C, d + j * R + i, R);
+/* d (C x R) = s (R x C) transposed, 16-bit values, R and C multiples of 32: in 32 x 32 blocks,
+   each as two 16 x 16 transposes of 32-bit words, the even columns' and the odd columns'
+   values of each pair of rows (d's row 2w holds, as its word i, rows 2i and 2i + 1 of column
+   2w) */
+AMXBW static void t16(const uint16_t *s, int64_t R, int64_t C, uint16_t *d) {
+  const __m512i lo16 = _mm512_set1_epi32(0xffff), hi16 = _mm512_set1_epi32((int)0xffff0000u);
+  __m512i e[16], o[16];
+  for (int64_t i0 = 0; i0 < R; i0 += 32)
+    for (int64_t j0 = 0; j0 < C; j0 += 32) {
+      for (int i = 0; i < 16; ++i) {
+        const __m512i a = _mm512_loadu_si512((const void *)(s + (i0 + 2 * i) * C + j0));
+        const __m512i b = _mm512_loadu_si512((const void *)(s + (i0 + 2 * i + 1) * C + j0));
+        e[i] = _mm512_or_si512(_mm512_and_si512(a, lo16), _mm512_slli_epi32(b, 16));
+        o[i] = _mm512_or_si512(_mm512_srli_epi32(a, 16), _mm512_and_si512(b, hi16));
+      }
+      t16x16(e);
+      t16x16(o);
+      for (int w = 0; w < 16; ++w) {
+        _mm512_storeu_si512((void *)(d + (j0 + 2 * w) * R + i0), e[w]);
+        _mm512_storeu_si512((void *)(d + (j0 + 2 * w + 1) * R + i0), o[w]);
+      }
+    }
 }
 
 /* `attn_fwd_head` with the products on AMX (the same softmax, the same outputs). Scratch:
