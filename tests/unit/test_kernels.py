@@ -705,6 +705,22 @@ def test_training_attention_reads_and_writes_a_stacked_projection(threads, amx):
     assert torch.equal(dqkv, torch.cat([dq, dkv], 1))
 
 
+def test_attention_amx_is_off_with_the_variable_and_where_the_cpu_has_no_amx():
+    code = (
+        "from transformer import kernels; kernels.unavailable(); "
+        "print(kernels.attention_amx(), kernels.describe()[-1])"
+    )
+    env = {**os.environ, "TRANSFORMER_ATTENTION_AMX": "0"}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    assert done.returncode == 0, done.stderr
+    on, line = done.stdout.split(" ", 1)
+    assert on == "False" and line.startswith("bf16 training's attention products: ")
+    if kernels.unavailable() is None:
+        amx = {"amx_tile", "amx_bf16"} <= cpu_flags()
+        assert kernels.attention_amx() <= amx  # never without AMX (Linux may refuse it)
+        assert ("TRANSFORMER_ATTENTION_AMX=0" in line) == (amx and kernels.fused_supported())
+
+
 def test_fused_off_keeps_torchs_ops(monkeypatch):
     monkeypatch.setattr(kernels, "FUSED", False)
     assert not kernels.fused_supported()
