@@ -108,8 +108,9 @@ def main() -> None:
             sys.exit(f"bench_before_after.py: {args.switch} cannot be switched on here")
     old_model = module_at(args.rev, "src/transformer/model.py", "before_model")
     old_loss = module_at(args.rev, "src/transformer/loss.py", "before_loss")
-    print(f"torch {torch.__version__}, {args.threads} threads, before = {args.rev}, "
-          f"after = working tree; load average {os.getloadavg()[0]:.1f}")  # fmt: skip
+    off, on = (f" ({args.switch} off)", f" ({args.switch} on)") if args.switch else ("", "")
+    print(f"torch {torch.__version__}, {args.threads} threads, before = {args.rev}{off}, "
+          f"after = working tree{on}; load average {os.getloadavg()[0]:.1f}")  # fmt: skip
     if "train" in args.what:
         sys.path.insert(0, PEERS)
         from common import make_mt_batch

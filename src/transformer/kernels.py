@@ -37,6 +37,11 @@ torch's full sort. `row_top` takes each row in one pass, a vector compare agains
 so far (AVX-512, or AVX2), ties to the first column: the quickstart model's beam-4 search 5-12%
 faster, W2's 3% (docs/performance.md, "Round forty-one"). It is called without holding the GIL.
 
+A bf16 training step's attention (`attention_train`, `model._PackedAttention`) takes each
+(sentence, head) as one task reading and writing the packed rows in place (docs/performance.md,
+"Round forty-nine"); on a CPU with AMX its five products run on AMX's tiles, bf16 operands and
+fp32 sums (`attention_amx`; "Round fifty-one"), elsewhere on AVX-512's fp32 lanes.
+
 With bf16 parameters the optimizer's step (`optim.MixedPrecisionAdam`) was five torch passes
 over every parameter: each bf16 gradient copied to fp32, scaled in place, its norm, torch's
 fused Adam on the fp32 masters, the masters copied back to bf16. `adam_sum_squares` and
