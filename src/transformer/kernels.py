@@ -742,6 +742,31 @@ static void blocks_times(const float *A, int64_t ar, const float *B, int64_t ldb
   }
 }
 
+/* one query's softmax over its n legal keys' scores sr (fp32, read and written to up16(n)):
+   exp(sr inv_c - their max) in place, zeros past n; returns 1 / the sum (0: no legal key) */
+AVX512BW static inline float exp_row(float *sr, int64_t n, float inv_c) {
+  const int64_t np = (n + 15) & ~(int64_t)15;
+  const __m512 vninf = _mm512_set1_ps(-__builtin_inff()), vic = _mm512_set1_ps(inv_c);
+  __m512 top = vninf;
+  for (int64_t m = 0; m < np; m += 16) {
+    __m512 x = _mm512_mul_ps(_mm512_loadu_ps(sr + m), vic);
+    x = _mm512_mask_mov_ps(vninf, first16(n - m), x);
+    _mm512_storeu_ps(sr + m, x);
+    top = _mm512_max_ps(top, x);
+  }
+  const __m512 vt = _mm512_set1_ps(n ? _mm512_reduce_max_ps(top) : 0.f);
+  __m512 acc = _mm512_setzero_ps();
+  for (int64_t m = 0; m < np; m += 16) {
+    /* the keys past n at exp(0), then 0 */
+    const __mmask16 in = first16(n - m);
+    __m512 e = exp_nonpositive(_mm512_maskz_sub_ps(in, _mm512_loadu_ps(sr + m), vt));
+    e = _mm512_maskz_mov_ps(in, e);
+    _mm512_storeu_ps(sr + m, e);
+    acc = _mm512_add_ps(acc, e);
+  }
+  return n ? 1.f / _mm512_reduce_add_ps(acc) : 0.f;
+}
+
 /* forward of one (batch row, head): out row qrow[i] = P_i V with P_i = bf16(softmax(q_i k^T
    inv_c over its legal keys)), kept in p (Tq, Tk) over the legal keys in order (zeros past
    them and for unpacked queries); a query with no legal key gets zeros. q, k, v, out point
@@ -762,29 +787,11 @@ AVX512BW static void attn_fwd_head(const uint16_t *q, int64_t lq, const uint16_t
   rows_f32(v, lk, krow, kj, nk, Dv, vs);
   rows_f32(q, lq, qrow, qi, nq, D, qf);
   blocks_times(qf, D, kt, tp, nq, D, nr, 0, s, tp); /* scores */
-  const __m512 vninf = _mm512_set1_ps(-__builtin_inff()), vic = _mm512_set1_ps(inv_c);
   for (int64_t c = 0; c < nq; ++c) {
     const int64_t n = nr[c], np = (n + 15) & ~(int64_t)15;
     float *sr = s + c * tp;
     uint16_t *pr = p + qi[c] * Tk;
-    __m512 top = vninf;
-    for (int64_t m = 0; m < np; m += 16) {
-      __m512 x = _mm512_mul_ps(_mm512_loadu_ps(sr + m), vic);
-      x = _mm512_mask_mov_ps(vninf, first16(n - m), x);
-      _mm512_storeu_ps(sr + m, x);
-      top = _mm512_max_ps(top, x);
-    }
-    const __m512 vt = _mm512_set1_ps(n ? _mm512_reduce_max_ps(top) : 0.f);
-    __m512 acc = _mm512_setzero_ps();
-    for (int64_t m = 0; m < np; m += 16) {
-      /* the keys past n at exp(0), then 0 */
-      const __mmask16 in = first16(n - m);
-      __m512 e = exp_nonpositive(_mm512_maskz_sub_ps(in, _mm512_loadu_ps(sr + m), vt));
-      e = _mm512_maskz_mov_ps(in, e);
-      _mm512_storeu_ps(sr + m, e);
-      acc = _mm512_add_ps(acc, e);
-    }
-    const __m512 vs1 = _mm512_set1_ps(n ? 1.f / _mm512_reduce_add_ps(acc) : 0.f);
+    const __m512 vs1 = _mm512_set1_ps(exp_row(sr, n, inv_c));
     for (int64_t m = 0; m < np; m += 16) {
       __m256i w = narrow(_mm512_mul_ps(_mm512_loadu_ps(sr + m), vs1));
       _mm512_storeu_ps(sr + m, widen(w));
@@ -884,8 +891,8 @@ AVX512BW static void attn_bwd_head(const uint16_t *g, int64_t lg, const uint16_t
 #include <sys/syscall.h>
 #include <unistd.h>
 #define AMXBW __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl")))
-#endif
 static int attn_amx = 0;
+#endif
 
 /* Whether the training attention's products run on AMX (on: 1 asks for it). Linux gives a
    process the tiles' state only when asked (arch_prctl ARCH_REQ_XCOMP_PERM for
@@ -1095,28 +1102,11 @@ AMXBW static void attn_fwd_head_amx(const uint16_t *q, int64_t lq, const uint16_
   rows_pad(q, lq, qrow, qi, nq, M, D, Dp, qa);
   words_t(k, lk, krow, kj, nk, N, D, Dp, kb);
   amx_gemm(qa, NULL, Dp, kb, N, M, N, Dp, s, N, nr, nq, 1); /* scores */
-  const __m512 vninf = _mm512_set1_ps(-__builtin_inff()), vic = _mm512_set1_ps(inv_c);
   for (int64_t c = 0; c < M; ++c) {
     const int64_t n = c < nq ? nr[c] : 0, np = up16(n);
     float *sr = s + c * N;
     uint16_t *par = pa + c * K2;
-    __m512 top = vninf;
-    for (int64_t m = 0; m < np; m += 16) {
-      __m512 x = _mm512_mul_ps(_mm512_loadu_ps(sr + m), vic);
-      x = _mm512_mask_mov_ps(vninf, first16(n - m), x);
-      _mm512_storeu_ps(sr + m, x);
-      top = _mm512_max_ps(top, x);
-    }
-    const __m512 vt = _mm512_set1_ps(n ? _mm512_reduce_max_ps(top) : 0.f);
-    __m512 acc = _mm512_setzero_ps();
-    for (int64_t m = 0; m < np; m += 16) {
-      const __mmask16 in = first16(n - m);
-      __m512 e = exp_nonpositive(_mm512_maskz_sub_ps(in, _mm512_loadu_ps(sr + m), vt));
-      e = _mm512_maskz_mov_ps(in, e);
-      _mm512_storeu_ps(sr + m, e);
-      acc = _mm512_add_ps(acc, e);
-    }
-    const __m512 vs1 = _mm512_set1_ps(n ? 1.f / _mm512_reduce_add_ps(acc) : 0.f);
+    const __m512 vs1 = _mm512_set1_ps(exp_row(sr, n, inv_c));
     for (int64_t m = 0; m < np; m += 16) {
       __m256i w = narrow(_mm512_mul_ps(_mm512_loadu_ps(sr + m), vs1));
       _mm256_storeu_si256((__m256i *)(par + m), w); /* zeros past n */
@@ -1263,110 +1253,17 @@ static inline size_t line_bytes(int64_t n, int64_t size) {
   return ((size_t)(n * size) + 63) & ~(size_t)63;
 }
 
-/* `attention_train_fwd` with each head's products on AMX */
-static int attention_train_fwd_amx(const uint16_t *q, int64_t lq, const uint16_t *k,
-                                   const uint16_t *v, int64_t lk, const int64_t *qrow,
-                                   const int64_t *krow, const uint8_t *kmask, int causal,
-                                   int64_t B, int64_t H, int64_t Tq, int64_t Tk, int64_t D,
-                                   int64_t Dv, float inv_c, uint16_t *out, int64_t lo,
-                                   uint16_t *p, int nthreads) {
-  const int64_t TQ = up32(Tq), TK = up32(Tk), Dp = up32(D);
-  const size_t sizes[6] = {line_bytes(TQ * Dp, 2), line_bytes(Dp / 2 * TK, 4),
-                           line_bytes(TQ * TK, 4), line_bytes(TQ * Dv, 4),
-                           line_bytes(TQ * TK, 2), line_bytes(TK / 2 * Dv, 4)};
+/* one block of 64-byte lines for n scratch parts of these sizes (each whole lines), part[i]
+   the i-th; NULL where there is no memory */
+static char *carve(const size_t *sizes, int n, char **part) {
   size_t total = 0;
-  for (int i = 0; i < 6; ++i) total += sizes[i];
-  int failed = 0;
-#pragma omp parallel num_threads(nthreads)
-  {
-    char *scratch = aligned_alloc(64, total);
-    int64_t *kj = malloc((size_t)(Tk + 2 * Tq) * 8);
-    char *part[6];
-    part[0] = scratch;
-    for (int i = 1; i < 6; ++i) part[i] = part[i - 1] + sizes[i - 1];
-    amx_start();
-#pragma omp for schedule(dynamic, H)
-    for (int64_t r = 0; r < B * H; ++r) {
-      if (!scratch || !kj) {
-        failed = 1;
-        continue;
-      }
-      const int64_t b = r / H, h = r % H;
-      if (h == 0 && b + nthreads < B)
-        prefetch_batch_row(q, lq, k, v, lk, NULL, 0, qrow + (b + nthreads) * Tq,
-                           krow + (b + nthreads) * Tk, Tq, Tk, H, D, Dv,
-                           p + (b + nthreads) * H * Tq * Tk, 1, out, lo, NULL, NULL, 0);
-      if (h + 1 < H)
-        prefetch_head(q, lq, k, v, lk, qrow + b * Tq, krow + b * Tk, Tq, Tk, D, Dv, h + 1);
-      attn_fwd_head_amx(q + h * D, lq, k + h * D, v + h * Dv, lk, qrow + b * Tq, krow + b * Tk,
-                        kmask ? kmask + b * Tk : NULL, causal, Tq, Tk, D, Dv, inv_c,
-                        out + h * Dv, lo, p + r * Tq * Tk, (uint16_t *)part[0],
-                        (word32 *)part[1], (float *)part[2], (float *)part[3],
-                        (uint16_t *)part[4], (word32 *)part[5], kj, kj + Tk, kj + Tk + Tq);
-    }
-    amx_stop();
-    free(scratch);
-    free(kj);
-  }
-  return failed ? -1 : 0;
+  for (int i = 0; i < n; ++i) total += sizes[i];
+  char *block = aligned_alloc(64, total);
+  part[0] = block;
+  for (int i = 1; i < n; ++i) part[i] = part[i - 1] + sizes[i - 1];
+  return block;
 }
 
-/* `attention_train_bwd` with each head's products on AMX */
-static int attention_train_bwd_amx(const uint16_t *g, int64_t lg, const uint16_t *q, int64_t lq,
-                                   const uint16_t *k, const uint16_t *v, int64_t lk,
-                                   const int64_t *qrow, const int64_t *krow,
-                                   const uint8_t *kmask, int causal, int64_t B, int64_t H,
-                                   int64_t Tq, int64_t Tk, int64_t D, int64_t Dv, float inv_c,
-                                   const uint16_t *p, uint16_t *dq, int64_t ldq, uint16_t *dk,
-                                   uint16_t *dv, int64_t ldk, int nthreads) {
-  const int64_t TQ = up32(Tq), TK = up32(Tk), Dvp = up32(Dv);
-  const size_t sizes[15] = {
-      line_bytes(TQ * Dvp, 2), line_bytes(Dvp / 2 * TK, 4), line_bytes(TQ * TK, 4),
-      line_bytes(TQ * TK, 2),  line_bytes(TQ * TK, 2),      line_bytes(TQ * TK, 2),
-      line_bytes(TK * TQ, 2),  line_bytes(TK * TQ, 2),      line_bytes(TK * TQ, 2),
-      line_bytes(TK / 2 * D, 4), line_bytes(TQ / 2 * D, 4), line_bytes(TQ / 2 * Dv, 4),
-      line_bytes(TQ * D, 4),   line_bytes(TK * D, 4),       line_bytes(TK * Dv, 4)};
-  size_t total = 0;
-  for (int i = 0; i < 15; ++i) total += sizes[i];
-  int failed = 0;
-#pragma omp parallel num_threads(nthreads)
-  {
-    char *scratch = aligned_alloc(64, total);
-    int64_t *kj = malloc((size_t)(Tk + 2 * Tq) * 8);
-    char *s[15];
-    s[0] = scratch;
-    for (int i = 1; i < 15; ++i) s[i] = s[i - 1] + sizes[i - 1];
-    amx_start();
-#pragma omp for schedule(dynamic, H)
-    for (int64_t r = 0; r < B * H; ++r) {
-      if (!scratch || !kj) {
-        failed = 1;
-        continue;
-      }
-      const int64_t b = r / H, h = r % H;
-      if (h == 0 && b + nthreads < B)
-        prefetch_batch_row(q, lq, k, v, lk, g, lg, qrow + (b + nthreads) * Tq,
-                           krow + (b + nthreads) * Tk, Tq, Tk, H, D, Dv,
-                           p + (b + nthreads) * H * Tq * Tk, 0, dq, ldq, dk, dv, ldk);
-      if (h + 1 < H) {
-        prefetch_rows(g + (h + 1) * Dv, lg, qrow + b * Tq, Tq, Dv);
-        prefetch_head(q, lq, k, v, lk, qrow + b * Tq, krow + b * Tk, Tq, Tk, D, Dv, h + 1);
-      }
-      attn_bwd_head_amx(g + h * Dv, lg, q + h * D, lq, k + h * D, v + h * Dv, lk,
-                        qrow + b * Tq, krow + b * Tk, kmask ? kmask + b * Tk : NULL, causal,
-                        Tq, Tk, D, Dv, inv_c, p + r * Tq * Tk, dq + h * D, ldq, dk + h * D,
-                        dv + h * Dv, ldk, (uint16_t *)s[0], (word32 *)s[1], (float *)s[2],
-                        (uint16_t *)s[3], (uint16_t *)s[4], (uint16_t *)s[5],
-                        (uint16_t *)s[6], (uint16_t *)s[7], (uint16_t *)s[8], (word32 *)s[9],
-                        (word32 *)s[10], (word32 *)s[11], (float *)s[12], (float *)s[13],
-                        (float *)s[14], kj, kj + Tk, kj + Tk + Tq);
-    }
-    amx_stop();
-    free(scratch);
-    free(kj);
-  }
-  return failed ? -1 : 0;
-}
 #endif
 
 /* The (B x H) heads shared out among nthreads OpenMP threads. q: packed rows of stride lq, head
@@ -1379,36 +1276,59 @@ int attention_train_fwd(const uint16_t *q, int64_t lq, const uint16_t *k, const 
                         const uint8_t *kmask, int causal, int64_t B, int64_t H, int64_t Tq,
                         int64_t Tk, int64_t D, int64_t Dv, float inv_c, uint16_t *out,
                         int64_t lo, uint16_t *p, int nthreads) {
-#ifdef HAVE_AMX
-  if (attn_amx)
-    return attention_train_fwd_amx(q, lq, k, v, lk, qrow, krow, kmask, causal, B, H, Tq, Tk, D,
-                                   Dv, inv_c, out, lo, p, nthreads);
-#endif
   const int64_t tp = (Tk + 15) & ~(int64_t)15;
   int failed = 0;
+#ifdef HAVE_AMX
+  const int amx = attn_amx; /* the products on AMX's tiles: their scratch parts */
+  const int64_t TQ = up32(Tq), TK = up32(Tk), Dp = up32(D);
+  const size_t sizes[6] = {line_bytes(TQ * Dp, 2), line_bytes(Dp / 2 * TK, 4),
+                           line_bytes(TQ * TK, 4), line_bytes(TQ * Dv, 4),
+                           line_bytes(TQ * TK, 2), line_bytes(TK / 2 * Dv, 4)};
+#endif
 #pragma omp parallel num_threads(nthreads)
   {
-    float *kt = malloc((size_t)(D * tp + Tk * Dv + Tq * D + Tq * tp + Tq * Dv) * 4);
+    void *scratch; /* the fp32 lanes' floats, or the tiles' parts */
+#ifdef HAVE_AMX
+    char *part[6];
+    if (amx) {
+      scratch = carve(sizes, 6, part);
+      amx_start();
+    } else
+#endif
+      scratch = malloc((size_t)(D * tp + Tk * Dv + Tq * D + Tq * tp + Tq * Dv) * 4);
     int64_t *kj = malloc((size_t)(Tk + 2 * Tq) * 8);
 #pragma omp for schedule(dynamic, H)
     for (int64_t r = 0; r < B * H; ++r) {
-      if (!kt || !kj) {
+      if (!scratch || !kj) {
         failed = 1;
         continue;
       }
       const int64_t b = r / H, h = r % H;
-      float *vs = kt + D * tp, *qf = vs + Tk * Dv, *s = qf + Tq * D, *o = s + Tq * tp;
       if (h == 0 && b + nthreads < B)
         prefetch_batch_row(q, lq, k, v, lk, NULL, 0, qrow + (b + nthreads) * Tq,
                            krow + (b + nthreads) * Tk, Tq, Tk, H, D, Dv,
                            p + (b + nthreads) * H * Tq * Tk, 1, out, lo, NULL, NULL, 0);
       if (h + 1 < H)
         prefetch_head(q, lq, k, v, lk, qrow + b * Tq, krow + b * Tk, Tq, Tk, D, Dv, h + 1);
+#ifdef HAVE_AMX
+      if (amx) {
+        attn_fwd_head_amx(q + h * D, lq, k + h * D, v + h * Dv, lk, qrow + b * Tq,
+                          krow + b * Tk, kmask ? kmask + b * Tk : NULL, causal, Tq, Tk, D, Dv,
+                          inv_c, out + h * Dv, lo, p + r * Tq * Tk, (uint16_t *)part[0],
+                          (word32 *)part[1], (float *)part[2], (float *)part[3],
+                          (uint16_t *)part[4], (word32 *)part[5], kj, kj + Tk, kj + Tk + Tq);
+        continue;
+      }
+#endif
+      float *kt = scratch, *vs = kt + D * tp, *qf = vs + Tk * Dv, *s = qf + Tq * D;
       attn_fwd_head(q + h * D, lq, k + h * D, v + h * Dv, lk, qrow + b * Tq, krow + b * Tk,
                     kmask ? kmask + b * Tk : NULL, causal, Tq, Tk, D, Dv, inv_c, out + h * Dv,
-                    lo, p + r * Tq * Tk, kt, vs, qf, s, o, kj, kj + Tk, kj + Tk + Tq);
+                    lo, p + r * Tq * Tk, kt, vs, qf, s, s + Tq * tp, kj, kj + Tk, kj + Tk + Tq);
     }
-    free(kt);
+#ifdef HAVE_AMX
+    if (amx) amx_stop();
+#endif
+    free(scratch);
     free(kj);
   }
   return failed ? -1 : 0;
@@ -1421,27 +1341,38 @@ int attention_train_bwd(const uint16_t *g, int64_t lg, const uint16_t *q, int64_
                         int64_t H, int64_t Tq, int64_t Tk, int64_t D, int64_t Dv, float inv_c,
                         const uint16_t *p, uint16_t *dq, int64_t ldq, uint16_t *dk,
                         uint16_t *dv, int64_t ldk, int nthreads) {
-#ifdef HAVE_AMX
-  if (attn_amx)
-    return attention_train_bwd_amx(g, lg, q, lq, k, v, lk, qrow, krow, kmask, causal, B, H, Tq,
-                                   Tk, D, Dv, inv_c, p, dq, ldq, dk, dv, ldk, nthreads);
-#endif
   const int64_t tp = (Tk + 15) & ~(int64_t)15;
   int failed = 0;
+#ifdef HAVE_AMX
+  const int amx = attn_amx; /* the products on AMX's tiles: their scratch parts */
+  const int64_t TQ = up32(Tq), TK = up32(Tk), Dvp = up32(Dv);
+  const size_t sizes[15] = {
+      line_bytes(TQ * Dvp, 2), line_bytes(Dvp / 2 * TK, 4), line_bytes(TQ * TK, 4),
+      line_bytes(TQ * TK, 2),  line_bytes(TQ * TK, 2),      line_bytes(TQ * TK, 2),
+      line_bytes(TK * TQ, 2),  line_bytes(TK * TQ, 2),      line_bytes(TK * TQ, 2),
+      line_bytes(TK / 2 * D, 4), line_bytes(TQ / 2 * D, 4), line_bytes(TQ / 2 * Dv, 4),
+      line_bytes(TQ * D, 4),   line_bytes(TK * D, 4),       line_bytes(TK * Dv, 4)};
+#endif
 #pragma omp parallel num_threads(nthreads)
   {
-    float *kr = malloc((size_t)(2 * Tk * D + Dv * tp + 2 * Tq * D + Tq * Dv + 2 * Tq * tp +
+    void *scratch; /* the fp32 lanes' floats, or the tiles' parts */
+#ifdef HAVE_AMX
+    char *t[15];
+    if (amx) {
+      scratch = carve(sizes, 15, t);
+      amx_start();
+    } else
+#endif
+      scratch = malloc((size_t)(2 * Tk * D + Dv * tp + 2 * Tq * D + Tq * Dv + 2 * Tq * tp +
                                 Tk * Dv) * 4);
     int64_t *kj = malloc((size_t)(Tk + 2 * Tq) * 8);
 #pragma omp for schedule(dynamic, H)
     for (int64_t r = 0; r < B * H; ++r) {
-      if (!kr || !kj) {
+      if (!scratch || !kj) {
         failed = 1;
         continue;
       }
       const int64_t b = r / H, h = r % H;
-      float *vt = kr + Tk * D, *qf = vt + Dv * tp, *gf = qf + Tq * D, *pf = gf + Tq * Dv;
-      float *ds = pf + Tq * tp, *dqf = ds + Tq * tp, *dka = dqf + Tq * D, *dva = dka + Tk * D;
       if (h == 0 && b + nthreads < B)
         prefetch_batch_row(q, lq, k, v, lk, g, lg, qrow + (b + nthreads) * Tq,
                            krow + (b + nthreads) * Tk, Tq, Tk, H, D, Dv,
@@ -1450,12 +1381,30 @@ int attention_train_bwd(const uint16_t *g, int64_t lg, const uint16_t *q, int64_
         prefetch_rows(g + (h + 1) * Dv, lg, qrow + b * Tq, Tq, Dv);
         prefetch_head(q, lq, k, v, lk, qrow + b * Tq, krow + b * Tk, Tq, Tk, D, Dv, h + 1);
       }
+#ifdef HAVE_AMX
+      if (amx) {
+        attn_bwd_head_amx(g + h * Dv, lg, q + h * D, lq, k + h * D, v + h * Dv, lk,
+                          qrow + b * Tq, krow + b * Tk, kmask ? kmask + b * Tk : NULL, causal,
+                          Tq, Tk, D, Dv, inv_c, p + r * Tq * Tk, dq + h * D, ldq, dk + h * D,
+                          dv + h * Dv, ldk, (uint16_t *)t[0], (word32 *)t[1], (float *)t[2],
+                          (uint16_t *)t[3], (uint16_t *)t[4], (uint16_t *)t[5],
+                          (uint16_t *)t[6], (uint16_t *)t[7], (uint16_t *)t[8], (word32 *)t[9],
+                          (word32 *)t[10], (word32 *)t[11], (float *)t[12], (float *)t[13],
+                          (float *)t[14], kj, kj + Tk, kj + Tk + Tq);
+        continue;
+      }
+#endif
+      float *kr = scratch, *vt = kr + Tk * D, *qf = vt + Dv * tp, *gf = qf + Tq * D;
+      float *pf = gf + Tq * Dv, *ds = pf + Tq * tp, *dqf = ds + Tq * tp, *dka = dqf + Tq * D;
       attn_bwd_head(g + h * Dv, lg, q + h * D, lq, k + h * D, v + h * Dv, lk, qrow + b * Tq,
                     krow + b * Tk, kmask ? kmask + b * Tk : NULL, causal, Tq, Tk, D, Dv, inv_c,
                     p + r * Tq * Tk, dq + h * D, ldq, dk + h * D, dv + h * Dv, ldk, kr, vt, qf,
-                    gf, pf, ds, dqf, dka, dva, kj, kj + Tk, kj + Tk + Tq);
+                    gf, pf, ds, dqf, dka, dka + Tk * D, kj, kj + Tk, kj + Tk + Tq);
     }
-    free(kr);
+#ifdef HAVE_AMX
+    if (amx) amx_stop();
+#endif
+    free(scratch);
     free(kj);
   }
   return failed ? -1 : 0;
