@@ -39,7 +39,7 @@ faster, W2's 3% (docs/performance.md, "Round forty-one"). It is called without h
 
 A bf16 training step's attention (`attention_train`, `model._PackedAttention`) takes each
 (sentence, head) as one task reading and writing the packed rows in place (docs/performance.md,
-"Round forty-nine"); on a CPU with AMX its five products run on AMX's tiles, bf16 operands and
+"Round forty-nine"); on a CPU with AMX its six products run on AMX's tiles, bf16 operands and
 fp32 sums (`attention_amx`; "Round fifty-one"), elsewhere on AVX-512's fp32 lanes.
 
 With bf16 parameters the optimizer's step (`optim.MixedPrecisionAdam`) was five torch passes
