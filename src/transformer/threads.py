@@ -105,6 +105,7 @@ class ThreadTuner:
         self._threads = self.best
         self._start = 0.0
         self._after_drop = False
+        self._chosen = False  # whether a probe has chosen (the first choice is logged)
         self._warmup = warmup_units
         self._timed = True  # whether the current unit counts
         self.room = room
@@ -220,12 +221,16 @@ class ThreadTuner:
 
     def _choose(self) -> None:
         best = max(self._rates, key=self._rates.get)
+        rates = [f"{t}: {self._rates[t]:.0f}/s" for t in self.candidates if t in self._rates]
+        if not self._chosen:  # the first probe's choice, kept or not: a run's log names it
+            logger.info("%s run fastest (%s)", label(best), ", ".join(rates))
         if best == self.best:
             self.every_s = min(2 * self.every_s, self.max_every_s)
         else:
-            rates = [f"{t}: {self._rates[t]:.0f}/s" for t in self.candidates if t in self._rates]
-            logger.info("%s run fastest now (%s)", label(best), ", ".join(rates))
+            if self._chosen:
+                logger.info("%s run fastest now (%s)", label(best), ", ".join(rates))
             self.every_s = self.base_every_s
+        self._chosen = True
         self.best, self.best_rate, self.recent = best, self._rates[best], []
         self._after_drop = False
         self._next_probe = self.clock() + self.every_s

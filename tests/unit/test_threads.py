@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 
@@ -46,6 +48,23 @@ def test_alone_it_keeps_every_core_and_probes_less_and_less_often():
     assert tuner.every_s == 120  # doubled while the choice held, up to the cap
     # Time lost to probing, against always using 2 threads: a few percent.
     assert m.now / (400 * 1.0) < 1.04
+
+
+def test_the_first_choice_is_logged_even_where_it_keeps_every_core(caplog):
+    # The quickstart's log named no thread count when the first probe kept the starting one.
+    m = Machine()
+    tuner = ThreadTuner([2, 1], probe_units=2, every_s=30, max_every_s=120, clock=m.clock)
+    with caplog.at_level(logging.INFO, logger="transformer.threads"):
+        for _ in range(100):
+            m.work(tuner)
+    said = [r.getMessage() for r in caplog.records]
+    assert said[0].startswith("2 CPU threads run fastest (2: ") and "1: " in said[0]
+    assert len(said) == 1  # later probes that keep the choice say nothing
+    m.busy = True
+    with caplog.at_level(logging.INFO, logger="transformer.threads"):
+        for _ in range(20):
+            m.work(tuner)
+    assert [r.getMessage() for r in caplog.records][1].startswith("1 CPU thread run fastest now")
 
 
 @pytest.mark.parametrize(("warmup", "chosen"), [(0, 1), (3, 2)])
