@@ -221,14 +221,13 @@ class ThreadTuner:
 
     def _choose(self) -> None:
         best = max(self._rates, key=self._rates.get)
-        rates = [f"{t}: {self._rates[t]:.0f}/s" for t in self.candidates if t in self._rates]
-        if not self._chosen:  # the first probe's choice, kept or not: a run's log names it
-            logger.info("%s run fastest (%s)", label(best), ", ".join(rates))
+        if best != self.best or not self._chosen:  # the first choice, kept or not, and changes
+            rates = [f"{t}: {self._rates[t]:.0f}/s" for t in self.candidates if t in self._rates]
+            now = " now" if self._chosen else ""
+            logger.info("%s run fastest%s (%s)", label(best), now, ", ".join(rates))
         if best == self.best:
             self.every_s = min(2 * self.every_s, self.max_every_s)
         else:
-            if self._chosen:
-                logger.info("%s run fastest now (%s)", label(best), ", ".join(rates))
             self.every_s = self.base_every_s
         self._chosen = True
         self.best, self.best_rate, self.recent = best, self._rates[best], []
