@@ -10,8 +10,9 @@ decoding of 64 sentences forced to 50 tokens with the shared Marian weights.
     .venv/bin/python benchmarks/bench_before_after.py --rev 242feec --what real \
         --data QS/data --preset quickstart --batches 40
 
-`--switch attention_amx`: a kernel switch (`transformer.kernels.attention_amx`) off before each
-'before' call and on before each 'after' one; with `--rev HEAD` the same code either side:
+`--switch attention_amx` (or `weight_grad_amx`): a kernel switch (`transformer.kernels.`'s
+function of that name) off before each 'before' call and on before each 'after' one; with
+`--rev HEAD` the same code either side:
 
     .venv/bin/python benchmarks/bench_before_after.py --rev HEAD --switch attention_amx \
         --what train,real --data QS/data --reps 12
@@ -93,7 +94,9 @@ def main() -> None:
     p.add_argument("--preset", default="quickstart", help="model preset (--what real)")
     p.add_argument("--batches", type=int, default=40, help="training batches (--what real)")
     p.add_argument(
-        "--switch", choices=["attention_amx"], help="a kernel switch: off before, on after"
+        "--switch",
+        choices=["attention_amx", "weight_grad_amx"],
+        help="a kernel switch: off before, on after",
     )
     args = p.parse_args()
     if "real" in args.what and not args.data:

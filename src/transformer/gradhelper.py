@@ -227,6 +227,22 @@ def row_major_weight_grad(g: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     return kernels.transposed(kernels.transposed(x) @ g)
 
 
+def _layer_weight_grad(g: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """dW = g^T x (out, in) for `_RowMajorGradLinear`'s backward. A square layer's on AMX's tiles
+    (`kernels.weight_grad`), where oneDNN ran its (512 x 3,888) x (3,888 x 512) from the
+    transposed view at ~830 GFLOP/s in a W1 step (~1,150 warm, against 1,500-2,200 for the
+    step's other shapes), and a row-major copy's product on one of its two threads; the tiles
+    ran ~1,100 in the step, ~1,650 warm (docs/performance.md, "Round fifty-two"). The wider
+    layers keep `row_major_weight_grad`, as fast as the tiles in the step."""
+    square = g.size(1) == x.size(1)
+    if square:
+        own = kernels.weight_grad(g, x)
+        if own is not None:
+            return own
+        return g.t() @ x
+    return row_major_weight_grad(g, x)
+
+
 # `_RowMajorGradLinear`'s forward with the bias added inside oneDNN's product (None: decided
 # on first use by `bias_in_product`; False: F.linear's, for a before/after in one process).
 BIAS_IN_PRODUCT: bool | None = None
@@ -262,10 +278,10 @@ def bias_in_product() -> bool:
 
 
 class _RowMajorGradLinear(torch.autograd.Function):
-    """y = x W^T + b (x 2-D) whose dW comes from `row_major_weight_grad` (a square W's from
-    the transposed view, as autograd's: `row_major_grads`); dx as autograd's, db the fp32
-    column sums of `kernels.column_sums` where it runs (torch's bf16 sum(0) otherwise: 2.4x
-    slower on (3,888 x 2,048), the same sums to bf16 rounding). y has F.linear's bits, the bias
+    """y = x W^T + b (x 2-D) whose dW comes from `_layer_weight_grad` (a square W's from AMX's
+    tiles, the others' from `row_major_weight_grad`); dx as autograd's, db the fp32 column sums
+    of `kernels.column_sums` where it runs (torch's bf16 sum(0) otherwise: 2.4x slower on
+    (3,888 x 2,048), the same sums to bf16 rounding). y has F.linear's bits, the bias
     added inside oneDNN's product where that gives them (`bias_in_product`): F.linear first
     copied the bias into every output row (9 ms of a 1.45 s W1 step for the square layers)."""
 
@@ -297,8 +313,7 @@ class _RowMajorGradLinear(torch.autograd.Function):
             grad_x = g @ weight if residual is None else residual.addmm_(g, weight)
         grad_w = None
         if ctx.needs_input_grad[1]:
-            square = weight.size(0) == weight.size(1)
-            grad_w = g.t() @ x if square else row_major_weight_grad(g, x)
+            grad_w = _layer_weight_grad(g, x)
         grad_b = None
         if ctx.has_bias and ctx.needs_input_grad[2]:
             fast = g.dtype == torch.bfloat16 and g.is_contiguous() and kernels.fused_supported()

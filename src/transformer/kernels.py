@@ -1410,6 +1410,183 @@ int attention_train_bwd(const uint16_t *g, int64_t lg, const uint16_t *q, int64_
   return failed ? -1 : 0;
 }
 
+/* ---- a linear layer's weight gradient on AMX: dW = g^T x over the rows ---- */
+
+#ifdef HAVE_AMX
+/* C (M x N fp32, row stride ldc) = A B, or += A B where acc: A (M x K bf16, row stride lda), B
+   as pairs of its rows (K/2 x N words, row stride ldb); M and N multiples of 16, K of 32. In
+   blocks of 2 x 2 tiles, as `amx_gemm`; a block's sums go on from C's where acc. */
+AMXBW static void amx_gemm_acc(const uint16_t *A, int64_t lda, const word32 *B, int64_t ldb,
+                               int64_t M, int64_t N, int64_t K, float *C, int64_t ldc, int acc) {
+  const int64_t sa = lda * 2, sb = ldb * 4, sc = ldc * 4;
+  for (int64_t m = 0; m < M; m += 32) {
+    const int rows2 = m + 16 < M;
+    const uint16_t *a = A + m * lda;
+    float *c = C + m * ldc;
+    for (int64_t n = 0; n < N; n += 32) {
+      const int cols2 = n + 16 < N;
+      if (acc) {
+        _tile_loadd(0, c + n, sc);
+        if (cols2) _tile_loadd(1, c + n + 16, sc);
+        if (rows2) {
+          _tile_loadd(2, c + 16 * ldc + n, sc);
+          if (cols2) _tile_loadd(3, c + 16 * ldc + n + 16, sc);
+        }
+      } else {
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+      }
+      for (int64_t k = 0; k < K; k += 32) {
+        const word32 *b = B + (k / 2) * ldb + n;
+        _tile_loadd(4, a + k, sa);
+        _tile_loadd(6, b, sb);
+        _tile_dpbf16ps(0, 4, 6);
+        if (cols2) {
+          _tile_loadd(7, b + 16, sb);
+          _tile_dpbf16ps(1, 4, 7);
+        }
+        if (rows2) {
+          _tile_loadd(5, a + 16 * lda + k, sa);
+          _tile_dpbf16ps(2, 5, 6);
+          if (cols2) _tile_dpbf16ps(3, 5, 7);
+        }
+      }
+      _tile_stored(0, c + n, sc);
+      if (cols2) _tile_stored(1, c + n + 16, sc);
+      if (rows2) {
+        _tile_stored(2, c + 16 * ldc + n, sc);
+        if (cols2) _tile_stored(3, c + 16 * ldc + n + 16, sc);
+      }
+    }
+  }
+}
+
+/* d (C x Rp, row stride ldd) = s's first Rp rows transposed (s: rows of stride lds, C
+   values each), its rows from R on as zeros; Rp and C multiples of 32: `t16`'s 32 x 32 blocks */
+AMXBW static void t16_rows(const uint16_t *s, int64_t lds, int64_t R, int64_t Rp, int64_t C,
+                           uint16_t *d, int64_t ldd) {
+  const __m512i lo16 = _mm512_set1_epi32(0xffff), hi16 = _mm512_set1_epi32((int)0xffff0000u);
+  const __m512i zero = _mm512_setzero_si512();
+  __m512i e[16], o[16];
+  for (int64_t i0 = 0; i0 < Rp; i0 += 32)
+    for (int64_t j0 = 0; j0 < C; j0 += 32) {
+      for (int i = 0; i < 16; ++i) {
+        const int64_t ra = i0 + 2 * i;
+        const __m512i a = ra < R ? _mm512_loadu_si512((const void *)(s + ra * lds + j0)) : zero;
+        const __m512i b =
+            ra + 1 < R ? _mm512_loadu_si512((const void *)(s + (ra + 1) * lds + j0)) : zero;
+        e[i] = _mm512_or_si512(_mm512_and_si512(a, lo16), _mm512_slli_epi32(b, 16));
+        o[i] = _mm512_or_si512(_mm512_srli_epi32(a, 16), _mm512_and_si512(b, hi16));
+      }
+      t16x16(e);
+      t16x16(o);
+      for (int w = 0; w < 16; ++w) {
+        _mm512_storeu_si512((void *)(d + (j0 + 2 * w) * ldd + i0), e[w]);
+        _mm512_storeu_si512((void *)(d + (j0 + 2 * w + 1) * ldd + i0), o[w]);
+      }
+    }
+}
+
+/* t (R x N words) = x's first 2R rows (stride ldx) in pairs, t[r][j] = (x[2r][j], x[2r + 1][j]),
+   its rows from K on as zeros; N a multiple of 16 */
+AMXBW static void pairs_rows(const uint16_t *x, int64_t ldx, int64_t K, int64_t R, int64_t N,
+                             word32 *t) {
+  const __m512i zero = _mm512_setzero_si512();
+  for (int64_t r = 0; r < R; ++r) {
+    const uint16_t *a = 2 * r < K ? x + 2 * r * ldx : NULL;
+    const uint16_t *b = 2 * r + 1 < K ? x + (2 * r + 1) * ldx : NULL;
+    for (int64_t e = 0; e < N; e += 16) {
+      const __m512i lo =
+          a ? _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(a + e))) : zero;
+      const __m512i hi =
+          b ? _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(b + e))) : zero;
+      _mm512_storeu_si512((void *)(t + r * N + e), _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
+    }
+  }
+}
+
+/* d (M x N bf16, row stride ldd) = c + c2 (M x N fp32 each) rounded; N a multiple of 16 */
+AMXBW static void sums2_bf16(const float *c, const float *c2, int64_t M, int64_t N, uint16_t *d,
+                             int64_t ldd) {
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t j = 0; j < N; j += 16)
+      _mm256_storeu_si256(
+          (__m256i *)(d + m * ldd + j),
+          narrow(_mm512_add_ps(_mm512_loadu_ps(c + m * N + j), _mm512_loadu_ps(c2 + m * N + j))));
+}
+#endif
+
+/* AMX's tiles for this process: Linux grants them once asked (1), or not (0, as without AMX) */
+int amx_permit(void) {
+#ifdef HAVE_AMX
+  static int granted = -1;
+  if (granted < 0) granted = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+  return granted;
+#else
+  return 0;
+#endif
+}
+
+/* dW (M x N bf16, row stride ldo) = g^T x, the sum over K rows: g (K x M) and x (K x N) bf16
+   rows of strides ldg and ldx; M a multiple of 32, N of 16. oneDNN runs this product (g^T a
+   transposed view, K long, M and N short) at about half its rate on one thread of two.
+   The rows go in two halves, each summed on its own in fp32 by a thread (or a team, each
+   member some of dW's rows), KC rows at a time: that block of g's columns transposed and of
+   x's rows in pairs, in the thread's own scratch while L2 holds them; then dW = bf16(half 1 +
+   half 2), so the bits are the same on any number of threads. -1: no scratch, -2: no tiles. */
+int weight_grad_amx(const uint16_t *g, int64_t ldg, const uint16_t *x, int64_t ldx, int64_t K,
+                    int64_t M, int64_t N, uint16_t *out, int64_t ldo, int nthreads) {
+#ifdef HAVE_AMX
+  enum { KC = 256 }; /* A and B 256 KB each at M = N = 512, beside the half's 1 MB of sums */
+  if (!amx_permit()) return -2;
+  const int64_t chunks = (K + KC - 1) / KC, blocks = M / 32;
+  const int T = nthreads >= 2 ? nthreads & ~1 : 1, teams = T >= 2 ? T / 2 : 1;
+  float *c = aligned_alloc(64, line_bytes(2 * M * N, 4));
+  if (!c) return -1;
+  int failed = 0;
+#pragma omp parallel num_threads(T)
+  {
+    const int t = omp_get_thread_num();
+    const int64_t i = T >= 2 ? t / 2 : 0;
+    const int64_t m0 = blocks * i / teams * 32, m1 = blocks * (i + 1) / teams * 32;
+    uint16_t *a = aligned_alloc(64, line_bytes((m1 - m0) * KC, 2));
+    word32 *b = aligned_alloc(64, line_bytes(KC / 2 * N, 4));
+    if (!a || !b) {
+      failed = 1;
+    } else if (m1 > m0) {
+      amx_start();
+      for (int half = T >= 2 ? t % 2 : 0; half < 2; half += T >= 2 ? 2 : 1) {
+        const int64_t c0 = chunks * half / 2, c1 = chunks * (half + 1) / 2;
+        float *ch = c + half * M * N + m0 * N;
+        if (c1 == c0) memset(ch, 0, (size_t)((m1 - m0) * N) * 4);
+        for (int64_t j = c0; j < c1; ++j) {
+          const int64_t k0 = j * KC, kv = K - k0 < KC ? K - k0 : KC, kc = up32(kv);
+          t16_rows(g + k0 * ldg + m0, ldg, kv, kc, m1 - m0, a, kc);
+          pairs_rows(x + k0 * ldx, ldx, kv, kc / 2, N, b);
+          amx_gemm_acc(a, kc, b, N, m1 - m0, N, kc, ch, N, j > c0);
+        }
+      }
+      amx_stop();
+    }
+    free(a);
+    free(b);
+#pragma omp barrier
+    if (!failed) {
+      const int64_t r0 = M * t / T, r1 = M * (t + 1) / T;
+      sums2_bf16(c + r0 * N, c + M * N + r0 * N, r1 - r0, N, out + r0 * ldo, ldo);
+    }
+  }
+  free(c);
+  return failed ? -1 : 0;
+#else
+  (void)g, (void)ldg, (void)x, (void)ldx, (void)K, (void)M, (void)N, (void)out, (void)ldo;
+  (void)nthreads;
+  return -2;
+#endif
+}
+
 /* ---- a linear layer's bias gradient: the column sums of (n, c) bf16, in fp32 ---- */
 
 /* part[j] += sum of x[r, j] over rows [r0, r1), four rows at a time */
@@ -2311,6 +2488,12 @@ _ATTENTION_ISA = "avx512" if _AVX512 else "avx2" if {"avx2", "fma"} <= cpuinfo.c
 # lanes (a before/after); `attention_amx` switches it in a process.
 _AMX = {"amx_tile", "amx_bf16"} <= cpuinfo.cpu_flags() and _AVX512
 ATTENTION_AMX = os.environ.get("TRANSFORMER_ATTENTION_AMX", "1") != "0"
+# A bf16 linear layer's weight gradient dW = g^T x (`weight_grad`) multiplies on AMX's tiles
+# too: oneDNN ran the square layers' (512 x 3,888) x (3,888 x 512) at ~1,100 GFLOP/s alone and
+# ~850 in a W1 step, the rest of the step's products at 1,500-1,900 (docs/performance.md,
+# "Round fifty-two"). TRANSFORMER_WEIGHT_GRAD_AMX=0 keeps oneDNN's; `weight_grad_amx`
+# switches it in a process.
+WEIGHT_GRAD_AMX = os.environ.get("TRANSFORMER_WEIGHT_GRAD_AMX", "1") != "0"
 _LIB: ctypes.PyDLL | None = None
 _NOGIL: ctypes.CDLL | None = None  # the same library, called without the GIL
 _PATH: Path | None = None  # the file `_LIB` was loaded from
@@ -2579,6 +2762,8 @@ def _opened(
     free.attention_train_fwd.restype = free.attention_train_bwd.restype = ctypes.c_int
     lib.attention_amx.argtypes, lib.attention_amx.restype = [i32], i32
     lib.attention_amx(int(ATTENTION_AMX and _AMX))
+    free.weight_grad_amx.argtypes = [p, i64, p, i64, i64, i64, i64, p, i64, i32]
+    free.weight_grad_amx.restype = lib.amx_permit.restype = ctypes.c_int
     return lib, free
 
 
@@ -2591,6 +2776,46 @@ def attention_amx(on: bool | None = None) -> bool:
     if on is not None:
         _LIB.attention_amx(int(on and _AMX))
     return bool(_LIB.attention_amx(-1))
+
+
+def amx_tiles() -> bool:
+    """Whether the kernels can multiply on AMX's tiles in this process: the CPU has AMX-BF16 (and
+    AVX-512 F, BW, VL), the compiler knew AMX's instructions (gcc 11, clang 12 on), and Linux
+    gives the process the tiles (5.16 on; asked once)."""
+    return _AMX and _library() is not None and bool(_LIB.amx_permit())
+
+
+def weight_grad_amx(on: bool | None = None) -> bool:
+    """Whether `weight_grad` multiplies on AMX's tiles (`amx_tiles`, and not switched off); `on`
+    sets it first."""
+    global WEIGHT_GRAD_AMX
+    if on is not None:
+        WEIGHT_GRAD_AMX = bool(on)
+    return WEIGHT_GRAD_AMX and amx_tiles()
+
+
+def weight_grad(g: torch.Tensor, x: torch.Tensor) -> torch.Tensor | None:
+    """dW = g^T x (M, N) for a linear layer's output gradient g (K, M) and input x (K, N), bf16
+    CPU rows: the sum over the K rows on AMX's tiles in fp32, rounded to bf16 once, the same bits
+    on any number of threads. None where it does not run (`weight_grad_amx` off, the fused
+    kernels off, M not a multiple of 32 or N of 16, a row not contiguous): the caller multiplies
+    with torch."""
+    if not (FUSED and weight_grad_amx()) or g.dim() != 2 or x.dim() != 2:
+        return None
+    (rows, m), n = g.shape, x.size(1)
+    if rows == 0 or x.size(0) != rows or m % 32 or n % 16:
+        return None
+    for t in (g, x):
+        if t.dtype != torch.bfloat16 or t.device.type != "cpu" or t.stride(1) != 1:
+            return None
+        if t.stride(0) < t.size(1):
+            return None
+    out = torch.empty((m, n), dtype=torch.bfloat16)
+    args = (g.data_ptr(), g.stride(0), x.data_ptr(), x.stride(0), rows, m, n, out.data_ptr(), n)
+    rc = _NOGIL.weight_grad_amx(*args, torch.get_num_threads())
+    if rc == -1:
+        raise MemoryError(f"no memory for the scratch of a ({m} x {rows}) x ({rows} x {n}) product")
+    return out if rc == 0 else None
 
 
 def unavailable() -> str | None:
@@ -2649,8 +2874,18 @@ def describe() -> list[str]:
         f"{training if FUSED else off}",
         f"int8 decoding's input rows, a beam's best tokens: {rows if FUSED else off}",
         f"a decoding step's attention: {attention if FUSED else off}",
+        f"bf16 training's square weight gradients: {_weight_grads() if FUSED else off}",
         f"bf16 training's attention products: {_attention_products() if FUSED else off}",
     ]
+
+
+def _weight_grads() -> str:
+    """Where `weight_grad`'s products run, for `describe`."""
+    if weight_grad_amx():
+        return "AMX tiles"
+    if _AMX and not WEIGHT_GRAD_AMX:
+        return "torch's product (TRANSFORMER_WEIGHT_GRAD_AMX=0)"
+    return "torch's product"
 
 
 def _attention_products() -> str:

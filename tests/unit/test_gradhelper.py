@@ -389,6 +389,34 @@ def test_a_row_major_layer_is_nn_linear_up_to_dws_rounding(shape, bias, n_out, m
     )
 
 
+@pytest.mark.parametrize("tiles", [True, False])
+def test_a_square_layers_weight_gradient_comes_from_the_tiles_where_they_run(tiles, monkeypatch):
+    """Round fifty-two: a square row-major layer's dW is `kernels.weight_grad`'s (AMX), bit for
+    bit, or torch's g^T x where the tiles are off or not here; a wider layer's is
+    `row_major_weight_grad`'s either way."""
+    monkeypatch.setattr(gradhelper, "ROW_MAJOR_GRADS", True)
+    monkeypatch.setattr(gradhelper, "ROW_MAJOR_ROWS", 0)
+    old = kernels.weight_grad_amx()
+    kernels.weight_grad_amx(tiles)
+    try:
+        torch.manual_seed(0)
+        for n_out in (64, 96):
+            layer = Linear(64, n_out).bfloat16()
+            x = torch.randn(300, 64).bfloat16().requires_grad_(True)
+            y = layer(x)
+            g = torch.randn_like(y)
+            y.backward(g)
+            if n_out == 64:
+                own = kernels.weight_grad(g, x.detach())
+                expected = own if own is not None else g.t() @ x.detach()
+                assert (own is not None) is (tiles and kernels.amx_tiles())
+            else:
+                expected = gradhelper.row_major_weight_grad(g, x.detach())
+            assert torch.equal(layer.weight.grad, expected)
+    finally:
+        kernels.weight_grad_amx(old)
+
+
 def test_bias_in_product_is_kept_only_where_it_gives_f_linears_bits(monkeypatch):
     real = torch.ops.mkldnn._linear_pointwise
     monkeypatch.setattr(gradhelper, "BIAS_IN_PRODUCT", None)

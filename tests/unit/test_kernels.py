@@ -21,11 +21,13 @@ from transformer.model import packed_attention_case
 @contextlib.contextmanager
 def attention_on_amx(on: bool):
     """The training attention's products on AMX's tiles (on) or AVX-512's fp32 lanes inside,
-    as it was after; on=True only where the CPU has AMX (else the lanes, asserted)."""
+    as it was after; on=True only where the process can have the tiles (else the lanes,
+    asserted): the CPU has AMX, the compiler knew it, and Linux grants it (`amx_tiles`)."""
     old = kernels.attention_amx()
     try:
         got = kernels.attention_amx(on)
-        assert got == (on and {"amx_tile", "amx_bf16"} <= cpu_flags())
+        assert got == (on and kernels.amx_tiles())
+        assert kernels.amx_tiles() <= ({"amx_tile", "amx_bf16"} <= cpu_flags())
         yield
     finally:
         kernels.attention_amx(old)
@@ -719,6 +721,86 @@ def test_attention_amx_is_off_with_the_variable_and_where_the_cpu_has_no_amx():
         amx = {"amx_tile", "amx_bf16"} <= cpu_flags()
         assert kernels.attention_amx() <= amx  # never without AMX (Linux may refuse it)
         assert ("TRANSFORMER_ATTENTION_AMX=0" in line) == (amx and kernels.fused_supported())
+
+
+def _weight_grad_case(rows: int, m: int, n: int, seed: int = 0, pad: int = 0):
+    """g (rows, m) and x (rows, n) bf16, each a view of wider rows where pad > 0."""
+    gen = torch.Generator().manual_seed(seed)
+    g = torch.randn(rows, m + pad, generator=gen).to(torch.bfloat16)[:, pad:]
+    x = torch.randn(rows, n + pad, generator=gen).to(torch.bfloat16)[:, :n]
+    return g, x
+
+
+# rows: under one 256-row block, a block and a bit (the halves unequal), a W1 step's; widths:
+# one 2 x 2 block of tiles, a lone tile's columns (48 = 32 + 16), the base model's
+@pytest.mark.parametrize(
+    "rows,m,n,pad",
+    [(1, 32, 16, 0), (31, 32, 48, 0), (257, 64, 48, 16), (600, 96, 32, 0), (3888, 512, 512, 0),
+     (1000, 512, 512, 64), (513, 64, 1024, 0)],
+)  # fmt: skip
+def test_weight_grad_is_g_transposed_x_in_fp32_on_the_tiles(rows, m, n, pad):
+    g, x = _weight_grad_case(rows, m, n, pad=pad)
+    got = kernels.weight_grad(g, x)
+    if not kernels.weight_grad_amx():
+        assert got is None  # no tiles here: the caller multiplies with torch
+        return
+    ref = g.double().t() @ x.double()
+    assert got.shape == (m, n) and got.dtype == torch.bfloat16 and got.is_contiguous()
+    # fp32 sums rounded once: within half a bf16 ulp of the exact sum and the fp32 sums' error
+    bound = 2**-8 * ref.abs() + rows * 2**-23 * (g.double().abs().t() @ x.double().abs())
+    assert bool(((got.double() - ref).abs() <= bound).all())
+
+
+@pytest.mark.parametrize("rows,m,n", [(100, 64, 48), (3888, 512, 512), (700, 96, 1024)])
+def test_weight_grad_has_the_same_bits_on_any_number_of_threads(rows, m, n):
+    g, x = _weight_grad_case(rows, m, n, seed=1)
+    outs = []
+    for threads in (1, 2, 3, 4):
+        with threads_of(threads):
+            outs.append(kernels.weight_grad(g, x))
+    if not kernels.weight_grad_amx():
+        assert outs == [None] * 4
+        return
+    assert all(torch.equal(outs[0], o) for o in outs[1:])
+
+
+def test_weight_grad_leaves_to_torch_what_it_does_not_take(monkeypatch):
+    g, x = _weight_grad_case(64, 64, 48)
+    assert (kernels.weight_grad(g, x) is None) is not kernels.weight_grad_amx()
+    assert kernels.weight_grad(g[:, :48], x) is None  # M not a multiple of 32
+    assert kernels.weight_grad(g, x[:, :40]) is None  # N not a multiple of 16
+    assert kernels.weight_grad(g.float(), x.float()) is None
+    assert kernels.weight_grad(g, x[:32]) is None  # not the same rows
+    assert kernels.weight_grad(g[:0], x[:0]) is None
+    assert kernels.weight_grad(g.t().contiguous().t(), x) is None  # rows not contiguous
+    monkeypatch.setattr(kernels, "FUSED", False)
+    assert kernels.weight_grad(g, x) is None
+    monkeypatch.setattr(kernels, "FUSED", True)
+    old = kernels.weight_grad_amx()
+    try:
+        assert kernels.weight_grad_amx(False) is False
+        assert kernels.weight_grad(g, x) is None
+        assert kernels.weight_grad_amx(True) is kernels.amx_tiles()
+    finally:
+        kernels.weight_grad_amx(old)
+    assert kernels.amx_tiles() <= ({"amx_tile", "amx_bf16"} <= cpu_flags())
+
+
+def test_weight_grad_amx_is_off_with_the_variable():
+    code = (
+        "from transformer import kernels; kernels.unavailable(); "
+        "print(kernels.weight_grad_amx(), kernels.describe()[-2])"
+    )
+    env = {**os.environ, "TRANSFORMER_WEIGHT_GRAD_AMX": "0"}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    assert done.returncode == 0, done.stderr
+    on, line = done.stdout.strip().split(" ", 1)
+    assert on == "False" and line.startswith("bf16 training's square weight gradients: ")
+    if kernels.unavailable() is None and kernels.fused_supported():
+        amx = {"amx_tile", "amx_bf16"} <= cpu_flags()
+        assert ("TRANSFORMER_WEIGHT_GRAD_AMX=0" in line) == amx
+        expected = "AMX tiles" if kernels.amx_tiles() else "torch's product"
+        assert kernels.describe()[-2].endswith(expected)
 
 
 def test_fused_off_keeps_torchs_ops(monkeypatch):
