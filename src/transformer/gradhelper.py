@@ -305,8 +305,13 @@ class _RowMajorGradLinear(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, g):  # noqa: D102
         x, weight, y = ctx.saved_tensors  # x (N, in), g (N, out)
+        grad_b = None
+        want_b = ctx.has_bias and ctx.needs_input_grad[2]
         if ctx.relu:  # through max(0, .): g where y > 0 (torch's threshold_backward)
-            g = kernels.relu_grad(g.contiguous(), y)
+            if want_b:  # and db's column sums from the same pass (`column_sums`' bits)
+                g, grad_b = kernels.relu_grad_sums(g.contiguous(), y)
+            else:
+                g = kernels.relu_grad(g.contiguous(), y)
         grad_x = None
         if ctx.needs_input_grad[0]:
             residual = None if ctx.port is None else ctx.port.take()
@@ -314,8 +319,7 @@ class _RowMajorGradLinear(torch.autograd.Function):
         grad_w = None
         if ctx.needs_input_grad[1]:
             grad_w = _layer_weight_grad(g, x)
-        grad_b = None
-        if ctx.has_bias and ctx.needs_input_grad[2]:
+        if want_b and grad_b is None:
             fast = g.dtype == torch.bfloat16 and g.is_contiguous() and kernels.fused_supported()
             grad_b = kernels.column_sums(g) if fast else g.sum(0)  # fp32 sums either way
         return grad_x, grad_w, grad_b, None, None

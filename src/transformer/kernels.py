@@ -1629,6 +1629,34 @@ int column_sums(const uint16_t *x, int64_t n, int64_t c, float *out, float *work
     for (int64_t j = 0; j < c; ++j) out[j] += work[t * c + j];
   return 0;
 }
+
+/* relu16_grad's dh (n, c) and, in the same pass, its column sums into out (c floats): each
+   thread's rows (`my_rows`) 4 at a time, their dh written and then summed as
+   `column_sums_rows` sums them while they are in L1, so the sums have `column_sums`'s bits
+   (the bias gradient of the layer before a ReLU; the second read of dh was 12 ms of a W1
+   step). work: nthreads * c floats. */
+int relu16_grad_sums(const uint16_t *g, const uint16_t *h, uint16_t *dh, int64_t n, int64_t c,
+                     float *out, float *work, int nthreads) {
+  int teams = 1;
+#pragma omp parallel num_threads(nthreads)
+  {
+    int64_t r0, r1;
+    float *part = work + omp_get_thread_num() * c;
+    for (int64_t j = 0; j < c; ++j) part[j] = 0.f;
+    my_rows(n, &r0, &r1);
+    for (int64_t r = r0; r < r1; r += 4) {
+      const int64_t e = r + 4 < r1 ? r + 4 : r1;
+      relu_grad_span(g, h, dh, r * c, e * c);
+      column_sums_rows(dh, c, r, e, part);
+    }
+#pragma omp single
+    teams = omp_get_num_threads();
+  }
+  for (int64_t j = 0; j < c; ++j) out[j] = 0.f;
+  for (int t = 0; t < teams; ++t)
+    for (int64_t j = 0; j < c; ++j) out[j] += work[t * c + j];
+  return 0;
+}
 /* ---- §5.3 Adam over the fp32 masters of bf16 (or fp32) parameters, in two passes ---- */
 
 /* Not in the paper (it trained in fp32). torch takes the mixed-precision step in five passes:
@@ -2727,6 +2755,8 @@ def _opened(
     lib.masked_softmax_bwd.argtypes = [p, p, i64, i64, f32, p, i32]
     lib.masked_softmax_fwd.restype = lib.masked_softmax_bwd.restype = ctypes.c_int
     lib.column_sums.argtypes, lib.column_sums.restype = [p, i64, i64, p, p, i32], ctypes.c_int
+    lib.relu16_grad_sums.argtypes = [p, p, p, i64, i64, p, p, i32]
+    lib.relu16_grad_sums.restype = ctypes.c_int
     lib.adam_sumsq.argtypes = [i64, p, p, p, i32, p, p, i32]
     lib.adam_update.argtypes = [i64, p, p, p, p, p, p, p, p, p, p, i32, p, i32]
     lib.adam_sumsq.restype = lib.adam_update.restype = ctypes.c_int
@@ -3033,6 +3063,21 @@ def relu_grad(g: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
     if h.numel():
         _LIB.relu16_grad(g.data_ptr(), h.data_ptr(), out.data_ptr(), h.numel(), _threads(h.numel()))
     return out
+
+
+def relu_grad_sums(g: torch.Tensor, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`relu_grad`(g, h) for (N, C) rows, and its `column_sums` (bf16) from the same pass: the
+    same values and bits as the two calls, dh read once where they read it twice."""
+    _require("relu", g, h)
+    if g.shape != h.shape or h.dim() != 2:
+        raise ValueError("relu_grad_sums: a gradient and an output of the same (N, C) shape")
+    n, c = h.shape
+    out, sums = torch.empty_like(h), torch.empty(c)
+    threads = _threads(h.numel())
+    work = torch.empty(threads * c)
+    args = (g.data_ptr(), h.data_ptr(), out.data_ptr(), n, c, sums.data_ptr(), work.data_ptr())
+    _LIB.relu16_grad_sums(*args, threads)
+    return out, sums.to(h.dtype)
 
 
 def pcg64_keep(state: int, inc: int, threshold: int, n: int) -> torch.Tensor | None:

@@ -803,6 +803,27 @@ def test_weight_grad_amx_is_off_with_the_variable():
         assert kernels.describe()[-2].endswith(expected)
 
 
+@pytest.mark.parametrize("shape", [(1, 16), (3, 40), (7, 2048), (3888, 2048), (4001, 520)])
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_relu_grad_sums_are_relu_grad_and_its_column_sums(shape, threads):
+    gen = torch.Generator().manual_seed(shape[0])
+    g = torch.randn(shape, generator=gen).to(torch.bfloat16)
+    h = torch.randn(shape, generator=gen).to(torch.bfloat16).relu()
+    h[0, :3] = torch.tensor([-0.0, float("nan"), 0.0])[: shape[1]].to(torch.bfloat16)
+    if not kernels.fused_supported():
+        with pytest.raises(RuntimeError, match="not on this machine"):
+            kernels.relu_grad_sums(g, h)
+        return
+    with threads_of(threads):
+        dh, sums = kernels.relu_grad_sums(g, h)
+        alone = kernels.relu_grad(g, h)
+        assert torch.equal(dh, alone) and torch.equal(sums, kernels.column_sums(alone))
+    with pytest.raises(ValueError, match="same"):
+        kernels.relu_grad_sums(g[:, :8].contiguous(), h)
+    with pytest.raises(ValueError, match="same"):
+        kernels.relu_grad_sums(g.reshape(-1), h.reshape(-1))
+
+
 def test_fused_off_keeps_torchs_ops(monkeypatch):
     monkeypatch.setattr(kernels, "FUSED", False)
     assert not kernels.fused_supported()
