@@ -42,6 +42,11 @@ A bf16 training step's attention (`attention_train`, `model._PackedAttention`) t
 "Round forty-nine"); on a CPU with AMX its six products run on AMX's tiles, bf16 operands and
 fp32 sums (`attention_amx`; "Round fifty-one"), elsewhere on AVX-512's fp32 lanes.
 
+There too a square layer's weight gradient, (512 x ~3,900) x (~3,900 x 512) in a W1 step, which
+oneDNN ran at ~800 GFLOP/s in the step (its other shapes at 1,400-1,950), runs on AMX's tiles
+(`weight_grad`): two threads each sum half the rows in fp32, the halves added and rounded once,
+the same bits on any number of threads, ~1,100 GFLOP/s in the step ("Round fifty-two").
+
 With bf16 parameters the optimizer's step (`optim.MixedPrecisionAdam`) was five torch passes
 over every parameter: each bf16 gradient copied to fp32, scaled in place, its norm, torch's
 fused Adam on the fp32 masters, the masters copied back to bf16. `adam_sum_squares` and
