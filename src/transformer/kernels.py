@@ -1535,12 +1535,13 @@ int amx_permit(void) {
 }
 
 /* dW (M x N bf16, row stride ldo) = g^T x, the sum over K rows: g (K x M) and x (K x N) bf16
-   rows of strides ldg and ldx; M a multiple of 32, N of 16. oneDNN runs this product (g^T a
-   transposed view, K long, M and N short) at about half its rate on one thread of two.
-   The rows go in two halves, each summed on its own in fp32 by a thread (or a team, each
-   member some of dW's rows), KC rows at a time: that block of g's columns transposed and of
-   x's rows in pairs, in the thread's own scratch while L2 holds them; then dW = bf16(half 1 +
-   half 2), so the bits are the same on any number of threads. -1: no scratch, -2: no tiles. */
+   rows of strides ldg and ldx; M a multiple of 32, N of 16. oneDNN runs this shape (K long, M
+   and N short) at about half its rate for the others: from the transposed view g^T, and from a
+   row-major copy on one of its two threads. The rows go in two halves, each summed on its own
+   in fp32 by a thread (or a team, each member some of dW's rows), KC rows at a time: that block
+   of g's columns transposed and of x's rows in pairs, in the thread's own scratch while L2
+   holds them; then dW = bf16(half 1 + half 2), so the bits are the same on any number of
+   threads. -1: no scratch, -2: no tiles. */
 int weight_grad_amx(const uint16_t *g, int64_t ldg, const uint16_t *x, int64_t ldx, int64_t K,
                     int64_t M, int64_t N, uint16_t *out, int64_t ldo, int nthreads) {
 #ifdef HAVE_AMX
@@ -1558,9 +1559,9 @@ int weight_grad_amx(const uint16_t *g, int64_t ldg, const uint16_t *x, int64_t l
     const int64_t m0 = blocks * i / teams * 32, m1 = blocks * (i + 1) / teams * 32;
     uint16_t *a = aligned_alloc(64, line_bytes((m1 - m0) * KC, 2));
     word32 *b = aligned_alloc(64, line_bytes(KC / 2 * N, 4));
-    if (!a || !b) {
+    if (m1 > m0 && (!a || !b)) {
       failed = 1;
-    } else if (m1 > m0) {
+    } else if (m1 > m0) { /* (a team of 4 or more threads may have no rows at M = 32) */
       amx_start();
       for (int half = T >= 2 ? t % 2 : 0; half < 2; half += T >= 2 ? 2 : 1) {
         const int64_t c0 = chunks * half / 2, c1 = chunks * (half + 1) / 2;
