@@ -937,15 +937,15 @@ AMXBW static void amx_start(void) {
 }
 AMXBW static void amx_stop(void) { _tile_release(); }
 
-/* C (M x N fp32, row stride ldc) = A B (+ A2 B): A, A2 (M x K bf16, row stride lda), B as
-   pairs of its rows (K/2 rows of N words (b[2r][j], b[2r+1][j]), row stride ldb words); M and
-   N multiples of 16, K of 32. In blocks of 2 x 2 tiles (four independent sums: one tile's
-   chain of products waits on each product's latency). lim 1: a block's columns only to
-   up16(its last row's keys, nr), lim 2: its sum only to up32 of them (the weights past them
-   are zero); nr ascending. */
+/* C (M x N fp32, row stride ldc) = A B (+ A2 B), or C += that where acc: A, A2 (M x K bf16,
+   row stride lda), B as pairs of its rows (K/2 rows of N words (b[2r][j], b[2r+1][j]), row
+   stride ldb words); M and N multiples of 16, K of 32. In blocks of 2 x 2 tiles (four
+   independent sums: one tile's chain of products waits on each product's latency). lim 1: a
+   block's columns only to up16(its last row's keys, nr), lim 2: its sum only to up32 of them
+   (the weights past them are zero); nr ascending. */
 AMXBW static void amx_gemm(const uint16_t *A, const uint16_t *A2, int64_t lda, const word32 *B,
                            int64_t ldb, int64_t M, int64_t N, int64_t K, float *C, int64_t ldc,
-                           const int64_t *nr, int64_t nq, int lim) {
+                           const int64_t *nr, int64_t nq, int lim, int acc) {
   const int64_t sa = lda * 2, sb = ldb * 4, sc = ldc * 4;
   for (int64_t m = 0; m < M; m += 32) {
     const int rows2 = m + 16 < M;
@@ -960,10 +960,19 @@ AMXBW static void amx_gemm(const uint16_t *A, const uint16_t *A2, int64_t lda, c
     float *c = C + m * ldc;
     for (int64_t n = 0; n < n1; n += 32) {
       const int cols2 = n + 16 < n1;
-      _tile_zero(0);
-      _tile_zero(1);
-      _tile_zero(2);
-      _tile_zero(3);
+      if (acc) {
+        _tile_loadd(0, c + n, sc);
+        if (cols2) _tile_loadd(1, c + n + 16, sc);
+        if (rows2) {
+          _tile_loadd(2, c + 16 * ldc + n, sc);
+          if (cols2) _tile_loadd(3, c + 16 * ldc + n + 16, sc);
+        }
+      } else {
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+      }
       for (int64_t k = 0; k < k1; k += 32) {
         const word32 *b = B + (k / 2) * ldb + n;
         _tile_loadd(6, b, sb);
@@ -1065,26 +1074,30 @@ AMXBW static void pairs(const uint16_t *x, int64_t ld, const int64_t *rows, cons
   }
 }
 
-/* d (C x R) = s (R x C) transposed, 16-bit values, R and C multiples of 32: in 32 x 32 blocks,
-   each as two 16 x 16 transposes of 32-bit words, the even columns' and the odd columns'
-   values of each pair of rows (d's row 2w holds, as its word i, rows 2i and 2i + 1 of column
-   2w) */
-AMXBW static void t16(const uint16_t *s, int64_t R, int64_t C, uint16_t *d) {
+/* d (C x Rp, row stride ldd) = s's first Rp rows transposed (s: rows of stride lds, C 16-bit
+   values each), its rows from R on as zeros; Rp and C multiples of 32: in 32 x 32 blocks, each
+   as two 16 x 16 transposes of 32-bit words, the even columns' and the odd columns' values of
+   each pair of rows (d's row 2w holds, as its word i, rows 2i and 2i + 1 of column 2w) */
+AMXBW static void t16_rows(const uint16_t *s, int64_t lds, int64_t R, int64_t Rp, int64_t C,
+                           uint16_t *d, int64_t ldd) {
   const __m512i lo16 = _mm512_set1_epi32(0xffff), hi16 = _mm512_set1_epi32((int)0xffff0000u);
+  const __m512i zero = _mm512_setzero_si512();
   __m512i e[16], o[16];
-  for (int64_t i0 = 0; i0 < R; i0 += 32)
+  for (int64_t i0 = 0; i0 < Rp; i0 += 32)
     for (int64_t j0 = 0; j0 < C; j0 += 32) {
       for (int i = 0; i < 16; ++i) {
-        const __m512i a = _mm512_loadu_si512((const void *)(s + (i0 + 2 * i) * C + j0));
-        const __m512i b = _mm512_loadu_si512((const void *)(s + (i0 + 2 * i + 1) * C + j0));
+        const int64_t ra = i0 + 2 * i;
+        const __m512i a = ra < R ? _mm512_loadu_si512((const void *)(s + ra * lds + j0)) : zero;
+        const __m512i b =
+            ra + 1 < R ? _mm512_loadu_si512((const void *)(s + (ra + 1) * lds + j0)) : zero;
         e[i] = _mm512_or_si512(_mm512_and_si512(a, lo16), _mm512_slli_epi32(b, 16));
         o[i] = _mm512_or_si512(_mm512_srli_epi32(a, 16), _mm512_and_si512(b, hi16));
       }
       t16x16(e);
       t16x16(o);
       for (int w = 0; w < 16; ++w) {
-        _mm512_storeu_si512((void *)(d + (j0 + 2 * w) * R + i0), e[w]);
-        _mm512_storeu_si512((void *)(d + (j0 + 2 * w + 1) * R + i0), o[w]);
+        _mm512_storeu_si512((void *)(d + (j0 + 2 * w) * ldd + i0), e[w]);
+        _mm512_storeu_si512((void *)(d + (j0 + 2 * w + 1) * ldd + i0), o[w]);
       }
     }
 }
@@ -1106,7 +1119,7 @@ AMXBW static void attn_fwd_head_amx(const uint16_t *q, int64_t lq, const uint16_
   const int64_t M = up16(nq), N = up16(nk), K2 = up32(nk), Dp = up32(D);
   rows_pad(q, lq, qrow, qi, nq, M, D, Dp, qa);
   words_t(k, lk, krow, kj, nk, N, D, Dp, kb);
-  amx_gemm(qa, NULL, Dp, kb, N, M, N, Dp, s, N, nr, nq, 1); /* scores */
+  amx_gemm(qa, NULL, Dp, kb, N, M, N, Dp, s, N, nr, nq, 1, 0); /* scores */
   for (int64_t c = 0; c < M; ++c) {
     const int64_t n = c < nq ? nr[c] : 0, np = up16(n);
     float *sr = s + c * N;
@@ -1120,7 +1133,7 @@ AMXBW static void attn_fwd_head_amx(const uint16_t *q, int64_t lq, const uint16_
     memset(par + np, 0, (size_t)(K2 - np) * 2);
   }
   pairs(v, lk, krow, kj, nk, K2, Dv, vb);
-  amx_gemm(pa, NULL, K2, vb, Dv, M, Dv, K2, o, Dv, nr, nq, 2); /* P V */
+  amx_gemm(pa, NULL, K2, vb, Dv, M, Dv, K2, o, Dv, nr, nq, 2, 0); /* P V */
   rows_bf16(o, nq, Dv, qrow, qi, out, lo);
 }
 
@@ -1147,7 +1160,7 @@ AMXBW static void attn_bwd_head_amx(const uint16_t *g, int64_t lg, const uint16_
     const int64_t M = up16(nq), M2 = up32(nq), K2 = up32(nk), Dvp = up32(Dv);
     rows_pad(g, lg, qrow, qi, nq, M, Dv, Dvp, ga);
     words_t(v, lk, krow, kj, nk, N, Dv, Dvp, vt);
-    amx_gemm(ga, NULL, Dvp, vt, N, M, N, Dvp, dp, N, nr, nq, 1); /* dP = g V^T */
+    amx_gemm(ga, NULL, Dvp, vt, N, M, N, Dvp, dp, N, nr, nq, 1, 0); /* dP = g V^T */
     const __m512 vic = _mm512_set1_ps(inv_c);
     for (int64_t c = 0; c < M2; ++c) {
       const int64_t n = c < nq ? nr[c] : 0, np = up16(n);
@@ -1175,15 +1188,15 @@ AMXBW static void attn_bwd_head_amx(const uint16_t *g, int64_t lg, const uint16_
       memset(wr + np, 0, (size_t)(K2 - np) * 2);
     }
     pairs(k, lk, krow, kj, nk, K2, D, kp);
-    amx_gemm(dsh, dsl, K2, kp, D, M, D, K2, dqf, D, nr, nq, 2); /* dq = dS K */
+    amx_gemm(dsh, dsl, K2, kp, D, M, D, K2, dqf, D, nr, nq, 2, 0); /* dq = dS K */
     rows_bf16(dqf, nq, D, qrow, qi, dq, ldq);
-    t16(dsh, M2, K2, dth);
-    t16(dsl, M2, K2, dtl);
-    t16(pb, M2, K2, pt);
+    t16_rows(dsh, K2, M2, M2, K2, dth, M2);
+    t16_rows(dsl, K2, M2, M2, K2, dtl, M2);
+    t16_rows(pb, K2, M2, M2, K2, pt, M2);
     pairs(q, lq, qrow, qi, nq, M2, D, qp);
     pairs(g, lg, qrow, qi, nq, M2, Dv, gp);
-    amx_gemm(dth, dtl, M2, qp, D, N, D, M2, dka, D, NULL, 0, 0); /* dk = dS^T q */
-    amx_gemm(pt, NULL, M2, gp, Dv, N, Dv, M2, dva, Dv, NULL, 0, 0); /* dv = P^T g */
+    amx_gemm(dth, dtl, M2, qp, D, N, D, M2, dka, D, NULL, 0, 0, 0); /* dk = dS^T q */
+    amx_gemm(pt, NULL, M2, gp, Dv, N, Dv, M2, dva, Dv, NULL, 0, 0, 0); /* dv = P^T g */
   } else {
     memset(dka, 0, (size_t)(nk * D) * 4);
     memset(dva, 0, (size_t)(nk * Dv) * 4);
@@ -1418,81 +1431,6 @@ int attention_train_bwd(const uint16_t *g, int64_t lg, const uint16_t *q, int64_
 /* ---- a linear layer's weight gradient on AMX: dW = g^T x over the rows ---- */
 
 #ifdef HAVE_AMX
-/* C (M x N fp32, row stride ldc) = A B, or += A B where acc: A (M x K bf16, row stride lda), B
-   as pairs of its rows (K/2 x N words, row stride ldb); M and N multiples of 16, K of 32. In
-   blocks of 2 x 2 tiles, as `amx_gemm`; a block's sums go on from C's where acc. */
-AMXBW static void amx_gemm_acc(const uint16_t *A, int64_t lda, const word32 *B, int64_t ldb,
-                               int64_t M, int64_t N, int64_t K, float *C, int64_t ldc, int acc) {
-  const int64_t sa = lda * 2, sb = ldb * 4, sc = ldc * 4;
-  for (int64_t m = 0; m < M; m += 32) {
-    const int rows2 = m + 16 < M;
-    const uint16_t *a = A + m * lda;
-    float *c = C + m * ldc;
-    for (int64_t n = 0; n < N; n += 32) {
-      const int cols2 = n + 16 < N;
-      if (acc) {
-        _tile_loadd(0, c + n, sc);
-        if (cols2) _tile_loadd(1, c + n + 16, sc);
-        if (rows2) {
-          _tile_loadd(2, c + 16 * ldc + n, sc);
-          if (cols2) _tile_loadd(3, c + 16 * ldc + n + 16, sc);
-        }
-      } else {
-        _tile_zero(0);
-        _tile_zero(1);
-        _tile_zero(2);
-        _tile_zero(3);
-      }
-      for (int64_t k = 0; k < K; k += 32) {
-        const word32 *b = B + (k / 2) * ldb + n;
-        _tile_loadd(4, a + k, sa);
-        _tile_loadd(6, b, sb);
-        _tile_dpbf16ps(0, 4, 6);
-        if (cols2) {
-          _tile_loadd(7, b + 16, sb);
-          _tile_dpbf16ps(1, 4, 7);
-        }
-        if (rows2) {
-          _tile_loadd(5, a + 16 * lda + k, sa);
-          _tile_dpbf16ps(2, 5, 6);
-          if (cols2) _tile_dpbf16ps(3, 5, 7);
-        }
-      }
-      _tile_stored(0, c + n, sc);
-      if (cols2) _tile_stored(1, c + n + 16, sc);
-      if (rows2) {
-        _tile_stored(2, c + 16 * ldc + n, sc);
-        if (cols2) _tile_stored(3, c + 16 * ldc + n + 16, sc);
-      }
-    }
-  }
-}
-
-/* d (C x Rp, row stride ldd) = s's first Rp rows transposed (s: rows of stride lds, C
-   values each), its rows from R on as zeros; Rp and C multiples of 32: `t16`'s 32 x 32 blocks */
-AMXBW static void t16_rows(const uint16_t *s, int64_t lds, int64_t R, int64_t Rp, int64_t C,
-                           uint16_t *d, int64_t ldd) {
-  const __m512i lo16 = _mm512_set1_epi32(0xffff), hi16 = _mm512_set1_epi32((int)0xffff0000u);
-  const __m512i zero = _mm512_setzero_si512();
-  __m512i e[16], o[16];
-  for (int64_t i0 = 0; i0 < Rp; i0 += 32)
-    for (int64_t j0 = 0; j0 < C; j0 += 32) {
-      for (int i = 0; i < 16; ++i) {
-        const int64_t ra = i0 + 2 * i;
-        const __m512i a = ra < R ? _mm512_loadu_si512((const void *)(s + ra * lds + j0)) : zero;
-        const __m512i b =
-            ra + 1 < R ? _mm512_loadu_si512((const void *)(s + (ra + 1) * lds + j0)) : zero;
-        e[i] = _mm512_or_si512(_mm512_and_si512(a, lo16), _mm512_slli_epi32(b, 16));
-        o[i] = _mm512_or_si512(_mm512_srli_epi32(a, 16), _mm512_and_si512(b, hi16));
-      }
-      t16x16(e);
-      t16x16(o);
-      for (int w = 0; w < 16; ++w) {
-        _mm512_storeu_si512((void *)(d + (j0 + 2 * w) * ldd + i0), e[w]);
-        _mm512_storeu_si512((void *)(d + (j0 + 2 * w + 1) * ldd + i0), o[w]);
-      }
-    }
-}
 
 /* t (R x N words) = x's first 2R rows (stride ldx) in pairs, t[r][j] = (x[2r][j], x[2r + 1][j]),
    its rows from K on as zeros; N a multiple of 16 */
@@ -1571,7 +1509,7 @@ int weight_grad_amx(const uint16_t *g, int64_t ldg, const uint16_t *x, int64_t l
           const int64_t k0 = j * KC, kv = K - k0 < KC ? K - k0 : KC, kc = up32(kv);
           t16_rows(g + k0 * ldg + m0, ldg, kv, kc, m1 - m0, a, kc);
           pairs_rows(x + k0 * ldx, ldx, kv, kc / 2, N, b);
-          amx_gemm_acc(a, kc, b, N, m1 - m0, N, kc, ch, N, j > c0);
+          amx_gemm(a, NULL, kc, b, N, m1 - m0, N, kc, ch, N, NULL, 0, 0, j > c0);
         }
       }
       amx_stop();
@@ -1617,8 +1555,11 @@ AVX512 static void column_sums_rows(const uint16_t *x, int64_t c, int64_t r0, in
   }
 }
 
-/* out[j] = sum over the n rows of x[r, j]; work: nthreads * c floats */
-int column_sums(const uint16_t *x, int64_t n, int64_t c, float *out, float *work, int nthreads) {
+/* out[j] = sum over the n rows of x[r, j], or where h: of dh = relu16_grad's (g = x, h), dh
+   written as it goes; each thread's rows (`my_rows`), then the threads' parts in order. work:
+   nthreads * c floats. */
+static int sums_of_rows(const uint16_t *x, const uint16_t *h, uint16_t *dh, int64_t n,
+                        int64_t c, float *out, float *work, int nthreads) {
   int teams = 1;
 #pragma omp parallel num_threads(nthreads)
   {
@@ -1626,7 +1567,13 @@ int column_sums(const uint16_t *x, int64_t n, int64_t c, float *out, float *work
     float *part = work + omp_get_thread_num() * c;
     for (int64_t j = 0; j < c; ++j) part[j] = 0.f;
     my_rows(n, &r0, &r1);
-    column_sums_rows(x, c, r0, r1, part);
+    if (!h) column_sums_rows(x, c, r0, r1, part);
+    else
+      for (int64_t r = r0; r < r1; r += 4) { /* 4 rows' dh, summed while L1 holds them */
+        const int64_t e = r + 4 < r1 ? r + 4 : r1;
+        relu_grad_span(x, h, dh, r * c, e * c);
+        column_sums_rows(dh, c, r, e, part);
+      }
 #pragma omp single
     teams = omp_get_num_threads();
   }
@@ -1636,32 +1583,18 @@ int column_sums(const uint16_t *x, int64_t n, int64_t c, float *out, float *work
   return 0;
 }
 
-/* relu16_grad's dh (n, c) and, in the same pass, its column sums into out (c floats): each
-   thread's rows (`my_rows`) 4 at a time, their dh written and then summed as
-   `column_sums_rows` sums them while they are in L1, so the sums have `column_sums`'s bits
-   (the bias gradient of the layer before a ReLU; the second read of dh was 12 ms of a W1
-   step). work: nthreads * c floats. */
+/* out[j] = sum over the n rows of x[r, j]; work: nthreads * c floats */
+int column_sums(const uint16_t *x, int64_t n, int64_t c, float *out, float *work, int nthreads) {
+  return sums_of_rows(x, NULL, NULL, n, c, out, work, nthreads);
+}
+
+/* relu16_grad's dh (n, c) and, in the same pass, its column sums into out (c floats): 4 rows at
+   a time, summed as `column_sums_rows` sums them (in 4-row groups), so the sums have
+   `column_sums`'s bits (the bias gradient of the layer before a ReLU; the second read of dh
+   was 12 ms of a W1 step). work: nthreads * c floats. */
 int relu16_grad_sums(const uint16_t *g, const uint16_t *h, uint16_t *dh, int64_t n, int64_t c,
                      float *out, float *work, int nthreads) {
-  int teams = 1;
-#pragma omp parallel num_threads(nthreads)
-  {
-    int64_t r0, r1;
-    float *part = work + omp_get_thread_num() * c;
-    for (int64_t j = 0; j < c; ++j) part[j] = 0.f;
-    my_rows(n, &r0, &r1);
-    for (int64_t r = r0; r < r1; r += 4) {
-      const int64_t e = r + 4 < r1 ? r + 4 : r1;
-      relu_grad_span(g, h, dh, r * c, e * c);
-      column_sums_rows(dh, c, r, e, part);
-    }
-#pragma omp single
-    teams = omp_get_num_threads();
-  }
-  for (int64_t j = 0; j < c; ++j) out[j] = 0.f;
-  for (int t = 0; t < teams; ++t)
-    for (int64_t j = 0; j < c; ++j) out[j] += work[t * c + j];
-  return 0;
+  return sums_of_rows(g, h, dh, n, c, out, work, nthreads);
 }
 /* ---- §5.3 Adam over the fp32 masters of bf16 (or fp32) parameters, in two passes ---- */
 

@@ -707,15 +707,22 @@ def test_training_attention_reads_and_writes_a_stacked_projection(threads, amx):
     assert torch.equal(dqkv, torch.cat([dq, dkv], 1))
 
 
-def test_attention_amx_is_off_with_the_variable_and_where_the_cpu_has_no_amx():
+def _switched_off(variable: str, switch: str, line: int) -> tuple[str, str]:
+    """A fresh process's kernels with `variable`=0: what `kernels.<switch>()` says, and
+    `describe()`'s line of that index."""
     code = (
         "from transformer import kernels; kernels.unavailable(); "
-        "print(kernels.attention_amx(), kernels.describe()[-1])"
+        f"print(kernels.{switch}(), kernels.describe()[{line}])"
     )
-    env = {**os.environ, "TRANSFORMER_ATTENTION_AMX": "0"}
+    env = {**os.environ, variable: "0"}
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
     assert done.returncode == 0, done.stderr
-    on, line = done.stdout.split(" ", 1)
+    on, said = done.stdout.strip().split(" ", 1)
+    return on, said
+
+
+def test_attention_amx_is_off_with_the_variable_and_where_the_cpu_has_no_amx():
+    on, line = _switched_off("TRANSFORMER_ATTENTION_AMX", "attention_amx", -1)
     assert on == "False" and line.startswith("bf16 training's attention products: ")
     if kernels.unavailable() is None:
         amx = {"amx_tile", "amx_bf16"} <= cpu_flags()
@@ -792,14 +799,7 @@ def test_weight_grad_leaves_to_torch_what_it_does_not_take(monkeypatch):
 
 
 def test_weight_grad_amx_is_off_with_the_variable():
-    code = (
-        "from transformer import kernels; kernels.unavailable(); "
-        "print(kernels.weight_grad_amx(), kernels.describe()[-2])"
-    )
-    env = {**os.environ, "TRANSFORMER_WEIGHT_GRAD_AMX": "0"}
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
-    assert done.returncode == 0, done.stderr
-    on, line = done.stdout.strip().split(" ", 1)
+    on, line = _switched_off("TRANSFORMER_WEIGHT_GRAD_AMX", "weight_grad_amx", -2)
     assert on == "False" and line.startswith("bf16 training's square weight gradients: ")
     if kernels.unavailable() is None and kernels.fused_supported():
         amx = {"amx_tile", "amx_bf16"} <= cpu_flags()
