@@ -899,6 +899,17 @@ AVX512BW static void attn_bwd_head(const uint16_t *g, int64_t lg, const uint16_t
 static int attn_amx = 0;
 #endif
 
+/* AMX's tiles for this process: Linux grants them once asked (1), or not (0, as without AMX) */
+int amx_permit(void) {
+#ifdef HAVE_AMX
+  static int granted = -1;
+  if (granted < 0) granted = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+  return granted;
+#else
+  return 0;
+#endif
+}
+
 /* Whether the training attention's products run on AMX (on: 1 asks for it). Linux gives a
    process the tiles' state only when asked (arch_prctl ARCH_REQ_XCOMP_PERM for
    XFEATURE_XTILEDATA); oneDNN asks the same for its own products. on < 0: no change. Returns
@@ -906,7 +917,7 @@ static int attn_amx = 0;
 int attention_amx(int on) {
 #ifdef HAVE_AMX
   if (on < 0) return attn_amx;
-  if (on && !attn_amx && syscall(SYS_arch_prctl, 0x1023, 18) != 0) return 0;
+  if (on && !amx_permit()) return 0;
   attn_amx = on != 0;
   return attn_amx;
 #else
@@ -1461,16 +1472,6 @@ AMXBW static void sums2_bf16(const float *c, const float *c2, int64_t M, int64_t
 }
 #endif
 
-/* AMX's tiles for this process: Linux grants them once asked (1), or not (0, as without AMX) */
-int amx_permit(void) {
-#ifdef HAVE_AMX
-  static int granted = -1;
-  if (granted < 0) granted = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
-  return granted;
-#else
-  return 0;
-#endif
-}
 
 /* dW (M x N bf16, row stride ldo) = g^T x, the sum over K rows: g (K x M) and x (K x N) bf16
    rows of strides ldg and ldx; M a multiple of 32, N of 16. oneDNN runs this shape (K long, M
