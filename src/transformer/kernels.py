@@ -1532,6 +1532,111 @@ int weight_grad_amx(const uint16_t *g, int64_t ldg, const uint16_t *x, int64_t l
 #endif
 }
 
+/* ---- a bf16 decoder's output projection, its logits in fp32, on AMX ---- */
+
+#ifdef HAVE_AMX
+enum { PROJ_CH = 512 }; /* W's rows summed before their logits are written: 1 MB at rp 512 */
+
+/* project_amx's chunks c0 to c1 of PROJ_CH of W's rows, for rows r0 to r0 + rn of h (B = b,
+   padded to rp columns): a chunk's sums into s (PROJ_CH x rp fp32, 32 of W's rows a product),
+   then written into their columns of the output rows 16 x 16 at a time, transposed in
+   registers (a row's logits of the chunk are PROJ_CH contiguous floats) */
+AMXBW static void project_chunks(int64_t r0, int64_t rn, int64_t rp, const word32 *b,
+                                 const uint16_t *w, int64_t ldw, int64_t V, int64_t D,
+                                 int64_t c0, int64_t c1, float *s, uint16_t *a, float *out,
+                                 int64_t ldo) {
+  __m512i e[16];
+  amx_start();
+  for (int64_t c = c0; c < c1; ++c) {
+    const int64_t v0 = c * PROJ_CH, m = V - v0 < PROJ_CH ? V - v0 : PROJ_CH;
+    for (int64_t q0 = 0; q0 < m; q0 += 32) {
+      const int64_t mq = m - q0 < 32 ? m - q0 : 32, mp = up16(mq);
+      const uint16_t *wa = w + (v0 + q0) * ldw;
+      int64_t lda = ldw;
+      if (mq != mp) { /* the last rows, padded with zeros to a whole tile */
+        for (int64_t q = 0; q < mp; ++q)
+          if (q < mq) memcpy(a + q * D, wa + q * ldw, (size_t)D * 2);
+          else memset(a + q * D, 0, (size_t)D * 2);
+        wa = a, lda = D;
+      }
+      amx_gemm(wa, NULL, lda, b, rp, mp, rp, D, s + q0 * rp, rp, NULL, 0, 0, 0);
+    }
+    for (int64_t r = 0; r < rn; r += 16) /* s[q][r]: row r0 + r's logit of token v0 + q */
+      for (int64_t q = 0; q < m; q += 16) {
+        float *o = out + (r0 + r) * ldo + v0 + q;
+        if (q + 16 <= m && r + 16 <= rn) { /* a whole block: no masks */
+          for (int i = 0; i < 16; ++i)
+            e[i] = _mm512_loadu_si512((const void *)(s + (q + i) * rp + r));
+          t16x16(e);
+          for (int i = 0; i < 16; ++i) _mm512_storeu_si512((void *)(o + i * ldo), e[i]);
+          continue;
+        }
+        for (int i = 0; i < 16; ++i)
+          e[i] = q + i < m ? _mm512_loadu_si512((const void *)(s + (q + i) * rp + r))
+                           : _mm512_setzero_si512();
+        t16x16(e);
+        const __mmask16 k = m - q >= 16 ? 0xffff : (__mmask16)((1u << (m - q)) - 1);
+        for (int i = 0; i < 16 && r + i < rn; ++i)
+          _mm512_mask_storeu_ps(o + i * ldo, k, _mm512_castsi512_ps(e[i]));
+      }
+  }
+  amx_stop();
+}
+#endif
+
+/* logits (R x V fp32, row stride ldo) = h W^T for a bf16 decoder's outputs h (R x D, row
+   stride ldh) and the pre-softmax projection W (V x D, row stride ldw), D a multiple of 32.
+   oneDNN's bf16 product rounds each logit to bf16 (steps of 1/16 between 8 and 16), and beam
+   search ranks those. Here each logit is the fp32 sum of its D products of bf16 values, in an
+   order that depends on neither R, the row's place, nor the thread count: a sentence's logits
+   are the same in any batch. W's rows are the tiles' A operand where they lie, h's rows read
+   as words (pairs of columns) and transposed the B operand, RC rows of h a pass; each thread
+   takes chunks of PROJ_CH of W's rows, sums their logits into its scratch and writes them
+   into their columns of the output rows. -1: no scratch, -2: no tiles, -3: D not a multiple
+   of 32. */
+int project_amx(const uint16_t *h, int64_t ldh, int64_t R, const uint16_t *w, int64_t ldw,
+                int64_t V, int64_t D, float *out, int64_t ldo, int nthreads) {
+#ifdef HAVE_AMX
+  enum { RC = 512 }; /* B = D/2 x RC words: 512 KB at D = 512, in L2 beside a block of W */
+  if (D % 32) return -3;
+  if (!amx_permit()) return -2;
+  const int64_t chunks = (V + PROJ_CH - 1) / PROJ_CH, D2 = D / 2, rc = up16(R < RC ? R : RC);
+  const int T = nthreads >= 1 ? nthreads : 1;
+  word32 *b = aligned_alloc(64, line_bytes(D2 * rc, 4));
+  if (!b) return -1;
+  int failed = 0;
+  for (int64_t r0 = 0; r0 < R && !failed; r0 += RC) {
+    const int64_t rn = R - r0 < RC ? R - r0 : RC, rp = up16(rn);
+#pragma omp parallel num_threads(T)
+    {
+      const int t = omp_get_thread_num();
+      for (int64_t i = D2 * t / T; i < D2 * (t + 1) / T; ++i) { /* b[i][r] = (h[r][2i], [2i+1]) */
+        word32 *bi = b + i * rp;
+        for (int64_t r = 0; r < rn; ++r) bi[r] = ((const word32 *)(h + (r0 + r) * ldh))[i];
+        for (int64_t r = rn; r < rp; ++r) bi[r] = 0;
+      }
+      float *s = aligned_alloc(64, line_bytes(PROJ_CH * rp, 4));
+      uint16_t *a = aligned_alloc(64, line_bytes(32 * D, 2)); /* the last rows, padded */
+#pragma omp barrier
+      if (!s || !a) {
+        failed = 1;
+      } else {
+        project_chunks(r0, rn, rp, b, w, ldw, V, D, chunks * t / T, chunks * (t + 1) / T, s,
+                       a, out, ldo);
+      }
+      free(s);
+      free(a);
+    }
+  }
+  free(b);
+  return failed ? -1 : 0;
+#else
+  (void)h, (void)ldh, (void)R, (void)w, (void)ldw, (void)V, (void)D, (void)out, (void)ldo;
+  (void)nthreads;
+  return -2;
+#endif
+}
+
 /* ---- a linear layer's bias gradient: the column sums of (n, c) bf16, in fp32 ---- */
 
 /* part[j] += sum of x[r, j] over rows [r0, r1), four rows at a time */
@@ -2462,6 +2567,11 @@ ATTENTION_AMX = os.environ.get("TRANSFORMER_ATTENTION_AMX", "1") != "0"
 # "Round fifty-two"). TRANSFORMER_WEIGHT_GRAD_AMX=0 keeps oneDNN's; `weight_grad_amx`
 # switches it in a process.
 WEIGHT_GRAD_AMX = os.environ.get("TRANSFORMER_WEIGHT_GRAD_AMX", "1") != "0"
+# A bf16 decoder's pre-softmax projection (`project`) multiplies on AMX's tiles as well, its
+# logits summed and kept in fp32: oneDNN's bf16 product rounds them to bf16, steps of 1/16
+# between 8 and 16 that beam search ranks (docs/performance.md, "Round fifty-three").
+# TRANSFORMER_PROJECT_AMX=0 keeps oneDNN's; `project_amx` switches it in a process.
+PROJECT_AMX = os.environ.get("TRANSFORMER_PROJECT_AMX", "1") != "0"
 _LIB: ctypes.PyDLL | None = None
 _NOGIL: ctypes.CDLL | None = None  # the same library, called without the GIL
 _PATH: Path | None = None  # the file `_LIB` was loaded from
@@ -2734,6 +2844,8 @@ def _opened(
     lib.attention_amx(int(ATTENTION_AMX and _AMX))
     free.weight_grad_amx.argtypes = [p, i64, p, i64, i64, i64, i64, p, i64, i32]
     free.weight_grad_amx.restype = lib.amx_permit.restype = ctypes.c_int
+    free.project_amx.argtypes = [p, i64, i64, p, i64, i64, i64, p, i64, i32]
+    free.project_amx.restype = ctypes.c_int
     return lib, free
 
 
@@ -2786,6 +2898,42 @@ def weight_grad(g: torch.Tensor, x: torch.Tensor) -> torch.Tensor | None:
     if rc == -1:
         raise MemoryError(f"no memory for the scratch of a ({m} x {rows}) x ({rows} x {n}) product")
     return out if rc == 0 else None
+
+
+def project_amx(on: bool | None = None) -> bool:
+    """Whether `project` multiplies on AMX's tiles (`amx_tiles`, and not switched off); `on`
+    sets it first."""
+    global PROJECT_AMX
+    if on is not None:
+        PROJECT_AMX = bool(on)
+    return PROJECT_AMX and amx_tiles()
+
+
+def project(h: torch.Tensor, w: torch.Tensor) -> torch.Tensor | None:
+    """Logits h W^T (..., V) in fp32 for bf16 CPU rows h (..., D) and a projection w (V, D): each
+    the fp32 sum of its D products on AMX's tiles, not rounded to bf16, and the same for a row in
+    any batch, at any place in it and on any number of threads. None where it does not run
+    (`project_amx` off, the fused kernels off, D not a multiple of 32, w's rows not
+    contiguous): the caller multiplies with torch."""
+    if not (FUSED and project_amx()) or w.dim() != 2 or h.dim() == 0:
+        return None
+    (v, d), lead = w.shape, h.shape[:-1]
+    if h.size(-1) != d or d % 32 or v == 0 or h.numel() == 0:
+        return None
+    for t in (h, w):
+        if t.dtype != torch.bfloat16 or t.device.type != "cpu" or t.requires_grad:
+            return None
+    if w.stride(1) != 1 or w.stride(0) < d:
+        return None
+    rows = h.reshape(-1, d)
+    if rows.stride(1) != 1 or rows.stride(0) < d:
+        rows = rows.contiguous()
+    out = torch.empty((rows.size(0), v), dtype=torch.float32)
+    args = (rows.data_ptr(), rows.stride(0), rows.size(0), w.data_ptr(), w.stride(0), v, d)
+    rc = _NOGIL.project_amx(*args, out.data_ptr(), v, torch.get_num_threads())
+    if rc == -1:
+        raise MemoryError(f"no memory for the scratch of a ({rows.size(0)} x {d}) projection")
+    return out.view(*lead, v) if rc == 0 else None
 
 
 def unavailable() -> str | None:
@@ -2846,6 +2994,7 @@ def describe() -> list[str]:
         f"a decoding step's attention: {attention if FUSED else off}",
         f"bf16 training's square weight gradients: {_weight_grads() if FUSED else off}",
         f"bf16 training's attention products: {_attention_products() if FUSED else off}",
+        f"bf16 decoding's output logits: {_projection() if FUSED else off}",
     ]
 
 
@@ -2856,6 +3005,15 @@ def _weight_grads() -> str:
     if _AMX and not WEIGHT_GRAD_AMX:
         return "torch's product (TRANSFORMER_WEIGHT_GRAD_AMX=0)"
     return "torch's product"
+
+
+def _projection() -> str:
+    """Where `project`'s products run, for `describe`."""
+    if project_amx():
+        return "AMX tiles, fp32 logits"
+    if _AMX and not PROJECT_AMX:
+        return "torch's product, bf16 logits (TRANSFORMER_PROJECT_AMX=0)"
+    return "torch's product, bf16 logits"
 
 
 def _attention_products() -> str:

@@ -338,6 +338,32 @@ class PackedLinear(nn.Module):
         return f"in={self.in_features}, out={self.out_features}, {dtype}, oneDNN-packed"
 
 
+class FP32Logits(nn.Module):
+    """The pre-softmax projection of a bf16 decoder on a CPU with AMX (`packed_bf16`): fp32
+    logits from `kernels.project`, each the fp32 sum of its bf16 products, not rounded to bf16
+    (whose steps are 1/16 between 8 and 16, which beam search ranks), and the same for a
+    sentence in any batch. Where the kernel does not run (TRANSFORMER_PROJECT_AMX=0,
+    `kernels.project_amx(False)`), a bf16 `PackedLinear`'s bf16 logits, as before it. The
+    weight is the bf16 model's own (the tied embedding, §3.4), not a copy."""
+
+    def __init__(self, weight: torch.Tensor):
+        super().__init__()
+        self.weight = weight.detach().to(torch.bfloat16).contiguous()
+        self.in_features, self.out_features = self.weight.size(1), self.weight.size(0)
+        self._packed: PackedLinear | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = kernels.project(x.to(torch.bfloat16), self.weight)
+        if y is not None:
+            return y
+        if self._packed is None:  # built once, where it is first needed
+            self._packed = PackedLinear(self.weight, None, dtype=torch.bfloat16)
+        return self._packed(x)
+
+    def extra_repr(self) -> str:
+        return f"in={self.in_features}, out={self.out_features}, bf16, fp32 logits on AMX"
+
+
 def packed_projection(model: nn.Module) -> nn.Module:
     """`model` for fp32 decoding on CPU with its pre-softmax projection a `PackedLinear`
     (a copy of the tied embedding), where oneDNN is available; otherwise `model` itself. The
@@ -373,8 +399,9 @@ def packed_bf16(model: nn.Module) -> nn.Module:
     """A bf16 copy of `model` for decoding on CPU with every nn.Linear and the pre-softmax
     projection (a copy of the tied embedding, §3.4) a bf16 `PackedLinear`, where `bf16_packs`;
     otherwise just the bf16 copy. The same products as `model.to(torch.bfloat16)`'s, their sums
-    in oneDNN's order for the packed layout (bf16 rounds a few outputs differently). `model`
-    is left unchanged."""
+    in oneDNN's order for the packed layout (bf16 rounds a few outputs differently). Where
+    `kernels.project_amx`, the projection is an `FP32Logits` instead: the same products, their
+    logits in fp32. `model` is left unchanged."""
     # Each parameter copied once, straight to bf16 (shared ones stay shared): no fp32 copy; a
     # bf16 model's parameters are shared, not copied (`Tensor.to` of the same dtype).
     memo = {id(p): nn.Parameter(p.detach().to(torch.bfloat16), p.requires_grad)
@@ -386,7 +413,9 @@ def packed_bf16(model: nn.Module) -> nn.Module:
         parent, _, attr = name.rpartition(".")
         setattr(model.get_submodule(parent) if parent else model, attr,
                 PackedLinear(linear.weight, linear.bias, dtype=torch.bfloat16))  # fmt: skip
-    if model.projection is None:
+    if model.projection is None and kernels.project_amx():
+        model.projection = FP32Logits(model.output_weight())
+    elif model.projection is None:
         model.projection = PackedLinear(model.output_weight(), None, dtype=torch.bfloat16)
     return model
 

@@ -707,12 +707,12 @@ def test_training_attention_reads_and_writes_a_stacked_projection(threads, amx):
     assert torch.equal(dqkv, torch.cat([dq, dkv], 1))
 
 
-def _switched_off(variable: str, switch: str, line: int) -> tuple[str, str]:
+def _switched_off(variable: str, switch: str, prefix: str) -> tuple[str, str]:
     """A fresh process's kernels with `variable`=0: what `kernels.<switch>()` says, and
-    `describe()`'s line of that index."""
+    `describe()`'s line that starts with `prefix`."""
     code = (
         "from transformer import kernels; kernels.unavailable(); "
-        f"print(kernels.{switch}(), kernels.describe()[{line}])"
+        f"print(kernels.{switch}(), *[d for d in kernels.describe() if d.startswith({prefix!r})])"
     )
     env = {**os.environ, variable: "0"}
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
@@ -721,9 +721,17 @@ def _switched_off(variable: str, switch: str, line: int) -> tuple[str, str]:
     return on, said
 
 
+def _described(prefix: str) -> str:
+    """This process's `kernels.describe()` line that starts with `prefix`."""
+    (line,) = [d for d in kernels.describe() if d.startswith(prefix)]
+    return line
+
+
 def test_attention_amx_is_off_with_the_variable_and_where_the_cpu_has_no_amx():
-    on, line = _switched_off("TRANSFORMER_ATTENTION_AMX", "attention_amx", -1)
-    assert on == "False" and line.startswith("bf16 training's attention products: ")
+    on, line = _switched_off(
+        "TRANSFORMER_ATTENTION_AMX", "attention_amx", "bf16 training's attention products: "
+    )
+    assert on == "False"
     if kernels.unavailable() is None:
         amx = {"amx_tile", "amx_bf16"} <= cpu_flags()
         assert kernels.attention_amx() <= amx  # never without AMX (Linux may refuse it)
@@ -799,13 +807,99 @@ def test_weight_grad_leaves_to_torch_what_it_does_not_take(monkeypatch):
 
 
 def test_weight_grad_amx_is_off_with_the_variable():
-    on, line = _switched_off("TRANSFORMER_WEIGHT_GRAD_AMX", "weight_grad_amx", -2)
-    assert on == "False" and line.startswith("bf16 training's square weight gradients: ")
+    prefix = "bf16 training's square weight gradients: "
+    on, line = _switched_off("TRANSFORMER_WEIGHT_GRAD_AMX", "weight_grad_amx", prefix)
+    assert on == "False"
     if kernels.unavailable() is None and kernels.fused_supported():
         amx = {"amx_tile", "amx_bf16"} <= cpu_flags()
         assert ("TRANSFORMER_WEIGHT_GRAD_AMX=0" in line) == amx
         expected = "AMX tiles" if kernels.amx_tiles() else "torch's product"
-        assert kernels.describe()[-2].endswith(expected)
+        assert _described(prefix).endswith(expected)
+
+
+def _project_case(rows: int, v: int, d: int, seed: int = 0, pad: int = 0):
+    """h (rows, d) and w (v, d) bf16, each a view of wider rows where pad > 0."""
+    gen = torch.Generator().manual_seed(seed)
+    h = torch.randn(rows, d + pad, generator=gen).to(torch.bfloat16)[:, pad:]
+    w = (torch.randn(v, d + pad, generator=gen) * 0.05).to(torch.bfloat16)[:, :d]
+    return h, w
+
+
+# rows: one, a tile's and a bit, past the 512 rows of a pass (two passes); vocabularies: a
+# lone tile of rows, a 32-row block cut (49, 130: the last rows padded), past a 512-row chunk
+@pytest.mark.parametrize(
+    "rows,v,d,pad",
+    [(1, 16, 32, 0), (3, 49, 64, 0), (17, 130, 512, 0), (40, 1000, 512, 16), (600, 70, 64, 0),
+     (1030, 545, 96, 32)],
+)  # fmt: skip
+def test_project_is_h_times_w_transposed_in_fp32_on_the_tiles(rows, v, d, pad):
+    h, w = _project_case(rows, v, d, pad=pad)
+    got = kernels.project(h, w)
+    if not kernels.project_amx():
+        assert got is None  # no tiles here: the caller multiplies with torch
+        return
+    ref = h.double() @ w.double().t()
+    assert got.shape == (rows, v) and got.dtype == torch.float32 and got.is_contiguous()
+    # fp32 sums of exact products: within the fp32 sums' error, far inside bf16's rounding
+    bound = d * 2**-23 * (h.double().abs() @ w.double().abs().t()) + 1e-30
+    assert bool(((got.double() - ref).abs() <= bound).all())
+    bf16 = torch.nn.functional.linear(h, w).double()
+    assert float((got.double() - ref).abs().max()) < float((bf16 - ref).abs().max()) / 16
+
+
+@pytest.mark.parametrize("rows,v,d", [(37, 130, 64), (520, 1000, 512)])
+def test_project_gives_a_row_the_same_bits_in_any_batch_and_on_any_number_of_threads(rows, v, d):
+    h, w = _project_case(rows, v, d, seed=1)
+    outs = []
+    for threads in (1, 2, 3, 5):
+        with threads_of(threads):
+            outs.append(kernels.project(h, w))
+    if not kernels.project_amx():
+        assert outs == [None] * 4
+        return
+    assert all(torch.equal(outs[0], o) for o in outs[1:])
+    for i in (0, 17, rows - 1):  # alone, and at another place of another batch
+        assert torch.equal(kernels.project(h[i : i + 1], w), outs[0][i : i + 1])
+        assert torch.equal(kernels.project(h[i:].flip(0), w)[-1], outs[0][i])
+    batched = kernels.project(h[:36].view(4, 9, d), w)  # (..., D) rows: (4, 9, V)
+    assert batched.shape == (4, 9, v) and torch.equal(batched.view(36, v), outs[0][:36])
+
+
+def test_project_leaves_to_torch_what_it_does_not_take(monkeypatch):
+    h, w = _project_case(8, 64, 64)
+    assert (kernels.project(h, w) is None) is not kernels.project_amx()
+    assert kernels.project(h[:, :48], w[:, :48]) is None  # D not a multiple of 32
+    assert kernels.project(h, w[:, :32]) is None  # not the same D
+    assert kernels.project(h.float(), w.float()) is None
+    assert kernels.project(h, w.t().contiguous().t()) is None  # w's rows not contiguous
+    assert kernels.project(h[:0], w) is None
+    assert kernels.project(h, w[:0]) is None
+    assert kernels.project(h.requires_grad_(), w) is None  # no gradient through it
+    h = h.detach()
+    monkeypatch.setattr(kernels, "FUSED", False)
+    assert kernels.project(h, w) is None
+    monkeypatch.setattr(kernels, "FUSED", True)
+    old = kernels.project_amx()
+    try:
+        assert kernels.project_amx(False) is False
+        assert kernels.project(h, w) is None
+        assert kernels.project_amx(True) is kernels.amx_tiles()
+    finally:
+        kernels.project_amx(old)
+    if kernels.project_amx():  # h's rows need not be contiguous: they are copied
+        got = kernels.project(h.t().contiguous().t(), w)
+        assert torch.equal(got, kernels.project(h, w))
+
+
+def test_project_amx_is_off_with_the_variable():
+    prefix = "bf16 decoding's output logits: "
+    on, line = _switched_off("TRANSFORMER_PROJECT_AMX", "project_amx", prefix)
+    assert on == "False"
+    if kernels.unavailable() is None and kernels.fused_supported():
+        amx = {"amx_tile", "amx_bf16"} <= cpu_flags()
+        assert ("TRANSFORMER_PROJECT_AMX=0" in line) == amx
+        expected = "AMX tiles, fp32 logits" if kernels.amx_tiles() else "bf16 logits"
+        assert _described(prefix).endswith(expected)
 
 
 @pytest.mark.parametrize("shape", [(1, 16), (3, 40), (7, 2048), (3888, 2048), (4001, 520)])

@@ -17,6 +17,7 @@ from torch import nn
 import transformer.threads
 import transformer.translate
 from fixtures import CPUINFO_AMX, CPUINFO_AVX_VNNI, CPUINFO_ZEN3, CPUINFO_ZEN4, fake_cpuinfo
+from transformer import kernels
 from transformer.cli import main
 from transformer.config import ConfigError, DecodeConfig, ModelConfig, RunConfig
 from transformer.data import read_lines
@@ -28,6 +29,7 @@ from transformer.rundir import resolve_model
 from transformer.search import beam_search, beam_search_alphas, greedy_search
 from transformer.tokenizer import BOS_ID, EOS_ID, PAD_ID, UNK_ID
 from transformer.translate import (
+    FP32Logits,
     Int8Linear,
     PackedLinear,
     Translator,
@@ -697,12 +699,17 @@ def test_dtype_auto_is_bf16_with_amx_int8_with_vnni_else_fp32(
         # The projection through oneDNN with the weights packed once (PackedLinear): fp32's,
         # and bf16's with every linear layer (the faked CPU multiplies bf16 natively), where
         # this CPU's oneDNN packs bf16 (not on a Zen 3: bf16 there through F.linear, unpacked)
+        # (bf16's projection an FP32Logits where AMX's tiles give fp32 logits: a PackedLinear
+        # where the kernel does not run)
         packed = bf16_packs() if expected == "bf16" else torch.backends.mkldnn.is_available()
-        assert (
-            isinstance(tr.model.projection, PackedLinear) if packed else tr.model.projection is None
-        )
+        fp32_logits = packed and expected == "bf16" and kernels.project_amx()
+        proj = tr.model.projection
+        if fp32_logits:
+            assert isinstance(proj, FP32Logits) and proj.weight.dtype == want
+        else:
+            assert isinstance(proj, PackedLinear) if packed else proj is None
         if packed:
-            assert tr.model.projection.dtype == want
+            assert fp32_logits or proj.dtype == want
             assert any(is_linear(m) for m in tr.model.modules()) == (expected == "fp32")
     assert len(tr.translate_lines(LINES)) == 4
 
@@ -1154,8 +1161,13 @@ def test_packed_bf16_packs_every_linear_and_leaves_the_model_alone(model_file):
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
     assert model.projection is None and model.output_weight().dtype == torch.float32
     assert not any(is_linear(m) for m in packed.modules())
-    assert isinstance(packed.projection, PackedLinear) and packed.projection.dtype == torch.bfloat16
-    # §3.4: the two embeddings stay one bf16 matrix, and the packed projection is its copy
+    if kernels.project_amx() and bf16_packs():  # fp32 logits on AMX's tiles: the bf16 matrix
+        assert isinstance(packed.projection, FP32Logits)
+        assert packed.projection.weight.data_ptr() == packed.tgt_embed.weight.data_ptr()
+    else:
+        assert isinstance(packed.projection, PackedLinear)
+        assert packed.projection.dtype == torch.bfloat16
+    # §3.4: the two embeddings stay one bf16 matrix, and the projection is it or its copy
     assert packed.src_embed.weight is packed.tgt_embed.weight
     assert torch.equal(packed.projection.weight, model.output_weight().bfloat16())
     assert StepProjections.of(packed.decoder_layers[0]) is not None  # W^Q and W^KV stacked
@@ -1165,6 +1177,31 @@ def test_packed_bf16_packs_every_linear_and_leaves_the_model_alone(model_file):
     plain = copy.deepcopy(model).bfloat16()
     ref = plain.decode_hidden(src[:, :2], plain.encode(src, src != 0), src != 0)
     torch.testing.assert_close(hidden.float(), ref.float(), rtol=0.05, atol=0.05)
+
+
+@needs_onednn_bf16
+def test_fp32_logits_are_the_kernels_and_a_packed_linears_where_it_is_switched_off():
+    # A bf16 decoder's projection on AMX: fp32 logits from kernels.project (d_model a multiple
+    # of 32); bf16 logits from a PackedLinear, as before, where the kernel does not run.
+    torch.manual_seed(0)
+    for d in (64, 16):  # 16: not the kernel's (the test models' size)
+        weight = (torch.randn(300, d) * 0.05).bfloat16()
+        layer, plain = FP32Logits(weight), PackedLinear(weight, None, dtype=torch.bfloat16)
+        x = torch.randn(3, 5, d).bfloat16()
+        tiles = kernels.project(x, weight)
+        got = layer(x)
+        assert got.shape == (3, 5, 300)
+        if tiles is not None:
+            assert got.dtype == torch.float32 and torch.equal(got, tiles)
+        else:
+            assert d % 32 or not kernels.project_amx()
+            assert got.dtype == torch.bfloat16 and torch.equal(got, plain(x))
+        old = kernels.project_amx()
+        try:
+            kernels.project_amx(False)
+            assert torch.equal(layer(x), plain(x))  # switched off: bf16's logits
+        finally:
+            kernels.project_amx(old)
 
 
 @pytest.mark.parametrize(("native", "onednn"), [([], True), (["amx_bf16"], False)])
