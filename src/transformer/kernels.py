@@ -1597,7 +1597,7 @@ AMXBW static void project_chunks(int64_t r0, int64_t rn, int64_t rp, const word3
 int project_amx(const uint16_t *h, int64_t ldh, int64_t R, const uint16_t *w, int64_t ldw,
                 int64_t V, int64_t D, float *out, int64_t ldo, int nthreads) {
 #ifdef HAVE_AMX
-  enum { RC = 512 }; /* B = D/2 x RC words: 512 KB at D = 512, in L2 beside a block of W */
+  enum { RC = 256 }; /* B = D/2 x RC words: 256 KB at D = 512, in L2 beside the scratch */
   if (D % 32) return -3;
   if (!amx_permit()) return -2;
   const int64_t chunks = (V + PROJ_CH - 1) / PROJ_CH, D2 = D / 2, rc = up16(R < RC ? R : RC);

@@ -825,7 +825,7 @@ def _project_case(rows: int, v: int, d: int, seed: int = 0, pad: int = 0):
     return h, w
 
 
-# rows: one, a tile's and a bit, past the 512 rows of a pass (two passes); vocabularies: a
+# rows: one, a tile's and a bit, past the 256 rows of a pass (2-5 passes); vocabularies: a
 # lone tile of rows, a 32-row block cut (49, 130: the last rows padded), past a 512-row chunk
 @pytest.mark.parametrize(
     "rows,v,d,pad",
