@@ -2572,6 +2572,9 @@ WEIGHT_GRAD_AMX = os.environ.get("TRANSFORMER_WEIGHT_GRAD_AMX", "1") != "0"
 # between 8 and 16 that beam search ranks (docs/performance.md, "Round fifty-three").
 # TRANSFORMER_PROJECT_AMX=0 keeps oneDNN's; `project_amx` switches it in a process.
 PROJECT_AMX = os.environ.get("TRANSFORMER_PROJECT_AMX", "1") != "0"
+# The two switches in this process (`weight_grad_amx`, `project_amx`): the variables' values
+# until switched.
+_TILES_ON = {"weight_grad": WEIGHT_GRAD_AMX, "project": PROJECT_AMX}
 _LIB: ctypes.PyDLL | None = None
 _NOGIL: ctypes.CDLL | None = None  # the same library, called without the GIL
 _PATH: Path | None = None  # the file `_LIB` was loaded from
@@ -2867,13 +2870,18 @@ def amx_tiles() -> bool:
     return _AMX and _library() is not None and bool(_LIB.amx_permit())
 
 
+def _tiles_switch(name: str, on: bool | None) -> bool:
+    """Whether the tile kernel `name` of `_TILES_ON` runs (`amx_tiles`, and not switched off);
+    `on` sets it first."""
+    if on is not None:
+        _TILES_ON[name] = bool(on)
+    return _TILES_ON[name] and amx_tiles()
+
+
 def weight_grad_amx(on: bool | None = None) -> bool:
     """Whether `weight_grad` multiplies on AMX's tiles (`amx_tiles`, and not switched off); `on`
     sets it first."""
-    global WEIGHT_GRAD_AMX
-    if on is not None:
-        WEIGHT_GRAD_AMX = bool(on)
-    return WEIGHT_GRAD_AMX and amx_tiles()
+    return _tiles_switch("weight_grad", on)
 
 
 def weight_grad(g: torch.Tensor, x: torch.Tensor) -> torch.Tensor | None:
@@ -2903,10 +2911,7 @@ def weight_grad(g: torch.Tensor, x: torch.Tensor) -> torch.Tensor | None:
 def project_amx(on: bool | None = None) -> bool:
     """Whether `project` multiplies on AMX's tiles (`amx_tiles`, and not switched off); `on`
     sets it first."""
-    global PROJECT_AMX
-    if on is not None:
-        PROJECT_AMX = bool(on)
-    return PROJECT_AMX and amx_tiles()
+    return _tiles_switch("project", on)
 
 
 def project(h: torch.Tensor, w: torch.Tensor) -> torch.Tensor | None:
@@ -2985,6 +2990,13 @@ def describe() -> list[str]:
     training = "AVX-512" if _AVX512 else "not on this CPU (no AVX-512 F, BW and VL)"
     rows = _ROWS_ISA or "not on this CPU (neither AVX-512 nor AVX2)"
     attention = _ATTENTION_ISA or "not on this CPU (neither AVX-512 nor AVX2 with FMA)"
+    weight_grads = _tiles_said(
+        "weight_grad", "AMX tiles", "torch's product", "TRANSFORMER_WEIGHT_GRAD_AMX"
+    )
+    logits = _tiles_said(
+        "project", "AMX tiles, fp32 logits", "torch's product, bf16 logits",
+        "TRANSFORMER_PROJECT_AMX",
+    )  # fmt: skip
     return [
         f"in use: {_PATH}",
         "bf16 weight gradients' transposing copy, the dropout mask: x86-64",
@@ -2992,28 +3004,19 @@ def describe() -> list[str]:
         f"{training if FUSED else off}",
         f"int8 decoding's input rows, a beam's best tokens: {rows if FUSED else off}",
         f"a decoding step's attention: {attention if FUSED else off}",
-        f"bf16 training's square weight gradients: {_weight_grads() if FUSED else off}",
+        f"bf16 training's square weight gradients: {weight_grads if FUSED else off}",
         f"bf16 training's attention products: {_attention_products() if FUSED else off}",
-        f"bf16 decoding's output logits: {_projection() if FUSED else off}",
+        f"bf16 decoding's output logits: {logits if FUSED else off}",
     ]
 
 
-def _weight_grads() -> str:
-    """Where `weight_grad`'s products run, for `describe`."""
-    if weight_grad_amx():
-        return "AMX tiles"
-    if _AMX and not WEIGHT_GRAD_AMX:
-        return "torch's product (TRANSFORMER_WEIGHT_GRAD_AMX=0)"
-    return "torch's product"
-
-
-def _projection() -> str:
-    """Where `project`'s products run, for `describe`."""
-    if project_amx():
-        return "AMX tiles, fp32 logits"
-    if _AMX and not PROJECT_AMX:
-        return "torch's product, bf16 logits (TRANSFORMER_PROJECT_AMX=0)"
-    return "torch's product, bf16 logits"
+def _tiles_said(name: str, on: str, off: str, variable: str) -> str:
+    """Where the tile kernel `name`'s products run, for `describe`: `on` where on the tiles."""
+    if _tiles_switch(name, None):
+        return on
+    if _AMX and not _TILES_ON[name]:
+        return f"{off} ({variable}=0)"
+    return off
 
 
 def _attention_products() -> str:

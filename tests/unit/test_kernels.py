@@ -738,12 +738,18 @@ def test_attention_amx_is_off_with_the_variable_and_where_the_cpu_has_no_amx():
         assert ("TRANSFORMER_ATTENTION_AMX=0" in line) == (amx and kernels.fused_supported())
 
 
+def _bf16_views(a: tuple[int, int], b: tuple[int, int], seed: int, pad: int, b_scale=1.0):
+    """Normal bf16 matrices of shapes a and b (b's values times b_scale), each a view of wider
+    rows where pad > 0 (a's last columns, b's first)."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(a[0], a[1] + pad, generator=gen).to(torch.bfloat16)[:, pad:]
+    y = (torch.randn(b[0], b[1] + pad, generator=gen) * b_scale).to(torch.bfloat16)[:, : b[1]]
+    return x, y
+
+
 def _weight_grad_case(rows: int, m: int, n: int, seed: int = 0, pad: int = 0):
     """g (rows, m) and x (rows, n) bf16, each a view of wider rows where pad > 0."""
-    gen = torch.Generator().manual_seed(seed)
-    g = torch.randn(rows, m + pad, generator=gen).to(torch.bfloat16)[:, pad:]
-    x = torch.randn(rows, n + pad, generator=gen).to(torch.bfloat16)[:, :n]
-    return g, x
+    return _bf16_views((rows, m), (rows, n), seed, pad)
 
 
 # rows: under one 256-row block, a block and a bit (the halves unequal), a W1 step's; widths:
@@ -784,6 +790,18 @@ def test_weight_grad_has_the_same_bits_on_any_number_of_threads(rows, m, n):
     assert float((outs[0].double() - ref).abs().max()) <= 2**-7 * float(ref.abs().max())
 
 
+def _switch_turns_it_off(switch, call) -> None:
+    """A tile kernel's switch: off, `call` leaves the product to torch (None); on, it takes
+    where the tiles can be had; then as it was."""
+    old = switch()
+    try:
+        assert switch(False) is False
+        assert call() is None
+        assert switch(True) is kernels.amx_tiles()
+    finally:
+        switch(old)
+
+
 def test_weight_grad_leaves_to_torch_what_it_does_not_take(monkeypatch):
     g, x = _weight_grad_case(64, 64, 48)
     assert (kernels.weight_grad(g, x) is None) is not kernels.weight_grad_amx()
@@ -796,33 +814,13 @@ def test_weight_grad_leaves_to_torch_what_it_does_not_take(monkeypatch):
     monkeypatch.setattr(kernels, "FUSED", False)
     assert kernels.weight_grad(g, x) is None
     monkeypatch.setattr(kernels, "FUSED", True)
-    old = kernels.weight_grad_amx()
-    try:
-        assert kernels.weight_grad_amx(False) is False
-        assert kernels.weight_grad(g, x) is None
-        assert kernels.weight_grad_amx(True) is kernels.amx_tiles()
-    finally:
-        kernels.weight_grad_amx(old)
+    _switch_turns_it_off(kernels.weight_grad_amx, lambda: kernels.weight_grad(g, x))
     assert kernels.amx_tiles() <= ({"amx_tile", "amx_bf16"} <= cpu_flags())
 
 
-def test_weight_grad_amx_is_off_with_the_variable():
-    prefix = "bf16 training's square weight gradients: "
-    on, line = _switched_off("TRANSFORMER_WEIGHT_GRAD_AMX", "weight_grad_amx", prefix)
-    assert on == "False"
-    if kernels.unavailable() is None and kernels.fused_supported():
-        amx = {"amx_tile", "amx_bf16"} <= cpu_flags()
-        assert ("TRANSFORMER_WEIGHT_GRAD_AMX=0" in line) == amx
-        expected = "AMX tiles" if kernels.amx_tiles() else "torch's product"
-        assert _described(prefix).endswith(expected)
-
-
 def _project_case(rows: int, v: int, d: int, seed: int = 0, pad: int = 0):
-    """h (rows, d) and w (v, d) bf16, each a view of wider rows where pad > 0."""
-    gen = torch.Generator().manual_seed(seed)
-    h = torch.randn(rows, d + pad, generator=gen).to(torch.bfloat16)[:, pad:]
-    w = (torch.randn(v, d + pad, generator=gen) * 0.05).to(torch.bfloat16)[:, :d]
-    return h, w
+    """h (rows, d) and w (v, d) bf16 (w ~ N(0, 0.05^2)), each a view of wider rows where pad > 0."""
+    return _bf16_views((rows, d), (v, d), seed, pad, b_scale=0.05)
 
 
 # rows: one, a tile's and a bit, past the 256 rows of a pass (2-5 passes); vocabularies: a
@@ -879,27 +877,26 @@ def test_project_leaves_to_torch_what_it_does_not_take(monkeypatch):
     monkeypatch.setattr(kernels, "FUSED", False)
     assert kernels.project(h, w) is None
     monkeypatch.setattr(kernels, "FUSED", True)
-    old = kernels.project_amx()
-    try:
-        assert kernels.project_amx(False) is False
-        assert kernels.project(h, w) is None
-        assert kernels.project_amx(True) is kernels.amx_tiles()
-    finally:
-        kernels.project_amx(old)
+    _switch_turns_it_off(kernels.project_amx, lambda: kernels.project(h, w))
     if kernels.project_amx():  # h's rows need not be contiguous: they are copied
         got = kernels.project(h.t().contiguous().t(), w)
         assert torch.equal(got, kernels.project(h, w))
 
 
-def test_project_amx_is_off_with_the_variable():
-    prefix = "bf16 decoding's output logits: "
-    on, line = _switched_off("TRANSFORMER_PROJECT_AMX", "project_amx", prefix)
-    assert on == "False"
+@pytest.mark.parametrize(
+    "variable,switch,prefix,on,off",
+    [("TRANSFORMER_WEIGHT_GRAD_AMX", "weight_grad_amx", "bf16 training's square weight gradients: ",
+      "AMX tiles", "torch's product"),
+     ("TRANSFORMER_PROJECT_AMX", "project_amx", "bf16 decoding's output logits: ",
+      "AMX tiles, fp32 logits", "bf16 logits")],
+)  # fmt: skip
+def test_a_tile_kernel_is_off_with_its_variable(variable, switch, prefix, on, off):
+    said_on, line = _switched_off(variable, switch, prefix)
+    assert said_on == "False"
     if kernels.unavailable() is None and kernels.fused_supported():
         amx = {"amx_tile", "amx_bf16"} <= cpu_flags()
-        assert ("TRANSFORMER_PROJECT_AMX=0" in line) == amx
-        expected = "AMX tiles, fp32 logits" if kernels.amx_tiles() else "bf16 logits"
-        assert _described(prefix).endswith(expected)
+        assert (f"{variable}=0" in line) == amx
+        assert _described(prefix).endswith(on if kernels.amx_tiles() else off)
 
 
 @pytest.mark.parametrize("shape", [(1, 16), (3, 40), (7, 2048), (3888, 2048), (4001, 520)])
