@@ -907,6 +907,9 @@ class PositionwiseFeedForward(nn.Module):
         h = gradhelper.linear_relu(x, self.w_1)  # max(0, .) inside the product (None: not)
         if h is not None:
             return self.w_2(h)
+        relu_forward = getattr(self.w_1, "relu_forward", None)  # decoding's translate.PackedLinear
+        if relu_forward is not None:
+            return self.w_2(relu_forward(x))  # max(0, .) inside oneDNN's product
         h = self.w_1(x)  # (B, T, d_ff)
         if h.requires_grad and _compiled_relu(h):
             return self.w_2(_ReLU.apply(h))

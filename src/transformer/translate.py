@@ -328,10 +328,18 @@ class PackedLinear(nn.Module):
         bias = torch.cat([part.bias * factor for part, factor in parts])
         return cls(weight, bias, first.rows, first.dtype)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, post: str = "none") -> torch.Tensor:
         x2 = x.to(self.dtype).reshape(-1, self.in_features)
-        y = torch.ops.mkldnn._linear_pointwise(x2, self.packed, self.bias, "none", [], "")
+        y = torch.ops.mkldnn._linear_pointwise(x2, self.packed, self.bias, post, [], "")
         return y.view(*x.shape[:-1], self.out_features)
+
+    def relu_forward(self, x: torch.Tensor) -> torch.Tensor:
+        """max(0, forward(x)), the max oneDNN's post-op on the fp32 sums before they are rounded
+        (max(0, .) and rounding commute: the same values; a NaN sum comes out 0, where F.relu
+        keeps it), not a pass of its own over the output: a decoding FFN's first layer
+        (`PositionwiseFeedForward`), W2 1.02x-1.03x (docs/performance.md, "Round
+        fifty-three")."""
+        return self(x, "relu")
 
     def extra_repr(self) -> str:
         dtype = str(self.dtype).removeprefix("torch.")

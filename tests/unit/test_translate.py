@@ -1151,6 +1151,35 @@ def test_bf16_packed_linears_stack_as_their_parts():
 
 
 @needs_onednn_bf16
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_packed_linears_relu_forward_is_relu_of_its_forward(dtype):
+    # max(0, .) as oneDNN's post-op on the fp32 sums, before their rounding: the same values
+    # as F.relu of the rounded outputs (rounding keeps the sign). A NaN sum comes out 0 from
+    # oneDNN's max (torch 2.13), NaN from F.relu: a NaN input still reaches the FFN's output
+    # through the residual around it.
+    from transformer.model import PositionwiseFeedForward
+
+    torch.manual_seed(0)
+    weight, bias = (torch.randn(96, 64) * 0.2).to(dtype), torch.randn(96).to(dtype)
+    layer = PackedLinear(weight, bias, dtype=dtype)
+    x = torch.randn(7, 5, 64).to(dtype)
+    x[0, 0, 0] = float("nan")
+    got, ref = layer.relu_forward(x), torch.nn.functional.relu(layer(x))
+    assert got.shape == (7, 5, 96) and got.dtype == dtype
+    assert torch.equal(got[1:], ref[1:]) and bool(ref[0, 0].isnan().all())
+    assert bool((got[0, 0].isnan() | (got[0, 0] == 0)).all())
+    assert bool((got >= 0).logical_or(got.isnan()).all()) and int((got == 0).sum()) > 100
+    # the FFN of a packed decoder takes it: the same output as the layer and F.relu apart
+    ffn = PositionwiseFeedForward(64, 96).eval().to(dtype)
+    ffn.w_1, ffn.w_2 = layer, PackedLinear(weight.t().contiguous(), None, dtype=dtype)
+    calls, fused = [], layer.relu_forward
+    layer.relu_forward = lambda h: calls.append(h.shape) or fused(h)
+    with torch.no_grad():
+        assert torch.equal(ffn(x[1:]), ffn.w_2(torch.nn.functional.relu(layer(x[1:]))))
+    assert calls == [(6, 5, 64)]
+
+
+@needs_onednn_bf16
 def test_packed_bf16_packs_every_linear_and_leaves_the_model_alone(model_file):
     from transformer import translate
     from transformer.cache import StepProjections
