@@ -1535,7 +1535,7 @@ int weight_grad_amx(const uint16_t *g, int64_t ldg, const uint16_t *x, int64_t l
 /* ---- a bf16 decoder's output projection, its logits in fp32, on AMX ---- */
 
 #ifdef HAVE_AMX
-enum { PROJ_CH = 512 }; /* W's rows summed before their logits are written: 1 MB at rp 512 */
+enum { PROJ_CH = 512 }; /* W's rows summed before their logits are written: 512 KB at rp 256 */
 
 /* project_amx's chunks c0 to c1 of PROJ_CH of W's rows, for rows r0 to r0 + rn of h (B = b,
    padded to rp columns): a chunk's sums into s (PROJ_CH x rp fp32, 32 of W's rows a product),
@@ -2931,8 +2931,8 @@ def project(h: torch.Tensor, w: torch.Tensor) -> torch.Tensor | None:
     if w.stride(1) != 1 or w.stride(0) < d:
         return None
     rows = h.reshape(-1, d)
-    if rows.stride(1) != 1 or rows.stride(0) < d:
-        rows = rows.contiguous()
+    if rows.stride(1) != 1 or rows.stride(0) < d or rows.stride(0) % 2 or rows.data_ptr() % 4:
+        rows = rows.contiguous()  # the kernel reads h's rows as 32-bit words
     out = torch.empty((rows.size(0), v), dtype=torch.float32)
     args = (rows.data_ptr(), rows.stride(0), rows.size(0), w.data_ptr(), w.stride(0), v, d)
     rc = _NOGIL.project_amx(*args, out.data_ptr(), v, torch.get_num_threads())

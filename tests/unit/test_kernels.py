@@ -824,11 +824,12 @@ def _project_case(rows: int, v: int, d: int, seed: int = 0, pad: int = 0):
 
 
 # rows: one, a tile's and a bit, past the 256 rows of a pass (2-5 passes); vocabularies: a
-# lone tile of rows, a 32-row block cut (49, 130: the last rows padded), past a 512-row chunk
+# lone tile of rows, a 32-row block cut (49, 130: the last rows padded), past a 512-row chunk;
+# pad 1: h's rows at odd offsets (copied: the kernel reads them as 32-bit words)
 @pytest.mark.parametrize(
     "rows,v,d,pad",
     [(1, 16, 32, 0), (3, 49, 64, 0), (17, 130, 512, 0), (40, 1000, 512, 16), (600, 70, 64, 0),
-     (1030, 545, 96, 32)],
+     (1030, 545, 96, 32), (5, 70, 64, 1)],
 )  # fmt: skip
 def test_project_is_h_times_w_transposed_in_fp32_on_the_tiles(rows, v, d, pad):
     h, w = _project_case(rows, v, d, pad=pad)
