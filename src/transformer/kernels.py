@@ -1051,7 +1051,7 @@ AMXBW static inline void t16x16(__m512i *r) {
 
 /* the same rows' words (pairs of values) transposed: t (W/2, N), t[r][m] = row m's values
    2r, 2r + 1; zeros past n and past D: B = x^T in pairs, for a product A x^T (N a multiple
-   of 16, D of 16, W of 32) */
+   of 16, D of 16, W of 32); rows NULL: x's first n rows in order */
 AMXBW static void words_t(const uint16_t *x, int64_t ld, const int64_t *rows,
                           const int64_t *sel, int64_t n, int64_t N, int64_t D, int64_t W,
                           word32 *t) {
@@ -1060,7 +1060,8 @@ AMXBW static void words_t(const uint16_t *x, int64_t ld, const int64_t *rows,
     for (int64_t w0 = 0; w0 < D / 2; w0 += 16) {
       const __mmask16 in = w0 + 16 <= D / 2 ? 0xffff : 0xff; /* D / 2: a multiple of 8 */
       for (int i = 0; i < 16; ++i)
-        r[i] = m0 + i < n ? _mm512_maskz_loadu_epi32(in, x + rows[sel[m0 + i]] * ld + 2 * w0)
+        r[i] = m0 + i < n ? _mm512_maskz_loadu_epi32(
+                                in, x + (rows ? rows[sel[m0 + i]] : m0 + i) * ld + 2 * w0)
                           : _mm512_setzero_si512();
       t16x16(r);
       for (int i = 0; i < (in == 0xffff ? 16 : 8); ++i)
@@ -1537,6 +1538,13 @@ int weight_grad_amx(const uint16_t *g, int64_t ldg, const uint16_t *x, int64_t l
 #ifdef HAVE_AMX
 enum { PROJ_CH = 512 }; /* W's rows summed before their logits are written: 512 KB at rp 256 */
 
+/* b (D/2 x rp words) = h's first rn rows (stride ldh) read as words, transposed, zeros past
+   rn (`words_t`, 16 x 16 words at a time: a few microseconds at 256 rows) */
+AMXBW static void project_pairs(const uint16_t *h, int64_t ldh, int64_t rn, int64_t rp,
+                                int64_t D, word32 *b) {
+  words_t(h, ldh, NULL, NULL, rn, rp, D, D, b);
+}
+
 /* project_amx's chunks c0 to c1 of PROJ_CH of W's rows, for rows r0 to r0 + rn of h (B = b,
    padded to rp columns): a chunk's sums into s (PROJ_CH x rp fp32, 32 of W's rows a product),
    then written into their columns of the output rows 16 x 16 at a time, transposed in
@@ -1600,9 +1608,9 @@ int project_amx(const uint16_t *h, int64_t ldh, int64_t R, const uint16_t *w, in
   enum { RC = 256 }; /* B = D/2 x RC words: 256 KB at D = 512, in L2 beside the scratch */
   if (D % 32) return -3;
   if (!amx_permit()) return -2;
-  const int64_t chunks = (V + PROJ_CH - 1) / PROJ_CH, D2 = D / 2, rc = up16(R < RC ? R : RC);
+  const int64_t chunks = (V + PROJ_CH - 1) / PROJ_CH, rc = up16(R < RC ? R : RC);
   const int T = nthreads >= 1 ? nthreads : 1;
-  word32 *b = aligned_alloc(64, line_bytes(D2 * rc, 4));
+  word32 *b = aligned_alloc(64, line_bytes(D / 2 * rc, 4));
   if (!b) return -1;
   int failed = 0;
   for (int64_t r0 = 0; r0 < R && !failed; r0 += RC) {
@@ -1610,11 +1618,7 @@ int project_amx(const uint16_t *h, int64_t ldh, int64_t R, const uint16_t *w, in
 #pragma omp parallel num_threads(T)
     {
       const int t = omp_get_thread_num();
-      for (int64_t i = D2 * t / T; i < D2 * (t + 1) / T; ++i) { /* b[i][r] = (h[r][2i], [2i+1]) */
-        word32 *bi = b + i * rp;
-        for (int64_t r = 0; r < rn; ++r) bi[r] = ((const word32 *)(h + (r0 + r) * ldh))[i];
-        for (int64_t r = rn; r < rp; ++r) bi[r] = 0;
-      }
+      if (t == 0) project_pairs(h + r0 * ldh, ldh, rn, rp, D, b); /* b[i][r] = h[r][2i, 2i+1] */
       float *s = aligned_alloc(64, line_bytes(PROJ_CH * rp, 4));
       uint16_t *a = aligned_alloc(64, line_bytes(32 * D, 2)); /* the last rows, padded */
 #pragma omp barrier
