@@ -421,10 +421,10 @@ def packed_bf16(model: nn.Module) -> nn.Module:
         parent, _, attr = name.rpartition(".")
         setattr(model.get_submodule(parent) if parent else model, attr,
                 PackedLinear(linear.weight, linear.bias, dtype=torch.bfloat16))  # fmt: skip
-    if model.projection is None and kernels.project_amx():
-        model.projection = FP32Logits(model.output_weight())
-    elif model.projection is None:
-        model.projection = PackedLinear(model.output_weight(), None, dtype=torch.bfloat16)
+    if model.projection is None:
+        weight = model.output_weight()
+        model.projection = (FP32Logits(weight) if kernels.project_amx()
+                            else PackedLinear(weight, None, dtype=torch.bfloat16))  # fmt: skip
     return model
 
 
