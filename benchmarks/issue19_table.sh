@@ -13,7 +13,8 @@
 # Python that has the peers installed (docs/performance.md, "Reproducing"); REPS (default 5);
 # W2_ROUNDS (default 2: W2's interleaved rounds, each variant in its own process): on a host
 # whose speed moves within minutes (docs/performance.md, "Round nineteen") W2_ROUNDS=6 reads
-# the W2 rows steadier, for ~20 more minutes on a 2-core Zen 4.
+# the W2 rows steadier, for ~20 more minutes on a 2-core Zen 4; SHARE_ROUNDS (default 8) the
+# rounds of bench_w1_share.py (~9 s each on the AMX Xeon).
 # Ends with the issue's table and a verdict per target (benchmarks/issue19_summary.py, from the
 # JSON files in OUT), also written to OUT/summary.md.
 set -euo pipefail
@@ -85,6 +86,15 @@ W0_DTYPES=fp32
 [[ $DTYPES == *bf16* ]] && W0_DTYPES=fp32,bf16
 $PY ../shared/peers/bench_matmul.py --threads 2 --dtypes "$W0_DTYPES" --json "$OUT/w0.json" 2>&1 \
   | tee -a "$OUT/w0.log"
+# W1's share of W0 with both in the same minutes (bench_w1_share.py): on a guest whose speed
+# moves within the half hour the W0 above and the harness's W1 step below can be minutes and a
+# third of the host's speed apart (docs/performance.md, "Round fifty-four")
+W1_DTYPE=fp32
+[[ $DTYPES == *bf16* ]] && W1_DTYPE=bf16
+note "W1 share: W0's products and our W1 steps alternated in one process" | tee "$OUT/w1_share.log"
+PYTHONPATH=$PWD/benchmarks${PYTHONPATH:+:$PYTHONPATH} $PY benchmarks/bench_w1_share.py \
+  --dtype "$W1_DTYPE" --rounds "${SHARE_ROUNDS:-8}" --json "$OUT/w1_share.json" 2>&1 \
+  | tee -a "$OUT/w1_share.log"
 for w in train train-each beam greedy memory; do
   note "$w" | tee "$OUT/$w.log"
   OUT=$OUT PY=$PY REPS=$REPS GREEDY_PEERS=${GREEDY_PEERS:-ct2:float32,ct2:int8} \

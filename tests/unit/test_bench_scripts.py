@@ -390,6 +390,113 @@ def test_w1_processes_names_a_failed_run_and_bad_arguments(tmp_path):
         assert bad.returncode == 2 and message in bad.stderr, bad.stderr
 
 
+# Stand-ins for the peers' modules bench_w1_share.py uses: a W0 product sleeps 5 ms whatever
+# its shape (the larger M x K x N, the higher its rate), a step of "fake:S" sleeps S ms.
+FAKE_SHARE = {
+    "common.py": r"""
+def setup_threads(n):
+    pass
+def env_info():
+    return {"cpu": "fake"}
+def make_mt_batch(sents, src_len, tgt_len, jitter, vocab, seed=0):
+    return {"shape": {"sents": sents, "src_padded": src_len, "tgt_padded": tgt_len,
+                      "src_tokens": sents * src_len, "tgt_tokens": sents * tgt_len}}
+""",
+    "bench_matmul.py": r"""
+import time
+def make_case(dtype, m, k, n):
+    return lambda: time.sleep(0.005)
+""",
+    "train_adapters.py": r"""
+import time
+PAPER_BASE = dict(vocab=32000)
+class Fake:
+    notes = "fake"
+    def __init__(self, ms):
+        self.ms, self.steps = ms, 0
+    def prepare(self, batch):
+        return batch
+    def step(self, prepared, amp):
+        self.steps += 1
+        time.sleep(self.ms / 1000)
+def get_adapter(name, cfg):
+    if name == "broken":
+        raise RuntimeError("no model")
+    return Fake(float(name.split(":")[1]))
+""",
+}
+
+
+def _share(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
+    peers = tmp_path / "peers"
+    peers.mkdir(exist_ok=True)
+    for name, text in FAKE_SHARE.items():
+        (peers / name).write_text(text)
+    return _run("bench_w1_share.py", "--peers", str(peers), *args)
+
+
+def test_w1_share_alternates_w0_and_steps_and_divides_within_each_round(tmp_path):
+    out_json = tmp_path / "share.json"
+    done = _share(tmp_path, "--impl", "fake:40", "--rounds", "3", "--steps", "2", "--warmup",
+                  "1", "--min-time", "0.02", "--shapes", "4x8x8,6x8x8,20x8x8", "--sents", "4",
+                  "--src-len", "5", "--tgt-len", "6", "--json", str(out_json))  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert [line[:9] for line in done.stdout.splitlines() if line.startswith("# round")] == [
+        "# round 0", "# round 1", "# round 2"]  # fmt: skip
+    data = json.loads(out_json.read_text())
+    assert data["batch"]["tgt_tokens"] == 24 and data["impl"] == "fake:40"
+    assert data["dtype"] == "bf16" and len(data["rounds"]) == 3
+    # the analytic FLOPs of a base step on the batch's real tokens (issue19_summary.step_flops)
+    sys.path.insert(0, str(BENCH))
+    from issue19_summary import step_flops  # noqa: PLC0415
+
+    assert data["step_flops"] == step_flops(data["batch"])
+    for r in data["rounds"]:
+        assert list(r["w0_gflops"]) == ["4x8x8", "6x8x8", "20x8x8"] and len(r["step_s"]) == 2
+        # each call sleeps 5 ms: the rates go as M x K x N, and the median is the middle one
+        assert r["w0_median"] == r["w0_gflops"]["6x8x8"]
+        assert all(0.04 <= s < 0.5 for s in r["step_s"])
+        step = sorted(r["step_s"])
+        assert r["share"] == pytest.approx(
+            data["step_flops"] / ((step[0] + step[1]) / 2) / 1e9 / r["w0_median"]
+        )
+    shares = sorted(r["share"] for r in data["rounds"])
+    assert data["share"]["median"] == shares[1] and data["share"]["all"] == [
+        r["share"] for r in data["rounds"]]  # fmt: skip
+    assert f"median {shares[1]:.1%}" in done.stdout
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--rounds", "0"], "--rounds, --steps and --threads must be at least 1"),
+        (["--warmup", "-1"], "--warmup at least 0"),
+        (["--min-time", "0"], "--min-time: seconds above 0, got 0.0"),
+        (["--shapes", "4x8"], "--shapes: comma-separated MxKxN of positive integers, got '4x8'"),
+        (["--shapes", "4x8x0"], "got '4x8x0'"),
+        (["--json", "/nonexistent/dir/x.json"], "--json: no directory /nonexistent/dir"),
+    ],
+)
+def test_w1_share_refuses_bad_arguments_in_one_line(tmp_path, args, message):
+    bad = _share(tmp_path, "--impl", "fake:1", *args)
+    assert bad.returncode == 2 and message in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_w1_share_names_an_implementation_it_cannot_build(tmp_path):
+    done = _share(tmp_path, "--impl", "broken")
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    assert done.stderr.strip() == "bench_w1_share.py: broken: not built: RuntimeError: no model"
+
+
+def test_w1_share_needs_the_peers_modules(tmp_path):
+    (tmp_path / "empty").mkdir()
+    done = _run("bench_w1_share.py", "--peers", str(tmp_path / "empty"))
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    assert done.stderr.strip() == (
+        f"bench_w1_share.py: {tmp_path / 'empty' / 'common.py'}: not found (--peers or PEERS_DIR)"
+    )
+
+
 def _texts(tmp_path: Path) -> tuple[Path, Path]:
     """A one-line input and one with no words: the translate benchmarks' bad arguments."""
     text, empty = tmp_path / "in.txt", tmp_path / "empty.txt"

@@ -44,6 +44,17 @@ def _table(out: Path, amx: bool = False, bleu_change: float = 0.05, mem: float =
         {"impl": "onmt", "tok_per_s": _stats([860.0, 800.0, 870.0, 850.0])},
         {"impl": OURS_TRAIN, "tok_per_s": _stats([1750.0, 1700.0, 1760.0, 1800.0])},
     ]})  # fmt: skip
+    # bench_w1_share.py: three rounds, each W0's median and two steps, shares 55% / 62% / 70%
+    rounds = [{"w0_gflops": {"a": w0, "b": w0}, "w0_median": w0, "step_s": [s, s],
+               "step_gflops": 1.4e12 / s / 1e9, "share": 1.4e12 / s / 1e9 / w0}
+              for w0, s in ((1000.0, 1.4e12 / 550e9), (900.0, 1.4e12 / 558e9),
+                            (1100.0, 1.4e12 / 770e9))]  # fmt: skip
+    _write(out, "w1_share.json", {
+        "dtype": "bf16", "step_flops": 1.4e12, "rounds": rounds,
+        "share": _stats([r["share"] for r in rounds]),
+        "w0_median": _stats([r["w0_median"] for r in rounds]),
+        "step_s": _stats([s for r in rounds for s in r["step_s"]]),
+    })  # fmt: skip
     for name, scale in (("w2_infer_beam4.json", 1.0), ("w2_infer_greedy.json", 2.6)):
         _write(out, name, {"results": [
             {"variant": "ct2:int8", "tok_per_s": _stats([1000.0 * scale]),
@@ -108,9 +119,15 @@ def test_a_cpu_without_amx_gets_its_targets_and_auto_precision(tmp_path):
     # (fairseq's: 2.08, 2.00, 2.12, 2.13 -> 2.10)
     assert "(round by round: 2.08x against onmt)" in each
     # The share of W0's bf16 median (905 over the four bf16 shapes, not fp32's), not a target
-    mfu = _row(text, "W1 share")
+    mfu = _row(text, "W1 share of the bf16 matmul rate (W0")
     flops = 1.4078718e12
-    assert f"{flops / (3826 / 1750) / 1e9 / 905:.0%}" in mfu and "AMX target" in mfu
+    assert f"**{flops / (3826 / 1750) / 1e9 / 905:.0%}** (W0 minutes before the step" in mfu
+    assert "AMX target" not in mfu and "met" not in mfu
+    # ... and with W0 in the same minutes (bench_w1_share.py): the median of the rounds' shares
+    same = _row(text, "W1 share of the bf16 matmul rate, both in the same minutes (3 rounds")
+    assert "then 2 of our steps" in same and "W0 median 1,000 (900-1,100)" in same
+    assert "in 2.51 s = 558 GFLOP/s" in same  # the steps' median (1.4 TFLOP / 558 GFLOP/s)
+    assert "**62%** (rounds 55%-70%) | (>= 65% is the AMX target)" in same
     # W2: the precision auto picks (int8), not ours' fastest (bf16)
     beam = _row(text, "W2 beam 4")
     assert "ours int8 (auto's)" in beam and "**1,600**" in beam
@@ -130,7 +147,11 @@ def test_an_amx_cpu_gets_the_higher_targets(tmp_path):
     assert "; **AMX**" in text
     w1 = _row(text, "W1 training, base bf16, the harness")
     assert "**not met**" in w1 and ">= 3.5x (AMX)" in w1
-    assert "**71%**: met" in _row(text, "W1 share") and ">= 65% (AMX)" in text
+    old = _row(text, "W1 share of the bf16 matmul rate (W0")
+    assert "**71%** (W0 minutes before the step" in old and "met" not in old
+    assert "**62%** (rounds 55%-70%): **not met** | >= 65% (AMX)" in _row(
+        text, "W1 share of the bf16 matmul rate, both"
+    )
     assert ">= 1.5x CT2 int8 (AMX)" in _row(text, "W2 beam 4")
 
 
@@ -168,6 +189,15 @@ def test_a_peer_the_harness_could_not_build_is_named_in_its_row_and_among_the_mi
     assert "Traceback" not in done.stderr
 
 
+def test_without_the_share_in_the_same_minutes_the_tables_w0_decides(tmp_path):
+    out = _table(tmp_path / "out", amx=True)
+    (out / "w1_share.json").unlink()
+    text = _run(out).stdout
+    assert "**71%**: met | >= 65% (AMX)" in _row(text, "W1 share of the bf16 matmul rate (W0")
+    assert "in the same minutes (" not in text
+    assert "W1 share with W0 in the same minutes: no w1_share.json" in text
+
+
 def test_missing_files_are_named_and_the_rest_is_summarized(tmp_path):
     out = _table(tmp_path / "out")
     for name in (
@@ -193,7 +223,11 @@ def test_missing_files_are_named_and_the_rest_is_summarized(tmp_path):
     [("w1_train_bf16.json", "{not json", "w1_train_bf16.json: not readable JSON"),
      ("w1_train_bf16.json", json.dumps({"batch": BATCH, "results": [
          {"impl": "fairseq"}, {"impl": OURS_TRAIN, "tok_per_s": _stats([1.0])}]}),
-      "w1_train_*.json, w0.json: not as its writer writes it (KeyError: 'tok_per_s')"),
+      "w1_train_*.json, w0.json, w1_share.json: not as its writer writes it (KeyError: "
+      "'tok_per_s')"),
+     ("w1_share.json", json.dumps({"dtype": "fp32", "rounds": []}),
+      "w1_share.json: dtype 'fp32', W1 ran in 'bf16'"),
+     ("w1_share.json", json.dumps({"dtype": "bf16", "rounds": []}), "w1_share.json: no ['share']"),
      ("w1_train_bf16.json", json.dumps({"batch": BATCH, "results": []}),
       f"w1_train_bf16.json: no result for {OURS_TRAIN}"),
      ("contention.json", json.dumps({"cpu": "x"}), "contention.json: no ['workloads']"),
@@ -233,11 +267,14 @@ def test_a_cpu_without_native_bf16_is_summarized_from_its_fp32_runs(tmp_path):
     for old in ("w1_train_bf16.json", "w1_train_bf16_each.json", "w3_mem_4k_bf16.json",
                 "w3_mem_16k_bf16.json"):  # fmt: skip
         (out / old).rename(out / old.replace("bf16", "fp32"))
+    share = json.loads((out / "w1_share.json").read_text(encoding="utf-8"))
+    _write(out, "w1_share.json", {**share, "dtype": "fp32"})
     text = _run(out).stdout
     assert "**2.30x**" in _row(text, "W1 training, base fp32, the harness")
     assert "W1 training, base fp32, one process per implementation" in text
     # the share of W0's fp32 rate (200 GFLOP/s, its one fp32 shape), not of bf16's
     flops = 1.4078718e12
-    assert f"{flops / (3826 / 1750) / 1e9 / 200:.0%}" in _row(text, "W1 share of the fp32")
+    share = f"{flops / (3826 / 1750) / 1e9 / 200:.0%}"
+    assert share in _row(text, "W1 share of the fp32 matmul rate (W0")
     assert "**0.52x**: met" in _row(text, "W3 peak RSS of a fp32 step, 3,826")
     assert "Not in OUT" not in text
