@@ -280,17 +280,31 @@ def test_chunked_holds_one_vocabulary_block_at_a_time(grad):
     torch.testing.assert_close(loss, ref_loss)
 
 
-@pytest.mark.parametrize("rows,copies", [(50, 0), (60, 2)])
+@pytest.mark.parametrize(
+    ("rows", "copies"), [(50, []), (60, [(40, 24), (60, 24), (24, 40)]), (70, None)]
+)
 def test_the_row_major_sum_only_from_row_major_rows(rows, copies, monkeypatch):
-    # Fewer hidden rows than gradhelper.ROW_MAJOR_ROWS: the (V, D) sum in torch's layout (the
-    # copies cost more than they save there); from it on, h^T once a chunk and the sum once.
+    # Fewer hidden rows than gradhelper.ROW_MAJOR_ROWS: the logits and the (V, D) sum in
+    # torch's layout (the copies cost more than they save there); from it on, W^T once (the
+    # logits' right operand), h^T once a chunk and the (D, V) sum once.
     monkeypatch.setattr(gradhelper, "ROW_MAJOR_GRADS", True)
     monkeypatch.setattr(gradhelper, "ROW_MAJOR_ROWS", 60)
-    made = []
-    real = kernels.transposed
-    monkeypatch.setattr(kernels, "transposed", lambda x: made.append(x.shape) or real(x))
+    made, products = [], []
+    real, mm = kernels.transposed, torch.mm
+    monkeypatch.setattr(kernels, "transposed", lambda x: made.append(x) or real(x))
+    monkeypatch.setattr(torch, "mm", lambda a, b, **kw: products.append(b) or mm(a, b, **kw))
     hidden = torch.randn(rows, 24).bfloat16().requires_grad_(True)
     weight = (torch.randn(40, 24) * 0.3).bfloat16().requires_grad_(True)
-    loss, _ = chunked_label_smoothed_loss(hidden, weight, torch.randint(1, 40, (rows,)), 0.1, 64)
+    target = torch.randint(1, 40, (rows,))
+    loss, _ = chunked_label_smoothed_loss(hidden, weight, target, 0.1, 64)
     loss.backward()
-    assert len(made) == copies
+    if copies is not None:
+        assert [tuple(x.shape) for x in made] == copies
+    if rows >= 60:  # the logits' right operand: the row-major copy of W^T, for every chunk
+        assert len(products) == (rows + 63) // 64 and made[0] is not None
+        assert all(b.is_contiguous() and b.shape == (24, 40) for b in products)
+        assert torch.equal(products[0], weight.detach().t())
+    else:
+        assert [b.stride() for b in products] == [(1, 24)]  # weight.t(), a view
+    ref_loss, _ = _reference(hidden.detach().double(), weight.detach().double(), target, 0.1)
+    torch.testing.assert_close(loss, ref_loss.float(), rtol=2e-2, atol=0.0)
