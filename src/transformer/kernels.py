@@ -143,22 +143,28 @@ static inline void t8x8(const uint16_t *s, int64_t ls, uint16_t *d, int64_t ld) 
 
 /* d (cols x rows, contiguous) = s (rows x cols, row stride ls) transposed, in 32 x 32 tiles
    shared out among nthreads OpenMP threads (torch's own pool: the process has one libgomp) */
+/* rows [i0, i1) x columns [c0, c1) of s (row stride ls) into d (its rows R values long) */
+static void tile16(const uint16_t *s, int64_t ls, uint16_t *d, int64_t R, int64_t i0,
+                   int64_t i1, int64_t c0, int64_t c1) {
+  int64_t i = i0;
+  for (; i + 8 <= i1; i += 8) {
+    int64_t c = c0;
+    for (; c + 8 <= c1; c += 8) t8x8(s + i * ls + c, ls, d + c * R + i, R);
+    for (; c < c1; ++c)
+      for (int64_t k = i; k < i + 8; ++k) d[c * R + k] = s[k * ls + c];
+  }
+  for (; i < i1; ++i)
+    for (int64_t c = c0; c < c1; ++c) d[c * R + i] = s[i * ls + c];
+}
+
 int transpose16(const uint16_t *s, uint16_t *d, int64_t rows, int64_t cols, int64_t ls,
                 int nthreads) {
-  const int64_t T = 32, R = rows, nr = (rows + T - 1) / T, nc = (cols + T - 1) / T;
+  const int64_t T = 32, nr = (rows + T - 1) / T, nc = (cols + T - 1) / T;
 #pragma omp parallel for collapse(2) schedule(static) num_threads(nthreads)
   for (int64_t bi = 0; bi < nr; ++bi)
     for (int64_t bj = 0; bj < nc; ++bj) {
-      int64_t i0 = bi * T, c0 = bj * T;
-      int64_t i1 = i0 + T < rows ? i0 + T : rows, c1 = c0 + T < cols ? c0 + T : cols, i = i0;
-      for (; i + 8 <= i1; i += 8) {
-        int64_t c = c0;
-        for (; c + 8 <= c1; c += 8) t8x8(s + i * ls + c, ls, d + c * R + i, R);
-        for (; c < c1; ++c)
-          for (int64_t k = i; k < i + 8; ++k) d[c * R + k] = s[k * ls + c];
-      }
-      for (; i < i1; ++i)
-        for (int64_t c = c0; c < c1; ++c) d[c * R + i] = s[i * ls + c];
+      const int64_t i0 = bi * T, c0 = bj * T;
+      tile16(s, ls, d, rows, i0, i0 + T < rows ? i0 + T : rows, c0, c0 + T < cols ? c0 + T : cols);
     }
   return 0;
 }
@@ -883,6 +889,83 @@ AVX512BW static void attn_bwd_head(const uint16_t *g, int64_t lg, const uint16_t
   head_keys_out(krow, kj, nk, Tk, D, Dv, dka, dva, dk, dv, ldk);
 }
 
+/* 16 x 16 32-bit values transposed in registers */
+AVX512BW static inline void t16x16(__m512i *r) {
+  __m512i t[16];
+  for (int i = 0; i < 8; ++i) {
+    t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+  }
+  for (int i = 0; i < 4; ++i) {
+    r[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+    r[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+    r[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+    r[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+  }
+  for (int i = 0; i < 4; ++i) {
+    t[i] = _mm512_shuffle_i32x4(r[i], r[i + 4], 0x88);
+    t[i + 4] = _mm512_shuffle_i32x4(r[i], r[i + 4], 0xdd);
+    t[i + 8] = _mm512_shuffle_i32x4(r[i + 8], r[i + 12], 0x88);
+    t[i + 12] = _mm512_shuffle_i32x4(r[i + 8], r[i + 12], 0xdd);
+  }
+  for (int i = 0; i < 8; ++i) {
+    r[i] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0x88);
+    r[i + 8] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0xdd);
+  }
+}
+
+/* d (32 rows of stride ld) = the 32 x 32 block of s (rows of stride ls) transposed: each pair of
+   s's rows made into words (even columns' values and odd columns' values), two 16 x 16
+   transposes of the words, and each of d's 32 rows one whole 64-byte store */
+AVX512BW static inline void t32x32(const uint16_t *s, int64_t ls, uint16_t *d, int64_t ld) {
+  const __m512i lo16 = _mm512_set1_epi32(0xffff), hi16 = _mm512_set1_epi32((int)0xffff0000u);
+  __m512i e[16], o[16];
+  for (int i = 0; i < 16; ++i) {
+    const __m512i a = _mm512_loadu_si512((const void *)(s + 2 * i * ls));
+    const __m512i b = _mm512_loadu_si512((const void *)(s + (2 * i + 1) * ls));
+    e[i] = _mm512_or_si512(_mm512_and_si512(a, lo16), _mm512_slli_epi32(b, 16));
+    o[i] = _mm512_or_si512(_mm512_srli_epi32(a, 16), _mm512_and_si512(b, hi16));
+  }
+  t16x16(e);
+  t16x16(o);
+  for (int w = 0; w < 16; ++w) {
+    _mm512_storeu_si512((void *)(d + 2 * w * ld), e[w]);
+    _mm512_storeu_si512((void *)(d + (2 * w + 1) * ld), o[w]);
+  }
+}
+
+/* transpose16 on AVX-512 (F, BW, VL): its whole 32 x 32 blocks by t32x32, each asking for the
+   lines of the block PF_AHEAD to its right (s's to be read, d's to be written) while it is
+   copied. In a W1 step the copies' inputs and outputs are not in the cache: there t8x8's
+   16-byte stores (four calls to each 64-byte line of d) ran at 6-15 GB/s, read and written;
+   the step's 78 copies took 48.9 ms, now 39.0 (a cold 3,888 x 512: 0.89 -> 0.45 ms; 32,000 x
+   512: 6.3-10.5 -> 4.8-5.1 ms; docs/performance.md, "Round fifty-four"). A block 2, 4 or 8
+   ahead: 40-47 ms. */
+#define PF_AHEAD 1
+AVX512BW int transpose16_wide(const uint16_t *s, uint16_t *d, int64_t rows, int64_t cols,
+                              int64_t ls, int nthreads) {
+  const int64_t T = 32, nr = (rows + T - 1) / T, nc = (cols + T - 1) / T;
+#pragma omp parallel for collapse(2) schedule(static) num_threads(nthreads)
+  for (int64_t bi = 0; bi < nr; ++bi)
+    for (int64_t bj = 0; bj < nc; ++bj) {
+      const int64_t i0 = bi * T, c0 = bj * T;
+      if (i0 + T <= rows && c0 + T <= cols) {
+        const int64_t cn = c0 + PF_AHEAD * T; /* a later block of the same rows of s */
+        if (cn + T <= cols)
+          for (int r = 0; r < 32; ++r) {
+            _mm_prefetch((const char *)(s + (i0 + r) * ls + cn), _MM_HINT_T0);
+            __builtin_prefetch((const char *)(d + (cn + r) * rows + i0), 1, 3);
+            __builtin_prefetch((const char *)(d + (cn + r) * rows + i0) + 63, 1, 3);
+          }
+        t32x32(s + i0 * ls + c0, ls, d + c0 * rows + i0, rows);
+      }
+      else
+        tile16(s, ls, d, rows, i0, i0 + T < rows ? i0 + T : rows, c0,
+               c0 + T < cols ? c0 + T : cols);
+    }
+  return 0;
+}
+
 /* ---- the same two heads' products on AMX: bf16 tiles, fp32 sums ---- */
 
 /* Where the compiler knows AMX's intrinsics (gcc 11, clang 12 on). The products above run on
@@ -1021,31 +1104,6 @@ static void rows_pad(const uint16_t *x, int64_t ld, const int64_t *rows, const i
     } else {
       memset(rr, 0, (size_t)W * 2);
     }
-  }
-}
-
-/* 16 x 16 32-bit values transposed in registers */
-AMXBW static inline void t16x16(__m512i *r) {
-  __m512i t[16];
-  for (int i = 0; i < 8; ++i) {
-    t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
-    t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
-  }
-  for (int i = 0; i < 4; ++i) {
-    r[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
-    r[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
-    r[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
-    r[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
-  }
-  for (int i = 0; i < 4; ++i) {
-    t[i] = _mm512_shuffle_i32x4(r[i], r[i + 4], 0x88);
-    t[i + 4] = _mm512_shuffle_i32x4(r[i], r[i + 4], 0xdd);
-    t[i + 8] = _mm512_shuffle_i32x4(r[i + 8], r[i + 12], 0x88);
-    t[i + 12] = _mm512_shuffle_i32x4(r[i + 8], r[i + 12], 0xdd);
-  }
-  for (int i = 0; i < 8; ++i) {
-    r[i] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0x88);
-    r[i + 8] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0xdd);
   }
 }
 
@@ -2647,12 +2705,13 @@ def _build(cc: str, folder: Path | None = None) -> Path:
 def _check(lib: ctypes.PyDLL) -> None:
     """Raise unless the library's copy equals torch's on shapes with every kind of edge, and
     (on an AVX-512F CPU) its residual LayerNorm agrees with torch's, forward and backward."""
-    for rows, cols in ((1, 1), (8, 8), (37, 70), (300, 260)):
-        x = torch.arange(rows * cols, dtype=torch.int16).reshape(rows, cols)
-        out = torch.empty((cols, rows), dtype=torch.int16)
-        lib.transpose16(x.data_ptr(), out.data_ptr(), rows, cols, cols, 2)
-        if not torch.equal(out, x.t()):
-            raise OSError("its transposing copy differs from torch's")
+    for fn in (lib.transpose16, lib.transpose16_wide) if _AVX512 else (lib.transpose16,):
+        for rows, cols in ((1, 1), (8, 8), (37, 70), (300, 260), (64, 96)):
+            x = torch.arange(rows * cols, dtype=torch.int16).reshape(rows, cols)
+            out = torch.empty((cols, rows), dtype=torch.int16)
+            fn(x.data_ptr(), out.data_ptr(), rows, cols, cols, 2)
+            if not torch.equal(out, x.t()):
+                raise OSError("its transposing copy differs from torch's")
     if not _AVX512:
         return
     g = torch.Generator().manual_seed(0)
@@ -2796,9 +2855,9 @@ def _opened(
     added = _gomp() - before
     if added:  # its threads would spin beside torch's: slower than torch's own copy
         raise OSError(f"it loaded a second OpenMP runtime ({', '.join(sorted(added))})")
-    lib.transpose16.argtypes = [ctypes.c_void_p, ctypes.c_void_p] + [ctypes.c_int64] * 3
-    lib.transpose16.argtypes += [ctypes.c_int]
-    lib.transpose16.restype = ctypes.c_int
+    for fn in (lib.transpose16, lib.transpose16_wide):
+        fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p] + [ctypes.c_int64] * 3 + [ctypes.c_int]
+        fn.restype = ctypes.c_int
     p, i64, f32, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
     lib.residual_norm_fwd.argtypes = [p, p, p, f32, p, p, f32, i64, i64, p, p, p, p, p, i32]
     lib.residual_norm_bwd.argtypes = [p, p, p, p, p, p, f32, i64, i64, p, p, p, p, p, i32]
@@ -3043,7 +3102,8 @@ def transposed(x: torch.Tensor) -> torch.Tensor:
     rows, cols = x.shape
     out = torch.empty((cols, rows), dtype=x.dtype)
     if x.numel():
-        _LIB.transpose16(x.data_ptr(), out.data_ptr(), rows, cols, x.stride(0), _threads(x.numel()))
+        copy = _LIB.transpose16_wide if _AVX512 else _LIB.transpose16
+        copy(x.data_ptr(), out.data_ptr(), rows, cols, x.stride(0), _threads(x.numel()))
     return out
 
 

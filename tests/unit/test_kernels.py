@@ -72,11 +72,26 @@ def test_it_builds_on_this_x86_64_machine():
     "shape", [(0, 5), (5, 0), (1, 1), (8, 8), (7, 9), (9, 7), (33, 65), (3, 1000), (300, 514)]
 )
 @pytest.mark.parametrize("threads", [1, 2])
-def test_transposed_equals_torchs_copy(dtype, shape, threads):
+@pytest.mark.parametrize("wide", [True, False])  # AVX-512's 32 x 32 blocks, or 8 x 8 ones
+def test_transposed_equals_torchs_copy(dtype, shape, threads, wide, monkeypatch):
+    monkeypatch.setattr(kernels, "_AVX512", kernels._AVX512 and wide)
     x = torch.arange(shape[0] * shape[1]).reshape(shape).to(dtype)
     with threads_of(threads):
         out = kernels.transposed(x)
     assert out.is_contiguous() and out.dtype == dtype and torch.equal(out, x.t())
+
+
+def test_the_wide_copy_is_the_one_an_avx512_cpu_takes(monkeypatch):
+    assert kernels._library() is not None  # (its load checks both copies against torch's)
+    calls = []
+    for name in ("transpose16", "transpose16_wide"):
+        real = getattr(kernels._LIB, name)
+        monkeypatch.setattr(kernels._LIB, name, lambda *a, n=name, f=real: calls.append(n) or f(*a))
+    x = torch.randn(96, 70).to(torch.bfloat16)
+    wide = "transpose16_wide" if kernels._AVX512 else "transpose16"  # an AVX2 Zen 3: t8x8's
+    assert torch.equal(kernels.transposed(x), x.t()) and calls == [wide]
+    monkeypatch.setattr(kernels, "_AVX512", False)
+    assert torch.equal(kernels.transposed(x), x.t()) and calls[1:] == ["transpose16"]
 
 
 def test_large_matrices_take_the_threaded_path():
