@@ -141,8 +141,6 @@ static inline void t8x8(const uint16_t *s, int64_t ls, uint16_t *d, int64_t ld) 
   _mm_storeu_si128((__m128i *)(d + 7 * ld), _mm_unpackhi_epi64(b3, b7));
 }
 
-/* d (cols x rows, contiguous) = s (rows x cols, row stride ls) transposed, in 32 x 32 tiles
-   shared out among nthreads OpenMP threads (torch's own pool: the process has one libgomp) */
 /* rows [i0, i1) x columns [c0, c1) of s (row stride ls) into d (its rows R values long) */
 static void tile16(const uint16_t *s, int64_t ls, uint16_t *d, int64_t R, int64_t i0,
                    int64_t i1, int64_t c0, int64_t c1) {
@@ -157,6 +155,8 @@ static void tile16(const uint16_t *s, int64_t ls, uint16_t *d, int64_t R, int64_
     for (int64_t c = c0; c < c1; ++c) d[c * R + i] = s[i * ls + c];
 }
 
+/* d (cols x rows, contiguous) = s (rows x cols, row stride ls) transposed, in 32 x 32 tiles
+   shared out among nthreads OpenMP threads (torch's own pool: the process has one libgomp) */
 int transpose16(const uint16_t *s, uint16_t *d, int64_t rows, int64_t cols, int64_t ls,
                 int nthreads) {
   const int64_t T = 32, nr = (rows + T - 1) / T, nc = (cols + T - 1) / T;
@@ -914,15 +914,19 @@ AVX512BW static inline void t16x16(__m512i *r) {
   }
 }
 
-/* d (32 rows of stride ld) = the 32 x 32 block of s (rows of stride ls) transposed: each pair of
-   s's rows made into words (even columns' values and odd columns' values), two 16 x 16
-   transposes of the words, and each of d's 32 rows one whole 64-byte store */
-AVX512BW static inline void t32x32(const uint16_t *s, int64_t ls, uint16_t *d, int64_t ld) {
+/* d (32 rows of stride ld) = the 32 x 32 block of s (rows of stride ls) transposed, its rows
+   from n on (n < 32) read as zeros: each pair of s's rows made into words (even columns' values
+   and odd columns' values), two 16 x 16 transposes of the words, and each of d's 32 rows one
+   whole 64-byte store (d's row 2w holds, as its word i, rows 2i and 2i + 1 of column 2w) */
+AVX512BW static inline void t32x32(const uint16_t *s, int64_t ls, int64_t n, uint16_t *d,
+                                   int64_t ld) {
   const __m512i lo16 = _mm512_set1_epi32(0xffff), hi16 = _mm512_set1_epi32((int)0xffff0000u);
+  const __m512i zero = _mm512_setzero_si512();
   __m512i e[16], o[16];
   for (int i = 0; i < 16; ++i) {
-    const __m512i a = _mm512_loadu_si512((const void *)(s + 2 * i * ls));
-    const __m512i b = _mm512_loadu_si512((const void *)(s + (2 * i + 1) * ls));
+    const __m512i a = 2 * i < n ? _mm512_loadu_si512((const void *)(s + 2 * i * ls)) : zero;
+    const __m512i b =
+        2 * i + 1 < n ? _mm512_loadu_si512((const void *)(s + (2 * i + 1) * ls)) : zero;
     e[i] = _mm512_or_si512(_mm512_and_si512(a, lo16), _mm512_slli_epi32(b, 16));
     o[i] = _mm512_or_si512(_mm512_srli_epi32(a, 16), _mm512_and_si512(b, hi16));
   }
@@ -938,7 +942,7 @@ AVX512BW static inline void t32x32(const uint16_t *s, int64_t ls, uint16_t *d, i
    lines of the block PF_AHEAD to its right (s's to be read, d's to be written) while it is
    copied. In a W1 step the copies' inputs and outputs are not in the cache: there t8x8's
    16-byte stores (four calls to each 64-byte line of d) ran at 6-15 GB/s, read and written;
-   the step's 78 copies took 48.9 ms, now 39.0 (a cold 3,888 x 512: 0.89 -> 0.45 ms; 32,000 x
+   the step's 76 copies took 48.9 ms, now 39.0 (a cold 3,888 x 512: 0.89 -> 0.45 ms; 32,000 x
    512: 6.3-10.5 -> 4.8-5.1 ms; docs/performance.md, "Round fifty-four"). A block 2, 4 or 8
    ahead: 40-47 ms. */
 #define PF_AHEAD 1
@@ -957,11 +961,11 @@ AVX512BW int transpose16_wide(const uint16_t *s, uint16_t *d, int64_t rows, int6
             __builtin_prefetch((const char *)(d + (cn + r) * rows + i0), 1, 3);
             __builtin_prefetch((const char *)(d + (cn + r) * rows + i0) + 63, 1, 3);
           }
-        t32x32(s + i0 * ls + c0, ls, d + c0 * rows + i0, rows);
-      }
-      else
+        t32x32(s + i0 * ls + c0, ls, T, d + c0 * rows + i0, rows);
+      } else {
         tile16(s, ls, d, rows, i0, i0 + T < rows ? i0 + T : rows, c0,
                c0 + T < cols ? c0 + T : cols);
+      }
     }
   return 0;
 }
@@ -1145,31 +1149,12 @@ AMXBW static void pairs(const uint16_t *x, int64_t ld, const int64_t *rows, cons
 }
 
 /* d (C x Rp, row stride ldd) = s's first Rp rows transposed (s: rows of stride lds, C 16-bit
-   values each), its rows from R on as zeros; Rp and C multiples of 32: in 32 x 32 blocks, each
-   as two 16 x 16 transposes of 32-bit words, the even columns' and the odd columns' values of
-   each pair of rows (d's row 2w holds, as its word i, rows 2i and 2i + 1 of column 2w) */
+   values each), its rows from R on as zeros; Rp and C multiples of 32: t32x32's blocks */
 AMXBW static void t16_rows(const uint16_t *s, int64_t lds, int64_t R, int64_t Rp, int64_t C,
                            uint16_t *d, int64_t ldd) {
-  const __m512i lo16 = _mm512_set1_epi32(0xffff), hi16 = _mm512_set1_epi32((int)0xffff0000u);
-  const __m512i zero = _mm512_setzero_si512();
-  __m512i e[16], o[16];
   for (int64_t i0 = 0; i0 < Rp; i0 += 32)
-    for (int64_t j0 = 0; j0 < C; j0 += 32) {
-      for (int i = 0; i < 16; ++i) {
-        const int64_t ra = i0 + 2 * i;
-        const __m512i a = ra < R ? _mm512_loadu_si512((const void *)(s + ra * lds + j0)) : zero;
-        const __m512i b =
-            ra + 1 < R ? _mm512_loadu_si512((const void *)(s + (ra + 1) * lds + j0)) : zero;
-        e[i] = _mm512_or_si512(_mm512_and_si512(a, lo16), _mm512_slli_epi32(b, 16));
-        o[i] = _mm512_or_si512(_mm512_srli_epi32(a, 16), _mm512_and_si512(b, hi16));
-      }
-      t16x16(e);
-      t16x16(o);
-      for (int w = 0; w < 16; ++w) {
-        _mm512_storeu_si512((void *)(d + (j0 + 2 * w) * ldd + i0), e[w]);
-        _mm512_storeu_si512((void *)(d + (j0 + 2 * w + 1) * ldd + i0), o[w]);
-      }
-    }
+    for (int64_t j0 = 0; j0 < C; j0 += 32)
+      t32x32(i0 < R ? s + i0 * lds + j0 : s, lds, R - i0, d + j0 * ldd + i0, ldd);
 }
 
 /* `attn_fwd_head` with the products on AMX (the same softmax, the same outputs). Scratch:
