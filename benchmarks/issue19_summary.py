@@ -172,19 +172,16 @@ def w1(out: Path, amx: bool, table: Table) -> None:
     share = load(out, "w1_share.json")
     if share is None:
         table.missing.append("W1 share with W0 in the same minutes: no w1_share.json")
+    if share is not None:  # the verdict is the next row's
+        said = " (W0 minutes before the step: the next row times both together)"
+    else:
+        said = f": {verdict(mfu >= W1_MFU)}" if amx else ""
     table.add(
         f"W1 share of the {dtype} matmul rate (W0: {shapes}, median {w0[0]:,.0f} GFLOP/s)",
         f"{flops / 1e12:.2f} TFLOP a step in {seconds:.2f} s = {achieved:,.0f} GFLOP/s",
         "",
-        f"**{mfu:.0%}**"
-        + (
-            " (W0 minutes before the step: the next row times both together)"
-            if share
-            else f": {verdict(mfu >= W1_MFU)}"
-            if amx
-            else ""
-        ),  # fmt: skip
-        "" if share else target,
+        f"**{mfu:.0%}**{said}",
+        "" if share is not None else target,
     )
     if share is not None:
         w1_share_row(out, share, dtype, amx, target, table)

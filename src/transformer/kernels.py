@@ -2691,7 +2691,7 @@ def _check(lib: ctypes.PyDLL) -> None:
     """Raise unless the library's copy equals torch's on shapes with every kind of edge, and
     (on an AVX-512F CPU) its residual LayerNorm agrees with torch's, forward and backward."""
     for fn in (lib.transpose16, lib.transpose16_wide) if _AVX512 else (lib.transpose16,):
-        for rows, cols in ((1, 1), (8, 8), (37, 70), (300, 260), (64, 96)):
+        for rows, cols in ((1, 1), (8, 8), (37, 70), (300, 260)):  # whole blocks and edges
             x = torch.arange(rows * cols, dtype=torch.int16).reshape(rows, cols)
             out = torch.empty((cols, rows), dtype=torch.int16)
             fn(x.data_ptr(), out.data_ptr(), rows, cols, cols, 2)

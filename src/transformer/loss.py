@@ -163,10 +163,11 @@ class _ChunkedProjectionLoss(torch.autograd.Function):
             rows = max(_padded(stop - start) for start, stop in bounds)
             block = torch.empty((rows, n_classes), dtype=weight.dtype, device=weight.device)
         # The logits h W^T: oneDNN's AMX product reads W's (V, D) rows as a transposed right
-        # operand at ~1,550 GFLOP/s, a row-major (D, V) copy of W^T at ~2,300 (a 1,912-row
-        # chunk at V 32,000, D 512: 38.8 -> 26.6 ms; the copy 4.7 ms a step). Where the (V, D)
-        # gradient comes from row-major copies too (AMX, bf16, >= ROW_MAJOR_ROWS rows). The
-        # two sum each logit's products in other orders: the same values to bf16's rounding.
+        # operand at ~1,550 GFLOP/s, a row-major (D, V) copy of W^T at ~2,300-2,400 (a
+        # 1,912-row chunk at V 32,000, D 512: 38.8-40.3 -> 25.9-26.6 ms; the copy 3.4-4.7 ms
+        # a step; docs/performance.md, "Round fifty-four"). Where the (V, D) gradient comes
+        # from row-major copies too (AMX, bf16, >= ROW_MAJOR_ROWS rows). The two sum each
+        # logit's products in other orders: the same values to bf16's rounding.
         weight_t = kernels.transposed(weight.detach()) if row_major and block is not None else None
         for start, stop in bounds:
             n = stop - start

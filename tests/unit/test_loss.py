@@ -139,6 +139,7 @@ class _LogitBlocks(TorchDispatchMode):
 def test_chunked_logits_of_every_chunk_in_one_block(dtype):
     # One (n, V) block made once for all chunks (the last one shorter), not one per chunk: a
     # block freed and made again could land above the last (W3's peak, +1 block).
+    kernels.unavailable()  # the library loaded (and its first-load checks run) before watching
     torch.manual_seed(0)
     hidden = torch.randn(40, 8).to(dtype).requires_grad_(True)
     weight = torch.randn(64, 8).to(dtype).requires_grad_(True)
