@@ -141,9 +141,11 @@ static inline void t8x8(const uint16_t *s, int64_t ls, uint16_t *d, int64_t ld) 
   _mm_storeu_si128((__m128i *)(d + 7 * ld), _mm_unpackhi_epi64(b3, b7));
 }
 
-/* rows [i0, i1) x columns [c0, c1) of s (row stride ls) into d (its rows R values long) */
-static void tile16(const uint16_t *s, int64_t ls, uint16_t *d, int64_t R, int64_t i0,
-                   int64_t i1, int64_t c0, int64_t c1) {
+/* the block of up to 32 x 32 at rows i0 and columns c0 of s (R x C, row stride ls) into d (its
+   rows R values long), by t8x8 where it can, value by value at the block's edges */
+static void tile16(const uint16_t *s, int64_t ls, uint16_t *d, int64_t R, int64_t C, int64_t i0,
+                   int64_t c0) {
+  const int64_t i1 = i0 + 32 < R ? i0 + 32 : R, c1 = c0 + 32 < C ? c0 + 32 : C;
   int64_t i = i0;
   for (; i + 8 <= i1; i += 8) {
     int64_t c = c0;
@@ -162,10 +164,7 @@ int transpose16(const uint16_t *s, uint16_t *d, int64_t rows, int64_t cols, int6
   const int64_t T = 32, nr = (rows + T - 1) / T, nc = (cols + T - 1) / T;
 #pragma omp parallel for collapse(2) schedule(static) num_threads(nthreads)
   for (int64_t bi = 0; bi < nr; ++bi)
-    for (int64_t bj = 0; bj < nc; ++bj) {
-      const int64_t i0 = bi * T, c0 = bj * T;
-      tile16(s, ls, d, rows, i0, i0 + T < rows ? i0 + T : rows, c0, c0 + T < cols ? c0 + T : cols);
-    }
+    for (int64_t bj = 0; bj < nc; ++bj) tile16(s, ls, d, rows, cols, bi * T, bj * T);
   return 0;
 }
 
@@ -963,8 +962,7 @@ AVX512BW int transpose16_wide(const uint16_t *s, uint16_t *d, int64_t rows, int6
           }
         t32x32(s + i0 * ls + c0, ls, T, d + c0 * rows + i0, rows);
       } else {
-        tile16(s, ls, d, rows, i0, i0 + T < rows ? i0 + T : rows, c0,
-               c0 + T < cols ? c0 + T : cols);
+        tile16(s, ls, d, rows, cols, i0, c0);
       }
     }
   return 0;
@@ -1516,7 +1514,6 @@ AMXBW static void sums2_bf16(const float *c, const float *c2, int64_t M, int64_t
 }
 #endif
 
-
 /* dW (M x N bf16, row stride ldo) = g^T x, the sum over K rows: g (K x M) and x (K x N) bf16
    rows of strides ldg and ldx; M a multiple of 32, N of 16. oneDNN runs this shape (K long, M
    and N short) at about half its rate for the others: from the transposed view g^T, and from a
@@ -1580,13 +1577,6 @@ int weight_grad_amx(const uint16_t *g, int64_t ldg, const uint16_t *x, int64_t l
 
 #ifdef HAVE_AMX
 enum { PROJ_CH = 512 }; /* W's rows summed before their logits are written: 512 KB at rp 256 */
-
-/* b (D/2 x rp words) = h's first rn rows (stride ldh) read as words, transposed, zeros past
-   rn (`words_t`, 16 x 16 words at a time: a few microseconds at 256 rows) */
-AMXBW static void project_pairs(const uint16_t *h, int64_t ldh, int64_t rn, int64_t rp,
-                                int64_t D, word32 *b) {
-  words_t(h, ldh, NULL, NULL, rn, rp, D, D, b);
-}
 
 /* project_amx's chunks c0 to c1 of PROJ_CH of W's rows, for rows r0 to r0 + rn of h (B = b,
    padded to rp columns): a chunk's sums into s (PROJ_CH x rp fp32, 32 of W's rows a product),
@@ -1661,7 +1651,8 @@ int project_amx(const uint16_t *h, int64_t ldh, int64_t R, const uint16_t *w, in
 #pragma omp parallel num_threads(T)
     {
       const int t = omp_get_thread_num();
-      if (t == 0) project_pairs(h + r0 * ldh, ldh, rn, rp, D, b); /* b[i][r] = h[r][2i, 2i+1] */
+      if (t == 0) /* b (D/2 x rp words): b[i][r] = h[r][2i, 2i+1], zeros past rn */
+        words_t(h + r0 * ldh, ldh, NULL, NULL, rn, rp, D, D, b);
       float *s = aligned_alloc(64, line_bytes(PROJ_CH * rp, 4));
       uint16_t *a = aligned_alloc(64, line_bytes(32 * D, 2)); /* the last rows, padded */
 #pragma omp barrier

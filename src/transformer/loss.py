@@ -168,7 +168,8 @@ class _ChunkedProjectionLoss(torch.autograd.Function):
         # a step; docs/performance.md, "Round fifty-four"). Where the (V, D) gradient comes
         # from row-major copies too (AMX, bf16, >= ROW_MAJOR_ROWS rows). The two sum each
         # logit's products in other orders: the same values to bf16's rounding.
-        weight_t = kernels.transposed(weight.detach()) if row_major and block is not None else None
+        copied = row_major and block is not None
+        right = kernels.transposed(weight.detach()) if copied else weight.t()  # (D, V)
         for start, stop in bounds:
             n = stop - start
             h = hidden[start:stop]  # (n, D)
@@ -184,7 +185,6 @@ class _ChunkedProjectionLoss(torch.autograd.Function):
             split = helper.split_linear if helper is not None and not parts else F.linear
             # (n, V) (the padded rows after), in the parameters' dtype (bf16 matmul)
             if block is not None:
-                right = weight.t() if weight_t is None else weight_t
                 logits = torch.mm(hp, right, out=block[: hp.size(0)])
             else:
                 logits = split(hp, weight)
@@ -233,7 +233,7 @@ class _ChunkedProjectionLoss(torch.autograd.Function):
             # the gradient), not when the name is rebound after them: otherwise two (n, V)
             # blocks are alive at once.
             del probs
-        del block, weight_t
+        del block, right
         if need_grad and helper is not None:
             # d loss / d weight is finished in the helper's `finish`, after backward.
             ctx.helper, ctx.weight, ctx.parts = helper, weight, parts
