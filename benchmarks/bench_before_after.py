@@ -18,6 +18,13 @@ numbers, as project_amx's fp32 logits, prints how many decoded outputs differ):
     .venv/bin/python benchmarks/bench_before_after.py --rev HEAD --switch attention_amx \
         --what train,real --data QS/data --reps 12
 
+`--kernels`: the 'before' side also runs the compiled library of `--rev`'s kernels.py (its C
+source, built as that revision built it), the Python wrappers the working tree's either side: for
+a change inside the C functions that keeps their arguments (the library is swapped before each
+call, as a switch is):
+
+    .venv/bin/python benchmarks/bench_before_after.py --rev HEAD --kernels --what train --reps 12
+
 `--what real`: training steps on the first batches of a prepared training split (the preset's
 batch size, length-sorted as `transformer train` makes them, bf16 with fp32-master Adam), each
 batch stepped before, after, after, before (the second step of a shape finds its oneDNN kernels
@@ -53,6 +60,7 @@ def module_at(rev: str, path: str, name: str) -> types.ModuleType:
     source = subprocess.run(["git", "-C", root, "show", f"{rev}:{path}"], check=True,
                             capture_output=True, text=True).stdout  # fmt: skip
     module = types.ModuleType(name)
+    module.__file__ = os.path.join(root, path)  # where the working tree's copy lies
     sys.modules[name] = module  # dataclasses look their module up while the source runs
     exec(compile(source, f"{rev}:{path}", "exec"), module.__dict__)  # noqa: S102
     return module
@@ -62,10 +70,19 @@ def module_at(rev: str, path: str, name: str) -> types.ModuleType:
 SWITCH = None
 
 
+# `--kernels`: each side's compiled library, (`_LIB`, `_NOGIL`) of `transformer.kernels`.
+LIBRARIES: dict[str, tuple] = {}
+
+
 def switched(k: str) -> None:
-    """Set `SWITCH` for the side k ('before': off, 'after': on), where there is one."""
+    """Set `SWITCH` for the side k ('before': off, 'after': on), where there is one, and that
+    side's library (`LIBRARIES`)."""
     if SWITCH is not None:
         SWITCH(k == "after")
+    if LIBRARIES:
+        from transformer import kernels
+
+        kernels._LIB, kernels._NOGIL = LIBRARIES[k]
 
 
 def interleave(runs: dict, reps: int) -> dict[str, float]:
@@ -99,6 +116,9 @@ def main() -> None:
         choices=["attention_amx", "weight_grad_amx", "project_amx"],
         help="a kernel switch: off before, on after",
     )
+    p.add_argument(
+        "--kernels", action="store_true", help="before: the compiled library of --rev's kernels.py"
+    )
     args = p.parse_args()
     if "real" in args.what and not args.data:
         p.error("--what real needs --data DIR (a prepared-data directory)")
@@ -110,9 +130,22 @@ def main() -> None:
         SWITCH = getattr(kernels, args.switch)
         if not SWITCH(True):
             sys.exit(f"bench_before_after.py: {args.switch} cannot be switched on here")
+    if args.kernels:
+        from transformer import kernels
+
+        old = module_at(args.rev, "src/transformer/kernels.py", "before_kernels")
+        if kernels._library() is None or old._library() is None:
+            sys.exit(f"bench_before_after.py: --kernels: no compiled library ({kernels._WHY})")
+        LIBRARIES.update(before=(old._LIB, old._NOGIL), after=(kernels._LIB, kernels._NOGIL))
+        print(f"kernels: before {old._PATH.name}, after {kernels._PATH.name}")
     old_model = module_at(args.rev, "src/transformer/model.py", "before_model")
     old_loss = module_at(args.rev, "src/transformer/loss.py", "before_loss")
     off, on = (f" ({args.switch} off)", f" ({args.switch} on)") if args.switch else ("", "")
+    if args.kernels:
+        off += " (its compiled kernels)"
+    from transformer.cpuinfo import cpu_line
+
+    print(cpu_line())
     print(f"torch {torch.__version__}, {args.threads} threads, before = {args.rev}{off}, "
           f"after = working tree{on}; load average {os.getloadavg()[0]:.1f}")  # fmt: skip
     if "train" in args.what:
