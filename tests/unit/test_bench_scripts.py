@@ -4,7 +4,8 @@ bench_translate_stream.py, bench_int8_rows.py, bench_step_attention.py, bench_ad
 bench_beam_history.py, bench_row_top.py, bench_int8_product.py, bench_bf16_keys.py,
 issue19_table.sh, bench_cpu_limits.sh, bench_no_compiler.py, bench_side_by_side.py and
 gpu/prepare_device.sh:
-bad input is one clear line (the script, the problem), exit status 2, before any timing starts."""
+bad input is one clear line (the script, the problem), exit status 2, before any timing starts.
+bench_before_after.py: its --kernels swaps each side's compiled library in."""
 
 from __future__ import annotations
 
@@ -799,3 +800,24 @@ def test_side_by_side_bench_runs_each_way(tiny_model_file, src):
     assert " cores, " in lines[0] and "2 jobs of" in lines[0]
     summary = [line.split(":")[0] for line in lines if "of --threads 1's rate" in line]
     assert summary == ["before", "after", "threads 1", "one job"]
+
+
+def test_before_after_runs_each_sides_compiled_library(monkeypatch) -> None:
+    """bench_before_after.py --kernels: `switched` puts each side's compiled library in
+    `transformer.kernels` before its calls, and `module_at` gives a revision's kernels.py the
+    path it reads its folders from."""
+    monkeypatch.syspath_prepend(str(BENCH))
+    import bench_before_after as ba
+    from transformer import kernels
+
+    old = ba.module_at("HEAD", "src/transformer/kernels.py", "before_kernels_test")
+    monkeypatch.delitem(sys.modules, "before_kernels_test")
+    assert old.PREBUILT == kernels.PREBUILT and "adam_sumsq" in old._SOURCE
+    monkeypatch.setattr(kernels, "_LIB", kernels._LIB)  # restored after the test
+    monkeypatch.setattr(kernels, "_NOGIL", kernels._NOGIL)
+    libraries = {"before": ("old", "old, no GIL"), "after": ("new", "new, no GIL")}
+    monkeypatch.setattr(ba, "LIBRARIES", libraries)
+    ba.switched("before")
+    assert (kernels._LIB, kernels._NOGIL) == libraries["before"]
+    ba.switched("after")
+    assert (kernels._LIB, kernels._NOGIL) == libraries["after"]
