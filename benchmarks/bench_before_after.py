@@ -135,7 +135,8 @@ def main() -> None:
 
         old = module_at(args.rev, "src/transformer/kernels.py", "before_kernels")
         if kernels._library() is None or old._library() is None:
-            sys.exit(f"bench_before_after.py: --kernels: no compiled library ({kernels._WHY})")
+            why = kernels._WHY or old._WHY
+            sys.exit(f"bench_before_after.py: --kernels: no compiled library ({why})")
         LIBRARIES.update(before=(old._LIB, old._NOGIL), after=(kernels._LIB, kernels._NOGIL))
         print(f"kernels: before {old._PATH.name}, after {kernels._PATH.name}")
     old_model = module_at(args.rev, "src/transformer/model.py", "before_model")

@@ -14,6 +14,7 @@ import os
 import sys
 from pathlib import Path
 
+from transformer.allocator import huge_pages_exec
 from transformer.errors import JobError, UserError, out_of_memory, what_to_lower
 
 
@@ -886,7 +887,24 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# The commands that run themselves again with glibc's heap in 2 MB pages (allocator.py).
+HUGE_PAGE_COMMANDS = frozenset({"train"})
+
+
+def _command(argv: list[str]) -> str | None:
+    """The subcommand named in argv: its first word that is not an option (the program's own
+    options take no value)."""
+    return next((word for word in argv if not word.startswith("-")), None)
+
+
 def main(argv: list[str] | None = None) -> int:
+    if argv is None and _command(sys.argv[1:]) in HUGE_PAGE_COMMANDS:
+        again = huge_pages_exec()
+        if again is not None:  # before the imports: glibc reads the tunable as a process starts
+            try:
+                os.execve(*again)
+            except OSError as e:  # not run again (an interpreter gone meanwhile): as it is
+                print(f"transformer: 4 KiB pages ({e})", file=sys.stderr)
     try:  # building the parser imports the subcommands' modules (torch among them): ~0.5 s
         args = build_parser().parse_args(argv)
     except KeyboardInterrupt:

@@ -201,8 +201,8 @@ AVX512 static inline __m512 ldk(const uint8_t *p) { /* 16 keep bytes (0 or 1) ->
 /* The cache lines of [p, p + bytes) asked for ahead of their reads (a prefetch never faults: p
    may lie past the data). A stream the step reads once from memory came at a third to a half
    of the memory's rate on the AMX Xeon guest, its hardware prefetcher short of it: the
-   gradients' sum of squares 1.8x as fast with its next 2 kB asked for (docs/performance.md,
-   "Round fifty-five"). FETCH_AHEAD: how far ahead a stream is asked for, in bytes. */
+   gradients' sum of squares 1.25-1.8x as fast with its next 2 kB asked for, the loss's softmax
+   1.14x (docs/performance.md, "Round fifty-five"). FETCH_AHEAD: how far ahead, in bytes. */
 #define FETCH_AHEAD 2048
 static inline void fetch(const void *p, int64_t bytes) {
   for (int64_t x = 0; x < bytes; x += 64) _mm_prefetch((const char *)p + x, _MM_HINT_T0);

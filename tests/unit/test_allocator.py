@@ -138,3 +138,41 @@ def test_a_users_top_pad_is_left_alone(monkeypatch, env) -> None:
     monkeypatch.setenv(*env)
     assert allocator.keep_large_blocks() is True
     assert allocator.M_TOP_PAD not in calls and allocator.M_MMAP_THRESHOLD in calls
+
+
+MADVISE = "always [madvise] never\n"
+
+
+def test_huge_pages_ask_for_the_tunable_where_thp_is_madvised(monkeypatch) -> None:
+    monkeypatch.setattr(sys, "orig_argv", ["python", "-m", "transformer", "train", "data"])
+    exe, argv, env = allocator.huge_pages_exec({"HOME": "/h"}, MADVISE, "glibc 2.36")
+    assert exe == sys.executable and argv == [sys.executable, "-m", "transformer", "train", "data"]
+    assert env == {"HOME": "/h", "GLIBC_TUNABLES": "glibc.malloc.hugetlb=1"}
+    # a user's other tunables are kept, the new one appended
+    _, _, env = allocator.huge_pages_exec(
+        {"GLIBC_TUNABLES": "glibc.malloc.arena_max=2"}, MADVISE, "glibc 2.39"
+    )
+    assert env["GLIBC_TUNABLES"] == "glibc.malloc.arena_max=2:glibc.malloc.hugetlb=1"
+
+
+@pytest.mark.parametrize(
+    ("environ", "thp", "glibc"),
+    [
+        ({"GLIBC_TUNABLES": "glibc.malloc.hugetlb=0"}, MADVISE, "glibc 2.36"),  # the user's
+        ({"GLIBC_TUNABLES": "glibc.malloc.hugetlb=1"}, MADVISE, "glibc 2.36"),  # the run again
+        ({"TRANSFORMER_MALLOC": "system"}, MADVISE, "glibc 2.36"),
+        ({}, "[always] madvise never\n", "glibc 2.36"),  # every large mapping has them
+        ({}, "always madvise [never]\n", "glibc 2.36"),
+        ({}, MADVISE, "glibc 2.34"),  # before the tunable
+        ({}, MADVISE, "musl 1.2"),
+        ({}, MADVISE, "glibc unknown"),
+    ],
+)
+def test_huge_pages_are_not_asked_for_where_they_gain_nothing(monkeypatch, environ, thp, glibc):
+    monkeypatch.setattr(sys, "orig_argv", ["python", "-m", "transformer", "train"])
+    assert allocator.huge_pages_exec(environ, thp, glibc) is None
+
+
+def test_huge_pages_need_a_command_line_to_run_again(monkeypatch) -> None:
+    monkeypatch.setattr(sys, "orig_argv", ["python"])  # an embedded interpreter
+    assert allocator.huge_pages_exec({}, MADVISE, "glibc 2.36") is None

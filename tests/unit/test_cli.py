@@ -219,3 +219,55 @@ def test_sweep_flags_are_checked_before_training(flags, needle, tmp_path, capsys
     err = capsys.readouterr().err
     assert err.startswith("transformer sweep: error: ") and needle in err, err
     assert err.count("\n") == 1 and not (tmp_path / "o").exists()
+
+
+def test_train_runs_itself_again_in_2mb_pages_as_a_program_only(monkeypatch, capsys) -> None:
+    """`transformer train` (argv from sys.argv) runs itself again with glibc's heap in 2 MB pages
+    (allocator.huge_pages_exec) before anything loads; a caller's main([...]) and the other
+    commands never do; where the exec fails it goes on as it is, with one line."""
+    import os
+
+    import transformer.cli as cli
+
+    calls = []
+
+    def execve(*args):
+        calls.append(args)
+        raise OSError("no such interpreter")
+
+    again = ("/py", ["/py", "-m", "transformer", "train", "--help"], {"GLIBC_TUNABLES": "x=1"})
+    monkeypatch.setattr(cli, "huge_pages_exec", lambda: again)
+    monkeypatch.setattr(os, "execve", execve)
+    with pytest.raises(SystemExit):
+        main(["train", "--help"])
+    monkeypatch.setattr(sys, "argv", ["transformer", "presets", "--vocab-size", "8000"])
+    assert main() == 0
+    assert calls == []
+    monkeypatch.setattr(sys, "argv", ["transformer", "-v", "train", "--help"])
+    with pytest.raises(SystemExit):
+        main()
+    assert calls == [again]
+    assert "transformer: 4 KiB pages (no such interpreter)" in capsys.readouterr().err
+
+
+def test_train_runs_again_with_the_tunable_where_it_gains(tmp_path) -> None:
+    """The real exec: the program's code runs a second time, with the tunable in its
+    environment, where `huge_pages_exec` finds THP in madvise mode and glibc >= 2.35 (this
+    machine); once, unchanged, elsewhere."""
+    import os
+
+    from transformer.allocator import huge_pages_exec
+
+    code = (
+        "import os, sys; print('run', os.environ.get('GLIBC_TUNABLES'), flush=True); "
+        "from transformer.cli import main; sys.argv[0] = 'transformer'; main()"
+    )
+    env = {k: v for k, v in os.environ.items() if k not in ("GLIBC_TUNABLES", "TRANSFORMER_MALLOC")}
+    done = subprocess.run([sys.executable, "-c", code, "train", "--help"], env=env,
+                          capture_output=True, text=True, timeout=120, check=True)  # fmt: skip
+    runs = [line for line in done.stdout.splitlines() if line.startswith("run ")]
+    if huge_pages_exec(env) is not None:
+        assert runs == ["run None", "run glibc.malloc.hugetlb=1"]
+    else:
+        assert runs == ["run None"]
+    assert "usage: transformer train" in done.stdout
