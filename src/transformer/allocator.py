@@ -54,9 +54,9 @@ base preset at ~4k-token batches; docs/performance.md, "Round fifty-five"): 300 
 s against 356-360, its steps from the 150th on 1.03x-1.05x faster (three pairs), the first ~50
 slower (each first touch of 2 MB zeroes 2 MB and compacts memory for it: 40 steps took 55-57 s
 against 50), so a run breaks even after ~300 steps; peak memory within 2%; a fixed W1 batch
-1.03x-1.05x. A late `madvise` of the heap (pages already faulted in stay
-4 KiB until `MADV_COLLAPSE` copies them, ~7 s for 2.4 GB) or torch's `THP_MEM_ALLOC_ENABLE` (read
-when torch is imported, blocks of 2 MB or more only) gave less. Not done where THP is `always`
+1.03x-1.05x. A late `madvise` of the heap (pages already faulted in stay 4 KiB until
+`MADV_COLLAPSE` copies them, ~7 s for 2.4 GB) or torch's `THP_MEM_ALLOC_ENABLE` (read when torch
+is imported, blocks of 2 MB or more only) gave less. Not done where THP is `always`
 (nothing to gain) or `never`, where `GLIBC_TUNABLES` already names `glibc.malloc.hugetlb` (a
 user's `=0` included), or with `TRANSFORMER_MALLOC=system`. A process that runs the training
 itself (the peers' harness with our adapter) keeps its 4 KiB pages.

@@ -902,6 +902,8 @@ def main(argv: list[str] | None = None) -> int:
         again = huge_pages_exec()
         if again is not None:  # before the imports: glibc reads the tunable as a process starts
             try:
+                sys.stdout.flush()
+                sys.stderr.flush()
                 os.execve(*again)
             except OSError as e:  # not run again (an interpreter gone meanwhile): as it is
                 print(f"transformer: 4 KiB pages ({e})", file=sys.stderr)
