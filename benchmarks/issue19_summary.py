@@ -170,11 +170,10 @@ def w1(out: Path, amx: bool, table: Table) -> None:
     shapes = " / ".join(f"{r:,.0f}" for r in w0[1])
     target = f">= {W1_MFU:.0%} (AMX)" if amx else "(>= 65% is the AMX target)"
     share = load(out, "w1_share.json")
-    if share is None:
-        table.missing.append("W1 share with W0 in the same minutes: no w1_share.json")
     if share is not None:  # the verdict is the next row's
         said = " (W0 minutes before the step: the next row times both together)"
     else:
+        table.missing.append("W1 share with W0 in the same minutes: no w1_share.json")
         said = f": {verdict(mfu >= W1_MFU)}" if amx else ""
     table.add(
         f"W1 share of the {dtype} matmul rate (W0: {shapes}, median {w0[0]:,.0f} GFLOP/s)",
