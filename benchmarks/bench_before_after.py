@@ -57,8 +57,12 @@ PEERS = os.environ.get("PEERS_DIR", os.path.join(os.path.dirname(__file__), "../
 def module_at(rev: str, path: str, name: str) -> types.ModuleType:
     """A module made from `path` as it was at git revision `rev`."""
     root = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
-    source = subprocess.run(["git", "-C", root, "show", f"{rev}:{path}"], check=True,
-                            capture_output=True, text=True).stdout  # fmt: skip
+    done = subprocess.run(["git", "-C", root, "show", f"{rev}:{path}"],
+                          capture_output=True, text=True)  # fmt: skip
+    if done.returncode != 0:  # an unknown revision, or the file not in it: git's own line
+        lines = done.stderr.strip().splitlines() or [f"git show failed ({done.returncode})"]
+        sys.exit(f"bench_before_after.py: --rev {rev}: {lines[0]}")
+    source = done.stdout
     module = types.ModuleType(name)
     module.__file__ = os.path.join(root, path)  # where the working tree's copy lies
     sys.modules[name] = module  # dataclasses look their module up while the source runs

@@ -821,3 +821,12 @@ def test_before_after_runs_each_sides_compiled_library(monkeypatch) -> None:
     assert (kernels._LIB, kernels._NOGIL) == libraries["before"]
     ba.switched("after")
     assert (kernels._LIB, kernels._NOGIL) == libraries["after"]
+
+
+def test_before_after_names_a_revision_git_does_not_know() -> None:
+    done = _run(
+        "bench_before_after.py", "--rev", "no-such-revision", "--kernels", "--what", "train"
+    )
+    assert done.returncode == 1 and "Traceback" not in done.stderr
+    assert done.stderr.startswith("bench_before_after.py: --rev no-such-revision: fatal:")
+    assert len(done.stderr.strip().splitlines()) == 1
