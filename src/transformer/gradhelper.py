@@ -304,25 +304,85 @@ class _RowMajorGradLinear(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, g):  # noqa: D102
-        x, weight, y = ctx.saved_tensors  # x (N, in), g (N, out)
-        grad_b = None
-        want_b = ctx.has_bias and ctx.needs_input_grad[2]
-        if ctx.relu:  # through max(0, .): g where y > 0 (torch's threshold_backward)
-            if want_b:  # and db's column sums from the same pass (`column_sums`' bits)
-                g, grad_b = kernels.relu_grad_sums(g.contiguous(), y)
-            else:
-                g = kernels.relu_grad(g.contiguous(), y)
-        grad_x = None
-        if ctx.needs_input_grad[0]:
-            residual = None if ctx.port is None else ctx.port.take()
-            grad_x = g @ weight if residual is None else residual.addmm_(g, weight)
-        grad_w = None
-        if ctx.needs_input_grad[1]:
-            grad_w = _layer_weight_grad(g, x)
-        if want_b and grad_b is None:
-            fast = g.dtype == torch.bfloat16 and g.is_contiguous() and kernels.fused_supported()
-            grad_b = kernels.column_sums(g) if fast else g.sum(0)  # fp32 sums either way
-        return grad_x, grad_w, grad_b, None, None
+        return _row_major_backward(ctx, g)
+
+
+def _row_major_backward(ctx, g: torch.Tensor) -> tuple:
+    """`_RowMajorGradLinear`'s gradients (x, weight, bias, then None twice) from its ctx."""
+    x, weight, y = ctx.saved_tensors  # x (N, in), g (N, out)
+    grad_b = None
+    want_b = ctx.has_bias and ctx.needs_input_grad[2]
+    if ctx.relu:  # through max(0, .): g where y > 0 (torch's threshold_backward)
+        if want_b:  # and db's column sums from the same pass (`column_sums`' bits)
+            g, grad_b = kernels.relu_grad_sums(g.contiguous(), y)
+        else:
+            g = kernels.relu_grad(g.contiguous(), y)
+    grad_x = None
+    if ctx.needs_input_grad[0]:
+        residual = None if ctx.port is None else ctx.port.take()
+        grad_x = g @ weight if residual is None else residual.addmm_(g, weight)
+    grad_w = None
+    if ctx.needs_input_grad[1]:
+        grad_w = _layer_weight_grad(g, x)
+    if want_b and grad_b is None:
+        fast = g.dtype == torch.bfloat16 and g.is_contiguous() and kernels.fused_supported()
+        grad_b = kernels.column_sums(g) if fast else g.sum(0)  # fp32 sums either way
+    return grad_x, grad_w, grad_b, None, None
+
+
+def chained_linears(x: torch.Tensor, layers: list[nn.Linear]) -> list[torch.Tensor] | None:
+    """[layer(x) for layer in layers] for the decoder's encoder-decoder attention, whose N
+    layers each project the same encoder output x to keys and values (§3.2.3): the forward's
+    values and bits as each layer's own `linear`, but x's gradient made as one sum, each product
+    g_i W_i added into the later layers' sum by oneDNN's accumulating product (`addmm_`, one
+    rounding each), where autograd made each g_i W_i and then added them in passes of their own
+    over (N, D) (5 of ~1.45 ms in a W1 step). `_ChainedLinear` passes the sum from layer to
+    layer: layer i reads x through layer i - 1's second output, an alias of x, whose gradient
+    is the sum so far. None where a layer would not go through `_RowMajorGradLinear` (`linear`:
+    not a training product of many rows on AMX, or the helper active)."""
+    if not torch.is_grad_enabled() or active() is not None or x.dim() != 2 or not layers:
+        return None
+    if not all(is_linear(m) and own_weight_grads(m.weight, x.size(0)) for m in layers):
+        return None
+    outs, through = [], x
+    for i, m in enumerate(layers):
+        last = i == len(layers) - 1
+        y, through = _ChainedLinear.apply(through, m.weight, m.bias, not last)
+        outs.append(y)
+    return outs
+
+
+class _ChainedLinear(torch.autograd.Function):
+    """`_RowMajorGradLinear` (no max, no port) with a second output when `chain`: x itself (an
+    alias), which the next layer of `chained_linears` reads as its input. The gradient that
+    comes back through it is the later layers' sum of g W, and this layer adds its own into it
+    (`addmm_`) instead of returning g W for autograd to add."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, chain):  # noqa: D102
+        ctx.set_materialize_grads(False)  # the last layer's alias: no gradient, not zeros
+        y = _RowMajorGradLinear.forward(ctx, x, weight, bias)
+        return y, (x.view_as(x) if chain else None)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, g, later):  # noqa: D102
+        ctx.port = None if later is None else _Sum(later)
+        if g is None:  # this layer's output unused: the later layers' sum goes on as it is
+            return later, None, None, None
+        grad_x, grad_w, grad_b, _, _ = _row_major_backward(ctx, g)
+        return grad_x, grad_w, grad_b, None
+
+
+class _Sum:
+    """The `ResidualPort` face of a gradient that a product adds into (`take` once)."""
+
+    def __init__(self, grad: torch.Tensor):
+        self.grad: torch.Tensor | None = grad
+
+    def take(self) -> torch.Tensor | None:
+        grad, self.grad = self.grad, None
+        return grad
 
 
 def is_linear(module: nn.Module) -> bool:

@@ -862,20 +862,30 @@ class MultiHeadAttention(nn.Module):
         return self.w_o(out.reshape(R, Tq, H * self.d_v))
 
     def attend_packed(
-        self, x: torch.Tensor, xs: Packing, kv: torch.Tensor, kvs: Packing, mask, causal=False
+        self,
+        x: torch.Tensor,
+        xs: Packing,
+        kv: torch.Tensor,
+        kvs: Packing,
+        mask,
+        causal=False,
+        kvp: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """The packed path's sub-layer: queries from packed x (Nq, D) laid out by xs, keys and
-        values from packed kv (Nk, D) laid out by kvs; mask and causal as `attention`'s;
-        returns packed (Nq, D). Equal to `forward` on the padded tensors at the real rows."""
+        values from packed kv (Nk, D) laid out by kvs (kvp: their projection w_kv(kv), made
+        already); mask and causal as `attention`'s; returns packed (Nq, D). Equal to `forward`
+        on the padded tensors at the real rows."""
         H, K = self.n_heads, self.d_k
         p = self.p_attn_drop if self.training else 0.0
         qkv = None
-        if x is kv and p == 0.0 and _fused_training(x):
+        if kvp is not None:
+            qp = self.w_q(x)  # (Nq, H*K); kvp (Nk, H*(K+Vd))
+        elif x is kv and p == 0.0 and _fused_training(x):
             # Self-attention's W^Q and W^KV as one product (None: not taken).
             qkv = gradhelper.stacked_linear(x, [self.w_q, self.w_kv])
         if qkv is not None:
             qp, kvp = qkv.split([H * K, qkv.size(1) - H * K], dim=1)  # views of qkv
-        else:
+        elif kvp is None:
             qp, kvp = self.w_q(x), self.w_kv(kv)  # (Nq, H*K), (Nk, H*(K+Vd))
         if p == 0.0 and _packed_attention_takes(qp, kvp, xs, kvs, mask, causal, H):
             # Eq. (1) per head read from the packed rows, with no (B, H, T, K) copies.
@@ -1202,9 +1212,11 @@ class DecoderLayer(nn.Module):
         memory_mask: torch.Tensor | None,
         weights: dict[str, list] | None = None,
         packings: tuple[Packing, Packing] | None = None,
+        memory_kv: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """x: (B, T, D) target positions; memory: (B, S, D); memory_mask: (B, 1, 1, S).
-        Packed: x (Nt, D) and memory (Ns, D), laid out by packings = (target, source)."""
+        Packed: x (Nt, D) and memory (Ns, D), laid out by packings = (target, source);
+        memory_kv: cross_attn.w_kv(memory) made already (`Transformer.forward`), or None."""
         T = x.size(1) if packings is None else packings[0].T
 
         def self_attend(y: torch.Tensor) -> torch.Tensor:
@@ -1222,7 +1234,9 @@ class DecoderLayer(nn.Module):
         def cross_attend(y: torch.Tensor) -> torch.Tensor:
             if packings is not None:
                 tp, sp = packings
-                return self.cross_attn.attend_packed(y, tp, memory, sp, memory_mask)
+                return self.cross_attn.attend_packed(
+                    y, tp, memory, sp, memory_mask, kvp=memory_kv
+                )  # fmt: skip
             k, v = self.cross_attn.project_kv(memory)  # (B, H, S, K), (B, H, S, Vd)
             w = None if weights is None else weights["cross"]
             return self.cross_attn(y, k, v, memory_mask, weights=w)
@@ -1461,8 +1475,12 @@ class Transformer(nn.Module):
         memory = self.encode(src, src_mask, packing=sp)  # (Ns, D)
         x = self._embed_packed(tgt, self.tgt_embed, self.tgt_pos, tp)
         memory_mask = src_mask[:, None, None, :]
-        for layer in self.decoder_layers:
-            x = layer(x, memory, memory_mask, packings=(tp, sp))
+        # Every layer's encoder-decoder keys and values of the memory, with memory's gradient
+        # summed inside the products (`gradhelper.chained_linears`; None: each layer's own).
+        kvs = gradhelper.chained_linears(memory, [m.cross_attn.w_kv for m in self.decoder_layers])
+        for i, layer in enumerate(self.decoder_layers):
+            kv = None if kvs is None else kvs[i]
+            x = layer(x, memory, memory_mask, packings=(tp, sp), memory_kv=kv)
         x = x if self.decoder_norm is None else layer_norm(self.decoder_norm, x)
         return tp.real_rows(x)  # (N, D): the real target positions
 

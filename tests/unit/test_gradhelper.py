@@ -606,3 +606,101 @@ def test_a_quota_of_one_cpu_makes_no_helper(monkeypatch):
     monkeypatch.setattr(os, "sched_getaffinity", lambda _pid: {0, 1})
     monkeypatch.setattr(cpuinfo, "cpu_quota", lambda *_: 1.0)
     assert WeightGradHelper.for_this_process() is None
+
+
+def _chain_layers(bias: bool = True) -> list[Linear]:
+    torch.manual_seed(0)
+    return [Linear(32, n, bias=bias).bfloat16() for n in (48, 48, 64)]
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_chained_linears_are_each_layers_own_with_one_sum_for_x(bias, monkeypatch):
+    # The decoder's encoder-decoder keys and values (model.Transformer.forward): each output
+    # the layer's own bits; each layer's dW and db its own path's; x's gradient the layers'
+    # g_i W_i summed by accumulating products, the last layer's first (backward's order).
+    monkeypatch.setattr(gradhelper, "ROW_MAJOR_GRADS", True)
+    monkeypatch.setattr(gradhelper, "ROW_MAJOR_ROWS", 0)
+    layers = _chain_layers(bias)
+    x = torch.randn(300, 32).bfloat16()
+    xa, xb = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
+    ys = gradhelper.chained_linears(xa, layers)
+    refs = [m(xb) for m in layers]
+    assert all(torch.equal(y, r) for y, r in zip(ys, refs, strict=True))
+    gs = [torch.randn_like(y) for y in ys]
+    torch.autograd.backward(ys, gs)
+    own = [[p.grad.clone() for p in m.parameters()] for m in layers]
+    for m in layers:
+        m.zero_grad()
+    torch.autograd.backward(refs, gs)
+    for grads, m in zip(own, layers, strict=True):
+        assert all(torch.equal(a, p.grad) for a, p in zip(grads, m.parameters(), strict=True))
+    with torch.no_grad():
+        chain = gs[2] @ layers[2].weight
+        chain.addmm_(gs[1], layers[1].weight).addmm_(gs[0], layers[0].weight)
+    assert torch.equal(xa.grad, chain)
+    torch.testing.assert_close(xa.grad.float(), xb.grad.float(), rtol=2e-2, atol=2e-2)
+
+
+def test_a_chained_layer_whose_output_is_unused_passes_the_sum_on(monkeypatch):
+    monkeypatch.setattr(gradhelper, "ROW_MAJOR_GRADS", True)
+    monkeypatch.setattr(gradhelper, "ROW_MAJOR_ROWS", 0)
+    layers = _chain_layers()
+    x = torch.randn(300, 32).bfloat16().requires_grad_(True)
+    ys = gradhelper.chained_linears(x, layers)
+    g0, g2 = torch.randn_like(ys[0]), torch.randn_like(ys[2])
+    torch.autograd.backward([ys[0], ys[2]], [g0, g2])  # the middle layer's output unused
+    with torch.no_grad():
+        chain = (g2 @ layers[2].weight).addmm_(g0, layers[0].weight)
+    assert torch.equal(x.grad, chain)
+    assert layers[1].weight.grad is None and layers[0].weight.grad is not None
+
+
+def test_chained_linears_are_not_taken_where_each_layer_keeps_its_own(monkeypatch):
+    monkeypatch.setattr(gradhelper, "ROW_MAJOR_GRADS", True)
+    monkeypatch.setattr(gradhelper, "ROW_MAJOR_ROWS", 100)
+    layers = _chain_layers()
+    x = torch.randn(300, 32).bfloat16()
+    assert gradhelper.chained_linears(x, layers) is not None
+    assert gradhelper.chained_linears(x[:99], layers) is None  # too few rows for row-major dW
+    assert gradhelper.chained_linears(x.view(3, 100, 32), layers) is None  # 3-D
+    assert gradhelper.chained_linears(x, []) is None
+    assert gradhelper.chained_linears(x, [layers[0], nn.Sequential(layers[1])]) is None
+    assert gradhelper.chained_linears(x.float(), [Linear(32, 8)]) is None  # fp32
+    with torch.no_grad():
+        assert gradhelper.chained_linears(x, layers) is None
+    monkeypatch.setattr(gradhelper, "active", lambda: object())  # the helper adds per weight
+    assert gradhelper.chained_linears(x, layers) is None
+
+
+def test_a_models_cross_attention_keys_and_values_chained_keep_its_forward(monkeypatch):
+    # The packed path's decoder takes every layer's keys and values of the memory from
+    # chained_linears: the hidden states' bits as each layer's own w_kv gives them, the
+    # gradients within bf16's rounding of them (the memory's sum has other roundings).
+    cfg = ModelConfig(vocab_size=40, n_layers=3, d_model=16, d_ff=32, n_heads=2, d_k=8, d_v=8,
+                      p_drop=0.0, max_len=32)  # fmt: skip
+    src = torch.randint(4, 40, (20, 9))
+    tgt_in = torch.randint(4, 40, (20, 7))
+    keep = torch.ones(20, 7, dtype=torch.bool)
+    keep[0, 5:] = False
+    monkeypatch.setattr(gradhelper, "ROW_MAJOR_GRADS", True)
+    monkeypatch.setattr(gradhelper, "ROW_MAJOR_ROWS", 0)  # this model's layers are tiny
+    chained = gradhelper.chained_linears
+    calls = []
+
+    def counted(x, layers):
+        calls.append(len(layers))
+        return chained(x, layers)
+
+    out = []
+    for fn in (counted, lambda x, layers: None):
+        monkeypatch.setattr(gradhelper, "chained_linears", fn)
+        torch.manual_seed(0)
+        model = Transformer(cfg).bfloat16().train()
+        hidden = model(src, src != 0, tgt_in, keep)
+        loss, _ = chunked_label_smoothed_loss(hidden, model.output_weight(), tgt_in[keep], 0.1)
+        loss.backward()
+        out.append((hidden.detach(), {n: p.grad.float() for n, p in model.named_parameters()}))
+    assert calls == [3]
+    assert torch.equal(out[0][0], out[1][0])
+    for name, ref in out[1][1].items():
+        assert float((out[0][1][name] - ref).norm()) <= 3e-2 * float(ref.norm()) + 1e-6, name
