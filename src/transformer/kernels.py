@@ -673,6 +673,15 @@ static int64_t packed_queries(const int64_t *qrow, int64_t Tq, const int64_t *kj
   return nq;
 }
 
+/* a batch row's legal keys (kj[0 .. *nk)) and packed queries (kj + Tk: their positions, kj + Tk
+   + Tq: their counts of legal keys; *nq of them), as `legal_keys` and `packed_queries` */
+static void batch_lists(const int64_t *qrow, const int64_t *krow, const uint8_t *kmask,
+                        int causal, int64_t Tq, int64_t Tk, int64_t *kj, int64_t *nk,
+                        int64_t *nq) {
+  *nk = legal_keys(krow, kmask, Tk, kj);
+  *nq = packed_queries(qrow, Tq, kj, *nk, causal, kj + Tk, kj + Tk + Tq);
+}
+
 /* C[r, 16 U columns] (+)= sum over k < K of A[r ar + k ak] B[k ldb + ..], r < R: R x U
    accumulators in registers, each B vector read once for the R rows */
 #define GEMM_TILE(R, U)                                                                      \
@@ -787,6 +796,68 @@ AVX512BW static inline float exp_row(float *sr, int64_t n, float inv_c) {
     acc = _mm512_add_ps(acc, e);
   }
   return n ? 1.f / _mm512_reduce_add_ps(acc) : 0.f;
+}
+
+/* Sixteen rows' reductions at once, each row's value the bits of _mm512_reduce_max_ps /
+   _mm512_reduce_add_ps on its vector a[r] (gcc's order: the upper half op the lower, then the
+   upper 128 bits op the lower, then lanes 0, 1 op 2, 3, then lane 0 op lane 1): the same tree
+   for all sixteen side by side, where a row at a time waited on each level's latency in turn.
+   Row r's result lands in lane 4 (r % 4) + r / 4 (`ROW_LANE`). */
+#define ROW_LANE(r) (4 * ((r) % 4) + (r) / 4)
+#define REDUCE16(NAME, OP)                                                                    \
+  AVX512BW static inline __m512 NAME(const __m512 *a) {                                      \
+    __m512 z[8], w[4], t[2];                                                                 \
+    for (int i = 0; i < 8; ++i) /* rows 2i, 2i + 1: 256-bit halves, upper op lower */        \
+      z[i] = OP(_mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0xee),                          \
+                _mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0x44));                         \
+    for (int i = 0; i < 4; ++i) /* rows 4i .. 4i + 3, a 128-bit block each: upper op lower */ \
+      w[i] = OP(_mm512_shuffle_f32x4(z[2 * i], z[2 * i + 1], 0xdd),                          \
+                _mm512_shuffle_f32x4(z[2 * i], z[2 * i + 1], 0x88));                         \
+    for (int i = 0; i < 2; ++i) /* lanes 0, 1 op 2, 3 of each block */                       \
+      t[i] = OP(_mm512_shuffle_ps(w[2 * i], w[2 * i + 1], 0x44),                             \
+                _mm512_shuffle_ps(w[2 * i], w[2 * i + 1], 0xee));                            \
+    return OP(_mm512_shuffle_ps(t[0], t[1], 0x88), _mm512_shuffle_ps(t[0], t[1], 0xdd));     \
+  }
+REDUCE16(max16_rows, _mm512_max_ps)
+REDUCE16(sum16_rows, _mm512_add_ps)
+
+/* lane `lane` of x in every lane */
+AVX512BW static inline __m512 lane_all(__m512 x, int lane) {
+  return _mm512_permutexvar_ps(_mm512_set1_epi32(lane), x);
+}
+
+/* `exp_row` over 16 rows at once, row r's scores s + r ld (n[r] legal keys; read and written
+   to up16(n[r])): exp in place, zeros past n[r]; returns each row's 1 / sum in its
+   `ROW_LANE` (0: no legal key). The same bits as `exp_row` row by row. */
+AVX512BW static inline __m512 exp_rows16(float *s, int64_t ld, const int64_t *n, float inv_c) {
+  const __m512 vninf = _mm512_set1_ps(-__builtin_inff()), vic = _mm512_set1_ps(inv_c);
+  __m512 top[16], acc[16];
+  __mmask16 any = 0;
+  for (int r = 0; r < 16; ++r) {
+    float *sr = s + r * ld;
+    top[r] = vninf;
+    for (int64_t m = 0; m < n[r]; m += 16) {
+      __m512 x = _mm512_mul_ps(_mm512_loadu_ps(sr + m), vic);
+      x = _mm512_mask_mov_ps(vninf, first16(n[r] - m), x);
+      _mm512_storeu_ps(sr + m, x);
+      top[r] = _mm512_max_ps(top[r], x);
+    }
+    if (n[r]) any |= (__mmask16)(1u << ROW_LANE(r));
+  }
+  const __m512 tops = _mm512_maskz_mov_ps(any, max16_rows(top)); /* 0 where no legal key */
+  for (int r = 0; r < 16; ++r) {
+    float *sr = s + r * ld;
+    const __m512 vt = lane_all(tops, ROW_LANE(r));
+    acc[r] = _mm512_setzero_ps();
+    for (int64_t m = 0; m < n[r]; m += 16) {
+      const __mmask16 in = first16(n[r] - m);
+      __m512 e = exp_nonpositive(_mm512_maskz_sub_ps(in, _mm512_loadu_ps(sr + m), vt));
+      e = _mm512_maskz_mov_ps(in, e);
+      _mm512_storeu_ps(sr + m, e);
+      acc[r] = _mm512_add_ps(acc[r], e);
+    }
+  }
+  return _mm512_maskz_div_ps(any, _mm512_set1_ps(1.f), sum16_rows(acc));
 }
 
 /* forward of one (batch row, head): out row qrow[i] = P_i V with P_i = bf16(softmax(q_i k^T
@@ -1167,59 +1238,64 @@ AMXBW static void t16_rows(const uint16_t *s, int64_t lds, int64_t R, int64_t Rp
       t32x32(i0 < R ? s + i0 * lds + j0 : s, lds, R - i0, d + j0 * ldd + i0, ldd);
 }
 
-/* `attn_fwd_head` with the products on AMX (the same softmax, the same outputs). Scratch:
-   qa (up32(Tq), up32(D)) bf16, kb (up32(D) / 2, up32(Tk)) words, s (up32(Tq), up32(Tk)),
-   o (up32(Tq), Dv) floats, pa (up32(Tq), up32(Tk)) bf16, vb (up32(Tk) / 2, Dv) words. */
+/* `attn_fwd_head` with the products on AMX (the same softmax, the same outputs), given the
+   batch row's lists (`batch_lists`: kj, qi, nr; nk keys, nq queries). Scratch: qa (up32(Tq),
+   up32(D)) bf16, kb (up32(D) / 2, up32(Tk)) words, s (up32(Tq), up32(Tk)), o (up32(Tq), Dv)
+   floats, pa (up32(Tq), up32(Tk)) bf16, vb (up32(Tk) / 2, Dv) words. */
 AMXBW static void attn_fwd_head_amx(const uint16_t *q, int64_t lq, const uint16_t *k,
                                     const uint16_t *v, int64_t lk, const int64_t *qrow,
-                                    const int64_t *krow, const uint8_t *kmask, int causal,
-                                    int64_t Tq, int64_t Tk, int64_t D, int64_t Dv, float inv_c,
-                                    uint16_t *out, int64_t lo, uint16_t *p, uint16_t *qa,
-                                    word32 *kb, float *s, float *o, uint16_t *pa, word32 *vb,
-                                    int64_t *kj, int64_t *qi, int64_t *nr) {
-  const int64_t nk = legal_keys(krow, kmask, Tk, kj);
-  const int64_t nq = packed_queries(qrow, Tq, kj, nk, causal, qi, nr);
+                                    const int64_t *krow, int64_t Tq, int64_t Tk, int64_t D,
+                                    int64_t Dv, float inv_c, uint16_t *out, int64_t lo,
+                                    uint16_t *p, uint16_t *qa, word32 *kb, float *s, float *o,
+                                    uint16_t *pa, word32 *vb,
+                                    const int64_t *kj, const int64_t *qi, const int64_t *nr,
+                                    int64_t nk, int64_t nq) {
   memset(p, 0, (size_t)(Tq * Tk) * 2);
   if (nq == 0) return;
   const int64_t M = up16(nq), N = up16(nk), K2 = up32(nk), Dp = up32(D);
   rows_pad(q, lq, qrow, qi, nq, M, D, Dp, qa);
   words_t(k, lk, krow, kj, nk, N, D, Dp, kb);
   amx_gemm(qa, NULL, Dp, kb, N, M, N, Dp, s, N, nr, nq, 1, 0); /* scores */
-  for (int64_t c = 0; c < M; ++c) {
-    const int64_t n = c < nq ? nr[c] : 0, np = up16(n);
-    float *sr = s + c * N;
-    uint16_t *par = pa + c * K2;
-    const __m512 vs1 = _mm512_set1_ps(exp_row(sr, n, inv_c));
-    for (int64_t m = 0; m < np; m += 16) {
-      __m256i w = narrow(_mm512_mul_ps(_mm512_loadu_ps(sr + m), vs1));
-      _mm256_storeu_si256((__m256i *)(par + m), w); /* zeros past n */
-      _mm256_mask_storeu_epi16(p + qi[c] * Tk + m, first16(n - m), w);
+  for (int64_t c0 = 0; c0 < M; c0 += 16) { /* 16 rows' softmax at once (`exp_rows16`) */
+    int64_t n16[16];
+    for (int r = 0; r < 16; ++r) n16[r] = c0 + r < nq ? nr[c0 + r] : 0;
+    const __m512 inv = exp_rows16(s + c0 * N, N, n16, inv_c);
+    for (int r = 0; r < 16; ++r) {
+      const int64_t c = c0 + r, n = n16[r], np = up16(n);
+      const float *sr = s + c * N;
+      uint16_t *par = pa + c * K2;
+      const __m512 vs1 = lane_all(inv, ROW_LANE(r));
+      for (int64_t m = 0; m < np; m += 16) {
+        __m256i w = narrow(_mm512_mul_ps(_mm512_loadu_ps(sr + m), vs1));
+        _mm256_storeu_si256((__m256i *)(par + m), w); /* zeros past n */
+        _mm256_mask_storeu_epi16(p + qi[c] * Tk + m, first16(n - m), w);
+      }
+      for (int64_t m = np; m < K2; m += 16)
+        _mm256_storeu_si256((__m256i *)(par + m), _mm256_setzero_si256());
     }
-    memset(par + np, 0, (size_t)(K2 - np) * 2);
   }
   pairs(v, lk, krow, kj, nk, K2, Dv, vb);
   amx_gemm(pa, NULL, K2, vb, Dv, M, Dv, K2, o, Dv, nr, nq, 2, 0); /* P V */
   rows_bf16(o, nq, Dv, qrow, qi, out, lo);
 }
 
-/* `attn_bwd_head` with the products on AMX. Scratch: ga (up32(Tq), up32(Dv)) bf16, vt
+/* `attn_bwd_head` with the products on AMX, given the batch row's lists as
+   `attn_fwd_head_amx`. Scratch: ga (up32(Tq), up32(Dv)) bf16, vt
    (up32(Dv) / 2, up32(Tk)) words, dp (up32(Tq), up32(Tk)) floats, dsh, dsl, pb (up32(Tq),
    up32(Tk)) and dth, dtl, pt (up32(Tk), up32(Tq)) bf16, kp (up32(Tk) / 2, D), qp (up32(Tq) / 2,
    D), gp (up32(Tq) / 2, Dv) words, dqf (up32(Tq), D), dka (up32(Tk), D), dva (up32(Tk), Dv)
    floats. */
 AMXBW static void attn_bwd_head_amx(const uint16_t *g, int64_t lg, const uint16_t *q,
                                     int64_t lq, const uint16_t *k, const uint16_t *v, int64_t lk,
-                                    const int64_t *qrow, const int64_t *krow,
-                                    const uint8_t *kmask, int causal, int64_t Tq, int64_t Tk,
+                                    const int64_t *qrow, const int64_t *krow, int64_t Tk,
                                     int64_t D, int64_t Dv, float inv_c, const uint16_t *p,
                                     uint16_t *dq, int64_t ldq, uint16_t *dk, uint16_t *dv,
                                     int64_t ldk, uint16_t *ga, word32 *vt, float *dp,
                                     uint16_t *dsh, uint16_t *dsl, uint16_t *pb, uint16_t *dth,
                                     uint16_t *dtl, uint16_t *pt, word32 *kp, word32 *qp,
-                                    word32 *gp, float *dqf, float *dka, float *dva, int64_t *kj,
-                                    int64_t *qi, int64_t *nr) {
-  const int64_t nk = legal_keys(krow, kmask, Tk, kj);
-  const int64_t nq = packed_queries(qrow, Tq, kj, nk, causal, qi, nr);
+                                    word32 *gp, float *dqf, float *dka, float *dva,
+                                    const int64_t *kj, const int64_t *qi, const int64_t *nr,
+                                    int64_t nk, int64_t nq) {
   const int64_t N = up16(nk);
   if (nq) {
     const int64_t M = up16(nq), M2 = up32(nq), K2 = up32(nk), Dvp = up32(Dv);
@@ -1248,9 +1324,11 @@ AMXBW static void attn_bwd_head_amx(const uint16_t *g, int64_t lg, const uint16_
         _mm256_storeu_si256((__m256i *)(lr + m), narrow(_mm512_sub_ps(x, widen(h))));
         _mm256_storeu_si256((__m256i *)(wr + m), wb);
       }
-      memset(hr + np, 0, (size_t)(K2 - np) * 2);
-      memset(lr + np, 0, (size_t)(K2 - np) * 2);
-      memset(wr + np, 0, (size_t)(K2 - np) * 2);
+      for (int64_t m = np; m < K2; m += 16) {
+        _mm256_storeu_si256((__m256i *)(hr + m), _mm256_setzero_si256());
+        _mm256_storeu_si256((__m256i *)(lr + m), _mm256_setzero_si256());
+        _mm256_storeu_si256((__m256i *)(wr + m), _mm256_setzero_si256());
+      }
     }
     pairs(k, lk, krow, kj, nk, K2, D, kp);
     amx_gemm(dsh, dsl, K2, kp, D, M, D, K2, dqf, D, nr, nq, 2, 0); /* dq = dS K */
@@ -1380,6 +1458,7 @@ int attention_train_fwd(const uint16_t *q, int64_t lq, const uint16_t *k, const 
 #endif
       scratch = malloc((size_t)(D * tp + Tk * Dv + Tq * D + Tq * tp + Tq * Dv) * 4);
     int64_t *kj = malloc((size_t)(Tk + 2 * Tq) * 8);
+    int64_t listed = -1, nk = 0, nq = 0; /* the batch row whose lists kj, qi, nr hold */
 #pragma omp for schedule(dynamic, H)
     for (int64_t r = 0; r < B * H; ++r) {
       if (!scratch || !kj) {
@@ -1395,11 +1474,16 @@ int attention_train_fwd(const uint16_t *q, int64_t lq, const uint16_t *k, const 
         prefetch_head(q, lq, k, v, lk, qrow + b * Tq, krow + b * Tk, Tq, Tk, D, Dv, h + 1);
 #ifdef HAVE_AMX
       if (amx) {
+        if (b != listed) { /* a batch row's heads share its lists: a thread has them in turn */
+          batch_lists(qrow + b * Tq, krow + b * Tk, kmask ? kmask + b * Tk : NULL, causal, Tq,
+                      Tk, kj, &nk, &nq);
+          listed = b;
+        }
         attn_fwd_head_amx(q + h * D, lq, k + h * D, v + h * Dv, lk, qrow + b * Tq,
-                          krow + b * Tk, kmask ? kmask + b * Tk : NULL, causal, Tq, Tk, D, Dv,
-                          inv_c, out + h * Dv, lo, p + r * Tq * Tk, (uint16_t *)part[0],
-                          (word32 *)part[1], (float *)part[2], (float *)part[3],
-                          (uint16_t *)part[4], (word32 *)part[5], kj, kj + Tk, kj + Tk + Tq);
+                          krow + b * Tk, Tq, Tk, D, Dv, inv_c, out + h * Dv, lo,
+                          p + r * Tq * Tk, (uint16_t *)part[0], (word32 *)part[1],
+                          (float *)part[2], (float *)part[3], (uint16_t *)part[4],
+                          (word32 *)part[5], kj, kj + Tk, kj + Tk + Tq, nk, nq);
         continue;
       }
 #endif
@@ -1449,6 +1533,7 @@ int attention_train_bwd(const uint16_t *g, int64_t lg, const uint16_t *q, int64_
       scratch = malloc((size_t)(2 * Tk * D + Dv * tp + 2 * Tq * D + Tq * Dv + 2 * Tq * tp +
                                 Tk * Dv) * 4);
     int64_t *kj = malloc((size_t)(Tk + 2 * Tq) * 8);
+    int64_t listed = -1, nk = 0, nq = 0; /* the batch row whose lists kj, qi, nr hold */
 #pragma omp for schedule(dynamic, H)
     for (int64_t r = 0; r < B * H; ++r) {
       if (!scratch || !kj) {
@@ -1466,14 +1551,19 @@ int attention_train_bwd(const uint16_t *g, int64_t lg, const uint16_t *q, int64_
       }
 #ifdef HAVE_AMX
       if (amx) {
+        if (b != listed) {
+          batch_lists(qrow + b * Tq, krow + b * Tk, kmask ? kmask + b * Tk : NULL, causal, Tq,
+                      Tk, kj, &nk, &nq);
+          listed = b;
+        }
         attn_bwd_head_amx(g + h * Dv, lg, q + h * D, lq, k + h * D, v + h * Dv, lk,
-                          qrow + b * Tq, krow + b * Tk, kmask ? kmask + b * Tk : NULL, causal,
-                          Tq, Tk, D, Dv, inv_c, p + r * Tq * Tk, dq + h * D, ldq, dk + h * D,
-                          dv + h * Dv, ldk, (uint16_t *)t[0], (word32 *)t[1], (float *)t[2],
+                          qrow + b * Tq, krow + b * Tk, Tk, D, Dv, inv_c, p + r * Tq * Tk,
+                          dq + h * D, ldq, dk + h * D, dv + h * Dv, ldk, (uint16_t *)t[0],
+                          (word32 *)t[1], (float *)t[2],
                           (uint16_t *)t[3], (uint16_t *)t[4], (uint16_t *)t[5],
                           (uint16_t *)t[6], (uint16_t *)t[7], (uint16_t *)t[8], (word32 *)t[9],
                           (word32 *)t[10], (word32 *)t[11], (float *)t[12], (float *)t[13],
-                          (float *)t[14], kj, kj + Tk, kj + Tk + Tq);
+                          (float *)t[14], kj, kj + Tk, kj + Tk + Tq, nk, nq);
         continue;
       }
 #endif
