@@ -749,14 +749,16 @@ AVX512 static void cols_f32(const uint16_t *x, int64_t ld, const int64_t *rows,
 }
 
 /* fp32 rows (n, D) rounded to bf16 into x's rows rows[sel[m]] */
-AVX512 static void rows_bf16(const float *r, int64_t n, int64_t D, const int64_t *rows,
-                             const int64_t *sel, uint16_t *x, int64_t ld) {
-  for (int64_t m = 0; m < n; ++m) {
-    uint16_t *xr = x + rows[sel[m]] * ld;
-    for (int64_t d = 0; d < D; d += 16)
-      _mm256_storeu_si256((__m256i *)(xr + d), narrow(_mm512_loadu_ps(r + m * D + d)));
+#define ROWS_BF16(NAME, TARGET, NARROW)                                                      \
+  TARGET static void NAME(const float *r, int64_t n, int64_t D, const int64_t *rows,         \
+                          const int64_t *sel, uint16_t *x, int64_t ld) {                     \
+    for (int64_t m = 0; m < n; ++m) {                                                        \
+      uint16_t *xr = x + rows[sel[m]] * ld;                                                  \
+      for (int64_t d = 0; d < D; d += 16)                                                    \
+        _mm256_storeu_si256((__m256i *)(xr + d), NARROW(_mm512_loadu_ps(r + m * D + d)));   \
+    }                                                                                        \
   }
-}
+ROWS_BF16(rows_bf16, AVX512, narrow)
 
 /* C's nq rows = A's (row stride ar) times B, in blocks of 4 rows, each over the keys its last
    row may see (nr: ascending): the keys are B's columns (keys_are_k 0: N, rounded up to 16;
@@ -898,24 +900,27 @@ AVX512BW static void attn_fwd_head(const uint16_t *q, int64_t lq, const uint16_t
 
 /* a head's key gradients dka (nk, D) and dva (nk, Dv), fp32, rounded into each packed key's
    row of dk and dv (stride ldk) at this head's columns; zeros for a key no query may see */
-AVX512 static void head_keys_out(const int64_t *krow, const int64_t *kj, int64_t nk, int64_t Tk,
-                                 int64_t D, int64_t Dv, const float *dka, const float *dva,
-                                 uint16_t *dk, uint16_t *dv, int64_t ldk) {
-  for (int64_t j = 0, m = 0; j < Tk; ++j) {
-    if (krow[j] < 0) continue;
-    uint16_t *dkr = dk + krow[j] * ldk, *dvr = dv + krow[j] * ldk;
-    if (m < nk && kj[m] == j) {
-      for (int64_t d = 0; d < D; d += 16)
-        _mm256_storeu_si256((__m256i *)(dkr + d), narrow(_mm512_loadu_ps(dka + m * D + d)));
-      for (int64_t d = 0; d < Dv; d += 16)
-        _mm256_storeu_si256((__m256i *)(dvr + d), narrow(_mm512_loadu_ps(dva + m * Dv + d)));
-      ++m;
-    } else {
-      memset(dkr, 0, (size_t)D * 2);
-      memset(dvr, 0, (size_t)Dv * 2);
-    }
+#define HEAD_KEYS_OUT(NAME, TARGET, NARROW)                                                  \
+  TARGET static void NAME(const int64_t *krow, const int64_t *kj, int64_t nk, int64_t Tk,    \
+                          int64_t D, int64_t Dv, const float *dka, const float *dva,         \
+                          uint16_t *dk, uint16_t *dv, int64_t ldk) {                         \
+    for (int64_t j = 0, m = 0; j < Tk; ++j) {                                                \
+      if (krow[j] < 0) continue;                                                             \
+      uint16_t *dkr = dk + krow[j] * ldk, *dvr = dv + krow[j] * ldk;                         \
+      if (m < nk && kj[m] == j) {                                                            \
+        for (int64_t d = 0; d < D; d += 16)                                                  \
+          _mm256_storeu_si256((__m256i *)(dkr + d), NARROW(_mm512_loadu_ps(dka + m * D + d))); \
+        for (int64_t d = 0; d < Dv; d += 16)                                                 \
+          _mm256_storeu_si256((__m256i *)(dvr + d),                                          \
+                              NARROW(_mm512_loadu_ps(dva + m * Dv + d)));                    \
+        ++m;                                                                                 \
+      } else {                                                                               \
+        memset(dkr, 0, (size_t)D * 2);                                                       \
+        memset(dvr, 0, (size_t)Dv * 2);                                                      \
+      }                                                                                      \
+    }                                                                                        \
   }
-}
+HEAD_KEYS_OUT(head_keys_out, AVX512, narrow)
 
 /* its gradient: g's rows (stride lg) as out's; dq's as q's (stride ldq); dk's, dv's as k's and
    v's (stride ldk): each packed row of this batch row written at this head's columns, zeros
@@ -1063,8 +1068,18 @@ AVX512BW int transpose16_wide(const uint16_t *s, uint16_t *d, int64_t rows, int6
 #define HAVE_AMX 1
 #include <sys/syscall.h>
 #include <unistd.h>
-#define AMXBW __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl")))
+#define AMXBW __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512bf16")))
 static int attn_amx = 0;
+#endif
+
+#ifdef HAVE_AMX
+/* `narrow` by the CPU's own conversion (VCVTNEPS2BF16, AVX512-BF16, which every AMX CPU has):
+   one instruction where `narrow` takes seven, the same round to nearest even, but an fp32
+   denormal (below 2^-126) taken as zero and a NaN's sign kept. The training attention's
+   outputs on the tiles (its weights P, out, dS's two parts, dq, dk, dv) round with it. */
+AMXBW static inline __m256i narrow_hw(__m512 v) { return (__m256i)_mm512_cvtneps_pbh(v); }
+ROWS_BF16(rows_bf16_hw, AMXBW, narrow_hw)
+HEAD_KEYS_OUT(head_keys_out_hw, AMXBW, narrow_hw)
 #endif
 
 /* AMX's tiles for this process: Linux grants them once asked (1), or not (0, as without AMX) */
@@ -1266,7 +1281,7 @@ AMXBW static void attn_fwd_head_amx(const uint16_t *q, int64_t lq, const uint16_
       uint16_t *par = pa + c * K2;
       const __m512 vs1 = lane_all(inv, ROW_LANE(r));
       for (int64_t m = 0; m < np; m += 16) {
-        __m256i w = narrow(_mm512_mul_ps(_mm512_loadu_ps(sr + m), vs1));
+        __m256i w = narrow_hw(_mm512_mul_ps(_mm512_loadu_ps(sr + m), vs1));
         _mm256_storeu_si256((__m256i *)(par + m), w); /* zeros past n */
         _mm256_mask_storeu_epi16(p + qi[c] * Tk + m, first16(n - m), w);
       }
@@ -1276,7 +1291,7 @@ AMXBW static void attn_fwd_head_amx(const uint16_t *q, int64_t lq, const uint16_
   }
   pairs(v, lk, krow, kj, nk, K2, Dv, vb);
   amx_gemm(pa, NULL, K2, vb, Dv, M, Dv, K2, o, Dv, nr, nq, 2, 0); /* P V */
-  rows_bf16(o, nq, Dv, qrow, qi, out, lo);
+  rows_bf16_hw(o, nq, Dv, qrow, qi, out, lo);
 }
 
 /* `attn_bwd_head` with the products on AMX, given the batch row's lists as
@@ -1319,9 +1334,9 @@ AMXBW static void attn_bwd_head_amx(const uint16_t *g, int64_t lg, const uint16_
         __m512 w = widen(wb);
         __m512 x = _mm512_mul_ps(w, _mm512_sub_ps(_mm512_loadu_ps(dpr + m), vd));
         x = _mm512_mul_ps(x, vic);
-        __m256i h = narrow(x);
+        __m256i h = narrow_hw(x);
         _mm256_storeu_si256((__m256i *)(hr + m), h);
-        _mm256_storeu_si256((__m256i *)(lr + m), narrow(_mm512_sub_ps(x, widen(h))));
+        _mm256_storeu_si256((__m256i *)(lr + m), narrow_hw(_mm512_sub_ps(x, widen(h))));
         _mm256_storeu_si256((__m256i *)(wr + m), wb);
       }
       for (int64_t m = np; m < K2; m += 16) {
@@ -1332,7 +1347,7 @@ AMXBW static void attn_bwd_head_amx(const uint16_t *g, int64_t lg, const uint16_
     }
     pairs(k, lk, krow, kj, nk, K2, D, kp);
     amx_gemm(dsh, dsl, K2, kp, D, M, D, K2, dqf, D, nr, nq, 2, 0); /* dq = dS K */
-    rows_bf16(dqf, nq, D, qrow, qi, dq, ldq);
+    rows_bf16_hw(dqf, nq, D, qrow, qi, dq, ldq);
     t16_rows(dsh, K2, M2, M2, K2, dth, M2);
     t16_rows(dsl, K2, M2, M2, K2, dtl, M2);
     t16_rows(pb, K2, M2, M2, K2, pt, M2);
@@ -1344,7 +1359,7 @@ AMXBW static void attn_bwd_head_amx(const uint16_t *g, int64_t lg, const uint16_
     memset(dka, 0, (size_t)(nk * D) * 4);
     memset(dva, 0, (size_t)(nk * Dv) * 4);
   }
-  head_keys_out(krow, kj, nk, Tk, D, Dv, dka, dva, dk, dv, ldk);
+  head_keys_out_hw(krow, kj, nk, Tk, D, Dv, dka, dva, dk, dv, ldk);
 }
 #endif
 
