@@ -217,17 +217,22 @@ def row_major_grads(weight: torch.Tensor, rows: int) -> bool:
     return own_weight_grads(weight, rows) and weight.size(0) != weight.size(1)
 
 
-def row_major_weight_grad(g: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+def row_major_weight_grad(
+    g: torch.Tensor, x: torch.Tensor, x_t: Callable[[], torch.Tensor] | None = None
+) -> torch.Tensor:
     """dW = g^T x (out, in) for g (N, out), x (N, in), with the product's left operand a
     row-major copy of the narrower side: g^T when the layer narrows, else (x^T g)^T. oneDNN's
     AMX kernels run a left operand that is a transposed view at half their rate (1,027-1,126
-    against 1,988-2,262 GFLOP/s at the base model's shapes, docs/performance.md)."""
+    against 1,988-2,262 GFLOP/s at the base model's shapes, docs/performance.md). x_t: gives
+    x^T's copy where layers that read the same x share one (`chained_linears`)."""
     if g.size(1) < x.size(1):
         return kernels.transposed(g) @ x
-    return kernels.transposed(kernels.transposed(x) @ g)
+    return kernels.transposed((kernels.transposed(x) if x_t is None else x_t()) @ g)
 
 
-def _layer_weight_grad(g: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+def _layer_weight_grad(
+    g: torch.Tensor, x: torch.Tensor, x_t: Callable[[], torch.Tensor] | None = None
+) -> torch.Tensor:
     """dW = g^T x (out, in) for `_RowMajorGradLinear`'s backward. A square layer's on AMX's tiles
     (`kernels.weight_grad`), where oneDNN ran its (512 x 3,888) x (3,888 x 512) from the
     transposed view at ~830 GFLOP/s in a W1 step (~1,150 warm, against 1,500-2,200 for the
@@ -240,7 +245,7 @@ def _layer_weight_grad(g: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         if own is not None:
             return own
         return g.t() @ x
-    return row_major_weight_grad(g, x)
+    return row_major_weight_grad(g, x, x_t)
 
 
 # `_RowMajorGradLinear`'s forward with the bias added inside oneDNN's product (None: decided
@@ -307,8 +312,9 @@ class _RowMajorGradLinear(torch.autograd.Function):
         return _row_major_backward(ctx, g)
 
 
-def _row_major_backward(ctx, g: torch.Tensor) -> tuple:
-    """`_RowMajorGradLinear`'s gradients (x, weight, bias, then None twice) from its ctx."""
+def _row_major_backward(ctx, g: torch.Tensor, x_t: Callable[[], torch.Tensor] | None = None):
+    """`_RowMajorGradLinear`'s gradients (x, weight, bias, then None twice) from its ctx (x_t:
+    as `row_major_weight_grad`'s)."""
     x, weight, y = ctx.saved_tensors  # x (N, in), g (N, out)
     grad_b = None
     want_b = ctx.has_bias and ctx.needs_input_grad[2]
@@ -323,7 +329,7 @@ def _row_major_backward(ctx, g: torch.Tensor) -> tuple:
         grad_x = g @ weight if residual is None else residual.addmm_(g, weight)
     grad_w = None
     if ctx.needs_input_grad[1]:
-        grad_w = _layer_weight_grad(g, x)
+        grad_w = _layer_weight_grad(g, x, x_t)
     if want_b and grad_b is None:
         fast = g.dtype == torch.bfloat16 and g.is_contiguous() and kernels.fused_supported()
         grad_b = kernels.column_sums(g) if fast else g.sum(0)  # fp32 sums either way
@@ -344,10 +350,10 @@ def chained_linears(x: torch.Tensor, layers: list[nn.Linear]) -> list[torch.Tens
         return None
     if not all(is_linear(m) and own_weight_grads(m.weight, x.size(0)) for m in layers):
         return None
-    outs, through = [], x
+    outs, through, shared = [], x, _SharedTranspose(x, len(layers))
     for i, m in enumerate(layers):
         last = i == len(layers) - 1
-        y, through = _ChainedLinear.apply(through, m.weight, m.bias, not last)
+        y, through = _ChainedLinear.apply(through, m.weight, m.bias, not last, shared)
         outs.append(y)
     return outs
 
@@ -359,8 +365,9 @@ class _ChainedLinear(torch.autograd.Function):
     (`addmm_`) instead of returning g W for autograd to add."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, chain):  # noqa: D102
+    def forward(ctx, x, weight, bias, chain, shared):  # noqa: D102
         ctx.set_materialize_grads(False)  # the last layer's alias: no gradient, not zeros
+        ctx.shared = shared
         y = _RowMajorGradLinear.forward(ctx, x, weight, bias)
         return y, (x.view_as(x) if chain else None)
 
@@ -368,10 +375,32 @@ class _ChainedLinear(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, g, later):  # noqa: D102
         ctx.port = None if later is None else _Sum(later)
+        shared = ctx.shared
         if g is None:  # this layer's output unused: the later layers' sum goes on as it is
-            return later, None, None, None
-        grad_x, grad_w, grad_b, _, _ = _row_major_backward(ctx, g)
-        return grad_x, grad_w, grad_b, None
+            shared.done()
+            return later, None, None, None, None
+        grad_x, grad_w, grad_b, _, _ = _row_major_backward(ctx, g, shared.get)
+        shared.done()
+        return grad_x, grad_w, grad_b, None, None
+
+
+class _SharedTranspose:
+    """x^T's row-major copy for the weight gradients of `chained_linears`' layers: made by the
+    first that asks (`get`), dropped once each has been through its backward (`done`): one
+    copy where each layer made its own (5 of ~0.45 ms in a W1 step)."""
+
+    def __init__(self, x: torch.Tensor, users: int):
+        self.x, self.users, self.copy = x, users, None
+
+    def get(self) -> torch.Tensor:
+        if self.copy is None:
+            self.copy = kernels.transposed(self.x)
+        return self.copy
+
+    def done(self) -> None:
+        self.users -= 1
+        if self.users <= 0:
+            self.copy = None
 
 
 class _Sum:

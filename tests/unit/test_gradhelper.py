@@ -704,3 +704,26 @@ def test_a_models_cross_attention_keys_and_values_chained_keep_its_forward(monke
     assert torch.equal(out[0][0], out[1][0])
     for name, ref in out[1][1].items():
         assert float((out[0][1][name] - ref).norm()) <= 3e-2 * float(ref.norm()) + 1e-6, name
+
+
+def test_chained_layers_share_one_copy_of_x_transposed(monkeypatch):
+    # Each layer's dW = (x^T g)^T from one row-major x^T (gradhelper._SharedTranspose), made
+    # once for the chain and dropped after its last layer; the same bits as each its own.
+    monkeypatch.setattr(gradhelper, "ROW_MAJOR_GRADS", True)
+    monkeypatch.setattr(gradhelper, "ROW_MAJOR_ROWS", 0)
+    layers = _chain_layers()
+    x = torch.randn(300, 32).bfloat16()
+    made = []
+    real = kernels.transposed
+
+    def counted(t):
+        made.append(tuple(t.shape))
+        return real(t)
+
+    monkeypatch.setattr(kernels, "transposed", counted)
+    ys = gradhelper.chained_linears(x.clone().requires_grad_(True), layers)
+    gs = [torch.randn_like(y) for y in ys]
+    torch.autograd.backward(ys, gs)
+    assert made.count((300, 32)) == 1  # x^T once, for three layers
+    for m, g in zip(layers, gs, strict=True):
+        assert torch.equal(m.weight.grad, gradhelper.row_major_weight_grad(g, x))
