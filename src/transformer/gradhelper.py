@@ -731,6 +731,31 @@ class MasterEmbedding(torch.autograd.Function):
         return None, None
 
 
+class MasterEmbeddingSum(torch.autograd.Function):
+    """The packed path's embedding sub-layer (`model._embed_packed`: the lookup times sqrt(d),
+    plus the positions' encodings, through §5.4's dropout) in one pass each way
+    (`kernels.embed`, `kernels.embed_backward`): the bits of `MasterEmbedding`, `*`, `+` and
+    `model._KeepScale`, forward and backward, the gradient added into the weight's master as
+    `add_to_master` adds it (index_add_'s order), where those were seven passes over (N, D)
+    and a serial index_add_ (~8 ms of a W1 step for the two embeddings)."""
+
+    @staticmethod
+    def forward(ctx, weight, ids, table, pos, scale, keep, keep_scale):  # noqa: D102
+        ctx.save_for_backward(ids, keep)
+        ctx.weight, ctx.scale, ctx.keep_scale = weight, scale, keep_scale
+        return kernels.embed(weight, ids, table, pos, scale, keep, keep_scale)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad: torch.Tensor):  # noqa: D102
+        ids, keep = ctx.saved_tensors
+        master = master_of(ctx.weight)
+        if master.grad is None:
+            master.grad = torch.zeros_like(master)
+        kernels.embed_backward(grad.contiguous(), ids, ctx.scale, keep, ctx.keep_scale, master.grad)
+        return (None,) * 7
+
+
 def embedding(ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """`F.embedding(ids, weight)`; through `MasterEmbedding` where the gradient would go to a
     master (1-D ids, gradient wanted)."""

@@ -404,6 +404,77 @@ static void my_span(int64_t n, int64_t *i0, int64_t *i1) { /* whole 64-value blo
   *i1 = b1 * 64 < n ? b1 * 64 : n;
 }
 
+/* ---- the packed path's embedding sub-layer (§3.4, §3.5, §5.4) ---- */
+
+enum { EMBED_AHEAD = 8 }; /* the rows asked for this many rows ahead of their turn */
+
+/* n rows of d bf16 values (d a multiple of 16): out_i = (((W[ids_i] es) + t[pos_i]) s) keep_i,
+   each product and sum rounded to bf16 where torch's ops (model._embed_packed: a lookup, `*`,
+   `+`, `_KeepScale`) round them; keep NULL: no dropout (s unused) */
+AVX512 static void embed_rows(const uint16_t *w, const int64_t *ids, const uint16_t *t,
+                              const int64_t *pos, int64_t r0, int64_t r1, int64_t d, float es,
+                              const uint8_t *keep, float s, uint16_t *out) {
+  const __m512 ves = _mm512_set1_ps(es), vs = _mm512_set1_ps(s);
+  for (int64_t i = r0; i < r1; ++i) {
+    if (i + EMBED_AHEAD < r1) fetch(w + ids[i + EMBED_AHEAD] * d, d * 2); /* a scattered row */
+    const uint16_t *wr = w + ids[i] * d, *tr = t + pos[i] * d;
+    const uint8_t *kr = keep ? keep + i * d : NULL;
+    for (int64_t j = 0; j < d; j += 16) {
+      __m512 x = widen(narrow(_mm512_mul_ps(ld16(wr + j), ves)));
+      x = widen(narrow(_mm512_add_ps(x, ld16(tr + j))));
+      if (kr) x = _mm512_mul_ps(widen(narrow(_mm512_mul_ps(x, vs))), ldk(kr + j));
+      _mm256_storeu_si256((__m256i *)(out + i * d + j), narrow(x));
+    }
+  }
+}
+
+int embed_fwd(const uint16_t *w, const int64_t *ids, const uint16_t *t, const int64_t *pos,
+              int64_t n, int64_t d, float es, const uint8_t *keep, float s, uint16_t *out,
+              int nthreads) {
+#pragma omp parallel num_threads(nthreads)
+  {
+    int64_t r0, r1;
+    my_rows(n, &r0, &r1);
+    embed_rows(w, ids, t, pos, r0, r1, d, es, keep, s, out);
+  }
+  return 0;
+}
+
+/* its gradient into the fp32 rows mg (V, d) of the weight's master: mg[ids_i] += ((g_i keep_i)
+   s) es, rounded to bf16 after each product as torch's ops round them (`_KeepScale`'s backward,
+   `*`'s), added in fp32 in the order of i (index_add_'s); a thread adds the rows of its share
+   of the vocabulary, so each row's sum keeps that order */
+AVX512 static void embed_grad_rows(const uint16_t *g, const int64_t *ids, int64_t n, int64_t d,
+                                   float es, const uint8_t *keep, float s, float *mg, int64_t v0,
+                                   int64_t v1) {
+  const __m512 ves = _mm512_set1_ps(es), vs = _mm512_set1_ps(s);
+  for (int64_t i = 0; i < n; ++i) {
+    if (i + EMBED_AHEAD < n && ids[i + EMBED_AHEAD] >= v0 && ids[i + EMBED_AHEAD] < v1)
+      fetch(mg + ids[i + EMBED_AHEAD] * d, d * 4);
+    if (ids[i] < v0 || ids[i] >= v1) continue;
+    const uint16_t *gr = g + i * d;
+    const uint8_t *kr = keep ? keep + i * d : NULL;
+    float *m = mg + ids[i] * d;
+    for (int64_t j = 0; j < d; j += 16) {
+      __m512 x = ld16(gr + j);
+      if (kr) x = widen(narrow(_mm512_mul_ps(widen(narrow(_mm512_mul_ps(x, ldk(kr + j)))), vs)));
+      x = widen(narrow(_mm512_mul_ps(x, ves)));
+      _mm512_storeu_ps(m + j, _mm512_add_ps(_mm512_loadu_ps(m + j), x));
+    }
+  }
+}
+
+int embed_bwd(const uint16_t *g, const int64_t *ids, int64_t n, int64_t d, float es,
+              const uint8_t *keep, float s, float *mg, int64_t vocab, int nthreads) {
+#pragma omp parallel num_threads(nthreads)
+  {
+    int64_t v0, v1;
+    my_rows(vocab, &v0, &v1);
+    embed_grad_rows(g, ids, n, d, es, keep, s, mg, v0, v1);
+  }
+  return 0;
+}
+
 int relu16(uint16_t *h, int64_t n, int nthreads) {
 #pragma omp parallel num_threads(nthreads)
   {
@@ -2969,6 +3040,9 @@ def _opened(
     lib.column_sums.argtypes, lib.column_sums.restype = [p, i64, i64, p, p, i32], ctypes.c_int
     lib.relu16_grad_sums.argtypes = [p, p, p, i64, i64, p, p, i32]
     lib.relu16_grad_sums.restype = ctypes.c_int
+    lib.embed_fwd.argtypes = [p, p, p, p, i64, i64, f32, p, f32, p, i32]
+    lib.embed_bwd.argtypes = [p, p, i64, i64, f32, p, f32, p, i64, i32]
+    lib.embed_fwd.restype = lib.embed_bwd.restype = ctypes.c_int
     lib.adam_sumsq.argtypes = [i64, p, p, p, i32, p, p, i32]
     lib.adam_update.argtypes = [i64, p, p, p, p, p, p, p, p, p, p, i32, p, i32]
     lib.adam_sumsq.restype = lib.adam_update.restype = ctypes.c_int
@@ -3339,6 +3413,74 @@ def relu_grad_sums(g: torch.Tensor, h: torch.Tensor) -> tuple[torch.Tensor, torc
     args = (g.data_ptr(), h.data_ptr(), out.data_ptr(), n, c, sums.data_ptr(), work.data_ptr())
     _LIB.relu16_grad_sums(*args, threads)
     return out, sums.to(h.dtype)
+
+
+def embed(
+    weight: torch.Tensor,
+    ids: torch.Tensor,
+    table: torch.Tensor,
+    pos: torch.Tensor,
+    scale: float,
+    keep: torch.Tensor | None,
+    keep_scale: float,
+) -> torch.Tensor:
+    """The packed path's embedding sub-layer in one pass (`model._embed_packed`): row i is
+    ((weight[ids[i]] * scale) + table[pos[i]]) * keep_scale * keep[i], rounded to bf16 after
+    each product and sum as those torch ops round them (keep None: no dropout). weight (V, D)
+    and table (T, D) bf16, ids and pos (N,) int64 (checked in range), keep (N, D) bool; D a
+    multiple of 16. Only where `fused_supported()`."""
+    _require("embed", weight, table)
+    _require("embed", ids, pos, bf16=False)
+    n, d = ids.numel(), weight.size(1)
+    _embed_checks(weight, ids, keep, n, d)
+    if table.size(1) != d or (n and not (0 <= int(pos.min()) and int(pos.max()) < table.size(0))):
+        raise ValueError("embed: positions outside the table, or a table of another width")
+    out = torch.empty((n, d), dtype=torch.bfloat16)
+    km = None if keep is None else keep.view(torch.uint8).data_ptr()
+    _LIB.embed_fwd(
+        weight.data_ptr(), ids.data_ptr(), table.data_ptr(), pos.data_ptr(), n, d, scale, km,
+        keep_scale, out.data_ptr(), _threads(n * d),
+    )  # fmt: skip
+    return out
+
+
+def embed_backward(
+    g: torch.Tensor,
+    ids: torch.Tensor,
+    scale: float,
+    keep: torch.Tensor | None,
+    keep_scale: float,
+    master_grad: torch.Tensor,
+) -> None:
+    """`embed`'s gradient added into master_grad (V, D) fp32 in place: row ids[i] gets
+    ((g[i] * keep[i]) * keep_scale) * scale, each product rounded to bf16, added in fp32 in
+    the order of i (index_add_'s bits)."""
+    _require("embed_backward", g)
+    _require("embed_backward", ids, bf16=False)
+    n, d = ids.numel(), g.size(-1)
+    _embed_checks(master_grad, ids, keep, n, d, bf16=False)
+    if g.shape != (n, d) or not g.is_contiguous():
+        raise ValueError("embed_backward: a contiguous (N, D) gradient")
+    km = None if keep is None else keep.view(torch.uint8).data_ptr()
+    _LIB.embed_bwd(
+        g.data_ptr(), ids.data_ptr(), n, d, scale, km, keep_scale, master_grad.data_ptr(),
+        master_grad.size(0), _threads(n * d),
+    )  # fmt: skip
+
+
+def _embed_checks(weight, ids, keep, n: int, d: int, bf16: bool = True) -> None:
+    """`embed`'s and `embed_backward`'s shared checks (they raise ValueError)."""
+    _require("embed", weight, bf16=bf16)
+    if bf16 is False and weight.dtype != torch.float32:
+        raise ValueError("embed_backward: an fp32 master gradient")
+    if weight.dim() != 2 or d % 16 or ids.dtype != torch.int64 or not ids.is_contiguous():
+        raise ValueError("embed: a (V, D) weight with D a multiple of 16 and contiguous int64 ids")
+    if n and not (0 <= int(ids.min()) and int(ids.max()) < weight.size(0)):
+        raise ValueError("embed: ids outside the weight's rows")
+    if keep is not None and (
+        keep.dtype != torch.bool or keep.shape != (n, d) or not keep.is_contiguous()
+    ):
+        raise ValueError("embed: a contiguous (N, D) bool keep mask")
 
 
 def pcg64_keep(state: int, inc: int, threshold: int, n: int) -> torch.Tensor | None:

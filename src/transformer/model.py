@@ -1486,6 +1486,15 @@ class Transformer(nn.Module):
 
     def _embed_packed(self, tokens, embed: nn.Embedding, pos: PositionalEncoding, p: Packing):
         """`_embed` at the real positions only: (N, D)."""
+        w, drop = embed.weight, self.cfg.p_drop if self.training else 0.0
+        if drop < 1.0 and _fused_embedding(w, pos):  # the same bits in one pass each way
+            ids, keep = p.pack(tokens), None
+            if 0.0 < drop < 1.0:
+                keep = dropout_keep(torch.empty((ids.numel(), w.size(1)), device="meta"), drop)
+            table = pos(tokens.size(1)).to(w.dtype).contiguous()  # (T, D)
+            return gradhelper.MasterEmbeddingSum.apply(
+                w, ids, table, p.t, self.embed_scale, keep, 1.0 / (1.0 - drop)
+            )  # fmt: skip
         table = pos(tokens.size(1)).index_select(0, p.t).to(embed.weight.dtype)  # (N, D)
         # The lookup's gradient goes to the weight's fp32 master where it has one (gradhelper).
         x = gradhelper.embedding(p.pack(tokens), embed.weight) * self.embed_scale + table
@@ -1545,6 +1554,18 @@ def dropout(x: torch.Tensor, p: float, training: bool) -> torch.Tensor:
     if x.device.type != "cpu" or p >= 1.0:
         return F.dropout(x, p, True)
     return _KeepScale.apply(x, dropout_keep(x, p), 1.0 / (1.0 - p))
+
+
+def _fused_embedding(weight: torch.Tensor, pos: PositionalEncoding) -> bool:
+    """Whether `Transformer._embed_packed` takes `gradhelper.MasterEmbeddingSum`: a bf16 CPU
+    weight whose gradient goes to its fp32 master (`gradhelper.master_of`), the compiled
+    kernels, a width that is a multiple of 16, sinusoid positions (§3.5; learned ones need
+    their own gradient)."""
+    if not (torch.is_grad_enabled() and weight.requires_grad and pos.learned is None):
+        return False
+    if weight.dim() != 2 or weight.size(1) % 16 or gradhelper.master_of(weight) is None:
+        return False
+    return _fused_training(weight)
 
 
 def dropout_keep(x: torch.Tensor, p: float) -> torch.Tensor:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import platform
 import subprocess
@@ -1532,3 +1533,62 @@ def test_the_kernels_command_names_a_folder_it_cannot_write_in_one_line(fresh, c
     assert main(["kernels", "--into", str(blocker / "k")]) == 2
     err = capsys.readouterr().err
     assert err == f"transformer kernels: error: {blocker / 'k'}: Not a directory\n"
+
+
+def _embedding_case(n: int, d: int, keep: bool, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    weight = (torch.randn(50, d, generator=gen) * 0.05).to(torch.bfloat16)
+    ids = torch.randint(0, 50, (n,), generator=gen)
+    ids[: min(n, 4)] = 7  # one row looked up again and again: its sum's order matters
+    table = torch.randn(9, d, generator=gen)  # fp32, as the sinusoid buffer
+    pos = torch.randint(0, 9, (n,), generator=gen)
+    mask = torch.rand(n, d, generator=gen) >= 0.1 if keep else None
+    g = torch.randn(n, d, generator=gen).to(torch.bfloat16)
+    return weight, ids, table, pos, mask, g
+
+
+@pytest.mark.parametrize("n, d", [(1, 16), (37, 64), (3888, 512)])
+@pytest.mark.parametrize("keep", [True, False])
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_embed_is_the_lookup_scale_sum_and_dropout_bit_for_bit(n, d, keep, threads):
+    # model._embed_packed's ops (the lookup, * sqrt(d), + the positions' rows, _KeepScale) and
+    # their gradient into an fp32 master (index_add_): the same bits both ways.
+    weight, ids, table, pos, mask, g = _embedding_case(n, d, keep)
+    scale, keep_scale = math.sqrt(d), 1.0 / (1.0 - 0.1)
+    if not kernels.fused_supported():
+        with pytest.raises(RuntimeError, match="not on this machine"):
+            kernels.embed(weight, ids, table.bfloat16(), pos, scale, mask, keep_scale)
+        return
+    x = weight.index_select(0, ids) * scale + table.index_select(0, pos).to(torch.bfloat16)
+    if mask is not None:
+        x = (x * keep_scale).mul_(mask.view(torch.uint8).to(x.dtype))
+    master = torch.randn(50, d, generator=torch.Generator().manual_seed(1))
+    ref = master.clone()
+    gr = g if mask is None else (g * mask.view(torch.uint8).to(g.dtype)).mul_(keep_scale)
+    ref.index_add_(0, ids, (gr * scale).float())
+    with threads_of(threads):
+        out = kernels.embed(weight, ids, table.bfloat16(), pos, scale, mask, keep_scale)
+        kernels.embed_backward(g, ids, scale, mask, keep_scale, master)
+    assert torch.equal(out, x)
+    assert torch.equal(master, ref)
+
+
+def test_embed_refuses_rows_it_cannot_read():
+    weight, ids, table, pos, mask, g = _embedding_case(8, 32, True)
+    t = table.bfloat16()
+    if not kernels.fused_supported():
+        with pytest.raises(RuntimeError, match="not on this machine"):
+            kernels.embed_backward(g, ids, 1.0, mask, 1.0, torch.zeros(50, 32))
+        return
+    with pytest.raises(ValueError, match="ids outside"):
+        kernels.embed(weight, ids + 50, t, pos, 1.0, mask, 1.0)
+    with pytest.raises(ValueError, match="positions outside"):
+        kernels.embed(weight, ids, t, pos + 9, 1.0, mask, 1.0)
+    with pytest.raises(ValueError, match="keep mask"):
+        kernels.embed(weight, ids, t, pos, 1.0, mask[:, :16].contiguous(), 1.0)
+    with pytest.raises(ValueError, match="multiple of 16"):
+        kernels.embed(weight[:, :24].contiguous(), ids, t[:, :24].contiguous(), pos, 1.0, None, 1.0)
+    with pytest.raises(ValueError, match="fp32 master"):
+        kernels.embed_backward(g, ids, 1.0, mask, 1.0, torch.zeros(50, 32).bfloat16())
+    with pytest.raises(ValueError, match="gradient"):
+        kernels.embed_backward(g[:4].contiguous(), ids, 1.0, None, 1.0, torch.zeros(50, 32))

@@ -74,9 +74,9 @@ def test_the_losss_weight_gradient_reaches_the_master_unrounded(grad_scale):
     assert not torch.equal(m_b, w_a.float())
 
 
-def _model_and_batch(batch: int = 6):
+def _model_and_batch(batch: int = 6, p_drop: float = 0.0):
     cfg = ModelConfig(vocab_size=40, n_layers=2, d_model=16, d_ff=32, n_heads=2, d_k=8, d_v=8,
-                      p_drop=0.0, max_len=32)  # fmt: skip
+                      p_drop=p_drop, max_len=32)  # fmt: skip
     torch.manual_seed(0)
     model = Transformer(cfg).train()
     for p in model.parameters():
@@ -251,3 +251,27 @@ def test_a_column_major_gradient_updates_its_parameter_as_torch_adam(monkeypatch
     ref.grad = g * 0.5
     plain.step()
     torch.testing.assert_close(w.detach(), ref.detach(), rtol=0, atol=1e-7)
+
+
+@pytest.mark.parametrize("p_drop", [0.0, 0.1])
+def test_the_packed_embedding_in_one_pass_has_the_ops_bits_both_ways(p_drop, monkeypatch):
+    # model._embed_packed through gradhelper.MasterEmbeddingSum (kernels.embed) against its
+    # torch ops (the lookup, * sqrt(d), + positions, dropout's _KeepScale): the same hidden
+    # states, the same gradients in every master, the same draws from torch's generator.
+    from transformer import model as model_module
+
+    model, batch = _model_and_batch(p_drop=p_drop)
+    opt = MixedPrecisionAdam(model.parameters(), (0.9, 0.98), 1e-9)
+    fused = model_module._fused_embedding
+    taken, runs = [], []
+    for fn in (lambda w, pos: taken.append(fused(w, pos)) or taken[-1], lambda w, pos: False):
+        monkeypatch.setattr(model_module, "_fused_embedding", fn)
+        torch.manual_seed(3)
+        grads = _step_grads(model, batch, opt)
+        runs.append((grads, torch.rand(4)))
+        opt.zero_grad()
+    assert taken == [kernels.fused_supported()] * 2  # the source's and the target's
+    (ours, after_ours), (ops, after_ops) = runs
+    assert torch.equal(after_ours, after_ops)  # the same draws
+    for name, g in ops.items():
+        assert torch.equal(ours[name], g), name
