@@ -404,6 +404,31 @@ static void my_span(int64_t n, int64_t *i0, int64_t *i1) { /* whole 64-value blo
   *i1 = b1 * 64 < n ? b1 * 64 : n;
 }
 
+/* out (n, d) fp32 = x (n, bf16 rows of d, d a multiple of 16) widened, minus e (d floats) from
+   every row: torch's x.float() - e, in one pass whose stores go around the caches (out is fresh,
+   and larger than they are where it is used: the loss's (V, D) gradient) */
+AVX512 static void widen_minus_rows(const uint16_t *x, int64_t r0, int64_t r1, int64_t d,
+                                    const float *e, float *out) {
+  for (int64_t i = r0; i < r1; ++i)
+    for (int64_t j = 0; j < d; j += 16) {
+      const __m512 v = _mm512_sub_ps(ld16(x + i * d + j), _mm512_loadu_ps(e + j));
+      if (((uintptr_t)(out + i * d + j) & 63) == 0) _mm512_stream_ps(out + i * d + j, v);
+      else _mm512_storeu_ps(out + i * d + j, v);
+    }
+  _mm_sfence();
+}
+
+int widen_minus(const uint16_t *x, int64_t n, int64_t d, const float *e, float *out,
+                int nthreads) {
+#pragma omp parallel num_threads(nthreads)
+  {
+    int64_t r0, r1;
+    my_rows(n, &r0, &r1);
+    widen_minus_rows(x, r0, r1, d, e, out);
+  }
+  return 0;
+}
+
 /* ---- the packed path's embedding sub-layer (§3.4, §3.5, §5.4) ---- */
 
 enum { EMBED_AHEAD = 8 }; /* the rows asked for this many rows ahead of their turn */
@@ -3043,6 +3068,7 @@ def _opened(
     lib.embed_fwd.argtypes = [p, p, p, p, i64, i64, f32, p, f32, p, i32]
     lib.embed_bwd.argtypes = [p, p, i64, i64, f32, p, f32, p, i64, i32]
     lib.embed_fwd.restype = lib.embed_bwd.restype = ctypes.c_int
+    lib.widen_minus.argtypes, lib.widen_minus.restype = [p, i64, i64, p, p, i32], ctypes.c_int
     lib.adam_sumsq.argtypes = [i64, p, p, p, i32, p, p, i32]
     lib.adam_update.argtypes = [i64, p, p, p, p, p, p, p, p, p, p, i32, p, i32]
     lib.adam_sumsq.restype = lib.adam_update.restype = ctypes.c_int
@@ -3554,6 +3580,21 @@ def masked_softmax_backward(g: torch.Tensor, w: torch.Tensor, c: float) -> torch
             g.data_ptr(), w.data_ptr(), w.numel() // tk, tk, c, dx.data_ptr(), _threads(w.numel())
         )
     return dx
+
+
+def widen_minus(x: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
+    """x.float() - e for x (N, D) bf16 and e (D,) fp32, D a multiple of 16: the same values, in
+    one pass (the chunked loss's (V, D) weight gradient; loss._minus_q). Only where
+    `fused_supported()`."""
+    _require("widen_minus", x)
+    _require("widen_minus", e, bf16=False)
+    if x.dim() != 2 or x.size(1) % 16 or e.dtype != torch.float32 or e.shape != (x.size(1),):
+        raise ValueError("widen_minus: x (N, D) with D a multiple of 16 and e (D,) fp32")
+    out = torch.empty(x.shape, dtype=torch.float32)
+    if x.numel():
+        _LIB.widen_minus(x.data_ptr(), x.size(0), x.size(1), e.data_ptr(), out.data_ptr(),
+                         _threads(x.numel()))  # fmt: skip
+    return out
 
 
 def column_sums(x: torch.Tensor, fp32: bool = False) -> torch.Tensor:

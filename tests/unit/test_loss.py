@@ -309,3 +309,22 @@ def test_the_row_major_sum_only_from_row_major_rows(rows, copies, monkeypatch):
         assert [b.stride() for b in products] == [(1, 24)]  # weight.t(), a view
     ref_loss, _ = _reference(hidden.detach().double(), weight.detach().double(), target, 0.1)
     torch.testing.assert_close(loss, ref_loss.float(), rtol=2e-2, atol=0.0)
+
+
+@pytest.mark.parametrize("v, n, d", [(40, 7, 16), (32000, 3826, 512)])
+def test_minus_q_is_the_copy_and_subtract_q_bit_for_bit(v, n, d):
+    # The bf16 loss's (V, D) weight gradient: partial.float(), then q's part subtracted
+    # (index_add_ at the targets, many repeated, then -= eps * sum(h)), made in one pass.
+    gen = torch.Generator().manual_seed(v)
+    partial = torch.randn(v, d, generator=gen).to(torch.bfloat16)
+    target = torch.randint(0, v, (n,), generator=gen)
+    target[: n // 2] = target[0]  # one row summed over and over: its order decides its bits
+    hidden = torch.randn(n, d, generator=gen).to(torch.bfloat16)
+    e = torch.randn(d, generator=gen)
+    ref = partial.float()
+    loss_module._subtract_q(ref, target, hidden, 0.8, e)
+    assert torch.equal(loss_module._minus_q(partial, target, hidden, 0.8, e), ref)
+    if kernels.fused_supported():
+        assert torch.equal(kernels.widen_minus(partial, e), partial.float() - e)
+        with pytest.raises(ValueError, match="multiple of 16"):
+            kernels.widen_minus(partial[:, :8].contiguous(), e[:8].contiguous())
