@@ -750,6 +750,11 @@ class MasterEmbeddingSum(torch.autograd.Function):
     def backward(ctx, grad: torch.Tensor):  # noqa: D102
         ids, keep = ctx.saved_tensors
         master = master_of(ctx.weight)
+        if master is None:  # its optimizer gone since the forward: the ops' own backward
+            if keep is not None:
+                grad = (grad * keep.view(torch.uint8).to(grad.dtype)).mul_(ctx.keep_scale)
+            add_to_master(ctx.weight, grad * ctx.scale, rows=ids)  # to the weight's .grad
+            return (None,) * 7
         if master.grad is None:
             master.grad = torch.zeros_like(master)
         kernels.embed_backward(grad.contiguous(), ids, ctx.scale, keep, ctx.keep_scale, master.grad)

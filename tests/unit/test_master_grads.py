@@ -275,3 +275,24 @@ def test_the_packed_embedding_in_one_pass_has_the_ops_bits_both_ways(p_drop, mon
     assert torch.equal(after_ours, after_ops)  # the same draws
     for name, g in ops.items():
         assert torch.equal(ours[name], g), name
+
+
+def test_the_packed_embeddings_gradient_without_its_master_goes_to_the_weight(monkeypatch):
+    # The optimizer (and with it the master) gone between forward and backward: the lookup's
+    # gradient goes to the weight's .grad as the ops' own backward sends it.
+    from transformer import model as model_module
+
+    out = []
+    for fused in (True, False):
+        model, (src, src_mask, tgt_in, keep) = _model_and_batch(p_drop=0.1)
+        opt = MixedPrecisionAdam(model.parameters(), (0.9, 0.98), 1e-9)
+        taken = fused and kernels.fused_supported()
+        monkeypatch.setattr(model_module, "_fused_embedding", lambda w, pos, f=taken: f)
+        torch.manual_seed(3)
+        hidden = model(src, src_mask, tgt_in, keep)
+        del opt
+        gc.collect()
+        assert gradhelper.master_of(model.src_embed.weight) is None
+        hidden.float().sum().backward()
+        out.append(model.src_embed.weight.grad)
+    assert out[0] is not None and torch.equal(out[0], out[1])
