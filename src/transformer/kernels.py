@@ -3457,10 +3457,12 @@ def embed(
     multiple of 16. Only where `fused_supported()`."""
     _require("embed", weight, table)
     _require("embed", ids, pos, bf16=False)
-    n, d = ids.numel(), weight.size(1)
+    n, d = ids.numel(), weight.size(-1)
     _embed_checks(weight, ids, keep, n, d)
-    if table.size(1) != d or (n and not (0 <= int(pos.min()) and int(pos.max()) < table.size(0))):
-        raise ValueError("embed: positions outside the table, or a table of another width")
+    if table.dim() != 2 or table.size(1) != d or pos.dtype != torch.int64 or pos.numel() != n:
+        raise ValueError("embed: a (T, D) table and int64 positions, one a row")
+    if n and not (0 <= int(pos.min()) and int(pos.max()) < table.size(0)):
+        raise ValueError("embed: positions outside the table")
     out = torch.empty((n, d), dtype=torch.bfloat16)
     km = None if keep is None else keep.view(torch.uint8).data_ptr()
     _LIB.embed_fwd(

@@ -1584,6 +1584,11 @@ def test_embed_refuses_rows_it_cannot_read():
         kernels.embed(weight, ids + 50, t, pos, 1.0, mask, 1.0)
     with pytest.raises(ValueError, match="positions outside"):
         kernels.embed(weight, ids, t, pos + 9, 1.0, mask, 1.0)
+    for bad in (pos.int(), pos[:-1].contiguous()):  # read as int64, one a row
+        with pytest.raises(ValueError, match="int64 positions, one a row"):
+            kernels.embed(weight, ids, t, bad, 1.0, mask, 1.0)
+    with pytest.raises(ValueError, match="int64 ids"):
+        kernels.embed(weight, ids.int(), t, pos, 1.0, mask, 1.0)
     with pytest.raises(ValueError, match="keep mask"):
         kernels.embed(weight, ids, t, pos, 1.0, mask[:, :16].contiguous(), 1.0)
     with pytest.raises(ValueError, match="multiple of 16"):
