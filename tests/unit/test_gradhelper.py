@@ -565,23 +565,34 @@ def test_row_major_grads_is_decided_by_amx(flags, expected, monkeypatch):
     assert gradhelper.ROW_MAJOR_GRADS is expected
 
 
-def test_a_whole_bf16_models_gradients_row_major_close_to_autograds(monkeypatch):
-    cfg = ModelConfig(vocab_size=40, n_layers=2, d_model=16, d_ff=32, n_heads=2, d_k=8, d_v=8,
-                      p_drop=0.0, max_len=32)  # fmt: skip
+def _tiny_batch(n_layers: int = 2):
+    """A tiny bf16-able model's config and a packed-path batch (one row's targets padded)."""
+    cfg = ModelConfig(vocab_size=40, n_layers=n_layers, d_model=16, d_ff=32, n_heads=2, d_k=8,
+                      d_v=8, p_drop=0.0, max_len=32)  # fmt: skip
     src = torch.randint(4, 40, (20, 9))
     tgt_in = torch.randint(4, 40, (20, 7))
     keep = torch.ones(20, 7, dtype=torch.bool)
     keep[0, 5:] = False
+    return cfg, src, tgt_in, keep
+
+
+def _bf16_step(cfg, src, tgt_in, keep):
+    """A seeded bf16 model's hidden states and gradients (fp32 copies) of one loss."""
+    torch.manual_seed(0)
+    model = Transformer(cfg).bfloat16().train()
+    hidden = model(src, src != 0, tgt_in, keep)
+    loss, _ = chunked_label_smoothed_loss(hidden, model.output_weight(), tgt_in[keep], 0.1)
+    loss.backward()
+    return hidden.detach(), {n: p.grad.float() for n, p in model.named_parameters()}
+
+
+def test_a_whole_bf16_models_gradients_row_major_close_to_autograds(monkeypatch):
+    batch = _tiny_batch()
     grads = []
     monkeypatch.setattr(gradhelper, "ROW_MAJOR_ROWS", 0)  # this model's layers are tiny
     for row_major in (False, True):
         monkeypatch.setattr(gradhelper, "ROW_MAJOR_GRADS", row_major)
-        torch.manual_seed(0)
-        model = Transformer(cfg).bfloat16().train()
-        hidden = model(src, src != 0, tgt_in, keep)
-        loss, _ = chunked_label_smoothed_loss(hidden, model.output_weight(), tgt_in[keep], 0.1)
-        loss.backward()
-        grads.append({n: p.grad.float() for n, p in model.named_parameters()})
+        grads.append(_bf16_step(*batch)[1])
     for name, ref in grads[0].items():
         assert float((grads[1][name] - ref).norm()) <= 3e-2 * float(ref.norm()) + 1e-6, name
 
@@ -676,12 +687,7 @@ def test_a_models_cross_attention_keys_and_values_chained_keep_its_forward(monke
     # The packed path's decoder takes every layer's keys and values of the memory from
     # chained_linears: the hidden states' bits as each layer's own w_kv gives them, the
     # gradients within bf16's rounding of them (the memory's sum has other roundings).
-    cfg = ModelConfig(vocab_size=40, n_layers=3, d_model=16, d_ff=32, n_heads=2, d_k=8, d_v=8,
-                      p_drop=0.0, max_len=32)  # fmt: skip
-    src = torch.randint(4, 40, (20, 9))
-    tgt_in = torch.randint(4, 40, (20, 7))
-    keep = torch.ones(20, 7, dtype=torch.bool)
-    keep[0, 5:] = False
+    batch = _tiny_batch(n_layers=3)
     monkeypatch.setattr(gradhelper, "ROW_MAJOR_GRADS", True)
     monkeypatch.setattr(gradhelper, "ROW_MAJOR_ROWS", 0)  # this model's layers are tiny
     chained = gradhelper.chained_linears
@@ -694,12 +700,7 @@ def test_a_models_cross_attention_keys_and_values_chained_keep_its_forward(monke
     out = []
     for fn in (counted, lambda x, layers: None):
         monkeypatch.setattr(gradhelper, "chained_linears", fn)
-        torch.manual_seed(0)
-        model = Transformer(cfg).bfloat16().train()
-        hidden = model(src, src != 0, tgt_in, keep)
-        loss, _ = chunked_label_smoothed_loss(hidden, model.output_weight(), tgt_in[keep], 0.1)
-        loss.backward()
-        out.append((hidden.detach(), {n: p.grad.float() for n, p in model.named_parameters()}))
+        out.append(_bf16_step(*batch))
     assert calls == [3]
     assert torch.equal(out[0][0], out[1][0])
     for name, ref in out[1][1].items():
