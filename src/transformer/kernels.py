@@ -871,31 +871,6 @@ static void blocks_times(const float *A, int64_t ar, const float *B, int64_t ldb
   }
 }
 
-/* one query's softmax over its n legal keys' scores sr (fp32, read and written to up16(n)):
-   exp(sr inv_c - their max) in place, zeros past n; returns 1 / the sum (0: no legal key) */
-AVX512BW static inline float exp_row(float *sr, int64_t n, float inv_c) {
-  const int64_t np = (n + 15) & ~(int64_t)15;
-  const __m512 vninf = _mm512_set1_ps(-__builtin_inff()), vic = _mm512_set1_ps(inv_c);
-  __m512 top = vninf;
-  for (int64_t m = 0; m < np; m += 16) {
-    __m512 x = _mm512_mul_ps(_mm512_loadu_ps(sr + m), vic);
-    x = _mm512_mask_mov_ps(vninf, first16(n - m), x);
-    _mm512_storeu_ps(sr + m, x);
-    top = _mm512_max_ps(top, x);
-  }
-  const __m512 vt = _mm512_set1_ps(n ? _mm512_reduce_max_ps(top) : 0.f);
-  __m512 acc = _mm512_setzero_ps();
-  for (int64_t m = 0; m < np; m += 16) {
-    /* the keys past n at exp(0), then 0 */
-    const __mmask16 in = first16(n - m);
-    __m512 e = exp_nonpositive(_mm512_maskz_sub_ps(in, _mm512_loadu_ps(sr + m), vt));
-    e = _mm512_maskz_mov_ps(in, e);
-    _mm512_storeu_ps(sr + m, e);
-    acc = _mm512_add_ps(acc, e);
-  }
-  return n ? 1.f / _mm512_reduce_add_ps(acc) : 0.f;
-}
-
 /* Sixteen rows' reductions at once, each row's value the bits of _mm512_reduce_max_ps /
    _mm512_reduce_add_ps on its vector a[r] (gcc's order: the upper half op the lower, then the
    upper 128 bits op the lower, then lanes 0, 1 op 2, 3, then lane 0 op lane 1): the same tree
@@ -924,9 +899,10 @@ AVX512BW static inline __m512 lane_all(__m512 x, int lane) {
   return _mm512_permutexvar_ps(_mm512_set1_epi32(lane), x);
 }
 
-/* `exp_row` over 16 rows at once, row r's scores s + r ld (n[r] legal keys; read and written
-   to up16(n[r])): exp in place, zeros past n[r]; returns each row's 1 / sum in its
-   `ROW_LANE` (0: no legal key). The same bits as `exp_row` row by row. */
+/* Sixteen queries' softmax over their legal keys, row r's scores s + r ld (fp32, n[r] legal
+   keys; read and written to up16(n[r])): exp(score inv_c - the row's max) in place, zeros
+   past n[r]; returns each row's 1 / sum in its `ROW_LANE` (0: no legal key). A row's values
+   are those of its own two reductions one row at a time (`REDUCE16`'s order). */
 AVX512BW static inline __m512 exp_rows16(float *s, int64_t ld, const int64_t *n, float inv_c) {
   const __m512 vninf = _mm512_set1_ps(-__builtin_inff()), vic = _mm512_set1_ps(inv_c);
   __m512 top[16], acc[16];
@@ -978,17 +954,22 @@ AVX512BW static void attn_fwd_head(const uint16_t *q, int64_t lq, const uint16_t
   rows_f32(v, lk, krow, kj, nk, Dv, vs);
   rows_f32(q, lq, qrow, qi, nq, D, qf);
   blocks_times(qf, D, kt, tp, nq, D, nr, 0, s, tp); /* scores */
-  for (int64_t c = 0; c < nq; ++c) {
-    const int64_t n = nr[c], np = (n + 15) & ~(int64_t)15;
-    float *sr = s + c * tp;
-    uint16_t *pr = p + qi[c] * Tk;
-    const __m512 vs1 = _mm512_set1_ps(exp_row(sr, n, inv_c));
-    for (int64_t m = 0; m < np; m += 16) {
-      __m256i w = narrow(_mm512_mul_ps(_mm512_loadu_ps(sr + m), vs1));
-      _mm512_storeu_ps(sr + m, widen(w));
-      _mm256_mask_storeu_epi16(pr + m, first16(n - m), w);
+  for (int64_t c0 = 0; c0 < nq; c0 += 16) { /* 16 rows' softmax at once (`exp_rows16`) */
+    int64_t n16[16];
+    for (int r = 0; r < 16; ++r) n16[r] = c0 + r < nq ? nr[c0 + r] : 0;
+    const __m512 inv = exp_rows16(s + c0 * tp, tp, n16, inv_c);
+    for (int r = 0; r < 16 && c0 + r < nq; ++r) {
+      const int64_t c = c0 + r, n = n16[r], np = (n + 15) & ~(int64_t)15;
+      float *sr = s + c * tp;
+      uint16_t *pr = p + qi[c] * Tk;
+      const __m512 vs1 = lane_all(inv, ROW_LANE(r));
+      for (int64_t m = 0; m < np; m += 16) {
+        __m256i w = narrow(_mm512_mul_ps(_mm512_loadu_ps(sr + m), vs1));
+        _mm512_storeu_ps(sr + m, widen(w));
+        _mm256_mask_storeu_epi16(pr + m, first16(n - m), w);
+      }
+      for (int64_t m = np; m < tp; m += 16) _mm512_storeu_ps(sr + m, _mm512_setzero_ps());
     }
-    for (int64_t m = np; m < tp; m += 16) _mm512_storeu_ps(sr + m, _mm512_setzero_ps());
   }
   blocks_times(s, tp, vs, Dv, nq, Dv, nr, 1, o, Dv); /* P V */
   rows_bf16(o, nq, Dv, qrow, qi, out, lo);
