@@ -3439,7 +3439,7 @@ def embed(
     _require("embed", weight, table)
     _require("embed", ids, pos, bf16=False)
     n, d = ids.numel(), weight.size(-1)
-    _embed_checks(weight, ids, keep, n, d)
+    _embed_checks("embed", weight, ids, keep, n, d)
     if table.dim() != 2 or table.size(1) != d or pos.dtype != torch.int64 or pos.numel() != n:
         raise ValueError("embed: a (T, D) table and int64 positions, one a row")
     if n and not (0 <= int(pos.min()) and int(pos.max()) < table.size(0)):
@@ -3465,9 +3465,11 @@ def embed_backward(
     ((g[i] * keep[i]) * keep_scale) * scale, each product rounded to bf16, added in fp32 in
     the order of i (index_add_'s bits)."""
     _require("embed_backward", g)
-    _require("embed_backward", ids, bf16=False)
+    _require("embed_backward", ids, master_grad, bf16=False)
+    if master_grad.dtype != torch.float32:
+        raise ValueError("embed_backward: an fp32 master gradient")
     n, d = ids.numel(), g.size(-1)
-    _embed_checks(master_grad, ids, keep, n, d, bf16=False)
+    _embed_checks("embed_backward", master_grad, ids, keep, n, d)
     if g.shape != (n, d) or not g.is_contiguous():
         raise ValueError("embed_backward: a contiguous (N, D) gradient")
     km = None if keep is None else keep.view(torch.uint8).data_ptr()
@@ -3477,19 +3479,17 @@ def embed_backward(
     )  # fmt: skip
 
 
-def _embed_checks(weight, ids, keep, n: int, d: int, bf16: bool = True) -> None:
-    """`embed`'s and `embed_backward`'s shared checks (they raise ValueError)."""
-    _require("embed", weight, bf16=bf16)
-    if bf16 is False and weight.dtype != torch.float32:
-        raise ValueError("embed_backward: an fp32 master gradient")
-    if weight.dim() != 2 or d % 16 or ids.dtype != torch.int64 or not ids.is_contiguous():
-        raise ValueError("embed: a (V, D) weight with D a multiple of 16 and contiguous int64 ids")
-    if n and not (0 <= int(ids.min()) and int(ids.max()) < weight.size(0)):
-        raise ValueError("embed: ids outside the weight's rows")
+def _embed_checks(what: str, rows: torch.Tensor, ids, keep, n: int, d: int) -> None:
+    """`embed`'s and `embed_backward`'s shared shape checks (ValueError naming `what`): rows
+    (V, D), the weight or its master's gradient, with D a multiple of 16 and every id < V."""
+    if rows.dim() != 2 or d % 16 or ids.dtype != torch.int64:
+        raise ValueError(f"{what}: a (V, D) weight with D a multiple of 16 and int64 ids")
+    if n and not (0 <= int(ids.min()) and int(ids.max()) < rows.size(0)):
+        raise ValueError(f"{what}: ids outside the weight's rows")
     if keep is not None and (
         keep.dtype != torch.bool or keep.shape != (n, d) or not keep.is_contiguous()
     ):
-        raise ValueError("embed: a contiguous (N, D) bool keep mask")
+        raise ValueError(f"{what}: a contiguous (N, D) bool keep mask")
 
 
 def pcg64_keep(state: int, inc: int, threshold: int, n: int) -> torch.Tensor | None:
