@@ -312,9 +312,14 @@ class _RowMajorGradLinear(torch.autograd.Function):
         return _row_major_backward(ctx, g)
 
 
-def _row_major_backward(ctx, g: torch.Tensor, x_t: Callable[[], torch.Tensor] | None = None):
+def _row_major_backward(
+    ctx,
+    g: torch.Tensor,
+    x_t: Callable[[], torch.Tensor] | None = None,
+    into: torch.Tensor | None = None,
+):
     """`_RowMajorGradLinear`'s gradients (x, weight, bias, then None twice) from its ctx (x_t:
-    as `row_major_weight_grad`'s)."""
+    as `row_major_weight_grad`'s; into: a gradient for x that g W adds into, else the port's)."""
     x, weight, y = ctx.saved_tensors  # x (N, in), g (N, out)
     grad_b = None
     want_b = ctx.has_bias and ctx.needs_input_grad[2]
@@ -325,7 +330,7 @@ def _row_major_backward(ctx, g: torch.Tensor, x_t: Callable[[], torch.Tensor] | 
             g = kernels.relu_grad(g.contiguous(), y)
     grad_x = None
     if ctx.needs_input_grad[0]:
-        residual = None if ctx.port is None else ctx.port.take()
+        residual = into if into is not None or ctx.port is None else ctx.port.take()
         grad_x = g @ weight if residual is None else residual.addmm_(g, weight)
     grad_w = None
     if ctx.needs_input_grad[1]:
@@ -374,12 +379,11 @@ class _ChainedLinear(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, g, later):  # noqa: D102
-        ctx.port = None if later is None else _Sum(later)
         shared = ctx.shared
         if g is None:  # this layer's output unused: the later layers' sum goes on as it is
             shared.done()
             return later, None, None, None, None
-        grad_x, grad_w, grad_b, _, _ = _row_major_backward(ctx, g, shared.get)
+        grad_x, grad_w, grad_b, _, _ = _row_major_backward(ctx, g, shared.get, into=later)
         shared.done()
         return grad_x, grad_w, grad_b, None, None
 
@@ -401,17 +405,6 @@ class _SharedTranspose:
         self.users -= 1
         if self.users <= 0:
             self.copy = None
-
-
-class _Sum:
-    """The `ResidualPort` face of a gradient that a product adds into (`take` once)."""
-
-    def __init__(self, grad: torch.Tensor):
-        self.grad: torch.Tensor | None = grad
-
-    def take(self) -> torch.Tensor | None:
-        grad, self.grad = self.grad, None
-        return grad
 
 
 def is_linear(module: nn.Module) -> bool:
