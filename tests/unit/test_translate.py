@@ -394,6 +394,20 @@ def test_streams_decode_batches_side_by_side_with_the_same_output(model_file, mo
         torch.set_num_threads(before)
 
 
+def _as_one_at_a_time(par, got, want):
+    """`par`'s streams gave `want`, one search at a time's outputs: the same hypotheses, and
+    the same scores bit for bit, except in fp32 (`auto`'s choice on a CPU with neither AMX nor
+    VNNI, as a Zen 3), whose linear layers (MKL's sgemm) round a row differently in a product
+    of 1-3 rows than of more, and a stream given both CPUs at the end splits its rows between
+    two threads: there the scores to 1e-6 (docs/decoding.md)."""
+    if par.dtype_name != "fp32":
+        return got == want
+    hyps = [[(t.text, t.tokens) for t in n] for n in got]
+    return hyps == [[(t.text, t.tokens) for t in n] for n in want] and [
+        t.score for n in got for t in n
+    ] == pytest.approx([t.score for n in want for t in n], rel=1e-6)
+
+
 class _Crowded:
     """A stand-in for `threads.OtherLoad` whose figure the test sets."""
 
@@ -440,7 +454,7 @@ def test_beside_a_busy_process_the_streams_keep_to_a_cpu_each_and_one_more_runs(
             return decode(*args)
 
         monkeypatch.setattr(par, "_decode", slow)
-        assert par.translate(lines) == seq.translate(lines)
+        assert _as_one_at_a_time(par, par.translate(lines), seq.translate(lines))
         if others == 1.0:
             assert decoders == {"decode-0", "decode-1", "decode-2", "decode-3"}
             own = [pin for pin in pins if pin[1] == 0]  # each stream's own thread
@@ -456,7 +470,7 @@ def test_beside_a_busy_process_the_streams_keep_to_a_cpu_each_and_one_more_runs(
             pins.clear()
             calls = iter([0.0] + [1.0] * 8 + [0.0] * 1000)
             monkeypatch.setattr(par.load, "cores", lambda: next(calls))
-            assert par.translate(lines) == seq.translate(lines)
+            assert _as_one_at_a_time(par, par.translate(lines), seq.translate(lines))
             assert ("decode-3", 0, [1]) in pins and any(cpus == [0, 1] for *_, cpus in pins)
 
             def refused(pid, cpus):  # a CPU taken away meanwhile: the streams go on unpinned
@@ -464,7 +478,7 @@ def test_beside_a_busy_process_the_streams_keep_to_a_cpu_each_and_one_more_runs(
 
             monkeypatch.setattr(os, "sched_setaffinity", refused)
             monkeypatch.setattr(par.load, "cores", lambda: 1.0)
-            assert par.translate(lines) == seq.translate(lines)
+            assert _as_one_at_a_time(par, par.translate(lines), seq.translate(lines))
     finally:
         torch.set_num_threads(before)
 
@@ -552,7 +566,7 @@ def test_the_first_batch_alone_bounds_the_streams_by_the_memory_available(
         monkeypatch.setattr(par, "_decode", spy)
         torch.set_num_threads(2)
         with caplog.at_level(logging.INFO, logger="transformer.translate"):
-            assert par.translate(lines) == seq.translate(lines)
+            assert _as_one_at_a_time(par, par.translate(lines), seq.translate(lines))
         assert par.batches_at_once == at_once and seen == decoders
         assert torch.get_num_threads() == 2
         said = [r.getMessage() for r in caplog.records if "decoding stream" in r.getMessage()]
@@ -563,7 +577,7 @@ def test_the_first_batch_alone_bounds_the_streams_by_the_memory_available(
         else:
             assert said == []
         seen.clear()  # the next job: no first batch alone, the same bound
-        assert par.translate(lines) == seq.translate(lines)
+        assert _as_one_at_a_time(par, par.translate(lines), seq.translate(lines))
         assert ("MainThread" in seen) == (at_once == 1)
     finally:
         torch.set_num_threads(before)
