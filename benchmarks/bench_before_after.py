@@ -111,6 +111,13 @@ def main() -> None:
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--variants", default="bf16,fp32", help="decoding dtypes")
+    p.add_argument(
+        "--train-dtype",
+        choices=["auto", "bf16", "fp32"],
+        default="auto",
+        help="the training step's dtype (auto: bf16 where the CPU multiplies it natively, "
+        "fp32 elsewhere, as train.dtype=auto)",
+    )
     p.add_argument("--beams", default="1,4")
     p.add_argument("--data", help="prepared data directory (--what real)")
     p.add_argument("--preset", default="quickstart", help="model preset (--what real)")
@@ -163,16 +170,22 @@ def main() -> None:
         before = OurTrain(cfg, old_model.Transformer, old_loss.chunked_label_smoothed_loss)
         after = OurTrain(cfg, Transformer, chunked_label_smoothed_loss)
         pb, pa = before.prepare(batch), after.prepare(batch)
+        name = args.train_dtype
+        if name == "auto":
+            from transformer.cpuinfo import native_bf16
+
+            name = "bf16" if native_bf16() else "fp32"
+        amp = None if name == "fp32" else torch.bfloat16  # the harness's fp32: no amp
         med = interleave(
             {
-                "before": lambda: before.step(pb, torch.bfloat16),
-                "after": lambda: after.step(pa, torch.bfloat16),
+                "before": lambda: before.step(pb, amp),
+                "after": lambda: after.step(pa, amp),
             },
             args.reps,
         )
         n = batch["ntokens"]
         for k, s in med.items():
-            print(f"train base bf16 {k:>6}: {s:6.2f} s/step  {n / s:6.0f} tgt tok/s")
+            print(f"train base {name} {k:>6}: {s:6.2f} s/step  {n / s:6.0f} tgt tok/s")
         print(f"train speed-up after/before: {med['before'] / med['after']:.2f}x")
     if "real" in args.what:
         from transformer.errors import UserError
