@@ -1553,7 +1553,7 @@ def dropout(x: torch.Tensor, p: float, training: bool) -> torch.Tensor:
         return x
     if x.device.type != "cpu" or p >= 1.0:
         return F.dropout(x, p, True)
-    return _KeepScale.apply(x, dropout_keep(x, p), 1.0 / (1.0 - p))
+    return _KeepScale.apply(x, _keep_stream(p), 1.0 / (1.0 - p))
 
 
 def _fused_embedding(weight: torch.Tensor, pos: PositionalEncoding) -> bool:
@@ -1572,35 +1572,57 @@ def dropout_keep(x: torch.Tensor, p: float) -> torch.Tensor:
     """`dropout`'s mask for a CPU tensor x: bool, x's shape, True where an element is kept.
     One draw from torch's generator seeds the PCG64 bits (0 < p < 1); `kernels.pcg64_keep`
     makes numpy's stream on the threads (0.57 against 1.2 ms for 2M values), the same mask."""
-    n = x.numel()
+    return _keep_mask(_keep_stream(p), x.numel()).view(x.shape)
+
+
+def _keep_stream(p: float) -> tuple[int, int, int]:
+    """A mask's stream: PCG64's state and increment, seeded by one draw from torch's generator,
+    and the threshold a 16-bit uniform must reach to keep its element (P(drop) = p to 2^-16)."""
     seed = int(torch.empty((), dtype=torch.int64).random_())  # [0, 2^63): torch's generator
-    generator, threshold = np.random.PCG64(seed), round(p * 65536)  # P(drop) = p (to 2^-16)
-    state = generator.state["state"]
-    keep = kernels.pcg64_keep(state["state"], state["inc"], threshold, n)  # numpy's bits
+    state = np.random.PCG64(seed).state["state"]
+    return state["state"], state["inc"], round(p * 65536)
+
+
+def _keep_mask(stream: tuple[int, int, int], n: int) -> torch.Tensor:
+    """(n,) bool: the stream's mask (`_keep_stream`), the same every time it is made."""
+    state, inc, threshold = stream
+    keep = kernels.pcg64_keep(state, inc, threshold, n)  # numpy's bits
     if keep is None:  # no compiled kernels: numpy's stream itself, on one thread
+        generator = np.random.PCG64()
+        generator.state = {
+            "bit_generator": "PCG64",
+            "state": {"state": state, "inc": inc},
+            "has_uint32": 0,
+            "uinteger": 0,
+        }
         bits = generator.random_raw((n + 3) // 4)  # uint64, four 16-bit uniforms each
         keep = torch.from_numpy(bits.view(np.uint16)[:n] >= threshold)
-    return keep.view(x.shape)
+    return keep
 
 
 class _KeepScale(torch.autograd.Function):
-    """(x * scale) * keep, and its gradient (g * keep) * scale, with the bool mask saved.
+    """(x * scale) * keep, and its gradient (g * keep) * scale, the bool mask made again from
+    its stream in the backward instead of saved.
 
     On CPU `masked_fill_` with a bool mask and a bool -> bf16 conversion each run ~13x slower
     than a product (1.4-1.5 and 0.55 ms against 0.1 on (8190, 128) bf16, 2 threads), while
     the same bytes read as uint8 convert as fast as a product; so the mask is multiplied in,
     its bytes taken as uint8. Multiplying by exactly 0 or 1 gives the values masked_fill did
-    (up to the sign of a zero), forward and backward.
+    (up to the sign of a zero), forward and backward. Saved, the masks were a byte an element
+    from the forward to the backward, where no fused kernel takes the residual's dropout (fp32,
+    or a CPU without AVX-512): an fp32 base step at 15,356 target tokens peaked at 9,023-9,046
+    MiB made again against 9,297-9,808 saved, at the same speed (a Zen 3; docs/performance.md,
+    "Round fifty-seven"). Making a mask again takes ~0.5 ms a million elements there.
     """
 
     @staticmethod
-    def forward(ctx, x, keep, scale):  # noqa: D102
-        ctx.save_for_backward(keep)
-        ctx.scale = scale
+    def forward(ctx, x, stream, scale):  # noqa: D102
+        ctx.stream, ctx.scale = stream, scale
+        keep = _keep_mask(stream, x.numel()).view(x.shape)
         return (x * scale).mul_(keep.view(torch.uint8).to(x.dtype))
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad: torch.Tensor):  # noqa: D102
-        (keep,) = ctx.saved_tensors
+        keep = _keep_mask(ctx.stream, grad.numel()).view(grad.shape)
         return (grad * keep.view(torch.uint8).to(grad.dtype)).mul_(ctx.scale), None, None

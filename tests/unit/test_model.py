@@ -1063,6 +1063,39 @@ def test_the_dropout_mask_is_the_same_with_or_without_the_compiled_kernels(monke
     assert abs(compiled.float().mean().item() - 0.9) < 0.01
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("compiled", [True, False])
+def test_dropout_makes_its_mask_again_in_the_backward_with_the_saved_masks_bits(
+    monkeypatch, dtype, compiled
+):
+    # model.dropout's _KeepScale saves its mask's stream, not the mask (a byte an element), and
+    # makes the mask again in the backward: the outputs, the gradients and torch's generator
+    # afterwards those of the saved bool mask, with the compiled kernels and with numpy's stream.
+    from transformer.model import dropout, dropout_keep
+
+    if not compiled:
+        monkeypatch.setattr(kernels, "pcg64_keep", lambda *a: None)
+    x = torch.randn(301, 37).to(dtype)
+    g = torch.randn(301, 37).to(dtype)
+    x[0, :3] = torch.tensor([float("nan"), float("inf"), -0.0])
+    saved = []
+    torch.manual_seed(4)
+    xs = x.clone().requires_grad_()
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        y = dropout(xs, 0.1, True)
+    between = torch.rand(3)  # what the generator gives after the forward
+    y.backward(g)
+    assert not any(t.dtype == torch.bool for t in saved)
+    torch.manual_seed(4)
+    keep = dropout_keep(x, 0.1).view(torch.uint8).to(dtype)
+    scale = 1.0 / 0.9
+    assert torch.equal(between, torch.rand(3))
+    bits = torch.int32 if dtype == torch.float32 else torch.int16  # a NaN's and -0's too
+    assert torch.equal(y.detach().view(bits), (x * scale).mul_(keep).view(bits))
+    assert torch.equal(xs.grad.view(bits), (g * keep).mul_(scale).view(bits))
+    assert y.dtype == dtype and 0.85 < keep.float().mean().item() < 0.95
+
+
 def _packed_bf16_step(cfg, kernel: bool = True, dtype=torch.bfloat16, stacked: bool = True):
     """One packed forward and backward (`Transformer.forward` with tgt_mask) of a seeded model
     in `dtype`; returns the output, the gradients and how many attentions took
