@@ -1610,9 +1610,10 @@ class _KeepScale(torch.autograd.Function):
     its bytes taken as uint8. Multiplying by exactly 0 or 1 gives the values masked_fill did
     (up to the sign of a zero), forward and backward. Saved, the masks were a byte an element
     from the forward to the backward, where no fused kernel takes the residual's dropout (fp32,
-    or a CPU without AVX-512): an fp32 base step at 15,356 target tokens peaked at 9,023-9,046
-    MiB made again against 9,297-9,808 saved, at the same speed (a Zen 3; docs/performance.md,
-    "Round fifty-seven"). Making a mask again takes ~0.5 ms a million elements there.
+    or a CPU without AVX-512): an fp32 base step at 15,356 target tokens peaked at 9,023-9,360
+    MiB in three fresh processes made again, 9,297-9,808 in six saved, at the same speed (a
+    Zen 3; docs/performance.md, "Round fifty-seven"). Making a mask again takes ~0.5 ms a
+    million elements there.
     """
 
     @staticmethod
