@@ -182,12 +182,7 @@ def test_translation_of_a_line_does_not_depend_on_its_batch(model_file, dtype):
     for beam, n_best in ((3, 2), (1, 1)):
         together = tr.translate(lines, beam_size=beam, n_best=n_best)
         alone = [tr.translate([line], beam_size=beam, n_best=n_best)[0] for line in lines]
-        if dtype != "fp32":
-            assert together == alone
-            continue
-        assert [[t.tokens for t in n] for n in together] == [[t.tokens for t in n] for n in alone]
-        for nb, na in zip(together, alone, strict=True):
-            assert [t.score for t in nb] == pytest.approx([t.score for t in na], rel=1e-6)
+        assert tr.dtype_name == dtype and _same_translations(tr, together, alone)
 
 
 def test_translation_matches_search_on_the_encoded_source(model_file):
@@ -395,13 +390,14 @@ def test_streams_decode_batches_side_by_side_with_the_same_output(model_file, mo
         torch.set_num_threads(before)
 
 
-def _as_one_at_a_time(par, got, want):
-    """`par`'s streams gave `want`, one search at a time's outputs: the same hypotheses, and
-    the same scores bit for bit, except in fp32 (`auto`'s choice on a CPU with neither AMX nor
-    VNNI, as a Zen 3), whose linear layers (MKL's sgemm) round a row differently in a product
-    of 1-3 rows than of more, and a stream given both CPUs at the end splits its rows between
-    two threads: there the scores to 1e-6 (docs/decoding.md)."""
-    if par.dtype_name != "fp32":
+def _same_translations(tr, got, want):
+    """`tr` gave `got` where `want` was expected (a line alone against in a batch, the streams
+    against one search at a time): the same hypotheses, and the same scores bit for bit, except
+    in fp32 (`auto`'s choice on a CPU with neither AMX nor VNNI, as a Zen 3), whose linear
+    layers (MKL's sgemm) round a row differently in a product of 1-3 rows than of more, and
+    whose last stream, given both CPUs, splits its rows between two threads: there the scores
+    to 1e-6 (docs/decoding.md)."""
+    if tr.dtype_name != "fp32":
         return got == want
     hyps = [[(t.text, t.tokens) for t in n] for n in got]
     return hyps == [[(t.text, t.tokens) for t in n] for n in want] and [
@@ -455,7 +451,7 @@ def test_beside_a_busy_process_the_streams_keep_to_a_cpu_each_and_one_more_runs(
             return decode(*args)
 
         monkeypatch.setattr(par, "_decode", slow)
-        assert _as_one_at_a_time(par, par.translate(lines), seq.translate(lines))
+        assert _same_translations(par, par.translate(lines), seq.translate(lines))
         if others == 1.0:
             assert decoders == {"decode-0", "decode-1", "decode-2", "decode-3"}
             own = [pin for pin in pins if pin[1] == 0]  # each stream's own thread
@@ -471,7 +467,7 @@ def test_beside_a_busy_process_the_streams_keep_to_a_cpu_each_and_one_more_runs(
             pins.clear()
             calls = iter([0.0] + [1.0] * 8 + [0.0] * 1000)
             monkeypatch.setattr(par.load, "cores", lambda: next(calls))
-            assert _as_one_at_a_time(par, par.translate(lines), seq.translate(lines))
+            assert _same_translations(par, par.translate(lines), seq.translate(lines))
             assert ("decode-3", 0, [1]) in pins and any(cpus == [0, 1] for *_, cpus in pins)
 
             def refused(pid, cpus):  # a CPU taken away meanwhile: the streams go on unpinned
@@ -479,7 +475,7 @@ def test_beside_a_busy_process_the_streams_keep_to_a_cpu_each_and_one_more_runs(
 
             monkeypatch.setattr(os, "sched_setaffinity", refused)
             monkeypatch.setattr(par.load, "cores", lambda: 1.0)
-            assert _as_one_at_a_time(par, par.translate(lines), seq.translate(lines))
+            assert _same_translations(par, par.translate(lines), seq.translate(lines))
     finally:
         torch.set_num_threads(before)
 
@@ -567,7 +563,7 @@ def test_the_first_batch_alone_bounds_the_streams_by_the_memory_available(
         monkeypatch.setattr(par, "_decode", spy)
         torch.set_num_threads(2)
         with caplog.at_level(logging.INFO, logger="transformer.translate"):
-            assert _as_one_at_a_time(par, par.translate(lines), seq.translate(lines))
+            assert _same_translations(par, par.translate(lines), seq.translate(lines))
         assert par.batches_at_once == at_once and seen == decoders
         assert torch.get_num_threads() == 2
         said = [r.getMessage() for r in caplog.records if "decoding stream" in r.getMessage()]
@@ -578,7 +574,7 @@ def test_the_first_batch_alone_bounds_the_streams_by_the_memory_available(
         else:
             assert said == []
         seen.clear()  # the next job: no first batch alone, the same bound
-        assert _as_one_at_a_time(par, par.translate(lines), seq.translate(lines))
+        assert _same_translations(par, par.translate(lines), seq.translate(lines))
         assert ("MainThread" in seen) == (at_once == 1)
     finally:
         torch.set_num_threads(before)
