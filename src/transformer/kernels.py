@@ -2847,6 +2847,13 @@ class CompileError(OSError):
     """The C compiler failed on the source (as against a folder that cannot be written)."""
 
 
+def _compile(cc: str, src: Path, out: Path) -> subprocess.CompletedProcess:
+    """`cc` with `_FLAGS` on the C file `src`, into the shared library `out` (its own function:
+    the tests' empty cache folders copy a build of the same source, compiler and flags)."""
+    return subprocess.run([cc, *_FLAGS, "-o", str(out), str(src)],
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
+
+
 def _build(cc: str, folder: Path | None = None) -> Path:
     """The shared library for this source and compiler, compiled once into `folder` (default
     the cache folder)."""
@@ -2863,10 +2870,7 @@ def _build(cc: str, folder: Path | None = None) -> Path:
         os.close(fd)
         part = Path(name)
         try:
-            done = subprocess.run(
-                [cc, *_FLAGS, "-o", str(part), str(src)],
-                capture_output=True, text=True, timeout=120,
-            )  # fmt: skip
+            done = _compile(cc, src, part)
             if done.returncode != 0:
                 raise CompileError(f"{cc} failed: {done.stderr.strip().splitlines()[:1]}")
             os.replace(part, path)  # whole or not at all: another process may be loading it
