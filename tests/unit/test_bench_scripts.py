@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from preloaded import run_script
 from transformer import cpuinfo
 
 BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
@@ -30,8 +31,7 @@ def src(tmp_path):
 
 
 def _run(script: str, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(BENCH / script), *args],
-                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    return run_script(BENCH / script, *args)
 
 
 @pytest.mark.parametrize(
@@ -189,18 +189,7 @@ json.dump({"env": {"cpu": "fake"}, "args": vars(args), "cfg": {}, "src": {}, "fa
 def _w2(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
     (tmp_path / "peers").mkdir(exist_ok=True)
     (tmp_path / "peers" / "bench_infer.py").write_text(FAKE_INFER)
-    return subprocess.run(
-        [
-            sys.executable,
-            str(BENCH / "bench_w2_processes.py"),
-            "--peers",
-            str(tmp_path / "peers"),
-            *args,
-        ],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    return run_script(BENCH / "bench_w2_processes.py", "--peers", str(tmp_path / "peers"), *args)
 
 
 def test_w2_processes_interleaves_and_pools_the_rounds(tmp_path):
@@ -262,17 +251,8 @@ def test_w2_processes_names_a_failed_run_and_bad_arguments(tmp_path):
     ]:
         bad = _w2(tmp_path, *args)
         assert bad.returncode == 2 and message in bad.stderr, bad.stderr
-    none = subprocess.run(
-        [
-            sys.executable,
-            str(BENCH / "bench_w2_processes.py"),
-            "--variants",
-            "a:1",
-            "--peers",
-            str(tmp_path / "nowhere"),
-        ],
-        capture_output=True,
-        text=True,
+    none = run_script(
+        BENCH / "bench_w2_processes.py", "--variants", "a:1", "--peers", str(tmp_path / "nowhere")
     )
     assert none.returncode == 2
     assert f"{tmp_path / 'nowhere' / 'bench_infer.py'}: not found" in none.stderr
@@ -280,8 +260,7 @@ def test_w2_processes_names_a_failed_run_and_bad_arguments(tmp_path):
 
 def test_omp_teams_rejects_bad_arguments(tmp_path):
     def run(*args: str) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, str(BENCH / "bench_omp_teams.py"), *args],
-                              capture_output=True, text=True, timeout=60)  # fmt: skip
+        return run_script(BENCH / "bench_omp_teams.py", *args, timeout=60)
 
     few = run("--reps", "5")
     assert few.returncode == 2 and "--reps must be at least 10" in few.stderr
@@ -301,8 +280,9 @@ def test_omp_teams_rejects_bad_arguments(tmp_path):
     ],
 )
 def test_serve_load_refuses_bad_counts_before_starting_a_server(args, message):
-    cmd = [sys.executable, str(BENCH / "bench_serve_load.py"), "--url", "http://127.0.0.1:9"]
-    out = subprocess.run([*cmd, *args], capture_output=True, text=True, timeout=60)
+    out = run_script(
+        BENCH / "bench_serve_load.py", "--url", "http://127.0.0.1:9", *args, timeout=60
+    )
     assert out.returncode == 2 and message in out.stderr and "Traceback" not in out.stderr
 
 
@@ -345,8 +325,7 @@ json.dump({"env": {"cpu": "fake"}, "args": vars(args), "batch": {"tgt_tokens": 1
 def _w1(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
     (tmp_path / "peers").mkdir(exist_ok=True)
     (tmp_path / "peers" / "bench_train.py").write_text(FAKE_TRAIN)
-    cmd = [sys.executable, str(BENCH / "bench_w1_processes.py"), "--peers", str(tmp_path / "peers")]
-    return subprocess.run([*cmd, *args], capture_output=True, text=True, timeout=120)
+    return run_script(BENCH / "bench_w1_processes.py", "--peers", str(tmp_path / "peers"), *args)
 
 
 def test_w1_processes_interleaves_and_writes_the_harness_format(tmp_path):

@@ -1,0 +1,154 @@
+"""`python SCRIPT ARGS` for the tests of the benchmarks' scripts: each run a process of its own,
+as subprocess.run gives, but forked from a server that has already imported torch.
+
+A script's own run is often ~0.1 s (a bad argument named in one line), and importing torch took
+~2 s of each of ~60 such runs on a Zen 3 (docs/performance.md, "Round fifty-eight"). The child
+is what `python SCRIPT` makes of the script: `__name__ == "__main__"`, sys.argv, the script's
+folder first on sys.path, the caller's environment and working folder, stdin at /dev/null,
+stdout and stderr captured, the exit status of SystemExit (its message to stderr and 1 for a
+string, 1 and the traceback for any other exception), non-daemon threads joined and atexit's
+functions run at the end. What torch and OpenMP read from the environment at their import is
+the server's, the suite's (conftest.py: OMP_NUM_THREADS=1): a run whose `env` changes their
+variables takes subprocess.run instead.
+
+One server per pytest worker, started on first use and ended with it; a run at a time.
+"""
+
+from __future__ import annotations
+
+import atexit
+import io
+import json
+import os
+import runpy
+import select
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import traceback
+from pathlib import Path
+
+# Imported once, in the server: what the benchmarks' scripts import first.
+PRELOAD = ["torch", "numpy", "transformer.model", "transformer.translate", "transformer.trainer"]
+_SERVER: subprocess.Popen | None = None
+
+
+def _child(script: str, args: list[str], env: dict[str, str], cwd: str, out: str, err: str):
+    """In the forked child: the script as `python SCRIPT ARGS` runs it; never returns."""
+    code = 1
+    try:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        for fd, path, flags in ((0, os.devnull, os.O_RDONLY), (1, out, os.O_WRONLY),
+                                (2, err, os.O_WRONLY)):  # fmt: skip
+            file = os.open(path, flags)
+            os.dup2(file, fd)
+            os.close(file)
+        # New streams on the new descriptors, as Python opens them (nothing of the server's
+        # buffers: its requests, its replies), unbuffered where PYTHONUNBUFFERED says so.
+        unbuffered = bool(env.get("PYTHONUNBUFFERED"))
+
+        def stream(fd: int, **how) -> io.TextIOWrapper:
+            raw = io.FileIO(fd, "r" if fd == 0 else "w", closefd=False)
+            binary = raw if unbuffered and fd else io.BufferedReader(raw) if fd == 0 else (
+                io.BufferedWriter(raw))  # fmt: skip
+            return io.TextIOWrapper(binary, encoding="utf-8", write_through=unbuffered, **how)
+
+        sys.stdin = sys.__stdin__ = stream(0)
+        sys.stdout = sys.__stdout__ = stream(1)
+        sys.stderr = sys.__stderr__ = stream(2, errors="backslashreplace", line_buffering=True)
+        os.environ.clear()
+        os.environ.update(env)
+        os.chdir(cwd)
+        atexit._clear()  # the server's, not the script's
+        sys.argv = [script, *args]
+        sys.path.insert(0, os.path.dirname(script))
+        try:
+            runpy.run_path(script, run_name="__main__")
+            code = 0
+        except SystemExit as e:
+            if e.code is None or isinstance(e.code, int):
+                code = e.code or 0
+            else:
+                print(e.code, file=sys.stderr)
+        except BaseException:  # noqa: BLE001 - Python's own end of a script that raised
+            traceback.print_exc()
+        threading._shutdown()  # noqa: SLF001 - non-daemon threads, as at Python's exit
+        atexit._run_exitfuncs()
+        sys.stdout.flush()
+        sys.stderr.flush()
+    finally:
+        os._exit(code)
+
+
+def _serve() -> None:
+    """The server: imports PRELOAD, then forks a child per request line on stdin, replying
+    on stdout with the child's pid, then its exit status (negative: the signal)."""
+    for name in PRELOAD:
+        __import__(name)
+    requests, replies = sys.stdin.buffer, sys.stdout
+    replies.write("ready\n")
+    replies.flush()
+    for line in requests:
+        request = json.loads(line)
+        pid = os.fork()
+        if pid == 0:
+            _child(**request)
+        replies.write(f"{pid}\n")
+        replies.flush()
+        _, status = os.waitpid(pid, 0)
+        replies.write(f"{os.waitstatus_to_exitcode(status)}\n")
+        replies.flush()
+
+
+def _server() -> subprocess.Popen:
+    global _SERVER
+    if _SERVER is None or _SERVER.poll() is not None:
+        code = f"import sys; sys.path.insert(0, {os.path.dirname(__file__)!r})\n"
+        code += "import preloaded; preloaded._serve()"
+        _SERVER = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE,
+                                   stdout=subprocess.PIPE, bufsize=0)  # fmt: skip
+        if _reply(_SERVER, 300) != "ready":
+            raise RuntimeError(f"preloaded: the server did not start ({_SERVER.wait()})")
+    return _SERVER
+
+
+def _reply(server: subprocess.Popen, timeout: float) -> str | None:
+    """The server's next line, or None after `timeout` seconds without it (read a byte at a
+    time, unbuffered: what select says is ready is all there is)."""
+    line = b""
+    while not line.endswith(b"\n"):
+        ready, _, _ = select.select([server.stdout], [], [], timeout)
+        byte = server.stdout.read(1) if ready else None
+        if not byte:
+            return None if byte is None else line.decode()
+        line += byte
+    return line.decode().rstrip("\n")
+
+
+def run_script(
+    script: str | Path, *args: str, env: dict[str, str] | None = None, timeout: float = 120
+) -> subprocess.CompletedProcess:
+    """subprocess.run([sys.executable, script, *args], capture_output=True, text=True,
+    timeout=timeout, env=env)'s result, from a child of the server."""
+    script = os.path.abspath(script)
+    cmd = [sys.executable, script, *args]
+    server = _server()
+    with tempfile.TemporaryDirectory(prefix="preloaded-") as tmp:
+        out, err = Path(tmp) / "stdout", Path(tmp) / "stderr"
+        out.touch()
+        err.touch()
+        request = {"script": script, "args": list(args), "env": dict(os.environ if env is None
+                   else env), "cwd": os.getcwd(), "out": str(out), "err": str(err)}  # fmt: skip
+        server.stdin.write((json.dumps(request) + "\n").encode())
+        pid = int(_reply(server, 60))
+        code = _reply(server, timeout)
+        if code is None:
+            os.kill(pid, signal.SIGKILL)
+            _reply(server, 60)  # its status
+            raise subprocess.TimeoutExpired(cmd, timeout)
+        read = {"encoding": "utf-8", "errors": "replace"}
+        return subprocess.CompletedProcess(
+            cmd, int(code), out.read_text(**read), err.read_text(**read)
+        )
