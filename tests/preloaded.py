@@ -2,14 +2,14 @@
 as subprocess.run gives, but forked from a server that has already imported torch.
 
 A script's own run is often ~0.1 s (a bad argument named in one line), and importing torch took
-~2 s of each of ~60 such runs on a Zen 3 (docs/performance.md, "Round fifty-eight"). The child
-is what `python SCRIPT` makes of the script: `__name__ == "__main__"`, sys.argv, the script's
-folder first on sys.path, the caller's environment and working folder, stdin at /dev/null,
-stdout and stderr captured, the exit status of SystemExit (its message to stderr and 1 for a
-string, 1 and the traceback for any other exception), non-daemon threads joined and atexit's
-functions run at the end. What torch and OpenMP read from the environment at their import is
-the server's, the suite's (conftest.py: OMP_NUM_THREADS=1): a run whose `env` changes their
-variables takes subprocess.run instead.
+~2 s of each of the ~45 tests that do little else, on a Zen 3 (docs/performance.md, "Round
+fifty-eight"). The child is what `python SCRIPT` makes of the script: `__name__ ==
+"__main__"`, sys.argv, the script's folder first on sys.path, the caller's environment and
+working folder, stdin at /dev/null, stdout and stderr captured, the exit status of SystemExit
+(its message to stderr and 1 for a string, 1 and the traceback for any other exception),
+non-daemon threads joined and atexit's functions run at the end. What torch and OpenMP read
+from the environment at their import is the server's, the suite's (conftest.py:
+OMP_NUM_THREADS=1): a run whose `env` changes their variables takes subprocess.run instead.
 
 One server per pytest worker, started on first use and ended with it; a run at a time.
 """
