@@ -142,12 +142,16 @@ def run_script(
         request = {"script": script, "args": list(args), "env": dict(os.environ if env is None
                    else env), "cwd": os.getcwd(), "out": str(out), "err": str(err)}  # fmt: skip
         server.stdin.write((json.dumps(request) + "\n").encode())
-        pid = int(_reply(server, 60))
+        pid = _reply(server, 60)
+        if not pid:  # ended (its own error on the worker's stderr) or silent for a minute
+            raise RuntimeError(f"preloaded: the server did not take the run ({server.poll()})")
         code = _reply(server, timeout)
         if code is None:
-            os.kill(pid, signal.SIGKILL)
+            os.kill(int(pid), signal.SIGKILL)
             _reply(server, 60)  # its status
             raise subprocess.TimeoutExpired(cmd, timeout)
+        if not code:
+            raise RuntimeError(f"preloaded: the server ended during the run ({server.poll()})")
         read = {"encoding": "utf-8", "errors": "replace"}
         return subprocess.CompletedProcess(
             cmd, int(code), out.read_text(**read), err.read_text(**read)
