@@ -2854,12 +2854,17 @@ def _compile(cc: str, src: Path, out: Path) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=120)  # fmt: skip
 
 
+def _library_name(cc: str) -> str:
+    """The file name of the library this source, its flags and the compiler `cc` build."""
+    compiler = hashlib.sha256(os.path.realpath(cc).encode()).hexdigest()[:8]
+    return f"kernels-{_source_key()}-{compiler}.so"
+
+
 def _build(cc: str, folder: Path | None = None) -> Path:
     """The shared library for this source and compiler, compiled once into `folder` (default
     the cache folder)."""
-    compiler = hashlib.sha256(os.path.realpath(cc).encode()).hexdigest()[:8]
     folder = cache_dir() if folder is None else folder
-    path = folder / f"kernels-{_source_key()}-{compiler}.so"
+    path = folder / _library_name(cc)
     if path.exists():
         return path
     folder.mkdir(parents=True, exist_ok=True)

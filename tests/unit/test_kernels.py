@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import math
 import os
 import platform
@@ -70,15 +69,10 @@ def fresh(monkeypatch, tmp_path, compiled):
     saved = (kernels._LIB, kernels._NOGIL, kernels._PATH, kernels._WHY, kernels._TRIED)
 
     def compile_once(cc: str, src: Path, out: Path) -> subprocess.CompletedProcess:
-        key = hashlib.sha256(
-            "\0".join([os.path.realpath(cc), *kernels._FLAGS, src.read_text()]).encode()
-        ).hexdigest()[:16]
-        kept = compiled / f"{key}.so"
+        kept = compiled / kernels._library_name(cc)  # `_build` writes `kernels._SOURCE` to src
         loaded = saved[2]  # the process's own library, if built from this source by this cc
-        if not kept.exists() and loaded is not None and src.read_text() == kernels._SOURCE:
-            compiler = hashlib.sha256(os.path.realpath(cc).encode()).hexdigest()[:8]
-            if loaded.name == f"kernels-{kernels._source_key()}-{compiler}.so":
-                shutil.copyfile(loaded, kept)
+        if not kept.exists() and loaded is not None and loaded.name == kept.name:
+            shutil.copyfile(loaded, kept)
         if kept.exists():
             shutil.copyfile(kept, out)
             return subprocess.CompletedProcess([cc, str(src)], 0, "", "")
