@@ -31,6 +31,16 @@ helper still has that backlog; `finish` does not wait idle for it: the training 
 the jobs the helper has not started, from the queue's end (a claim flag per job decides who
 computes it), which took the wait from ~11% of a quickstart step to ~3%.
 
+Kept off the training thread's CPU, the helper cannot use that CPU either when it is the one
+free: where the training thread waits for a job (the helper's rows of a split product, one of
+the loss's (V, D) products, a job `finish` did not take), it sleeps, and the helper may sit
+queued behind the busy process on the other CPU for the rest of that process's time slice
+while the training thread's CPU idles (beside a busy process on a 2-core Zen 3: a wait in 1 of
+5 of the split products, ~2.7 ms each). `wait` first moves the helper to the training
+thread's CPU, which it then has to itself until the job is done (one system call, only for
+a job not done); the next job steers it off again. That halved the time waited there and
+trained 3-6% faster beside a busy process (docs/performance.md, "Round fifty-nine").
+
     helper = WeightGradHelper.for_this_process()   # None: fewer than 2 CPUs, or no pool thread
     helper.active = True                           # threads.ThreadTuner does this per step
     loss.backward()                                # nn.Linear layers built as `Linear` defer
@@ -580,7 +590,7 @@ class WeightGradHelper:
         self._steer()
         future = self._launch_rows(x2[n - rows :].detach(), w, b, out2[n - rows :])
         _rows(x2[: n - rows].detach(), w, b, out2[: n - rows])
-        future.wait()
+        self.wait(future)
         return out
 
     def defer_linear(self, g, x, weight, bias) -> None:
@@ -630,7 +640,7 @@ class WeightGradHelper:
             for job in jobs:  # this side's hold on the activations (a running job keeps its own)
                 job.g = job.x = None
             for future, use in pending:
-                use(None if future is None else future.wait())
+                use(None if future is None else self.wait(future))
 
     def discard(self) -> None:
         """Drop queued work (a step that raised before `finish`)."""
@@ -638,6 +648,26 @@ class WeightGradHelper:
             if future is not None:
                 future.wait()
         self._pending, self._jobs = [], []
+
+    def wait(self, future: torch.jit.Future):
+        """The value of a job started on the helper (`future.wait()`: its error raised here),
+        the helper moved to this thread's CPU first where the job is not done yet: this thread
+        sleeps until it is (module docstring)."""
+        if not future.done():
+            self._lend()
+        return future.wait()
+
+    def _lend(self) -> None:
+        """Let the helper onto the training thread's CPU, about to be left idle by a wait for
+        it; the next job's `_steer` keeps it off again."""
+        cpu = self._getcpu()
+        if cpu < 0:
+            return
+        try:
+            os.sched_setaffinity(self._pool_thread, {cpu})
+        except OSError:  # a CPU taken away (cpuset) since: leave the helper where it is
+            return
+        self._steer_to = None  # not kept off any CPU now
 
     def _steer(self) -> None:
         """Keep the helper off the training thread's CPU (module docstring)."""

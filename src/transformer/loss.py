@@ -218,7 +218,7 @@ class _ChunkedProjectionLoss(torch.autograd.Function):
                 if helper is not None:
                     parts.append(helper.product(probs, hp))
                     if len(parts) > 2:
-                        grad_weight += parts.pop(0).wait()
+                        grad_weight += helper.wait(parts.pop(0))
                 elif fp32_sum:  # accumulated by the product itself: no (V, D) temporary
                     grad_weight.addmm_(probs.t(), hp)
                 elif row_major:  # (D, V) = h^T probs from a row-major copy of h^T
@@ -282,7 +282,7 @@ def _finish_weight_grad(ctx, grad_loss: torch.Tensor) -> None:
     helper's products summed in fp32, q's part, the scale; added to the weight's .grad."""
     grad_weight, *q = ctx.weight_rest
     for part in ctx.parts:
-        grad_weight += part.wait()
+        grad_weight += ctx.helper.wait(part)
     _subtract_q(grad_weight, *q)
     gradhelper.add_to_master(ctx.weight, grad_weight * grad_loss)  # else to .grad, its dtype
     ctx.parts, ctx.weight_rest = [], None

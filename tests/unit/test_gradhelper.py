@@ -81,8 +81,9 @@ def test_the_helper_thread_is_kept_off_the_training_threads_cpu(helper):
     ours(torch.randn(8, 12, requires_grad=True)).sum().backward()
     here = ctypes.CDLL(None).sched_getcpu()
     allowed = os.sched_getaffinity(helper._pool_thread)
+    steered = helper._steer_to  # (`finish` may lend it this CPU while it waits: see below)
     helper.finish()
-    assert helper._steer_to is not None and helper._steer_to not in allowed
+    assert steered is not None and steered not in allowed
     assert allowed and allowed <= os.sched_getaffinity(0)
     assert here >= 0
 
@@ -204,6 +205,61 @@ def _hold_the_helper(flag: torch.Tensor):
     timer = threading.Timer(10.0, flag.fill_, (1,))
     timer.start()
     return launch(flag), timer
+
+
+def test_a_wait_for_a_job_not_done_lends_the_helper_this_threads_cpu(helper, monkeypatch):
+    # The helper held by a spinning job: a product queued behind it is not done, so `wait`
+    # moves the helper to the CPU this thread is on (and sleeps there) before it waits.
+    cpus, lent = [], []
+    getcpu = helper._getcpu
+    monkeypatch.setattr(helper, "_getcpu", lambda: cpus.append(getcpu()) or cpus[-1])
+    setaffinity = os.sched_setaffinity
+    flag = torch.zeros(1, dtype=torch.uint8)
+
+    def spy(tid, mask):
+        lent.append((tid, set(mask)))
+        setaffinity(tid, mask)
+        if lent[0][0] == "armed":
+            flag[0] = 1  # the held job ends once `wait` has moved the helper
+
+    monkeypatch.setattr(os, "sched_setaffinity", spy)
+    held, timer = _hold_the_helper(flag)
+    a, b = torch.randn(30, 5), torch.randn(30, 7)
+    job = helper.product(a, b)  # (steered off this CPU, if it moved since)
+    lent[:] = [("armed", set())]
+    assert not job.done()
+    torch.testing.assert_close(helper.wait(job), a.t() @ b)
+    held.wait()
+    timer.cancel()
+    assert lent[1:] == [(helper._pool_thread, {cpus[-1]})] and cpus[-1] >= 0
+    assert os.sched_getaffinity(helper._pool_thread) == {cpus[-1]}
+    assert helper._steer_to is None
+    # A job done already: its value, the helper left where it is.
+    lent.clear()
+    done = helper.product(a, b)
+    while not done.done():
+        pass
+    assert lent == [(helper._pool_thread, set(os.sched_getaffinity(0)) - {cpus[-1]})]  # steered
+    torch.testing.assert_close(helper.wait(done), a.t() @ b)
+    assert len(lent) == 1 and helper._steer_to == cpus[-1]
+
+
+def test_a_refused_lend_leaves_the_helper_steered(helper, monkeypatch):
+    flag = torch.zeros(1, dtype=torch.uint8)
+    held, timer = _hold_the_helper(flag)
+    job = helper.product(torch.ones(2, 3), torch.ones(2, 3))
+    steered = helper._steer_to
+
+    def refuse(tid, mask):
+        flag[0] = 1  # the held job ends
+        raise PermissionError("sched_setaffinity: not permitted")
+
+    monkeypatch.setattr(os, "sched_setaffinity", refuse)
+    assert not job.done()
+    assert torch.equal(helper.wait(job), torch.full((3, 3), 2.0))
+    held.wait()
+    timer.cancel()
+    assert helper._steer_to == steered and steered is not None
 
 
 def _stack_and_inputs(dtype):
