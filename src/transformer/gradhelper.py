@@ -38,8 +38,8 @@ queued behind the busy process on the other CPU for the rest of that process's t
 while the training thread's CPU idles (beside a busy process on a 2-core Zen 3: a wait in 1 of
 5 of the split products, ~2.7 ms each). `wait` first moves the helper to the training
 thread's CPU, which it then has to itself until the job is done (one system call, only for
-a job not done); the next job steers it off again. That halved the time waited there and
-trained 3-6% faster beside a busy process (docs/performance.md, "Round fifty-nine").
+a job not done); the next job steers it off again. That halved the time waited there, and
+`transformer train` ran 1.045x beside a busy process (docs/performance.md, "Round fifty-nine").
 
     helper = WeightGradHelper.for_this_process()   # None: fewer than 2 CPUs, or no pool thread
     helper.active = True                           # threads.ThreadTuner does this per step
