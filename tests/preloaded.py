@@ -9,7 +9,8 @@ working folder, stdin at /dev/null, stdout and stderr captured, the exit status 
 (its message to stderr and 1 for a string, 1 and the traceback for any other exception),
 non-daemon threads joined and atexit's functions run at the end. What torch and OpenMP read
 from the environment at their import is the server's, the suite's (conftest.py:
-OMP_NUM_THREADS=1): a run whose `env` changes their variables takes subprocess.run instead.
+OMP_NUM_THREADS=1), whatever `env` says: a test that changes those variables must call
+subprocess.run itself (`run_script` does not).
 
 One server per pytest worker, started on first use and ended with it; a run at a time.
 """
