@@ -16,11 +16,16 @@ process started) or, less and less often while nothing changes, on a schedule (i
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import logging
 import os
+import stat
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 import torch
 
@@ -75,6 +80,17 @@ class ThreadTuner:
             forty-three"). A machine of more cores keeps as many threads as its idle cores
             hold (not measured: 16 cores, others busy on 1.2 of them: 8 of 16, 8, 1). When they
             stop, a probe.
+        probe_when_crowded: with `room`, units stay timed while others crowd the cores, and a
+            probe times only the counts that `room` holds with half a core to spare (the fewest
+            and the helper always): training, whose run is long enough to find whether the
+            helper beats one thread there. A chosen count the room does not hold gives way at
+            once to the most it holds, and a probe follows. Beside a busy process on 2 cores a
+            quickstart training step on two threads ran ~8x slower than on one: each probe's
+            unit of them, and the three units a drop took to show, cost ~3-5 s
+            (docs/performance.md, "Round sixty").
+        helps: while others crowd the cores, whether the helper may be timed or kept: False
+            where the crowding is this user's other processes of the package (`Siblings`), from
+            which the helper would only take CPU. None: always.
     """
 
     def __init__(
@@ -88,6 +104,8 @@ class ThreadTuner:
         warmup_units: int = 0,
         helper=None,
         room: Callable[[], float | None] | None = None,
+        probe_when_crowded: bool = False,
+        helps: Callable[[], bool] | None = None,
     ) -> None:
         self.candidates: list[int | str] = sorted({max(1, int(c)) for c in candidates},
                                                   reverse=True)  # fmt: skip
@@ -108,7 +126,8 @@ class ThreadTuner:
         self._chosen = False  # whether a probe has chosen (the first choice is logged)
         self._warmup = warmup_units
         self._timed = True  # whether the current unit counts
-        self.room = room
+        self.room, self.probe_when_crowded, self.helps = room, probe_when_crowded, helps
+        self._room_seen: float | None = None  # `room` at the last unit's start
         self._was_crowded = False
 
     @classmethod
@@ -133,12 +152,19 @@ class ThreadTuner:
     def start(self) -> None:
         """Before a unit of work: set the thread count it runs with."""
         now = self.clock()
-        room = self._room_now()
-        if room is not None:
+        room = self._room_seen = self._room_now()
+        if room is not None and not self.probe_when_crowded:
             self._timed, self._queue = False, []  # a probe under way is dropped
             self._set(self._fitting(room))
             self._start = self.clock()
             return
+        if room is not None and not all(self._holds(room, c) for c in [self.best, *self._queue]):
+            # Others crowd in beside a count they leave no room for: the most that fits now,
+            # and a new probe (of those that fit) as soon as units are timed; a probe under
+            # way is dropped, its rates timed on a machine that has changed.
+            if not self._holds(room, self.best):
+                self.best = self._fitting(room)
+            self._queue, self._next_probe, self._after_drop = [], now, False
         self._timed = self._warmup <= 0
         if not self._timed:
             self._warmup -= 1
@@ -147,7 +173,8 @@ class ThreadTuner:
             # does, so that an other that is clearly slower is timed only once.
             # The helper is timed only once one thread has won (`stop`), unless it is the
             # choice: alone, two threads win and the helper's slower units are not spent.
-            others = [c for c in self.candidates if c not in (self.best, HELPER)]
+            others = [c for c in self.candidates
+                      if c not in (self.best, HELPER) and self._holds(room, c)]  # fmt: skip
             order = [*others, self.best] if self._after_drop else [self.best, *others]
             self._queue = [c for c in order for _ in range(self.probe_units)]
             self._rates = {}
@@ -158,11 +185,24 @@ class ThreadTuner:
         """Between units (a search's encoder, before its first timed step): sets the chosen
         count, or while others crowd the cores the count that fits beside them (`room`)."""
         room = self._room_now()
-        self._set(self.best if room is None else self._fitting(room))
+        if room is not None and (not self.probe_when_crowded or not self._holds(room, self.best)):
+            self._set(self._fitting(room))
+        else:
+            self._set(self.best)
 
     def fewest(self) -> int | str:
         """The candidate with the fewest threads (1 before the helper's one)."""
         return min(self.candidates, key=lambda c: 1 if c == HELPER else c)
+
+    def _holds(self, room: float | None, choice: int | str) -> bool:
+        """Whether a probe times `choice` while `room` cores are left (None: not crowded):
+        counts of more threads than the room with half a core to spare are not, nor the helper
+        where `helps` says no."""
+        if room is None:
+            return True
+        if choice == HELPER:
+            return self.helps is None or self.helps()
+        return choice == self.fewest() or choice <= room + 0.5
 
     def _fitting(self, room: float) -> int | str:
         """The most threads among the candidates that `room` cores hold, else the fewest."""
@@ -213,9 +253,11 @@ class ThreadTuner:
             self._after_drop = True
 
     def _helper_next(self) -> bool:
-        """Whether the probe goes on to the helper: it has one, has not timed it, and one
-        thread ran fastest of the counts."""
+        """Whether the probe goes on to the helper: it has one, has not timed it, one thread
+        ran fastest of the counts, and the crowding (if any) is not only ours (`helps`)."""
         if self.helper is None or HELPER in self._rates:
+            return False
+        if self.probe_when_crowded and not self._holds(self._room_seen, HELPER):
             return False
         return max(self._rates, key=self._rates.get) == 1
 
@@ -257,8 +299,11 @@ class OtherLoad:
         clock: Callable[[], float] = time.monotonic,
         own_time: Callable[[], float] = time.process_time,
         first_window_s: float | None = None,
+        siblings: Siblings | None = None,
     ) -> None:
         self.window_s, self.stat, self.clock, self.own_time = window_s, stat, clock, own_time
+        self.siblings = siblings
+        self.last_siblings = 0.0  # the cores this user's other processes of ours took in it
         # The first window may end sooner (a short job's first batch asks ~0.2 s in)
         self._length = window_s if first_window_s is None else first_window_s
         # As /proc/stat names them ("cpu0", ...): this process's affinity unless given.
@@ -267,10 +312,14 @@ class OtherLoad:
         self._lock = threading.Lock()  # decoding streams ask from their own threads
         self._begin = self._read()
 
-    def _read(self) -> tuple[float, float, float] | None:
-        """(now, busy seconds of this process's CPUs, this process's CPU seconds), or None."""
+    def _read(self) -> tuple | None:
+        """(now, busy seconds of this process's CPUs, this process's CPU seconds, the siblings'
+        CPU seconds by pid), or None."""
         busy = cpuinfo.busy_seconds(self.stat, self.cpus)
-        return None if busy is None else (self.clock(), busy, self.own_time())
+        if busy is None:
+            return None
+        ours = self.siblings.cpu_seconds() if self.siblings is not None else {}
+        return (self.clock(), busy, self.own_time(), ours)
 
     @classmethod
     def since_start(cls, max_age_s: float = 10.0) -> OtherLoad:
@@ -281,7 +330,7 @@ class OtherLoad:
         load = cls(first_window_s=0.0)
         start = cpuinfo.START
         fresh = start is not None and time.monotonic() - start[0] <= max_age_s
-        load._begin = start[:3] if fresh and start[3] == load.cpus else None
+        load._begin = (*start[:3], {}) if fresh and start[3] == load.cpus else None
         return load
 
     @classmethod
@@ -294,7 +343,8 @@ class OtherLoad:
     def cores(self) -> float | None:
         """The others' mean cores over the current window (or, until it is `window_s` long,
         the last whole one's; the first: `first_window_s`); None where this cannot be measured
-        or no window has ended."""
+        or no window has ended. `last_siblings`: the part of them that `siblings` took (the
+        processes alive at both ends of the window; on any CPU)."""
         with self._lock:
             if self._begin is None or self.clock() - self._begin[0] < self._length:
                 return self.last
@@ -304,8 +354,132 @@ class OtherLoad:
             seconds = end[0] - self._begin[0]
             others = (end[1] - self._begin[1]) - (end[2] - self._begin[2])
             self.last = max(0.0, others / seconds)
+            ours = sum(
+                t - self._begin[3][pid] for pid, t in end[3].items() if pid in self._begin[3]
+            )
+            self.last_siblings = max(0.0, ours / seconds)
             self._begin, self._length = end, self.window_s
             return self.last
+
+
+class Siblings:
+    """This user's other processes of the package on this machine, and their CPU time.
+
+    Not in the paper. Two jobs of ours side by side on 2 cores (a sweep's two trainings, a
+    training and a translation) crowd each other as any busy process would, but the helper
+    that wins beside a stranger's process (gradhelper.py) does so by taking part of that
+    process's CPU: between two jobs of ours it only moves CPU from one to the other, and loses
+    some on the way. Two quickstart trainings side by side took 105-114 s with it, 103-104 with
+    one thread each (docs/performance.md, "Round sixty"). So a process that sets its threads
+    (`resolve`) leaves a file, named by its pid and holding its start time, in a directory of
+    the temporary directory that only this user may write (`join`); a tuner's reading of
+    others' load tells ours from strangers' by them (`OtherLoad.last_siblings`). A process
+    that ended without removing its file (killed) is found out by its pid's start time, and
+    its file removed by the next reader. Where the directory cannot be made, or is not this
+    user's alone, nothing is written and none are found: every process a stranger, as before.
+    """
+
+    def __init__(self, directory: str | os.PathLike | None = None, proc: str = "/proc") -> None:
+        self.dir: Path | None = Path(directory) if directory is not None else None
+        if self.dir is None and hasattr(os, "getuid"):
+            try:
+                self.dir = Path(tempfile.gettempdir()) / f"transformer-{os.getuid()}-processes"
+            except OSError:  # "No usable temporary directory found": none of ours are found
+                self.dir = None
+        self.proc = Path(proc)
+        self.pid = os.getpid()
+
+    def _started(self, pid: int) -> tuple[str, float] | None:
+        """(start time in clock ticks since boot, CPU seconds) of process `pid`, or None."""
+        try:
+            with open(self.proc / str(pid) / "stat", encoding="ascii", errors="replace") as f:
+                fields = f.read().rsplit(")", 1)[1].split()  # past "pid (comm)": comm may hold ")"
+            ticks = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+            return fields[19], (int(fields[11]) + int(fields[12])) / ticks  # starttime, utime+stime
+        except (OSError, IndexError, ValueError):
+            return None
+
+    def _usable(self) -> bool:
+        """Whether the directory is there (made if not), a directory and this user's alone."""
+        if self.dir is None:
+            return False
+        try:
+            self.dir.mkdir(mode=0o700, exist_ok=True)
+            st = os.lstat(self.dir)
+        except OSError:
+            return False
+        return stat.S_ISDIR(st.st_mode) and st.st_uid == os.getuid() and not st.st_mode & 0o022
+
+    def join(self) -> bool:
+        """Leave this process's file (removed at exit); whether it could."""
+        mine = self._started(self.pid)
+        if mine is None or not self._usable():
+            return False
+        path = self.dir / str(self.pid)
+        try:
+            flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_NOFOLLOW", 0)
+            fd = os.open(path, flags, 0o600)
+            with os.fdopen(fd, "w", encoding="ascii") as f:
+                f.write(mine[0])
+        except OSError as e:
+            logger.debug("threads: cannot leave %s (%s)", path, e)
+            return False
+        pid = self.pid
+
+        def leave() -> None:
+            if os.getpid() == pid:  # not a forked child's exit
+                path.unlink(missing_ok=True)
+
+        atexit.register(leave)
+        return True
+
+    def cpu_seconds(self) -> dict[int, float]:
+        """The CPU seconds of each live sibling by pid (this process not among them)."""
+        found: dict[int, float] = {}
+        if self.dir is None:
+            return found
+        try:
+            names = os.listdir(self.dir)
+        except OSError:
+            return found
+        for name in names:
+            if not name.isdigit() or int(name) == self.pid:
+                continue
+            path = self.dir / name
+            try:
+                said = path.read_text(encoding="ascii").strip()
+            except (OSError, ValueError):
+                continue
+            now = self._started(int(name))
+            if now is None or now[0] != said:  # ended (or its pid taken by another since)
+                if said:  # not one that is being written
+                    with contextlib.suppress(OSError):
+                        path.unlink(missing_ok=True)
+                continue
+            found[int(name)] = now[1]
+        return found
+
+
+_siblings: Siblings | None = None
+
+
+def siblings() -> Siblings:
+    """This process's `Siblings`, joined at the first call."""
+    global _siblings
+    if _siblings is None:
+        _siblings = Siblings()
+        _siblings.join()
+    return _siblings
+
+
+def room_left(others: float | None, cores: int, spare_cpus: int = 0) -> float | None:
+    """The cores others leave a process of `cores` usable cores while they crowd them: None
+    where they keep fewer than CROWDED_CORES busy, or unknown (`others`: `OtherLoad.cores`).
+    `spare_cpus`: CPUs of the affinity beyond the usable cores (a CPU quota), whose load leaves
+    this process's cores free (64 CPUs, a quota of 2: crowded once others keep 62.25 busy)."""
+    if others is None or others < CROWDED_CORES + spare_cpus:
+        return None
+    return cores + spare_cpus - others
 
 
 def usable_cores() -> int:
@@ -393,6 +567,7 @@ def resolve(threads: int | str | None, **tuner: int | float) -> ThreadTuner | No
     """
     if threads is None:
         return None
+    siblings()  # this process sets its threads: others of ours tell it from a stranger's
     if threads == AUTO:
         if omp_threads_fixed():
             return None

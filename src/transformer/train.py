@@ -27,7 +27,16 @@ from transformer.errors import JobError, UserError, out_of_memory, what_to_lower
 from transformer.loss import chunked_label_smoothed_loss
 from transformer.model import DTYPES, Transformer, accelerator_dtype
 from transformer.optim import MixedPrecisionAdam
-from transformer.threads import AUTO, OtherLoad, ThreadTuner, count_problem, usable_cores
+from transformer.threads import (
+    AUTO,
+    CROWDED_CORES,
+    OtherLoad,
+    ThreadTuner,
+    count_problem,
+    room_left,
+    siblings,
+    usable_cores,
+)
 from transformer.threads import resolve as resolve_threads
 from transformer.trainer import Trainer, TrainState
 
@@ -54,6 +63,9 @@ def resolve_run(
 
 # Training steps before the thread tuner's first probe (threads.ThreadTuner's warmup_units).
 TUNER_WARMUP_STEPS = 4
+# Seconds over which others' use of the CPUs is read for the tuner (`_read_others_load`): a few
+# quickstart steps, so that one step's burst of another process does not read as a change.
+TUNER_LOAD_WINDOW_S = 2.0
 
 
 def set_deterministic(mode: bool, compile: bool = False) -> None:
@@ -84,6 +96,7 @@ def _setup_torch(
         # work by thread count).
         set_deterministic(True, config.train.compile)
         torch.set_num_threads(threads if isinstance(threads, int) else 1)
+        siblings()  # a job of ours, as `threads.resolve` says of the others
     elif isinstance(threads, int) or device.type == "cpu":
         # A count is set (and said if above the cores); else auto, as every other command, with
         # the weight-gradient helper as a candidate (gradhelper.py; not under torch.compile,
@@ -100,8 +113,25 @@ def _setup_torch(
                 # forty-seven").
                 tuner.best = tuner.fewest()
             torch.set_num_threads(tuner.best)  # every core until the first step is timed
+            _read_others_load(tuner)
         return tuner
     return None
+
+
+def _read_others_load(tuner: ThreadTuner) -> None:
+    """While other processes crowd the cores (`threads.OtherLoad`, over windows of
+    TUNER_LOAD_WINDOW_S), the tuner's probes time only the counts that fit beside them, with
+    the steps still timed: beside a busy process on 2 cores the helper, not one thread, ran
+    fastest (gradhelper.py). Not the helper where the crowding is this user's other jobs of
+    ours (`threads.Siblings`): between them it only moves CPU from one to the other."""
+    load = OtherLoad(window_s=TUNER_LOAD_WINDOW_S, siblings=siblings())
+    cores = max(c for c in tuner.candidates if isinstance(c, int))
+    spare = max(0, len(load.cpus) - cores) if load.cpus is not None else 0
+    tuner.room = lambda: room_left(load.cores(), cores, spare)
+    tuner.probe_when_crowded = True
+    # The helper only where strangers crowd the cores, not only this user's other jobs of ours
+    # (`threads.Siblings`), read in the same window as `room` just was.
+    tuner.helps = lambda: (load.last or 0.0) - load.last_siblings >= CROWDED_CORES
 
 
 def _log_to_file(run_dir: Path) -> logging.Handler:

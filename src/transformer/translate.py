@@ -38,7 +38,12 @@ from transformer.model import PositionwiseFeedForward, accelerator_dtype
 from transformer.modelfile import PROJECTION, LoadedModel, int8_targets
 from transformer.rundir import resolve_model
 from transformer.search import Constrain, beam_search_alphas, greedy_search
-from transformer.threads import CROWDED_CORES, OtherLoad, ThreadTuner, omp_threads_fixed
+from transformer.threads import (
+    OtherLoad,
+    ThreadTuner,
+    omp_threads_fixed,
+    room_left,
+)
 from transformer.threads import resolve as resolve_threads
 from transformer.tokenizer import BOS_ID, EOS_ID, PAD_ID
 
@@ -742,9 +747,7 @@ class Translator:
         """While others crowd this process's cores (`crowded`), the cores they leave it (at
         most 0.25 fewer than its own; 0 or less: none); else None."""
         others = self.load.cores() if self.load is not None else None
-        if others is None or others < CROWDED_CORES + self.spare_cpus:
-            return None
-        return self.cores + self.spare_cpus - others
+        return room_left(others, self.cores, self.spare_cpus)
 
     def encode(self, lines: Sequence[str], first_line: int = 1) -> list[list[int]]:
         """Subword ids + EOS per line; a line longer than the model's maximum is truncated to

@@ -783,6 +783,50 @@ def test_side_by_side_bench_runs_each_way(tiny_model_file, src):
     assert summary == ["before", "after", "threads 1", "one job"]
 
 
+def test_train_side_by_side_bench_names_bad_arguments(tmp_path):
+    (tmp_path / "manifest.json").write_text("{}")  # a corpus `transformer train` refuses
+    _names_each(
+        "bench_train_side_by_side.py",
+        [
+            ([str(tmp_path), "--jobs", "1"], "--jobs at least 2 and --rounds at least 1"),
+            ([str(tmp_path), "--rounds", "0"], "--jobs at least 2 and --rounds at least 1"),
+            ([str(tmp_path / "none")], "none: not a prepared corpus (no manifest.json)"),
+            ([str(tmp_path), "--before", str(tmp_path)], "holds no transformer package"),
+            ([str(tmp_path), "--", "--threads", "2"], "--threads and --out: the script sets"),
+            ([str(tmp_path), "--rounds", "1"], "failed [2, 2]: "),
+        ],
+    )
+
+
+def test_train_side_by_side_bench_reads_the_rate_past_the_first_window(tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(str(BENCH))
+    import bench_train_side_by_side as bench
+
+    def metrics(*windows):  # (tokens at the window's end, its tokens/s)
+        lines = [json.dumps({"kind": "train", "tokens": t, "tokens_per_s": r}) for t, r in windows]
+        (tmp_path / "metrics.jsonl").write_text("\n".join([*lines, '{"kind": "valid"}']) + "\n")
+
+    metrics((100, 10.0), (400, 100.0), (1000, 300.0))  # the first window's slow rate not counted
+    assert bench.steady_rate(tmp_path) == pytest.approx(600 / 2.0)
+    metrics((100, 10.0), (400, 100.0))
+    with pytest.raises(bench.RunFailed, match="fewer than 3 metric windows"):
+        bench.steady_rate(tmp_path)
+
+
+def test_train_side_by_side_bench_runs_each_way(tmp_path):
+    from fixtures import SHARED_DATA, prepare_slice
+
+    data = prepare_slice(tmp_path / "data", SHARED_DATA / "multi30k")
+    out = _run("bench_train_side_by_side.py", str(data), "--rounds", "1",
+               "--", "--preset", "tiny", "--max-steps", "25", "train.max_tokens=400")  # fmt: skip
+    assert out.returncode == 0, out.stderr[-2000:]
+    lines = out.stdout.splitlines()
+    assert " cores, " in lines[0] and "2 runs of `transformer train" in lines[0]
+    summary = [line.split(":")[0] for line in lines if "of --threads 1's pace" in line]
+    assert summary == ["after", "threads 1"]
+    assert "(100.0% of --threads 1's)" in lines[-1]
+
+
 def test_before_after_runs_each_sides_compiled_library(monkeypatch) -> None:
     """bench_before_after.py --kernels: `switched` puts each side's compiled library in
     `transformer.kernels` before its calls, and `module_at` gives a revision's kernels.py the

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 
 import pytest
 import torch
@@ -260,6 +261,65 @@ def test_the_helper_is_timed_only_where_one_thread_wins_and_chosen_beside_a_busy
     assert tuner.best == 2 and used[-1] == 2 and not helper.active
 
 
+class Others:
+    """The cores other processes keep busy, as `room_left` turns them into the room left."""
+
+    def __init__(self) -> None:
+        self.cores: float | None = 0.0
+
+    def room(self):
+        from transformer.threads import room_left
+
+        return room_left(self.cores, 2)
+
+
+def test_training_beside_a_busy_process_times_only_the_counts_that_fit_and_keeps_timing():
+    # Training's mode (`probe_when_crowded`): beside a busy process two threads ran ~8x slower,
+    # and each probe's unit of them cost seconds. The helper still has to be timed there.
+    helper, others = _Helper(), Others()
+    m = HelpedMachine(helper)
+    tuner = ThreadTuner([2, 1], probe_units=2, every_s=30, max_every_s=480, clock=m.clock,
+                        helper=helper, room=others.room, probe_when_crowded=True)  # fmt: skip
+    used = [m.work(tuner) for _ in range(50)]
+    assert tuner.best == 2 and HELPER not in used
+    m.busy, others.cores = True, 1.0
+    used = [m.work(tuner) for _ in range(600)]  # ~900 s: scheduled probes came
+    assert 2 not in used  # not one unit on two threads, not even the first one
+    assert used[:8] == [1, 1, HELPER, 1, HELPER, 1, HELPER, HELPER] and tuner.best == HELPER
+    assert used.count(1) > 2  # probes went on: the helper against one thread
+    m.busy, others.cores = False, 0.0
+    used = [m.work(tuner) for _ in range(8)]
+    assert used == [HELPER, HELPER, 2, 2, 1, 1, 2, 2]  # a probe at once, of every count
+    assert tuner.best == 2 and not helper.active
+
+
+@pytest.mark.parametrize(
+    ("cores", "timed"), [(0.3, True), (0.45, True), (0.6, False), (1.3, False)]
+)
+def test_while_crowded_a_probe_times_two_threads_only_beside_less_than_half_a_core(cores, timed):
+    helper, others = _Helper(), Others()
+    m = HelpedMachine(helper)
+    tuner = ThreadTuner([2, 1], probe_units=1, every_s=30, clock=m.clock, helper=helper,
+                        room=others.room, probe_when_crowded=True)  # fmt: skip
+    others.cores = cores
+    used = [m.work(tuner) for _ in range(6)]
+    assert (2 in used) is timed
+    assert tuner._timed  # the units stay timed while crowded (translation's do not)
+
+
+def test_a_probe_under_way_in_training_drops_its_units_of_counts_that_no_longer_fit():
+    helper, others = _Helper(), Others()
+    m = HelpedMachine(helper)
+    tuner = ThreadTuner([2, 1], probe_units=2, every_s=30, clock=m.clock, helper=helper,
+                        room=others.room, probe_when_crowded=True)  # fmt: skip
+    assert m.work(tuner) == 2  # the first probe's first unit
+    m.busy, others.cores = True, 1.0
+    used = [m.work(tuner) for _ in range(8)]
+    assert used == [1, 1, HELPER, 1, HELPER, 1, HELPER, HELPER] and tuner.best == HELPER
+    tuner.settle()  # between units: the choice stands while it fits
+    assert helper.active and torch.get_num_threads() == 1
+
+
 def test_label():
     assert label(2) == "2 CPU threads" and label(1) == "1 CPU thread"
     assert "weight-gradient" in label(HELPER)
@@ -321,6 +381,143 @@ def test_other_loads_first_window_may_be_shorter(tmp_path, monkeypatch):
     assert load.cores() == pytest.approx(1.0)
     now[0] = 0.75  # a whole window_s since 0.2: nothing busy
     assert load.cores() == 0.0
+
+
+def test_other_load_tells_the_siblings_part_of_the_others_load(tmp_path, monkeypatch):
+    from transformer.threads import OtherLoad
+
+    class Ours:
+        seconds: dict[int, float] = {}
+
+        def cpu_seconds(self):
+            return dict(self.seconds)
+
+    stat, ours = tmp_path / "stat", Ours()
+    monkeypatch.setattr("os.sysconf", lambda name: 100)
+    now = [0.0]
+    ours.seconds = {11: 5.0, 12: 1.0}
+    _stat(stat, busy_per_cpu=100)
+    load = OtherLoad(window_s=0.5, stat=stat, cpus=[0, 1], clock=lambda: now[0],
+                     own_time=lambda: 0.0, siblings=ours)  # fmt: skip
+    # 2 s: others 2 cores busy; sibling 11 took 1.5 s of it, 12 ended, 13 began (not counted)
+    now[0], ours.seconds = 2.0, {11: 6.5, 13: 9.0}
+    _stat(stat, busy_per_cpu=300)
+    assert load.cores() == pytest.approx(2.0) and load.last_siblings == pytest.approx(0.75)
+    now[0], ours.seconds = 3.0, {11: 6.5, 13: 9.5}  # 13 counts from its first reading on
+    _stat(stat, busy_per_cpu=350)
+    assert load.cores() == pytest.approx(1.0) and load.last_siblings == pytest.approx(0.5)
+
+
+def _fake_stat(proc: Path, pid: int, start: str, utime: int, stime: int) -> None:
+    """/proc/PID/stat with a command name holding ") " and the fields the reader takes."""
+    fields = ["S", *[str(n) for n in range(4, 30)]]
+    fields[11], fields[12], fields[19] = str(utime), str(stime), start
+    (proc / str(pid)).mkdir(parents=True, exist_ok=True)
+    (proc / str(pid) / "stat").write_text(f"{pid} (py (x) y) {' '.join(fields)}\n")
+
+
+def test_siblings_are_this_users_live_processes_of_ours_and_their_cpu_time(tmp_path, monkeypatch):
+    import os
+
+    from transformer.threads import Siblings
+
+    monkeypatch.setattr("os.sysconf", lambda name: 100)
+    proc, folder = tmp_path / "proc", tmp_path / "ours"
+    _fake_stat(proc, os.getpid(), "777", 1, 1)
+    mine = Siblings(folder, proc=str(proc))
+    assert mine.join() and (folder / str(os.getpid())).read_text() == "777"
+    assert oct(folder.stat().st_mode & 0o777) == "0o700"
+    _fake_stat(proc, 11, "500", utime=250, stime=50)  # alive, as it said
+    (folder / "11").write_text("500")
+    _fake_stat(proc, 12, "999", 1, 1)  # its pid taken by another process since
+    (folder / "12").write_text("600")
+    (folder / "13").write_text("700")  # ended (killed: its file left behind)
+    (folder / "14").write_text("")  # being written
+    (folder / "notes").write_text("x")  # not a pid
+    assert mine.cpu_seconds() == {11: pytest.approx(3.0)}  # not this process itself
+    assert sorted(p.name for p in folder.iterdir()) == ["11", "14", str(os.getpid()), "notes"]
+
+
+@pytest.mark.parametrize("kind", ["writable by others", "a symlink", "a file"])
+def test_siblings_are_not_read_from_a_folder_that_is_not_this_users_alone(tmp_path, kind):
+    from transformer.threads import Siblings
+
+    folder, real = tmp_path / "ours", tmp_path / "elsewhere"
+    if kind == "writable by others":
+        folder.mkdir()
+        folder.chmod(0o777)
+    elif kind == "a symlink":
+        real.mkdir(mode=0o700)
+        folder.symlink_to(real)
+    else:
+        folder.write_text("")
+    mine = Siblings(folder)
+    assert not mine.join()
+    assert not real.exists() or list(real.iterdir()) == []
+
+
+def test_without_a_usable_temporary_directory_no_siblings_are_found(monkeypatch):
+    import tempfile
+
+    from transformer.threads import Siblings
+
+    def none():
+        raise FileNotFoundError("No usable temporary directory found in ['/tmp']")
+
+    monkeypatch.setattr(tempfile, "gettempdir", none)
+    mine = Siblings()
+    assert mine.dir is None and not mine.join() and mine.cpu_seconds() == {}
+
+
+def test_a_sibling_leaves_at_exit_and_a_killed_ones_file_goes_at_the_next_reading(tmp_path):
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from transformer.threads import Siblings
+
+    folder = tmp_path / "ours"
+    code = (
+        "import sys; from transformer.threads import Siblings\n"
+        f"assert Siblings({str(folder)!r}).join()\n"
+        "print('in', flush=True); sys.stdin.readline()\n"
+    )
+    kids = [subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, text=True) for _ in range(2)]  # fmt: skip
+    try:
+        assert [kid.stdout.readline() for kid in kids] == ["in\n", "in\n"]
+        reader = Siblings(folder)
+        assert set(reader.cpu_seconds()) == {kid.pid for kid in kids}
+        kids[0].communicate("\n", timeout=60)  # ends as a process ends: its file goes
+        os.kill(kids[1].pid, signal.SIGKILL)
+        kids[1].wait(timeout=60)
+        assert [p.name for p in folder.iterdir()] == [str(kids[1].pid)]  # left behind
+        assert reader.cpu_seconds() == {}
+        assert list(folder.iterdir()) == []
+    finally:
+        for kid in kids:
+            kid.kill()
+            kid.wait()
+
+
+def test_training_keeps_the_helper_for_strangers_not_for_its_siblings():
+    # `helps` False: the crowding is this user's other jobs of ours, from which the helper would
+    # only take CPU (two trainings side by side: 105-114 s with it, 103-104 on one thread each).
+    helper, others = _Helper(), Others()
+    ours = [True]
+    m = HelpedMachine(helper)
+    tuner = ThreadTuner([2, 1], probe_units=2, every_s=30, max_every_s=480, clock=m.clock,
+                        helper=helper, room=others.room, probe_when_crowded=True,
+                        helps=lambda: not ours[0])  # fmt: skip
+    m.busy, others.cores = True, 1.0
+    used = [m.work(tuner) for _ in range(400)]
+    assert set(used) == {1} and tuner.best == 1 and not helper.active
+    ours[0] = False  # a stranger's process now: the helper is timed at the next probe, and wins
+    used = [m.work(tuner) for _ in range(400)]
+    assert tuner.best == HELPER and used[-1] == HELPER
+    ours[0] = True  # ours again: the helper gives way at once
+    assert m.work(tuner) == 1 and tuner.best == 1 and not helper.active
 
 
 @pytest.mark.parametrize("text", ["", "intr 1 2\n", "cpu0 1 2 x 4 5 6 7\n", "cpu0 1 2\n"])

@@ -605,6 +605,9 @@ def test_a_run_starts_on_one_thread_where_others_crowded_the_cores_since_the_sta
         tuner = _setup_torch(RunConfig(), torch.device("cpu"))
         assert tuner.best == first and torch.get_num_threads() == first
         assert tuner.candidates[0] == 2  # the probe still times every count
+        # While others crowd the cores, the steps stay timed, a probe times what fits beside
+        # them, and the helper only where they are not this user's other jobs of ours.
+        assert tuner.probe_when_crowded and tuner.room is not None and tuner.helps is not None
     finally:
         torch.set_num_threads(before)
         torch.use_deterministic_algorithms(False)
