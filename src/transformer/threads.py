@@ -369,8 +369,9 @@ class Siblings:
     training and a translation) crowd each other as any busy process would, but the helper
     that wins beside a stranger's process (gradhelper.py) does so by taking part of that
     process's CPU: between two jobs of ours it only moves CPU from one to the other, and loses
-    some on the way. Two quickstart trainings side by side took 105-114 s with it, 103-104 with
-    one thread each (docs/performance.md, "Round sixty"). So a process that sets its threads
+    some on the way: two quickstart trainings started together took 114-142 s (the helper, and
+    probes of two threads), 102-108 with one thread each, now 99-103 (docs/performance.md,
+    "Round sixty"). So a process that sets its threads
     (`resolve`) leaves a file, named by its pid and holding its start time, in a directory of
     the temporary directory that only this user may write (`join`); a tuner's reading of
     others' load tells ours from strangers' by them (`OtherLoad.last_siblings`). A process
@@ -428,7 +429,8 @@ class Siblings:
 
         def leave() -> None:
             if os.getpid() == pid:  # not a forked child's exit
-                path.unlink(missing_ok=True)
+                with contextlib.suppress(OSError):  # gone, or its folder's rights changed
+                    path.unlink(missing_ok=True)
 
         atexit.register(leave)
         return True
