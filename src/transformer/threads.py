@@ -340,6 +340,11 @@ class OtherLoad:
         and a training run starts, on one thread."""
         return (cls.since_start().cores() or 0.0) >= CROWDED_CORES
 
+    def spare_cpus(self, cores: int) -> int:
+        """The CPUs read beyond a process's `cores` usable ones (a CPU quota below its
+        affinity), whose load leaves those cores free (`room_left`); 0 where none are known."""
+        return max(0, len(self.cpus) - cores) if self.cpus is not None else 0
+
     def cores(self) -> float | None:
         """The others' mean cores over the current window (or, until it is `window_s` long,
         the last whole one's; the first: `first_window_s`); None where this cannot be measured

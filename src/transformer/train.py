@@ -125,8 +125,8 @@ def _read_others_load(tuner: ThreadTuner) -> None:
     fastest (gradhelper.py). Not the helper where the crowding is this user's other jobs of
     ours (`threads.Siblings`): between them it only moves CPU from one to the other."""
     load = OtherLoad(window_s=TUNER_LOAD_WINDOW_S, siblings=siblings())
-    cores = max(c for c in tuner.candidates if isinstance(c, int))
-    spare = max(0, len(load.cpus) - cores) if load.cpus is not None else 0
+    cores = tuner.candidates[0]  # the usable cores (the helper's candidate comes last)
+    spare = load.spare_cpus(cores)
     tuner.room = lambda: room_left(load.cores(), cores, spare)
     tuner.probe_when_crowded = True
     # The helper only where strangers crowd the cores, not only this user's other jobs of ours

@@ -722,8 +722,7 @@ class Translator:
                 # there leaves this process's cores free (64 CPUs, a quota of 2: crowded
                 # once others keep 62.25 busy, not 0.25).
                 translator.cores = translator.tuner.candidates[0]
-                cpus = len(load.cpus) if load.cpus is not None else 0
-                translator.spare_cpus = max(0, cpus - translator.cores)
+                translator.spare_cpus = load.spare_cpus(translator.cores)
                 # A search on its own (a short job, `serve`) keeps to the threads that fit
                 # beside others while they crowd the cores (on 2: one), as the streams keep
                 # to one CPU each.

@@ -348,6 +348,7 @@ def test_other_load_counts_the_others_busy_time_on_this_processes_cpus(tmp_path,
     load = OtherLoad(window_s=0.5, stat=stat, cpus=[0, 1], clock=lambda: now[0],
                      own_time=lambda: own[0])  # fmt: skip
     assert load.cores() is None  # no window has ended
+    assert (load.spare_cpus(1), load.spare_cpus(2), load.spare_cpus(4)) == (1, 0, 0)
     # 2 s later: each CPU 150 ticks busier (3 s of busy time on cpu0 + cpu1), 1 s of it ours
     now[0], own[0] = 2.0, 1.0
     _stat(stat, busy_per_cpu=250)
