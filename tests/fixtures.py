@@ -121,6 +121,13 @@ def run_cli(*args: str, stdin: bytes = b"", env: dict | None = None, timeout: fl
     return subprocess.run(cmd, input=stdin, capture_output=True, env=env, timeout=timeout)
 
 
+def dead_pid() -> int:
+    """The process id of a process that has ended (a killed writer's, for its leftovers)."""
+    done = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True)  # fmt: skip
+    return int(done.stdout)
+
+
 def free_port() -> int:
     """A TCP port that is free on 127.0.0.1 right now."""
     import socket

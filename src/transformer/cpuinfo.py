@@ -93,6 +93,22 @@ def cpu_line(cpuinfo: str | None = None) -> str:
     return f"{model}, {cores}, {' '.join(isa) or 'no AVX-512'}"
 
 
+# The most threads a fixed count may ask for: more than any CPU we run on has, and far below
+# where starting them fails (`--threads 99999` exhausted the process's thread limit, and the
+# tokenizer's next thread failed in a traceback).
+MAX_THREADS = 1024
+
+
+def count_problem(count: int) -> str | None:
+    """What is wrong with a fixed thread count, for "--threads: ..." (None: nothing)."""
+    if count < 1:
+        return f"at least 1 (or auto), not {count}"
+    if count > MAX_THREADS:
+        cores = usable_cores()
+        return f"at most {MAX_THREADS} (this machine has {cores} usable cores), not {count}"
+    return None
+
+
 def usable_cores(proc: str | Path = "/proc/self", root: str | Path = "/") -> int:
     """The cores this process may use: the CPUs of its affinity (taskset, a container's
     cpuset), and no more than its control groups' CPU quota (`cpu_quota`: Docker's --cpus,

@@ -21,13 +21,16 @@ import zlib
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO
+from typing import TYPE_CHECKING, BinaryIO
 
 import numpy as np
-import torch
 
 from transformer.errors import UserError
 from transformer.tokenizer import BOS_ID, EOS_ID, PAD_ID, Tokenizer
+
+if TYPE_CHECKING:  # torch is imported where a batch is made (`collate`): reading and writing
+    # corpora (`prepare`, `score`, `--help`) starts without its ~2 s of imports
+    import torch
 
 MANIFEST = "manifest.json"
 FORMAT_VERSION = 1
@@ -449,6 +452,8 @@ def collate(split: ParallelSplit, indices: Sequence[int]) -> Batch:
         tgt_out[row, : len(t)] = t
         tgt_out[row, len(t)] = EOS_ID
     src_mask = np.arange(src.shape[1])[None, :] < src_lens[:, None]  # (B, S)
+    import torch  # here, not at the top: see TYPE_CHECKING above
+
     return Batch(
         src=torch.from_numpy(src),
         tgt_in=torch.from_numpy(tgt_in),

@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from transformer.config import CALIBRATION_SENTENCES
 from transformer.data import ParallelSplit, collate
 from transformer.errors import UserError
 from transformer.gradhelper import is_linear
@@ -34,8 +35,6 @@ from transformer.threads import resolve as resolve_threads
 from transformer.tokenizer import PAD_ID
 
 logger = logging.getLogger(__name__)
-
-CALIBRATION_SENTENCES = 2000  # train pairs whose inputs GPTQ sees (8,000: KL within 2%)
 
 
 def gptq_round(

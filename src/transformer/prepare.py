@@ -28,7 +28,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 from transformer import corpora
-from transformer.checkpoint import remove_stale, write_atomic
+from transformer.atomic import remove_stale, write_atomic
 from transformer.cpuinfo import usable_cores
 from transformer.data import (
     FILTER_REASONS,

@@ -30,6 +30,7 @@ from pathlib import Path
 import torch
 
 from transformer import cpuinfo
+from transformer.cpuinfo import count_problem
 
 logger = logging.getLogger(__name__)
 
@@ -40,10 +41,6 @@ CROWDED_CORES = 0.25
 # The tuner's candidate "one thread, and the weight gradients on a second" (gradhelper.py):
 # training only, where beside a busy process it beats one thread by ~10%.
 HELPER = "1+helper"
-# The most threads a fixed count may ask for: more than any CPU we run on has, and far below
-# where starting them fails (`--threads 99999` exhausted the process's thread limit, and the
-# tokenizer's next thread failed in a traceback).
-MAX_THREADS = 1024
 
 
 def label(choice: int | str) -> str:
@@ -553,16 +550,6 @@ def omp_threads_fixed() -> bool:
 
 
 _warned_omp = False
-
-
-def count_problem(count: int) -> str | None:
-    """What is wrong with a fixed thread count, for "--threads: ..." (None: nothing)."""
-    if count < 1:
-        return f"at least 1 (or auto), not {count}"
-    if count > MAX_THREADS:
-        cores = usable_cores()
-        return f"at most {MAX_THREADS} (this machine has {cores} usable cores), not {count}"
-    return None
 
 
 def resolve(threads: int | str | None, **tuner: int | float) -> ThreadTuner | None:

@@ -21,7 +21,7 @@ from transformer import checkpoint, distributed, rundir
 from transformer.allocator import keep_large_blocks
 from transformer.batching import TokenBatchSampler
 from transformer.config import RunConfig, apply_overrides, parse_overrides
-from transformer.cpuinfo import native_bf16
+from transformer.cpuinfo import count_problem, native_bf16
 from transformer.data import load_prepared
 from transformer.errors import JobError, UserError, out_of_memory, what_to_lower
 from transformer.loss import chunked_label_smoothed_loss
@@ -32,7 +32,6 @@ from transformer.threads import (
     CROWDED_CORES,
     OtherLoad,
     ThreadTuner,
-    count_problem,
     room_left,
     siblings,
     usable_cores,

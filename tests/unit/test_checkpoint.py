@@ -3,16 +3,14 @@
 from __future__ import annotations
 
 import errno
-import os
 import random
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
+from fixtures import dead_pid
 from transformer import checkpoint
 from transformer.checkpoint import (
     CheckpointError,
@@ -177,7 +175,7 @@ def test_average_removes_what_a_killed_average_left(tmp_path):
     data = {"spm_proto": torch.tensor([1], dtype=torch.uint8), "src": "en", "tgt": "de"}
     state = {"model": Transformer(cfg.model).state_dict(), "config": to_dict(cfg), "data": data}
     save_checkpoint(tmp_path, 1, state, keep_last=5)
-    killed = tmp_path / f".model.safetensors.tmp-{_dead_pid()}"
+    killed = tmp_path / f".model.safetensors.tmp-{dead_pid()}"
     killed.write_bytes(b"half a model file")
     assert main(["average", str(tmp_path), "--last", "1"]) == 0
     assert not killed.exists() and (tmp_path / "model.safetensors").is_file()
@@ -212,28 +210,6 @@ def test_a_damaged_latest_checkpoint_falls_back_to_the_previous_one(tmp_path, ca
     with pytest.raises(CheckpointError, match="no readable checkpoint"):
         load_latest(tmp_path)
     assert load_latest(tmp_path / "elsewhere") is None
-
-
-def _dead_pid() -> int:
-    done = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
-                          capture_output=True, text=True, check=True)  # fmt: skip
-    return int(done.stdout)
-
-
-def test_remove_stale_removes_only_what_dead_processes_left(tmp_path):
-    dead, alive = _dead_pid(), os.getpid()
-    for name in (f".ckpt_4.pt.tmp-{dead}", f".latest.tmp-{dead}", f".config.yaml.tmp-{dead}",
-                 f".ckpt_6.pt.tmp-{alive}", "ckpt_4.pt", "notes.tmp-12"):  # fmt: skip
-        (tmp_path / name).write_bytes(b"x")
-    (tmp_path / f".out.partial-{dead}").mkdir()
-    removed = checkpoint.remove_stale(tmp_path)
-    assert sorted(p.name for p in removed) == sorted(
-        [f".ckpt_4.pt.tmp-{dead}", f".latest.tmp-{dead}", f".config.yaml.tmp-{dead}",
-         f".out.partial-{dead}"]
-    )  # fmt: skip
-    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
-        [f".ckpt_6.pt.tmp-{alive}", "ckpt_4.pt", "notes.tmp-12"]
-    )
 
 
 def test_average_on_a_full_disk_is_one_clean_cli_error(tmp_path, monkeypatch, capsys):

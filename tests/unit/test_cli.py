@@ -42,6 +42,36 @@ def test_python_dash_m_runs_the_same_cli() -> None:
     assert "presets" in out
 
 
+def test_the_commands_that_make_no_tensors_start_without_torch(tmp_path) -> None:
+    """The parser (`--help`, a bad flag), `prepare` and `score` import no torch: its ~2 s of
+    imports were most of `transformer --help`'s 2.4 s on a Zen 3 (docs/performance.md, "Round
+    sixty-one"). In a process of its own: this one has torch already."""
+    from fixtures import multi30k_lines
+
+    en, de = multi30k_lines("train", "en", 300), multi30k_lines("train", "de", 300)
+    for name, lines in (("train.en", en), ("train.de", de), ("hyp", de[:5]), ("ref", de[:5])):
+        (tmp_path / name).write_text("\n".join(lines) + "\n", encoding="utf-8")
+    t = str(tmp_path)
+    code = f"""
+import sys
+from transformer.cli import main
+assert main(["prepare", "custom", "--src", "en", "--tgt", "de", "--out", {t!r} + "/data",
+             "--train", {t!r} + "/train.en", {t!r} + "/train.de", "--valid", {t!r} + "/train.en",
+             {t!r} + "/train.de", "--vocab-size", "400",
+             "--threads", "1"]) == 0
+assert main(["score", {t!r} + "/hyp", {t!r} + "/ref", "--lang", "de"]) == 0
+try:
+    main(["--help"])
+except SystemExit as e:
+    assert e.code == 0
+print(sorted(name for name in sys.modules if name.split(".")[0] == "torch"))
+"""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert (tmp_path / "data" / "manifest.json").is_file()
+    assert done.stdout.splitlines()[-1] == "[]"
+
+
 def test_the_program_sets_its_imports_aside_from_the_cycle_collector(monkeypatch, capsys):
     """`transformer ...` (argv from sys.argv) freezes what the imports made; a caller's
     main([...]) leaves its own process's collector alone."""

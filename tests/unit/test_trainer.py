@@ -20,7 +20,7 @@ from fixtures import (
     fake_cpuinfo,
     prepare_slice,
 )
-from transformer import checkpoint, rundir
+from transformer import atomic, checkpoint, rundir
 from transformer.batching import TokenBatchSampler
 from transformer.cli import main
 from transformer.config import build_config
@@ -431,15 +431,15 @@ def test_a_failed_metadata_write_keeps_the_run_resumable_and_leftovers_are_remov
     run = tmp_path / "run"
     train(data_dir, run, _config("train.max_steps=2"), progress=False)
     before = {name: (run / name).read_bytes() for name in ("config.yaml", "run.json")}
-    real_fsync = checkpoint.os.fsync
+    real_fsync = atomic.os.fsync
 
     def full(fd):  # the disk fills while config.yaml is rewritten at the next start
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(checkpoint.os, "fsync", full)
+    monkeypatch.setattr(atomic.os, "fsync", full)
     with pytest.raises(UserError, match=r"config\.yaml: cannot write: No space left"):
         train(None, run, resume=True, overrides=["train.max_steps=4"], progress=False)
-    monkeypatch.setattr(checkpoint.os, "fsync", real_fsync)
+    monkeypatch.setattr(atomic.os, "fsync", real_fsync)
     assert {name: (run / name).read_bytes() for name in before} == before  # old or new, whole
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
                           capture_output=True, text=True, check=True).stdout.strip()  # fmt: skip
