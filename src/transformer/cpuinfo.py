@@ -287,7 +287,12 @@ def busy_seconds(stat: str | os.PathLike = STAT, cpus: set[str] | None = None) -
         seen += 1
     if not seen:
         return None
-    return busy / (os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100)
+    return busy / clock_ticks()
+
+
+def clock_ticks() -> int:
+    """The clock ticks per second in which /proc counts CPU time (100 on Linux as built)."""
+    return os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
 
 def affinity_names() -> set[str] | None:

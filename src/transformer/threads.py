@@ -397,8 +397,8 @@ class Siblings:
         try:
             with open(self.proc / str(pid) / "stat", encoding="ascii", errors="replace") as f:
                 fields = f.read().rsplit(")", 1)[1].split()  # past "pid (comm)": comm may hold ")"
-            ticks = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
-            return fields[19], (int(fields[11]) + int(fields[12])) / ticks  # starttime, utime+stime
+            cpu = (int(fields[11]) + int(fields[12])) / cpuinfo.clock_ticks()  # utime + stime
+            return fields[19], cpu  # starttime
         except (OSError, IndexError, ValueError):
             return None
 
