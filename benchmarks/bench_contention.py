@@ -57,6 +57,24 @@ def busy_process() -> Iterator[None]:
         busy.wait()
 
 
+class RunFailed(Exception):
+    """A benchmark's run that did not end with status 0, or too short to have a rate."""
+
+
+def steady_rate(run: Path) -> float:
+    """Target tokens/s of a training run's metrics after their first window (the first steps
+    warm up)."""
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in records if r.get("kind") == "train"][1:]
+    pairs = list(zip(train, train[1:], strict=False))
+    tokens = sum(r["tokens"] - p["tokens"] for p, r in pairs)
+    seconds = sum((r["tokens"] - p["tokens"]) / r["tokens_per_s"] for p, r in pairs)
+    if seconds <= 0:
+        raise RunFailed("a run of fewer than 3 metric windows (10 steps each): no rate past the "
+                        "first; --max-steps 30 or more")  # fmt: skip
+    return tokens / seconds
+
+
 def train_rate(data: Path, steps: int, threads: list[str], preset: str = "quickstart") -> float:
     """Target tokens/s of a preset over `steps` steps (the metrics' own rate), no validation."""
     with tempfile.TemporaryDirectory() as tmp:
@@ -65,14 +83,7 @@ def train_rate(data: Path, steps: int, threads: list[str], preset: str = "quicks
               str(steps), "train.save_every_minutes=1000", "train.save_every_steps=1000000",
               "train.valid_every_steps=1000000", "train.log_every_steps=10",
               *threads])  # fmt: skip
-        records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-        train = [r for r in records if r.get("kind") == "train"][1:]  # the first window warms up
-        tokens = sum(r["tokens"] - p["tokens"] for p, r in zip(train, train[1:], strict=False))
-        seconds = sum(
-            (r["tokens"] - p["tokens"]) / r["tokens_per_s"]
-            for p, r in zip(train, train[1:], strict=False)
-        )
-        return tokens / seconds
+        return steady_rate(run)
 
 
 def translate_rate(

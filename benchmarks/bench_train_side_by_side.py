@@ -10,7 +10,7 @@ one thread each (`--threads 1`, what a user who knows the machine is shared woul
 
 Each run is `python -m transformer train DATA --out TMP ARGS` with its metrics every 10 steps
 and no validation; its rate is that of its metrics after the first window (the first steps
-warm up), as bench_contention.py reads it; once one run has ended the others run alone, so the
+warm up; bench_contention.steady_rate); once one run has ended the others run alone, so the
 wall time is the figure to compare. A round runs, in turn: the runs with each tree's `--threads
 auto` (the default) and with `--threads 1` (this tree), each way first in turn (the host's
 speed moves within minutes). Prints the CPU, the load average, each round and the medians, and
@@ -20,7 +20,6 @@ each way's against `--threads 1`'s.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import subprocess
@@ -29,26 +28,11 @@ import tempfile
 import time
 from pathlib import Path
 
+from bench_contention import RunFailed, steady_rate  # this script's folder is on sys.path
+
 # Metrics every 10 steps, no validation and no checkpoint but the last: the runs' own work.
 QUIET = ["train.log_every_steps=10", "train.valid_every_steps=1000000",
          "train.save_every_steps=1000000", "train.save_every_minutes=1000"]  # fmt: skip
-
-
-class RunFailed(Exception):
-    """A run that did not end with status 0."""
-
-
-def steady_rate(run: Path) -> float:
-    """Target tokens/s of a run's metrics after their first window."""
-    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    train = [r for r in records if r.get("kind") == "train"][1:]
-    pairs = list(zip(train, train[1:], strict=False))
-    tokens = sum(r["tokens"] - p["tokens"] for p, r in pairs)
-    seconds = sum((r["tokens"] - p["tokens"]) / r["tokens_per_s"] for p, r in pairs)
-    if seconds <= 0:
-        raise RunFailed("a run of fewer than 3 metric windows (10 steps each): no rate past the "
-                        "first; --max-steps 30 or more")  # fmt: skip
-    return tokens / seconds
 
 
 def run_together(src: Path | None, data: str, jobs: int, extra: list[str]) -> tuple[float, list]:
