@@ -10,6 +10,7 @@ import random
 import pytest
 from test_download import serve
 
+from fixtures import dead_pid
 from transformer import corpora
 from transformer.cli import build_parser
 from transformer.data import DataError, collate, load_prepared
@@ -401,12 +402,8 @@ def test_a_corrupt_manifest_in_out_is_a_data_error(corpus, tmp_path):
 
 
 def test_a_killed_preparation_is_cleaned_by_the_next(corpus, tmp_path):
-    import subprocess
-    import sys
-
     files, *_ = corpus
-    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
-                          capture_output=True, text=True, check=True).stdout.strip()  # fmt: skip
+    dead = dead_pid()
     leftover = tmp_path / f".out.partial-{dead}"
     leftover.mkdir()
     (leftover / "train.en.stage1").write_text("x\n")

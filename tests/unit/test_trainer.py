@@ -17,6 +17,7 @@ from fixtures import (
     CPUINFO_ZEN3,
     CPUINFO_ZEN4,
     SHARED_DATA,
+    dead_pid,
     fake_cpuinfo,
     prepare_slice,
 )
@@ -425,8 +426,6 @@ def test_a_failed_metadata_write_keeps_the_run_resumable_and_leftovers_are_remov
     data_dir, tmp_path, monkeypatch
 ):
     import errno
-    import subprocess
-    import sys
 
     run = tmp_path / "run"
     train(data_dir, run, _config("train.max_steps=2"), progress=False)
@@ -441,8 +440,7 @@ def test_a_failed_metadata_write_keeps_the_run_resumable_and_leftovers_are_remov
         train(None, run, resume=True, overrides=["train.max_steps=4"], progress=False)
     monkeypatch.setattr(atomic.os, "fsync", real_fsync)
     assert {name: (run / name).read_bytes() for name in before} == before  # old or new, whole
-    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
-                          capture_output=True, text=True, check=True).stdout.strip()  # fmt: skip
+    dead = dead_pid()
     leftovers = [run / f".config.yaml.tmp-{dead}", run / "checkpoints" / f".ckpt_9.pt.tmp-{dead}"]
     for path in leftovers:
         path.write_bytes(b"killed while writing")
