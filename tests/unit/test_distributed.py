@@ -1,4 +1,5 @@
-"""distributed.run_local: a job of N spawned processes on this machine (`train --procs N`)."""
+"""distributed.run_local: a job of N processes on this machine (`train --procs N`), forked from
+a server that has imported torch once."""
 
 from __future__ import annotations
 
@@ -66,6 +67,27 @@ def _broadcast_then_backward() -> tuple[bool, list[str]]:
 
 def test_every_rank_joins_and_rank_0_returns():
     assert distributed.run_local(2, _sum_of_ranks, (10.0,)) == (2, 10.0)
+
+
+def _where_and_what(name: str) -> tuple[int, str | None, str, bool]:
+    """A rank's parent, the variable `name` in its environment, its folder, and whether torch
+    was imported before this function's module was (the server imported both)."""
+    return os.getppid(), os.environ.get(name), os.getcwd(), "torch" in sys.modules
+
+
+def test_ranks_fork_from_one_server_and_run_in_the_environment_of_each_call(tmp_path, monkeypatch):
+    """The forkserver started by the first job is kept for the next (torch is imported once
+    per process, not once per rank), while each job's ranks see the environment and folder
+    of its own call, not those of the call that started the server."""
+    name = "TRANSFORMER_TEST_JOB"
+    monkeypatch.setenv(name, "first")
+    first = distributed.run_local(2, _where_and_what, (name,))
+    monkeypatch.setenv(name, "second")
+    monkeypatch.chdir(tmp_path)
+    second = distributed.run_local(2, _where_and_what, (name,))
+    assert first[0] == second[0] != os.getpid()  # one server, not this process
+    assert (first[1], second[1]) == ("first", "second")
+    assert second[2] == str(tmp_path) and first[3] and second[3]
 
 
 def test_a_user_error_in_one_rank_stops_the_job_with_its_message():
