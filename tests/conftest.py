@@ -6,6 +6,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import preloaded
 from fixtures import SHARED_DATA, make_model_file, run_cli
 
 # Under pytest-xdist (scripts/test.sh runs one worker per core) each worker, and every process it
@@ -14,6 +15,8 @@ from fixtures import SHARED_DATA, make_model_file, run_cli
 if os.environ.get("PYTEST_XDIST_WORKER"):
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+# The preloaded server's (tests/preloaded.py), whichever test first needs it.
+preloaded.ENVIRONMENT = dict(os.environ)
 
 
 @pytest.fixture(autouse=True)

@@ -22,6 +22,7 @@ from pathlib import Path
 import sentencepiece as spm
 import torch
 
+import preloaded
 from transformer.config import DecodeConfig, ModelConfig, RunConfig
 from transformer.model import Transformer
 from transformer.modelfile import save_model
@@ -113,10 +114,17 @@ def make_model_file(
     return save_model(tmp_dir / "model.safetensors", model, config, proto, "en", "de")
 
 
-def run_cli(*args: str, stdin: bytes = b"", env: dict | None = None, timeout: float = 600):
-    """`transformer ARGS` in a subprocess (one torch thread): the CompletedProcess, output
-    captured as bytes."""
+def run_cli(
+    *args: str, stdin: bytes = b"", env: dict | None = None, timeout: float = 600,
+    own_process: bool = False,
+):  # fmt: skip
+    """`transformer ARGS` in a process (one torch thread): the CompletedProcess, output captured
+    as bytes. Forked from the worker's preloaded server (tests/preloaded.py: no ~2 s of torch's
+    imports) where the run starts as the server did, else, or with `own_process`, a process
+    started afresh (`python -m transformer`)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+    if not own_process and preloaded.same_start(env):
+        return preloaded.run_module("transformer", *args, stdin=stdin, env=env, timeout=timeout)
     cmd = [sys.executable, "-m", "transformer", *args]
     return subprocess.run(cmd, input=stdin, capture_output=True, env=env, timeout=timeout)
 

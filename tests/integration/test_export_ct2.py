@@ -7,14 +7,11 @@ varied (the test checks that), so equality exercises every position, layer and t
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import pytest
 import torch
 import torch.nn.functional as F
 
-from fixtures import make_model_file, multi30k_lines
+from fixtures import make_model_file, multi30k_lines, run_cli
 from transformer.modelfile import load_model, save_model
 from transformer.tokenizer import BOS_ID, EOS_ID, PAD_ID
 from transformer.translate import Translator
@@ -58,8 +55,8 @@ def test_cli_export_greedy_equals_ours_on_multi30k(tmp_path, shared_data):  # no
     path = make_model_file(tmp_path / "model")
     _train_briefly(path)
     out = tmp_path / "ct2"
-    cmd = [sys.executable, "-m", "transformer", "export", str(path), "--to", "ctranslate2"]
-    subprocess.run([*cmd, str(out)], check=True, capture_output=True)
+    done = run_cli("export", str(path), "--to", "ctranslate2", str(out))
+    assert done.returncode == 0, done.stderr.decode()[-2000:]
 
     lines = multi30k_lines("test_2016_flickr", "en", 40)
     ours = [n[0].tokens for n in Translator.from_path(path).translate(lines, beam_size=1)]

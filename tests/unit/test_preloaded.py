@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from preloaded import run_script
+from preloaded import run_module, run_script, same_start
 
 # Each script prints what a run can see, then ends one way. None imports torch, so the
 # subprocess it is compared with starts in ~20 ms.
@@ -60,3 +60,47 @@ def test_a_run_past_its_timeout_is_killed_and_the_next_one_runs(tmp_path):
         run_script(script, "wait", timeout=0.5)
     done = run_script(script, "go")
     assert (done.returncode, done.stdout) == (0, "ok\n")
+
+
+# A module run as `python -m pkg` sees: its name, argv[0] its own file, orig_argv, the working
+# folder first on sys.path, the given stdin's bytes; then ends as ENDS says.
+MODULE = """\
+import os, sys
+print(__name__, sys.argv[0] == __file__, sys.argv[1:], sys.orig_argv[1:],
+      sys.path[0] == os.getcwd(), sys.stdin.buffer.read())
+"""
+
+
+@pytest.mark.parametrize("end", ["falls off the end", "sys.exit(3)", "a message", "an exception"])
+def test_a_module_run_gives_what_python_dash_m_gives(tmp_path, monkeypatch, end):
+    package = tmp_path / "pkg"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "__main__.py").write_text(MODULE + ENDS[end], encoding="utf-8")
+    monkeypatch.chdir(tmp_path)
+    stdin = "Zwei Hunde\r\n\ufeffim Schnee\n".encode() + b"\xff"
+    want = subprocess.run([sys.executable, "-m", "pkg", "a b", "-x"], input=stdin,
+                          capture_output=True)  # fmt: skip
+    got = run_module("pkg", "a b", "-x", stdin=stdin)
+    assert (got.returncode, got.stdout) == (want.returncode, want.stdout)
+    assert got.stdout.startswith(b"__main__ True ['a b', '-x'] ['-m', 'pkg', 'a b', '-x'] True")
+    if end == "an exception":
+        assert got.stderr.splitlines()[-1] == want.stderr.splitlines()[-1] == b"ValueError: boom"
+    else:
+        assert got.stderr == want.stderr
+
+
+def test_a_run_starts_as_the_server_did_only_in_its_environment(monkeypatch):
+    monkeypatch.setenv("MALLOC_ARENA_MAX", "3")  # not the server's, started or not
+    assert run_module("json.tool", "--help").returncode == 0  # the server is up
+    assert not same_start(dict(os.environ))
+    monkeypatch.delenv("MALLOC_ARENA_MAX")
+    env = dict(os.environ)
+    assert same_start(env)
+    assert same_start({**env, "PYTEST_CURRENT_TEST": "another test", "PRELOADED_TEST": "1"})
+    assert same_start({**env, "TORCHINDUCTOR_CACHE_DIR": "/tmp/x"})  # read as it compiles
+    assert not same_start({**env, "OMP_NUM_THREADS": "7"})  # torch read it at its import
+    assert not same_start({**env, "TRANSFORMER_FUSED_KERNELS": "0"})  # kernels.py, the same
+    assert not same_start({**env, "PYTHONPRELOADEDTEST": "1"})  # Python's own: PYTHON*
+    monkeypatch.setenv("GLIBC_TUNABLES", "glibc.malloc.hugetlb=1")
+    assert not same_start(dict(os.environ))  # the server started without it
