@@ -37,7 +37,7 @@ import traceback
 from collections.abc import Mapping
 from pathlib import Path
 
-# Imported once, in the server: what the benchmarks' scripts import first.
+# Imported once, in the server: what the benchmarks' scripts and the CLI's commands import first.
 PRELOAD = ["torch", "numpy", "transformer.model", "transformer.translate", "transformer.trainer",
            "transformer.cli"]  # fmt: skip
 _SERVER: subprocess.Popen | None = None

@@ -7,6 +7,7 @@ Python code can do too. Only this module (and benchmarks/) prints.
 from __future__ import annotations
 
 import argparse
+import errno
 import gc
 import json
 import logging
@@ -902,11 +903,14 @@ def main(argv: list[str] | None = None) -> int:
         again = huge_pages_exec()
         if again is not None:  # before the imports: glibc reads the tunable as a process starts
             try:
-                sys.stdout.flush()
-                sys.stderr.flush()
+                for stream in (sys.stdout, sys.stderr):
+                    if stream is not None:  # None: started without it (`>&-`)
+                        stream.flush()
                 os.execve(*again)
             except OSError as e:  # not run again (an interpreter gone meanwhile): as it is
                 print(f"transformer: 4 KiB pages ({e})", file=sys.stderr)
+    if argv is None:
+        _standard_fds_held()
     try:  # building the parser imports no torch: `--help` in ~0.4 s, not ~2.5 (round sixty-one)
         args = build_parser().parse_args(argv)
     except KeyboardInterrupt:
@@ -938,7 +942,7 @@ def main(argv: list[str] | None = None) -> int:
             raise
         return _fail(args.command, f"{what}: {_needs_less(args, what)}")
     except OSError as e:  # disk full, permission denied, stdout closed (`| head -c0`) or full
-        if e.filename == STDOUT:  # nothing more can be written there, not even at exit
+        if e.filename == STDOUT and stdout is not None:  # nothing more can be written there
             devnull = os.open(os.devnull, os.O_WRONLY)
             os.dup2(devnull, stdout.fileno())
             os.close(devnull)
@@ -954,6 +958,37 @@ def main(argv: list[str] | None = None) -> int:
 STDOUT = "<stdout>"
 
 
+def _standard_fds_held() -> None:
+    """Hold each of fds 0-2 that the program started without (`<&-`, `>&-`, `2>&-`) on
+    /dev/null: else the first file a command opens takes that number, and a library's write to
+    stdout or stderr lands in it (a checkpoint, a model file). Python has set the stream to None:
+    reading a closed stdin and writing a closed stdout still fail, in one line as a closed
+    pipe does (_ClosedStdin, _Stdout); what goes to a closed stderr is dropped."""
+    for fd in (0, 1, 2):
+        try:
+            os.fstat(fd)
+        except OSError:
+            null = os.open(os.devnull, os.O_RDWR)  # the lowest free number: fd itself
+            if null != fd:
+                os.dup2(null, fd)
+                os.close(null)
+    if sys.stdin is None:
+        sys.stdin = _ClosedStdin()
+    if sys.stderr is None:
+        sys.stderr = open(2, "w", encoding="utf-8", errors="backslashreplace", closefd=False)  # noqa: SIM115
+
+
+def _bad_fd(name: str) -> OSError:
+    return OSError(errno.EBADF, os.strerror(errno.EBADF), name)
+
+
+class _ClosedStdin:
+    """sys.stdin of a program started without one: reading it fails, naming <stdin>."""
+
+    def __getattr__(self, name: str):
+        raise _bad_fd("<stdin>")
+
+
 class _Stdout:
     """sys.stdout whose write errors (EPIPE, ENOSPC) name it, as the file of the error."""
 
@@ -961,6 +996,8 @@ class _Stdout:
         self._stream = stream
 
     def write(self, text: str) -> int:
+        if self._stream is None:  # the program started without a stdout (`>&-`)
+            raise _bad_fd(STDOUT)
         try:
             return self._stream.write(text)
         except OSError as e:
@@ -968,6 +1005,8 @@ class _Stdout:
             raise
 
     def flush(self) -> None:
+        if self._stream is None:  # nothing was written
+            return
         try:
             self._stream.flush()
         except OSError as e:

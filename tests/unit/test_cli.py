@@ -159,6 +159,33 @@ def test_stdout_full_or_closed_is_one_line_and_exit_2() -> None:
         assert done.stderr == f"transformer presets: error: {problem}\n", shell
 
 
+def test_a_program_started_without_stdin_stdout_or_stderr_is_one_line_or_runs(
+    tiny_model_file, tmp_path
+) -> None:
+    """`>&-`, `<&-`, `2>&-`: the descriptor is held on /dev/null, so a file the command opens
+    cannot take its number; reading the closed stdin or writing the closed stdout is the
+    one-line error of a closed pipe; a closed stderr drops the messages. Python gives the
+    program None for the stream: each of these once ended in an AttributeError's traceback."""
+    cli = f"{sys.executable} -m transformer"
+    text = tmp_path / "in.txt"
+    text.write_text("A dog runs.\n", encoding="utf-8")
+    translate = f"{cli} translate {tiny_model_file} --threads 1"
+    for shell, problem in (
+        (f"{cli} presets >&-", "<stdout>: Bad file descriptor"),
+        (f"{translate} <&-", "<stdin>: Bad file descriptor"),
+        (f"{translate} < {text} >&-", "<stdout>: Bad file descriptor"),
+    ):
+        done = _run(shell)
+        assert done.returncode == 2, (shell, done.stderr)
+        assert done.stderr.splitlines()[-1] == f"transformer {shell.split()[3]}: error: {problem}"
+        assert "Traceback" not in done.stderr, shell
+    done = _run(f"{cli} translate {tiny_model_file} {text} > {tmp_path / 'out.txt'} 2>&- <&-")
+    assert done.returncode == 0 and done.stderr == ""
+    assert len((tmp_path / "out.txt").read_text(encoding="utf-8").splitlines()) == 1
+    done = _run(f"{cli} presets --json 2>&- <&-")
+    assert done.returncode == 0 and json.loads(done.stdout)
+
+
 def test_a_config_that_is_not_utf8_or_not_yaml_is_one_line(tmp_path, capsys) -> None:
     bad = tmp_path / "latin1.yaml"
     bad.write_bytes(b"# Gr\xfc\xdfe\nmodel:\n  d_model: 16\n")
