@@ -15,7 +15,8 @@ from fixtures import SHARED_DATA, make_model_file, run_cli
 if os.environ.get("PYTEST_XDIST_WORKER"):
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
-# The preloaded server's (tests/preloaded.py), whichever test first needs it.
+# The environment the preloaded server (tests/preloaded.py) starts in: the worker's, not that of
+# whichever test first needs it.
 preloaded.ENVIRONMENT = dict(os.environ)
 
 

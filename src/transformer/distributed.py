@@ -125,10 +125,9 @@ def run_local(nprocs: int, fn: Callable[..., Any], args: tuple = ()) -> Any:
     directory: no port, nothing reachable from outside) with the environment `torchrun` gives
     (RANK, WORLD_SIZE, LOCAL_RANK), so `init_from_env` finds the job. The children are forked
     from a server process that has imported torch and `fn`'s module once (multiprocessing's
-    forkserver, started at the first job and kept by this process): a rank starts in ~0.1 s
-    instead of importing torch again (~2 s of CPU each on a Zen 3). `fn` and `args` must
-    pickle; each rank runs in this process's environment, folder and sys.path as they are at
-    the call.
+    forkserver, started at the first job and kept by this process), so no rank imports torch
+    again (~2 s of CPU a rank on a Zen 3). `fn` and `args` must pickle; each rank runs in this
+    process's environment, folder and sys.path as they are at the call.
 
     Returns rank 0's return value. If a rank fails, the others are stopped (they would wait
     for it in the next all-reduce) and its failure is raised here: a UserError as a UserError
