@@ -30,7 +30,6 @@ from pathlib import Path
 import torch
 
 from transformer import cpuinfo
-from transformer.cpuinfo import count_problem
 
 logger = logging.getLogger(__name__)
 
@@ -571,7 +570,7 @@ def resolve(threads: int | str | None, **tuner: int | float) -> ThreadTuner | No
             # tuned units (a model's loading, the encoder) keeps to the usable cores too.
             torch.set_num_threads(found.candidates[0])
         return found
-    problem = count_problem(int(threads))
+    problem = cpuinfo.count_problem(int(threads))
     if problem is not None:
         from transformer.errors import UserError
 
