@@ -170,8 +170,9 @@ def test_a_program_started_without_stdin_stdout_or_stderr_is_one_line_or_runs(
     text = tmp_path / "in.txt"
     text.write_text("A dog runs.\n", encoding="utf-8")
     translate = f"{cli} translate {tiny_model_file} --threads 1"
+    score = f"{cli} score {text} {text} --lang de"  # a command that starts without torch
     for shell, problem in (
-        (f"{cli} presets >&-", "<stdout>: Bad file descriptor"),
+        (f"{score} >&-", "<stdout>: Bad file descriptor"),
         (f"{translate} <&-", "<stdin>: Bad file descriptor"),
         (f"{translate} < {text} >&-", "<stdout>: Bad file descriptor"),
     ):
@@ -182,7 +183,7 @@ def test_a_program_started_without_stdin_stdout_or_stderr_is_one_line_or_runs(
     done = _run(f"{cli} translate {tiny_model_file} {text} > {tmp_path / 'out.txt'} 2>&- <&-")
     assert done.returncode == 0 and done.stderr == ""
     assert len((tmp_path / "out.txt").read_text(encoding="utf-8").splitlines()) == 1
-    done = _run(f"{cli} presets --json 2>&- <&-")
+    done = _run(f"{score} --json 2>&- <&-")
     assert done.returncode == 0 and json.loads(done.stdout)
 
 
