@@ -23,6 +23,7 @@ One server per pytest worker, started on first use and ended with it; a run at a
 from __future__ import annotations
 
 import atexit
+import functools
 import io
 import json
 import os
@@ -47,10 +48,24 @@ ENVIRONMENT: dict[str, str] | None = None
 _SERVER_ENV: dict[str, str] = {}  # the environment the server started in
 # The variables read as a process starts or imports what the server preloads: by Python
 # (PYTHON*), glibc (LD_*, MALLOC_*, GLIBC_TUNABLES, the locale's), OpenMP, MKL, oneDNN, OpenBLAS,
-# torch, and this package (kernels.py reads TRANSFORMER_* switches at its import).
-START = ("PYTHON", "LD_", "MALLOC_", "GLIBC_", "LC_", "OMP_", "GOMP_", "KMP_", "MKL_", "DNNL_",
-         "ONEDNN_", "OPENBLAS_", "TORCH_", "PYTORCH_", "CUDA_", "TRANSFORMER_")  # fmt: skip
+# torch, and this package (kernels.py reads TRANSFORMER_* switches at its import). KMP_* too
+# where Intel's OpenMP is loaded (_intel_openmp).
+START = ("PYTHON", "LD_", "MALLOC_", "GLIBC_", "LC_", "OMP_", "GOMP_", "MKL_", "DNNL_", "ONEDNN_",
+         "OPENBLAS_", "TORCH_", "PYTORCH_", "CUDA_", "TRANSFORMER_")  # fmt: skip
 START_NAMES = ("LANG", "LANGUAGE")
+
+
+@functools.cache
+def _intel_openmp() -> bool:
+    """Whether Intel's OpenMP runtime (libiomp5), the one reader of KMP_* variables, is loaded
+    in this process, which has imported torch as the server has (torch's pip wheels load GNU's
+    libgomp); True where /proc cannot tell. joblib sets KMP_INIT_AT_FORK in the worker's
+    environment as sacremoses imports it: without libiomp it changes no process's start."""
+    try:
+        with open("/proc/self/maps", encoding="utf-8", errors="replace") as maps:
+            return "libiomp" in maps.read()
+    except OSError:
+        return True
 
 
 def _child(
@@ -165,8 +180,10 @@ def same_start(env: dict[str, str]) -> bool:
     are those it will start with."""
     started = _SERVER_ENV if _SERVER is not None else ENVIRONMENT or os.environ
 
+    prefixes = START + (("KMP_",) if _intel_openmp() else ())
+
     def start(environ: Mapping[str, str]) -> dict[str, str]:
-        return {k: v for k, v in environ.items() if k.startswith(START) or k in START_NAMES}
+        return {k: v for k, v in environ.items() if k.startswith(prefixes) or k in START_NAMES}
 
     return start(env) == start(started)
 

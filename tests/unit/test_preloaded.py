@@ -104,3 +104,40 @@ def test_a_run_starts_as_the_server_did_only_in_its_environment(monkeypatch):
     assert not same_start({**env, "PYTHONPRELOADEDTEST": "1"})  # Python's own: PYTHON*
     monkeypatch.setenv("GLIBC_TUNABLES", "glibc.malloc.hugetlb=1")
     assert not same_start(dict(os.environ))  # the server started without it
+
+
+def test_kmp_variables_count_only_where_intel_openmp_is_loaded(monkeypatch):
+    import preloaded
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KMP_")}
+    assert run_module("json.tool", "--help").returncode == 0  # the server is up
+    # joblib's import (sacremoses') sets KMP_INIT_AT_FORK=FALSE in the worker: read by Intel's
+    # OpenMP alone, so without it the suite's later `run_cli`s stay on the server.
+    monkeypatch.setattr(preloaded, "_intel_openmp", lambda: False)
+    assert same_start(env) and same_start({**env, "KMP_INIT_AT_FORK": "FALSE"})
+    monkeypatch.setattr(preloaded, "_intel_openmp", lambda: True)
+    assert not same_start({**env, "KMP_AFFINITY": "compact"})
+
+
+def test_intel_openmp_is_read_from_the_process_maps(monkeypatch, tmp_path):
+    import preloaded
+
+    maps = {"gomp": "7f00-7f01 r-xp 0 fd:01 1 /venv/torch/lib/libgomp.so.1\n",
+            "iomp": "7f00-7f01 r-xp 0 fd:01 1 /opt/intel/lib/libiomp5.so\n"}  # fmt: skip
+    real_open = open
+
+    for name, expected in (("gomp", False), ("iomp", True), ("none", True)):
+        path = tmp_path / name
+        if name in maps:
+            path.write_text(maps[name])
+
+        def fake_open(file, *a, _path=path, **k):
+            return real_open(_path if file == "/proc/self/maps" else file, *a, **k)
+
+        monkeypatch.setattr("builtins.open", fake_open)
+        preloaded._intel_openmp.cache_clear()
+        try:
+            assert preloaded._intel_openmp() is expected, name  # no /proc: counted
+        finally:
+            monkeypatch.undo()
+            preloaded._intel_openmp.cache_clear()
