@@ -447,6 +447,10 @@ def _add_sweep(sub: argparse._SubParsersAction) -> None:
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
+    if args.procs is not None and args.procs > 1:  # its imports of torch beside this process's
+        from transformer import rankserver
+
+        rankserver.start("transformer.train")
     from transformer.config import build_config
     from transformer.train import train
 

@@ -36,8 +36,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
+from transformer import rankserver
 from transformer.errors import JobError, UserError, out_of_memory
 
 logger = logging.getLogger(__name__)
@@ -127,7 +127,8 @@ def run_local(nprocs: int, fn: Callable[..., Any], args: tuple = ()) -> Any:
     from a server process that has imported torch and `fn`'s module once (multiprocessing's
     forkserver, started at the first job and kept by this process), so no rank imports torch
     again (~2 s of CPU a rank on a Zen 3). `fn` and `args` must pickle; each rank runs in this
-    process's environment, folder and sys.path as they are at the call.
+    process's environment, folder and sys.path as they are at the call. `train --procs N`
+    starts the server before its own imports (rankserver.start).
 
     Returns rank 0's return value. If a rank fails, the others are stopped (they would wait
     for it in the next all-reduce) and its failure is raised here: a UserError as a UserError
@@ -138,8 +139,8 @@ def run_local(nprocs: int, fn: Callable[..., Any], args: tuple = ()) -> Any:
     """
     if nprocs < 1:
         raise UserError(f"--procs: must be at least 1, got {nprocs}")
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["__main__", "torch", "torch.distributed", __name__, fn.__module__])
+    ctx = rankserver.start(fn.__module__)
+    interrupts = signal.getsignal(signal.SIGINT) is not signal.SIG_IGN  # the ranks take Ctrl-C
     environ = dict(os.environ)  # the server's is this process's at the first job
     tmp = Path(tempfile.mkdtemp(prefix="transformer-job-"))
     level = logging.getLogger("transformer").getEffectiveLevel()
@@ -147,7 +148,8 @@ def run_local(nprocs: int, fn: Callable[..., Any], args: tuple = ()) -> Any:
     store = tmp / "store"
     procs = [
         ctx.Process(
-            target=_rank_main, args=(r, nprocs, store, level, environ, pipes[r][1], fn, args)
+            target=_rank_main,
+            args=(r, nprocs, store, level, environ, interrupts, pipes[r][1], fn, args),
         )
         for r in range(nprocs)
     ]
@@ -234,9 +236,14 @@ def _receive(conn, rank: int, reports: dict[int, tuple[str, Any]]) -> None:
 
 
 def _rank_main(
-    rank: int, world: int, store: Path, level: int, environ: dict[str, str], conn, fn, args
-) -> None:
-    """A child of `run_local`: join the job, run fn, send back its result or its failure."""
+    rank: int, world: int, store: Path, level: int, environ: dict[str, str], interrupts: bool,
+    conn, fn, args,
+) -> None:  # fmt: skip
+    """A child of `run_local`: join the job, run fn, send back its result or its failure.
+    Ctrl-C raises KeyboardInterrupt here where `interrupts` (the job's process does not ignore
+    it), as in any Python program: the server it forks from ignores it (rankserver.start)."""
+    if interrupts:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     logging.basicConfig(
         level=level,
         format=f"%(asctime)s %(levelname)s [{rank}] %(name)s: %(message)s",

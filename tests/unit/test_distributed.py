@@ -423,3 +423,17 @@ def test_train_out_of_memory_is_one_line_with_what_the_run_kept(
     monkeypatch.setattr(train_module, "_train_job", bug)
     with pytest.raises(RuntimeError, match="not memory"):
         main(["train", "--resume", str(run)])
+
+
+def _interrupted_if_rank_1() -> int:
+    if int(os.environ["RANK"]) == 1:
+        os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C, to this rank alone
+        time.sleep(5)
+    return 0
+
+
+def test_a_rank_takes_ctrl_c_though_its_server_ignores_it():
+    """The server starts with Ctrl-C ignored (rankserver.start); a rank takes it again as the
+    job's process does: KeyboardInterrupt, reported, the job interrupted."""
+    with pytest.raises(KeyboardInterrupt):
+        distributed.run_local(2, _interrupted_if_rank_1)
