@@ -185,7 +185,8 @@ def run_local(nprocs: int, fn: Callable[..., Any], args: tuple = ()) -> Any:
         for p in stopped:
             p.terminate()
         for p in procs:
-            p.join()
+            if p.pid is not None:  # not a process that Ctrl-C kept from starting
+                p.join()
         if stopped:  # cut off mid-line, maybe (rank 0's progress bar): the error starts anew
             sys.stderr.write("\n")
         for reader, _ in pipes:

@@ -425,6 +425,27 @@ def test_train_out_of_memory_is_one_line_with_what_the_run_kept(
         main(["train", "--resume", str(run)])
 
 
+def test_ctrl_c_while_the_ranks_start_stops_the_started_ones(monkeypatch):
+    """Ctrl-C between two ranks' starts: KeyboardInterrupt (the CLI's one line), the started
+    rank stopped, not an AssertionError from joining the rank that never started."""
+    import multiprocessing.context
+
+    started = []
+    start = multiprocessing.context.ForkServerProcess.start
+
+    def start_one_then_interrupt(self):
+        if started:
+            raise KeyboardInterrupt
+        start(self)
+        started.append(self)
+
+    monkeypatch.setattr(multiprocessing.context.ForkServerProcess, "start",
+                        start_one_then_interrupt)  # fmt: skip
+    with pytest.raises(KeyboardInterrupt):
+        distributed.run_local(2, _sum_of_ranks, (1.0,))
+    assert len(started) == 1 and started[0].exitcode is not None  # stopped and joined
+
+
 def _interrupted_if_rank_1() -> int:
     if int(os.environ["RANK"]) == 1:
         os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C, to this rank alone
