@@ -14,24 +14,18 @@ import multiprocessing.forkserver
 import signal
 
 
-def context(module: str) -> multiprocessing.context.ForkServerContext:
+def start(module: str) -> multiprocessing.context.ForkServerContext:
     """The forkserver context whose server imports torch, `torch.distributed`,
-    `transformer.distributed` and `module` (the job function's) as it starts. The server is
-    one per process, started at the first job (or by `start`) and kept for the later ones."""
+    `transformer.distributed` and `module` (the job function's) as it starts; the server
+    started now, without waiting for its imports, or found running (one per process, kept for
+    later jobs). It starts with Ctrl-C ignored: a Ctrl-C to the job's process group midway
+    through its imports would end it there with a traceback, before it ignores Ctrl-C itself.
+    The job's process stops the ranks on Ctrl-C, and each rank takes Ctrl-C again as the job's
+    process does (distributed.run_local)."""
     ctx = multiprocessing.get_context("forkserver")
     ctx.set_forkserver_preload(
         ["__main__", "torch", "torch.distributed", "transformer.distributed", module]
     )
-    return ctx
-
-
-def start(module: str) -> multiprocessing.context.ForkServerContext:
-    """Start the server now, without waiting for its imports (or find it running); its
-    context. It starts with Ctrl-C ignored: a Ctrl-C to the job's process group midway through
-    its imports would end it there with a traceback, before it ignores Ctrl-C itself. The job's
-    process stops the ranks on Ctrl-C, and each rank takes Ctrl-C again as the job's process
-    does (distributed.run_local)."""
-    ctx = context(module)
     try:
         previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
     except ValueError:  # not the main thread, where the handler is set: as it is
