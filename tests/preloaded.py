@@ -56,14 +56,15 @@ START_NAMES = ("LANG", "LANGUAGE")
 
 
 @functools.cache
-def _intel_openmp() -> bool:
+def _intel_openmp(maps: str = "/proc/self/maps") -> bool:
     """Whether Intel's OpenMP runtime (libiomp5), the one reader of KMP_* variables, is loaded
-    in this process, which has imported torch as the server has (torch's pip wheels load GNU's
-    libgomp); True where /proc cannot tell. joblib sets KMP_INIT_AT_FORK in the worker's
-    environment as sacremoses imports it: without libiomp it changes no process's start."""
+    in this process (its `maps`), which has imported torch as the server has (torch's pip
+    wheels load GNU's libgomp); True where they cannot be read. joblib sets KMP_INIT_AT_FORK in
+    the worker's environment as sacremoses imports it: without libiomp it changes no process's
+    start."""
     try:
-        with open("/proc/self/maps", encoding="utf-8", errors="replace") as maps:
-            return "libiomp" in maps.read()
+        with open(maps, encoding="utf-8", errors="replace") as f:
+            return "libiomp" in f.read()
     except OSError:
         return True
 

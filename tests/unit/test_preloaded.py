@@ -119,25 +119,13 @@ def test_kmp_variables_count_only_where_intel_openmp_is_loaded(monkeypatch):
     assert not same_start({**env, "KMP_AFFINITY": "compact"})
 
 
-def test_intel_openmp_is_read_from_the_process_maps(monkeypatch, tmp_path):
-    import preloaded
+def test_intel_openmp_is_read_from_the_process_maps(tmp_path):
+    from preloaded import _intel_openmp
 
     maps = {"gomp": "7f00-7f01 r-xp 0 fd:01 1 /venv/torch/lib/libgomp.so.1\n",
             "iomp": "7f00-7f01 r-xp 0 fd:01 1 /opt/intel/lib/libiomp5.so\n"}  # fmt: skip
-    real_open = open
-
-    for name, expected in (("gomp", False), ("iomp", True), ("none", True)):
-        path = tmp_path / name
-        if name in maps:
-            path.write_text(maps[name])
-
-        def fake_open(file, *a, _path=path, **k):
-            return real_open(_path if file == "/proc/self/maps" else file, *a, **k)
-
-        monkeypatch.setattr("builtins.open", fake_open)
-        preloaded._intel_openmp.cache_clear()
-        try:
-            assert preloaded._intel_openmp() is expected, name  # no /proc: counted
-        finally:
-            monkeypatch.undo()
-            preloaded._intel_openmp.cache_clear()
+    for name, text in maps.items():
+        (tmp_path / name).write_text(text)
+    assert _intel_openmp(str(tmp_path / "gomp")) is False
+    assert _intel_openmp(str(tmp_path / "iomp")) is True
+    assert _intel_openmp(str(tmp_path / "none")) is True  # unreadable: counted
