@@ -152,8 +152,8 @@ def _claim(x: torch.Tensor) -> ResidualPort | None:
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """F.linear(x, weight, bias), through `_RowMajorGradLinear` where `own_weight_grads`
-    (a training product of many rows on AMX), with F.linear's values either way. Not the
-    helper's path (`Linear` goes there first)."""
+    (a training product of many rows on a CPU with native bf16 products), with F.linear's
+    values either way. Not the helper's path (`Linear` goes there first)."""
     if torch.is_grad_enabled() and own_weight_grads(weight, x.shape[:-1].numel()):
         # 2-D inside the Function: a view made in there could not be changed in place
         if x.dim() == 2:
@@ -198,7 +198,11 @@ def stacked_linear(x: torch.Tensor, layers: list[nn.Linear]) -> torch.Tensor | N
 
 
 # Weight gradients from row-major copies (`_RowMajorGradLinear`): None decides on first use,
-# on where the CPU has AMX and the compiled transposing copy builds (kernels.py).
+# on whether the CPU multiplies bf16 natively (AMX, or AVX-512 BF16 alone as on a Zen 4) and the
+# compiled kernels build (kernels.py). Made for AMX (round twenty-six); on a Zen 4 the W1 step
+# ran 1.038x with them, 1.025x with their fusions but autograd's dW products: the bias added in
+# oneDNN's product, db's fp32 column sums, the ReLU in the product, the residual's gradient
+# added by the product (docs/performance.md, "Round sixty-four").
 ROW_MAJOR_GRADS: bool | None = None
 # ... for products over at least this many rows (a layer's input rows, the loss's hidden
 # rows): the W1 step's 3,826 gained 4-9% a step; the quickstart's ~1,000 (d_model 256) lost
@@ -208,15 +212,16 @@ ROW_MAJOR_ROWS = 2048
 
 def own_weight_grads(weight: torch.Tensor, rows: int) -> bool:
     """Whether a product of this weight over `rows` rows goes through `_RowMajorGradLinear`: a
-    bf16 CPU weight that needs a gradient, `ROW_MAJOR_ROWS` rows or more, on an AMX CPU."""
+    bf16 CPU weight that needs a gradient, `ROW_MAJOR_ROWS` rows or more, on a CPU with native
+    bf16 products (`cpuinfo.native_bf16`: AMX or AVX-512 BF16)."""
     global ROW_MAJOR_GRADS
     if weight.dtype != torch.bfloat16 or weight.device.type != "cpu" or not weight.requires_grad:
         return False
     if rows < ROW_MAJOR_ROWS:
         return False
     if ROW_MAJOR_GRADS is None:
-        amx = "amx_bf16" in cpuinfo.cpu_flags()
-        ROW_MAJOR_GRADS = amx and kernels.unavailable() is None
+        native = bool(cpuinfo.NATIVE_BF16_FLAGS & cpuinfo.cpu_flags())
+        ROW_MAJOR_GRADS = native and kernels.unavailable() is None
     return ROW_MAJOR_GRADS and not torch.compiler.is_compiling()
 
 
@@ -360,7 +365,7 @@ def chained_linears(x: torch.Tensor, layers: list[nn.Linear]) -> list[torch.Tens
     over (N, D) (5 of ~1.45 ms in a W1 step). `_ChainedLinear` passes the sum from layer to
     layer: layer i reads x through layer i - 1's second output, an alias of x, whose gradient
     is the sum so far. None where a layer would not go through `_RowMajorGradLinear` (`linear`:
-    not a training product of many rows on AMX, or the helper active)."""
+    not a training product of many rows with native bf16 products, or the helper active)."""
     if not torch.is_grad_enabled() or active() is not None or x.dim() != 2 or not layers:
         return None
     if not all(is_linear(m) and own_weight_grads(m.weight, x.size(0)) for m in layers):

@@ -628,8 +628,16 @@ def test_a_stacked_linear_is_not_taken_where_each_layer_keeps_its_own(monkeypatc
     assert gradhelper.stacked_linear(x, [a, b]) is None
 
 
-@pytest.mark.parametrize("flags,expected", [({"avx512f"}, False), ({"amx_bf16", "avx512f"}, True)])
-def test_row_major_grads_is_decided_by_amx(flags, expected, monkeypatch):
+@pytest.mark.parametrize(
+    "flags,expected",
+    [
+        ({"avx2"}, False),
+        ({"avx512f", "avx512bw", "avx512vl"}, False),  # AVX-512 without bf16 products
+        ({"avx512f", "avx512bw", "avx512vl", "avx512_bf16"}, True),  # a Zen 4 or Zen 5
+        ({"amx_bf16", "avx512f", "avx512_bf16"}, True),
+    ],
+)
+def test_row_major_grads_is_decided_by_native_bf16(flags, expected, monkeypatch):
     monkeypatch.setattr(gradhelper, "ROW_MAJOR_GRADS", None)
     monkeypatch.setattr(gradhelper.cpuinfo, "cpu_flags", lambda: flags)
     w = torch.zeros(7, 12, dtype=torch.bfloat16, requires_grad=True)
