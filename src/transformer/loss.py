@@ -142,8 +142,9 @@ class _ChunkedProjectionLoss(torch.autograd.Function):
         if need_grad and (fp32_sum or helper is not None):
             grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
         partial = None  # bf16: the sum of probs^T h over the chunks so far
-        # On AMX as (D, V) = h^T probs, whose left operand is then a row-major copy: oneDNN runs
-        # probs^T (a transposed view) at half its rate there (gradhelper.row_major_grads).
+        # With native bf16 products (gradhelper.row_major_grads: AMX, AVX-512 BF16) as (D, V) =
+        # h^T probs, whose left operand is then a row-major copy: oneDNN runs probs^T (a
+        # transposed view) at half its rate on AMX (on a Zen 4 the whole path won 3%).
         row_major = ctx.needs_input_grad[1] and gradhelper.row_major_grads(weight, n_rows)
         loss = hidden.new_zeros((), dtype=torch.float32)
         nll = hidden.new_zeros((), dtype=torch.float32)
@@ -166,7 +167,7 @@ class _ChunkedProjectionLoss(torch.autograd.Function):
         # operand at ~1,550 GFLOP/s, a row-major (D, V) copy of W^T at ~2,300-2,400 (a
         # 1,912-row chunk at V 32,000, D 512: 38.8-40.3 -> 25.9-26.6 ms; the copy 3.4-4.7 ms
         # a step; docs/performance.md, "Round fifty-four"). Where the (V, D) gradient comes
-        # from row-major copies too (AMX, bf16, >= ROW_MAJOR_ROWS rows). The two sum each
+        # from row-major copies too (native bf16 products, >= ROW_MAJOR_ROWS rows). The two sum each
         # logit's products in other orders: the same values to bf16's rounding.
         copied = row_major and block is not None
         right = kernels.transposed(weight.detach()) if copied else weight.t()  # (D, V)
