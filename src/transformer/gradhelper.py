@@ -200,9 +200,9 @@ def stacked_linear(x: torch.Tensor, layers: list[nn.Linear]) -> torch.Tensor | N
 # Weight gradients from row-major copies (`_RowMajorGradLinear`): None decides on first use,
 # on whether the CPU multiplies bf16 natively (AMX, or AVX-512 BF16 alone as on a Zen 4) and the
 # compiled kernels build (kernels.py). Made for AMX (round twenty-six); on a Zen 4 the W1 step
-# ran 1.038x with them, 1.025x with their fusions but autograd's dW products: the bias added in
-# oneDNN's product, db's fp32 column sums, the ReLU in the product, the residual's gradient
-# added by the product (docs/performance.md, "Round sixty-four").
+# ran 1.033-1.038x with them, 1.025x with their fusions alone (the bias added in oneDNN's
+# product, db's fp32 column sums, the ReLU in the product, the residual's gradient added by the
+# product) and autograd's dW products (docs/performance.md, "Round sixty-four").
 ROW_MAJOR_GRADS: bool | None = None
 # ... for products over at least this many rows (a layer's input rows, the loss's hidden
 # rows): the W1 step's 3,826 gained 4-9% a step; the quickstart's ~1,000 (d_model 256) lost

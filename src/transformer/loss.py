@@ -167,8 +167,8 @@ class _ChunkedProjectionLoss(torch.autograd.Function):
         # operand at ~1,550 GFLOP/s, a row-major (D, V) copy of W^T at ~2,300-2,400 (a
         # 1,912-row chunk at V 32,000, D 512: 38.8-40.3 -> 25.9-26.6 ms; the copy 3.4-4.7 ms
         # a step; docs/performance.md, "Round fifty-four"). Where the (V, D) gradient comes
-        # from row-major copies too (native bf16 products, >= ROW_MAJOR_ROWS rows). The two sum each
-        # logit's products in other orders: the same values to bf16's rounding.
+        # from row-major copies too (native bf16 products, >= ROW_MAJOR_ROWS rows). The two
+        # sum each logit's products in other orders: the same values to bf16's rounding.
         copied = row_major and block is not None
         right = kernels.transposed(weight.detach()) if copied else weight.t()  # (D, V)
         for start, stop in bounds:
