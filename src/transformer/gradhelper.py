@@ -220,8 +220,7 @@ def own_weight_grads(weight: torch.Tensor, rows: int) -> bool:
     if rows < ROW_MAJOR_ROWS:
         return False
     if ROW_MAJOR_GRADS is None:
-        native = bool(cpuinfo.NATIVE_BF16_FLAGS & cpuinfo.cpu_flags())
-        ROW_MAJOR_GRADS = native and kernels.unavailable() is None
+        ROW_MAJOR_GRADS = bool(cpuinfo.native_bf16()) and kernels.unavailable() is None
     return ROW_MAJOR_GRADS and not torch.compiler.is_compiling()
 
 

@@ -639,7 +639,7 @@ def test_a_stacked_linear_is_not_taken_where_each_layer_keeps_its_own(monkeypatc
 )
 def test_row_major_grads_is_decided_by_native_bf16(flags, expected, monkeypatch):
     monkeypatch.setattr(gradhelper, "ROW_MAJOR_GRADS", None)
-    monkeypatch.setattr(gradhelper.cpuinfo, "cpu_flags", lambda: flags)
+    monkeypatch.setattr(gradhelper.cpuinfo, "cpu_flags", lambda path=None: flags)
     w = torch.zeros(7, 12, dtype=torch.bfloat16, requires_grad=True)
     assert gradhelper.row_major_grads(w, gradhelper.ROW_MAJOR_ROWS) is expected
     assert gradhelper.ROW_MAJOR_GRADS is expected
