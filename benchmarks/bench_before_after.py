@@ -10,12 +10,12 @@ decoding of 64 sentences forced to 50 tokens with the shared Marian weights.
     .venv/bin/python benchmarks/bench_before_after.py --rev 242feec --what real \
         --data QS/data --preset quickstart --batches 40
 
-`--switch attention_amx` (or `weight_grad_amx`, `project_amx`): a kernel switch
+`--switch attention_bf16` (or `weight_grad_amx`, `project_amx`): a kernel switch
 (`transformer.kernels.`'s function of that name) off before each 'before' call and on before
 each 'after' one; with `--rev HEAD` the same code either side (a switch that changes the
 numbers, as project_amx's fp32 logits, prints how many decoded outputs differ):
 
-    .venv/bin/python benchmarks/bench_before_after.py --rev HEAD --switch attention_amx \
+    .venv/bin/python benchmarks/bench_before_after.py --rev HEAD --switch attention_bf16 \
         --what train,real --data QS/data --reps 12
 
 `--kernels`: the 'before' side also runs the compiled library of `--rev`'s kernels.py (its C
@@ -124,7 +124,7 @@ def main() -> None:
     p.add_argument("--batches", type=int, default=40, help="training batches (--what real)")
     p.add_argument(
         "--switch",
-        choices=["attention_amx", "weight_grad_amx", "project_amx"],
+        choices=["attention_bf16", "weight_grad_amx", "project_amx"],
         help="a kernel switch: off before, on after",
     )
     p.add_argument(

@@ -40,7 +40,9 @@ faster, W2's 3% (docs/performance.md, "Round forty-one"). It is called without h
 A bf16 training step's attention (`attention_train`, `model._PackedAttention`) takes each
 (sentence, head) as one task reading and writing the packed rows in place (docs/performance.md,
 "Round forty-nine"); on a CPU with AMX its six products run on AMX's tiles, bf16 operands and
-fp32 sums (`attention_amx`; "Round fifty-one"), elsewhere on AVX-512's fp32 lanes.
+fp32 sums ("Round fifty-one"), on one with AVX-512 BF16 but no AMX (Zen 4, Zen 5) on its dot
+products, the same operands and sums ("Round sixty-five"), elsewhere on AVX-512's fp32 lanes
+(`attention_products`).
 
 There too a square layer's weight gradient, (512 x ~3,900) x (~3,900 x 512) in a W1 step, which
 oneDNN ran at ~800 GFLOP/s in the step (its other shapes at 1,400-1,950), runs on AMX's tiles
@@ -1146,17 +1148,22 @@ AVX512BW int transpose16_wide(const uint16_t *s, uint16_t *d, int64_t rows, int6
 #include <sys/syscall.h>
 #include <unistd.h>
 #define AMXBW __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512bf16")))
-static int attn_amx = 0;
+/* AVX-512 BF16 without the tiles: VDPBF16PS's dot products and VCVTNEPS2BF16 (Zen 4 and 5 have
+   them, and every AMX CPU) */
+#define BF16BW __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
 #endif
+/* where the training attention's products run: 0 AVX-512's fp32 lanes, 1 AMX's tiles, 2 AVX-512
+   BF16's dot products (`attention_bf16`) */
+static int attn_bf16 = 0;
 
 #ifdef HAVE_AMX
-/* `narrow` by the CPU's own conversion (VCVTNEPS2BF16, AVX512-BF16, which every AMX CPU has):
-   one instruction where `narrow` takes seven, the same round to nearest even, but an fp32
+/* `narrow` by the CPU's own conversion (VCVTNEPS2BF16, AVX512-BF16: every AMX CPU, Zen 4 and
+   5): one instruction where `narrow` takes seven, the same round to nearest even, but an fp32
    denormal (below 2^-126) taken as zero and a NaN's sign kept. The training attention's
-   outputs on the tiles (its weights P, out, dS's two parts, dq, dk, dv) round with it. */
-AMXBW static inline __m256i narrow_hw(__m512 v) { return (__m256i)_mm512_cvtneps_pbh(v); }
-ROWS_BF16(rows_bf16_hw, AMXBW, narrow_hw)
-HEAD_KEYS_OUT(head_keys_out_hw, AMXBW, narrow_hw)
+   outputs in bf16 products (its weights P, out, dS's two parts, dq, dk, dv) round with it. */
+BF16BW static inline __m256i narrow_hw(__m512 v) { return (__m256i)_mm512_cvtneps_pbh(v); }
+ROWS_BF16(rows_bf16_hw, BF16BW, narrow_hw)
+HEAD_KEYS_OUT(head_keys_out_hw, BF16BW, narrow_hw)
 #endif
 
 /* AMX's tiles for this process: Linux grants them once asked (1), or not (0, as without AMX) */
@@ -1170,18 +1177,18 @@ int amx_permit(void) {
 #endif
 }
 
-/* Whether the training attention's products run on AMX (on: 1 asks for it). Linux gives a
-   process the tiles' state only when asked (arch_prctl ARCH_REQ_XCOMP_PERM for
-   XFEATURE_XTILEDATA); oneDNN asks the same for its own products. on < 0: no change. Returns
-   the state now. */
-int attention_amx(int on) {
+/* Where the training attention's products run (`attn_bf16`): mode 1 asks for AMX's tiles, 2
+   for AVX-512 BF16's dot products (the caller knows the CPU has them: every AMX CPU does), 0
+   for the fp32 lanes; < 0: no change. Linux gives a process the tiles' state only when asked
+   (arch_prctl ARCH_REQ_XCOMP_PERM for XFEATURE_XTILEDATA; oneDNN asks the same for its own
+   products): the tiles refused, the dot products. Returns the mode now. */
+int attention_bf16(int mode) {
 #ifdef HAVE_AMX
-  if (on < 0) return attn_amx;
-  if (on && !amx_permit()) return 0;
-  attn_amx = on != 0;
-  return attn_amx;
+  if (mode < 0) return attn_bf16;
+  attn_bf16 = mode == 1 ? (amx_permit() ? 1 : 2) : mode == 2 ? 2 : 0;
+  return attn_bf16;
 #else
-  (void)on;
+  (void)mode;
   return 0;
 #endif
 }
@@ -1270,6 +1277,72 @@ AMXBW static void amx_gemm(const uint16_t *A, const uint16_t *A2, int64_t lda, c
   }
 }
 
+/* C[4 rows, 16 U columns] = A B (+ A2 B) on AVX-512 BF16's dot products, A and A2 (row stride
+   lda) bf16, B as amx_gemm's pairs (row stride ldb words), over the first K values of the sum
+   (K even): VDPBF16PS adds to each fp32 lane the products of a pair (A's two values broadcast,
+   B's word), 4 x U sums in registers, each B vector read once for the 4 rows. The sums' order
+   is the lanes' own: pair by pair, A's part then A2's. */
+#define DOT_TILE(U)                                                                          \
+  BF16BW static void dot4x##U(const uint16_t *A, const uint16_t *A2, int64_t lda,             \
+                              const word32 *B, int64_t ldb, int64_t K, float *C, int64_t ldc) { \
+    __m512 c[4][U];                                                                          \
+    for (int r = 0; r < 4; ++r)                                                              \
+      for (int u = 0; u < U; ++u) c[r][u] = _mm512_setzero_ps();                             \
+    for (int64_t k = 0; k < K; k += 2, B += ldb) {                                           \
+      __m512bh b[U];                                                                         \
+      for (int u = 0; u < U; ++u) b[u] = (__m512bh)_mm512_loadu_si512((const void *)(B + 16 * u)); \
+      for (int r = 0; r < 4; ++r) {                                                          \
+        const __m512bh a = (__m512bh)_mm512_set1_epi32(*(const word32 *)(A + r * lda + k));  \
+        for (int u = 0; u < U; ++u) c[r][u] = _mm512_dpbf16_ps(c[r][u], a, b[u]);            \
+        if (A2) {                                                                            \
+          const __m512bh a2 =                                                                \
+              (__m512bh)_mm512_set1_epi32(*(const word32 *)(A2 + r * lda + k));              \
+          for (int u = 0; u < U; ++u) c[r][u] = _mm512_dpbf16_ps(c[r][u], a2, b[u]);         \
+        }                                                                                    \
+      }                                                                                      \
+    }                                                                                        \
+    for (int r = 0; r < 4; ++r)                                                              \
+      for (int u = 0; u < U; ++u) _mm512_storeu_ps(C + r * ldc + 16 * u, c[r][u]);           \
+  }
+DOT_TILE(1) DOT_TILE(2) DOT_TILE(3) DOT_TILE(4)
+typedef void (*dot_tile)(const uint16_t *, const uint16_t *, int64_t, const word32 *, int64_t,
+                         int64_t, float *, int64_t);
+static const dot_tile DOT_TILES[4] = {dot4x1, dot4x2, dot4x3, dot4x4};
+
+/* amx_gemm's C = A B (+ A2 B) on the dot products (`dot4x`), for the M rows, N columns and K
+   sums the caller reads and has (C's rows from up4(M), columns from up16(N) not written; the
+   operands as amx_gemm's, padded with zeros at least to up4 rows and up16 columns, K to even);
+   lim as amx_gemm's but per block of 4 rows, the sum to the last row's keys rounded to even */
+BF16BW static void dot_gemm(const uint16_t *A, const uint16_t *A2, int64_t lda, const word32 *B,
+                            int64_t ldb, int64_t M, int64_t N, int64_t K, float *C,
+                            int64_t ldc, const int64_t *nr, int64_t nq, int lim) {
+  for (int64_t m = 0; m < M; m += 4) {
+    int64_t n1 = up16(N), k1 = (K + 1) & ~(int64_t)1;
+    if (lim) {
+      const int64_t keys = nr[m + 3 < nq ? m + 3 : nq - 1];
+      if (lim == 1) n1 = up16(keys);
+      else k1 = (keys + 1) & ~(int64_t)1;
+    }
+    for (int64_t n = 0; n < n1; n += 64)
+      DOT_TILES[(n1 - n < 64 ? (n1 - n) / 16 : 4) - 1](A + m * lda, A2 ? A2 + m * lda : NULL,
+                                                       lda, B + n, ldb, k1, C + m * ldc + n,
+                                                       ldc);
+  }
+}
+
+/* the training attention's C = A B (+ A2 B), as amx_gemm's (acc 0), on the bf16 products this
+   process takes (`attn_bf16`): for the M rows, N columns and K sums the caller reads and has,
+   the operands padded with zeros to up16(M) rows, up16(N) columns and up32(K), as the tiles
+   read them (the dot products read less) */
+BF16BW static void bf16_gemm(const uint16_t *A, const uint16_t *A2, int64_t lda,
+                             const word32 *B, int64_t ldb, int64_t M, int64_t N, int64_t K,
+                             float *C, int64_t ldc, const int64_t *nr, int64_t nq, int lim) {
+  if (attn_bf16 == 1)
+    amx_gemm(A, A2, lda, B, ldb, up16(M), up16(N), up32(K), C, ldc, nr, nq, lim, 0);
+  else
+    dot_gemm(A, A2, lda, B, ldb, M, N, K, C, ldc, nr, nq, lim);
+}
+
 /* x's rows rows[sel[m]] (m < n, D bf16 values) as M rows of W (zeros past D and past n) */
 static void rows_pad(const uint16_t *x, int64_t ld, const int64_t *rows, const int64_t *sel,
                      int64_t n, int64_t M, int64_t D, int64_t W, uint16_t *r) {
@@ -1287,7 +1360,7 @@ static void rows_pad(const uint16_t *x, int64_t ld, const int64_t *rows, const i
 /* the same rows' words (pairs of values) transposed: t (W/2, N), t[r][m] = row m's values
    2r, 2r + 1; zeros past n and past D: B = x^T in pairs, for a product A x^T (N a multiple
    of 16, D of 16, W of 32); rows NULL: x's first n rows in order */
-AMXBW static void words_t(const uint16_t *x, int64_t ld, const int64_t *rows,
+BF16BW static void words_t(const uint16_t *x, int64_t ld, const int64_t *rows,
                           const int64_t *sel, int64_t n, int64_t N, int64_t D, int64_t W,
                           word32 *t) {
   __m512i r[16];
@@ -1307,7 +1380,7 @@ AMXBW static void words_t(const uint16_t *x, int64_t ld, const int64_t *rows,
 
 /* the same rows two by two: t (K2/2, D) words, t[r][e] = (row 2r's e-th, row 2r+1's e-th);
    zero rows past n: B = x in pairs, for a product A x (D a multiple of 16) */
-AMXBW static void pairs(const uint16_t *x, int64_t ld, const int64_t *rows, const int64_t *sel,
+BF16BW static void pairs(const uint16_t *x, int64_t ld, const int64_t *rows, const int64_t *sel,
                         int64_t n, int64_t K2, int64_t D, word32 *t) {
   const __m512i zero = _mm512_setzero_si512();
   for (int64_t r = 0; r < K2 / 2; ++r) {
@@ -1323,18 +1396,18 @@ AMXBW static void pairs(const uint16_t *x, int64_t ld, const int64_t *rows, cons
 
 /* d (C x Rp, row stride ldd) = s's first Rp rows transposed (s: rows of stride lds, C 16-bit
    values each), its rows from R on as zeros; Rp and C multiples of 32: t32x32's blocks */
-AMXBW static void t16_rows(const uint16_t *s, int64_t lds, int64_t R, int64_t Rp, int64_t C,
+BF16BW static void t16_rows(const uint16_t *s, int64_t lds, int64_t R, int64_t Rp, int64_t C,
                            uint16_t *d, int64_t ldd) {
   for (int64_t i0 = 0; i0 < Rp; i0 += 32)
     for (int64_t j0 = 0; j0 < C; j0 += 32)
       t32x32(i0 < R ? s + i0 * lds + j0 : s, lds, R - i0, d + j0 * ldd + i0, ldd);
 }
 
-/* `attn_fwd_head` with the products on AMX (the same softmax, the same outputs), given the
-   batch row's lists (`batch_lists`: kj, qi, nr; nk keys, nq queries). Scratch: qa (up32(Tq),
+/* `attn_fwd_head` with bf16 products (`bf16_gemm`: the same softmax, the same outputs), given
+   the batch row's lists (`batch_lists`: kj, qi, nr; nk keys, nq queries). Scratch: qa (up32(Tq),
    up32(D)) bf16, kb (up32(D) / 2, up32(Tk)) words, s (up32(Tq), up32(Tk)), o (up32(Tq), Dv)
    floats, pa (up32(Tq), up32(Tk)) bf16, vb (up32(Tk) / 2, Dv) words. */
-AMXBW static void attn_fwd_head_amx(const uint16_t *q, int64_t lq, const uint16_t *k,
+BF16BW static void attn_fwd_head_bf16(const uint16_t *q, int64_t lq, const uint16_t *k,
                                     const uint16_t *v, int64_t lk, const int64_t *qrow,
                                     const int64_t *krow, int64_t Tq, int64_t Tk, int64_t D,
                                     int64_t Dv, float inv_c, uint16_t *out, int64_t lo,
@@ -1347,7 +1420,7 @@ AMXBW static void attn_fwd_head_amx(const uint16_t *q, int64_t lq, const uint16_
   const int64_t M = up16(nq), N = up16(nk), K2 = up32(nk), Dp = up32(D);
   rows_pad(q, lq, qrow, qi, nq, M, D, Dp, qa);
   words_t(k, lk, krow, kj, nk, N, D, Dp, kb);
-  amx_gemm(qa, NULL, Dp, kb, N, M, N, Dp, s, N, nr, nq, 1, 0); /* scores */
+  bf16_gemm(qa, NULL, Dp, kb, N, nq, nk, D, s, N, nr, nq, 1); /* scores */
   for (int64_t c0 = 0; c0 < M; c0 += 16) { /* 16 rows' softmax at once (`exp_rows16`) */
     int64_t n16[16];
     for (int r = 0; r < 16; ++r) n16[r] = c0 + r < nq ? nr[c0 + r] : 0;
@@ -1367,17 +1440,17 @@ AMXBW static void attn_fwd_head_amx(const uint16_t *q, int64_t lq, const uint16_
     }
   }
   pairs(v, lk, krow, kj, nk, K2, Dv, vb);
-  amx_gemm(pa, NULL, K2, vb, Dv, M, Dv, K2, o, Dv, nr, nq, 2, 0); /* P V */
+  bf16_gemm(pa, NULL, K2, vb, Dv, nq, Dv, nk, o, Dv, nr, nq, 2); /* P V */
   rows_bf16_hw(o, nq, Dv, qrow, qi, out, lo);
 }
 
-/* `attn_bwd_head` with the products on AMX, given the batch row's lists as
-   `attn_fwd_head_amx`. Scratch: ga (up32(Tq), up32(Dv)) bf16, vt
+/* `attn_bwd_head` with bf16 products, given the batch row's lists as
+   `attn_fwd_head_bf16`. Scratch: ga (up32(Tq), up32(Dv)) bf16, vt
    (up32(Dv) / 2, up32(Tk)) words, dp (up32(Tq), up32(Tk)) floats, dsh, dsl, pb (up32(Tq),
    up32(Tk)) and dth, dtl, pt (up32(Tk), up32(Tq)) bf16, kp (up32(Tk) / 2, D), qp (up32(Tq) / 2,
    D), gp (up32(Tq) / 2, Dv) words, dqf (up32(Tq), D), dka (up32(Tk), D), dva (up32(Tk), Dv)
    floats. */
-AMXBW static void attn_bwd_head_amx(const uint16_t *g, int64_t lg, const uint16_t *q,
+BF16BW static void attn_bwd_head_bf16(const uint16_t *g, int64_t lg, const uint16_t *q,
                                     int64_t lq, const uint16_t *k, const uint16_t *v, int64_t lk,
                                     const int64_t *qrow, const int64_t *krow, int64_t Tk,
                                     int64_t D, int64_t Dv, float inv_c, const uint16_t *p,
@@ -1393,7 +1466,7 @@ AMXBW static void attn_bwd_head_amx(const uint16_t *g, int64_t lg, const uint16_
     const int64_t M = up16(nq), M2 = up32(nq), K2 = up32(nk), Dvp = up32(Dv);
     rows_pad(g, lg, qrow, qi, nq, M, Dv, Dvp, ga);
     words_t(v, lk, krow, kj, nk, N, Dv, Dvp, vt);
-    amx_gemm(ga, NULL, Dvp, vt, N, M, N, Dvp, dp, N, nr, nq, 1, 0); /* dP = g V^T */
+    bf16_gemm(ga, NULL, Dvp, vt, N, nq, nk, Dv, dp, N, nr, nq, 1); /* dP = g V^T */
     const __m512 vic = _mm512_set1_ps(inv_c);
     for (int64_t c = 0; c < M2; ++c) {
       const int64_t n = c < nq ? nr[c] : 0, np = up16(n);
@@ -1423,15 +1496,15 @@ AMXBW static void attn_bwd_head_amx(const uint16_t *g, int64_t lg, const uint16_
       }
     }
     pairs(k, lk, krow, kj, nk, K2, D, kp);
-    amx_gemm(dsh, dsl, K2, kp, D, M, D, K2, dqf, D, nr, nq, 2, 0); /* dq = dS K */
+    bf16_gemm(dsh, dsl, K2, kp, D, nq, D, nk, dqf, D, nr, nq, 2); /* dq = dS K */
     rows_bf16_hw(dqf, nq, D, qrow, qi, dq, ldq);
     t16_rows(dsh, K2, M2, M2, K2, dth, M2);
     t16_rows(dsl, K2, M2, M2, K2, dtl, M2);
     t16_rows(pb, K2, M2, M2, K2, pt, M2);
     pairs(q, lq, qrow, qi, nq, M2, D, qp);
     pairs(g, lg, qrow, qi, nq, M2, Dv, gp);
-    amx_gemm(dth, dtl, M2, qp, D, N, D, M2, dka, D, NULL, 0, 0, 0); /* dk = dS^T q */
-    amx_gemm(pt, NULL, M2, gp, Dv, N, Dv, M2, dva, Dv, NULL, 0, 0, 0); /* dv = P^T g */
+    bf16_gemm(dth, dtl, M2, qp, D, nk, D, nq, dka, D, NULL, 0, 0); /* dk = dS^T q */
+    bf16_gemm(pt, NULL, M2, gp, Dv, nk, Dv, nq, dva, Dv, NULL, 0, 0); /* dv = P^T g */
   } else {
     memset(dka, 0, (size_t)(nk * D) * 4);
     memset(dva, 0, (size_t)(nk * Dv) * 4);
@@ -1532,7 +1605,7 @@ int attention_train_fwd(const uint16_t *q, int64_t lq, const uint16_t *k, const 
   const int64_t tp = (Tk + 15) & ~(int64_t)15;
   int failed = 0;
 #ifdef HAVE_AMX
-  const int amx = attn_amx; /* the products on AMX's tiles: their scratch parts */
+  const int bf16 = attn_bf16; /* the products in bf16 (tiles or dot products): their parts */
   const int64_t TQ = up32(Tq), TK = up32(Tk), Dp = up32(D);
   const size_t sizes[6] = {line_bytes(TQ * Dp, 2), line_bytes(Dp / 2 * TK, 4),
                            line_bytes(TQ * TK, 4), line_bytes(TQ * Dv, 4),
@@ -1540,12 +1613,12 @@ int attention_train_fwd(const uint16_t *q, int64_t lq, const uint16_t *k, const 
 #endif
 #pragma omp parallel num_threads(nthreads)
   {
-    void *scratch; /* the fp32 lanes' floats, or the tiles' parts */
+    void *scratch; /* the fp32 lanes' floats, or the bf16 products' parts */
 #ifdef HAVE_AMX
     char *part[6];
-    if (amx) {
+    if (bf16) {
       scratch = carve(sizes, 6, part);
-      amx_start();
+      if (bf16 == 1) amx_start();
     } else
 #endif
       scratch = malloc((size_t)(D * tp + Tk * Dv + Tq * D + Tq * tp + Tq * Dv) * 4);
@@ -1565,13 +1638,13 @@ int attention_train_fwd(const uint16_t *q, int64_t lq, const uint16_t *k, const 
       if (h + 1 < H)
         prefetch_head(q, lq, k, v, lk, qrow + b * Tq, krow + b * Tk, Tq, Tk, D, Dv, h + 1);
 #ifdef HAVE_AMX
-      if (amx) {
+      if (bf16) {
         if (b != listed) { /* a batch row's heads share its lists: a thread has them in turn */
           batch_lists(qrow + b * Tq, krow + b * Tk, kmask ? kmask + b * Tk : NULL, causal, Tq,
                       Tk, kj, &nk, &nq);
           listed = b;
         }
-        attn_fwd_head_amx(q + h * D, lq, k + h * D, v + h * Dv, lk, qrow + b * Tq,
+        attn_fwd_head_bf16(q + h * D, lq, k + h * D, v + h * Dv, lk, qrow + b * Tq,
                           krow + b * Tk, Tq, Tk, D, Dv, inv_c, out + h * Dv, lo,
                           p + r * Tq * Tk, (uint16_t *)part[0], (word32 *)part[1],
                           (float *)part[2], (float *)part[3], (uint16_t *)part[4],
@@ -1585,7 +1658,7 @@ int attention_train_fwd(const uint16_t *q, int64_t lq, const uint16_t *k, const 
                     lo, p + r * Tq * Tk, kt, vs, qf, s, s + Tq * tp, kj, kj + Tk, kj + Tk + Tq);
     }
 #ifdef HAVE_AMX
-    if (amx) amx_stop();
+    if (bf16 == 1) amx_stop();
 #endif
     free(scratch);
     free(kj);
@@ -1603,7 +1676,7 @@ int attention_train_bwd(const uint16_t *g, int64_t lg, const uint16_t *q, int64_
   const int64_t tp = (Tk + 15) & ~(int64_t)15;
   int failed = 0;
 #ifdef HAVE_AMX
-  const int amx = attn_amx; /* the products on AMX's tiles: their scratch parts */
+  const int bf16 = attn_bf16; /* the products in bf16 (tiles or dot products): their parts */
   const int64_t TQ = up32(Tq), TK = up32(Tk), Dvp = up32(Dv);
   const size_t sizes[15] = {
       line_bytes(TQ * Dvp, 2), line_bytes(Dvp / 2 * TK, 4), line_bytes(TQ * TK, 4),
@@ -1614,12 +1687,12 @@ int attention_train_bwd(const uint16_t *g, int64_t lg, const uint16_t *q, int64_
 #endif
 #pragma omp parallel num_threads(nthreads)
   {
-    void *scratch; /* the fp32 lanes' floats, or the tiles' parts */
+    void *scratch; /* the fp32 lanes' floats, or the bf16 products' parts */
 #ifdef HAVE_AMX
     char *t[15];
-    if (amx) {
+    if (bf16) {
       scratch = carve(sizes, 15, t);
-      amx_start();
+      if (bf16 == 1) amx_start();
     } else
 #endif
       scratch = malloc((size_t)(2 * Tk * D + Dv * tp + 2 * Tq * D + Tq * Dv + 2 * Tq * tp +
@@ -1642,13 +1715,13 @@ int attention_train_bwd(const uint16_t *g, int64_t lg, const uint16_t *q, int64_
         prefetch_head(q, lq, k, v, lk, qrow + b * Tq, krow + b * Tk, Tq, Tk, D, Dv, h + 1);
       }
 #ifdef HAVE_AMX
-      if (amx) {
+      if (bf16) {
         if (b != listed) {
           batch_lists(qrow + b * Tq, krow + b * Tk, kmask ? kmask + b * Tk : NULL, causal, Tq,
                       Tk, kj, &nk, &nq);
           listed = b;
         }
-        attn_bwd_head_amx(g + h * Dv, lg, q + h * D, lq, k + h * D, v + h * Dv, lk,
+        attn_bwd_head_bf16(g + h * Dv, lg, q + h * D, lq, k + h * D, v + h * Dv, lk,
                           qrow + b * Tq, krow + b * Tk, Tk, D, Dv, inv_c, p + r * Tq * Tk,
                           dq + h * D, ldq, dk + h * D, dv + h * Dv, ldk, (uint16_t *)t[0],
                           (word32 *)t[1], (float *)t[2],
@@ -1667,7 +1740,7 @@ int attention_train_bwd(const uint16_t *g, int64_t lg, const uint16_t *q, int64_
                     gf, pf, ds, dqf, dka, dka + Tk * D, kj, kj + Tk, kj + Tk + Tq);
     }
 #ifdef HAVE_AMX
-    if (amx) amx_stop();
+    if (bf16 == 1) amx_stop();
 #endif
     free(scratch);
     free(kj);
@@ -2790,12 +2863,20 @@ _AVX512 = {"avx512f", "avx512bw", "avx512vl"} <= cpuinfo.cpu_flags()
 _ROWS_ISA = "avx512" if _AVX512 else "avx2" if "avx2" in cpuinfo.cpu_flags() else None
 # A decoding step's attention (`step_attention`) in AVX-512 (F, BW, VL), or AVX2 with FMA.
 _ATTENTION_ISA = "avx512" if _AVX512 else "avx2" if {"avx2", "fma"} <= cpuinfo.cpu_flags() else None
-# A training step's attention (`attention_train`) multiplies on AMX's tiles where the CPU has
-# them: its heads' products ran on AVX-512's fp32 lanes at ~100 GFLOP/s, 11% of a W1 step on
-# the AMX Xeon (docs/performance.md, "Round fifty-one"). TRANSFORMER_ATTENTION_AMX=0 keeps the
-# lanes (a before/after); `attention_amx` switches it in a process.
+# A training step's attention (`attention_train`) multiplies bf16 in bf16 products: on AMX's
+# tiles where the CPU has them, its heads' products on AVX-512's fp32 lanes having run at ~100
+# GFLOP/s, 11% of a W1 step on the AMX Xeon (docs/performance.md, "Round fifty-one"); else on
+# AVX-512 BF16's dot products (VDPBF16PS: twice the fp32 lanes' rate on a Zen 4, "Round
+# sixty-five"). TRANSFORMER_ATTENTION_BF16=0 (or the older TRANSFORMER_ATTENTION_AMX=0) keeps the
+# lanes (a before/after); `attention_bf16` and `attention_products` switch it in a process.
 _AMX = {"amx_tile", "amx_bf16"} <= cpuinfo.cpu_flags() and _AVX512
-ATTENTION_AMX = os.environ.get("TRANSFORMER_ATTENTION_AMX", "1") != "0"
+_DOTS = "avx512_bf16" in cpuinfo.cpu_flags() and _AVX512
+ATTENTION_BF16 = "0" not in (
+    os.environ.get("TRANSFORMER_ATTENTION_BF16", "1"),
+    os.environ.get("TRANSFORMER_ATTENTION_AMX", "1"),
+)
+# `attention_products`' names for the C side's modes (`attention_bf16` in the source)
+_PRODUCTS = ("lanes", "tiles", "dots")
 # A bf16 linear layer's weight gradient dW = g^T x (`weight_grad`) multiplies on AMX's tiles
 # too: oneDNN ran the square layers' (512 x 3,888) x (3,888 x 512) at ~1,100 GFLOP/s alone and
 # ~850 in a W1 step, the rest of the step's products at 1,500-1,900 (docs/performance.md,
@@ -3092,8 +3173,8 @@ def _opened(
     free.attention_train_bwd.argtypes = [p, i64, p, i64, p, p, i64, p, p, p, i32] + [i64] * 6
     free.attention_train_bwd.argtypes += [f32, p, p, i64, p, p, i64, i32]
     free.attention_train_fwd.restype = free.attention_train_bwd.restype = ctypes.c_int
-    lib.attention_amx.argtypes, lib.attention_amx.restype = [i32], i32
-    lib.attention_amx(int(ATTENTION_AMX and _AMX))
+    lib.attention_bf16.argtypes, lib.attention_bf16.restype = [i32], i32
+    lib.attention_bf16(_PRODUCTS.index(_bf16_products() if ATTENTION_BF16 else "lanes"))
     free.weight_grad_amx.argtypes = [p, i64, p, i64, i64, i64, i64, p, i64, i32]
     free.weight_grad_amx.restype = lib.amx_permit.restype = ctypes.c_int
     free.project_amx.argtypes = [p, i64, i64, p, i64, i64, i64, p, i64, i32]
@@ -3101,15 +3182,36 @@ def _opened(
     return lib, free
 
 
-def attention_amx(on: bool | None = None) -> bool:
-    """Whether `attention_train` and its backward multiply on AMX's tiles (bf16 operands, fp32
-    sums) rather than AVX-512's fp32 lanes; `on` sets it first (True takes only where the CPU
-    has AMX-BF16, the compiler knew its instructions, and Linux gives the process the tiles)."""
+def _bf16_products() -> str:
+    """The bf16 products this CPU has for `attention_train`: "tiles" (AMX-BF16), else "dots"
+    (AVX-512 BF16), else "lanes" (none: the fp32 lanes)."""
+    return "tiles" if _AMX else "dots" if _DOTS else "lanes"
+
+
+def attention_products(which: str | None = None) -> str:
+    """Where `attention_train` and its backward multiply in this process: "tiles" (AMX's: bf16
+    operands, fp32 sums), "dots" (AVX-512 BF16's VDPBF16PS: the same operands and sums, 2 x 16
+    at a time) or "lanes" (AVX-512's fp32 lanes: the operands widened to fp32). `which` sets it
+    first, taken only where the CPU has it (both bf16 kinds on an AMX CPU) and the compiler
+    knew the instructions (gcc 11, clang 12 on), else the lanes; the tiles where Linux refuses
+    the process them, the dot products."""
+    if which is not None and which not in _PRODUCTS:
+        raise ValueError(f"attention_products: {which!r} is not one of {', '.join(_PRODUCTS)}")
     if _library() is None:
-        return False
+        return "lanes"
+    if which is not None:
+        has = {"lanes": True, "tiles": _AMX, "dots": _DOTS}[which]
+        _LIB.attention_bf16(_PRODUCTS.index(which) if has else 0)
+    return _PRODUCTS[_LIB.attention_bf16(-1)]
+
+
+def attention_bf16(on: bool | None = None) -> bool:
+    """Whether `attention_train` multiplies in bf16 (`attention_products`: the tiles or the dot
+    products) rather than on the fp32 lanes; `on` switches first: True to the best bf16
+    products the CPU has, False to the lanes."""
     if on is not None:
-        _LIB.attention_amx(int(on and _AMX))
-    return bool(_LIB.attention_amx(-1))
+        attention_products(_bf16_products() if on else "lanes")
+    return attention_products() != "lanes"
 
 
 def amx_tiles() -> bool:
@@ -3270,12 +3372,15 @@ def _tiles_said(name: str, on: str, off: str, variable: str) -> str:
 
 def _attention_products() -> str:
     """Where `attention_train`'s products run, for `describe`."""
-    if attention_amx():
+    which = attention_products()
+    if which == "tiles":
         return "AMX tiles"
+    if which == "dots":
+        return "AVX-512 BF16 dot products"
     if not _AVX512:
         return "not on this CPU (no AVX-512 F, BW and VL)"
-    if _AMX and not ATTENTION_AMX:
-        return "AVX-512 fp32 (TRANSFORMER_ATTENTION_AMX=0)"
+    if _DOTS and not ATTENTION_BF16:
+        return "AVX-512 fp32 (TRANSFORMER_ATTENTION_BF16=0)"
     return "AVX-512 fp32"
 
 

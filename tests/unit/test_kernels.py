@@ -20,20 +20,36 @@ from transformer import kernels
 from transformer.cpuinfo import cpu_flags
 from transformer.model import packed_attention_case
 
+# the training attention's products (`kernels.attention_products`) each test takes in turn
+PRODUCTS = ["lanes", "tiles", "dots"]
+
+
+def products_here(which: str) -> str:
+    """Where `attention_products(which)` puts the products on this machine: the tiles on a CPU
+    with AMX where the process can have them (the compiler knew AMX, and Linux grants it:
+    `amx_tiles`), else its dot products; the dot products where the CPU has AVX-512 BF16 (and
+    the compiler knew it); else the fp32 lanes."""
+    # asked of the kernels: the dot products need a compiler that knows them (gcc 11, clang 12)
+    old = kernels.attention_products()
+    dots = "avx512_bf16" in cpu_flags() and kernels.attention_products("dots") == "dots"
+    kernels.attention_products(old)
+    if which == "tiles" and {"amx_tile", "amx_bf16"} <= cpu_flags():
+        return "tiles" if kernels.amx_tiles() else "dots" if dots else "lanes"
+    return "dots" if which == "dots" and dots else "lanes"
+
 
 @contextlib.contextmanager
-def attention_on_amx(on: bool):
-    """The training attention's products on AMX's tiles (on) or AVX-512's fp32 lanes inside,
-    as it was after; on=True only where the process can have the tiles (else the lanes,
-    asserted): the CPU has AMX, the compiler knew it, and Linux grants it (`amx_tiles`)."""
-    old = kernels.attention_amx()
+def attention_in(which: str):
+    """The training attention's products on AMX's tiles, AVX-512 BF16's dot products or
+    AVX-512's fp32 lanes inside (`products_here(which)`, asserted), as they were after."""
+    old = kernels.attention_products()
     try:
-        got = kernels.attention_amx(on)
-        assert got == (on and kernels.amx_tiles())
+        expected = products_here(which)
+        assert kernels.attention_products(which) == expected
         assert kernels.amx_tiles() <= ({"amx_tile", "amx_bf16"} <= cpu_flags())
         yield
     finally:
-        kernels.attention_amx(old)
+        kernels.attention_products(old)
 
 
 @contextlib.contextmanager
@@ -610,8 +626,10 @@ def test_masked_softmax_refuses_what_it_cannot_read():
     ],
 )
 @pytest.mark.parametrize("threads", [1, 2])
-@pytest.mark.parametrize("amx", [False, True])
-def test_training_attention_is_eq_1_to_bf16_rounding(B, Tq, Tk, H, d, dv, causal, threads, amx):
+@pytest.mark.parametrize("products", PRODUCTS)
+def test_training_attention_is_eq_1_to_bf16_rounding(
+    B, Tq, Tk, H, d, dv, causal, threads, products
+):
     """`attention_train` and its backward against eq. (1) in fp64 on the padded layout
     (`model.packed_attention_reference`), by autograd: causal and key-masked batches, padding
     left out, spare rows (zeros both ways) and a batch row with no legal key (zeros)."""
@@ -624,7 +642,7 @@ def test_training_attention_is_eq_1_to_bf16_rounding(B, Tq, Tk, H, d, dv, causal
         with pytest.raises(RuntimeError, match="not on this machine"):
             kernels.attention_train(q, kv, qrow, krow, kmask, causal, H, inv_c, nq)
         return
-    with threads_of(threads), attention_on_amx(amx):
+    with threads_of(threads), attention_in(products):
         out, p = kernels.attention_train(q, kv, qrow, krow, kmask, causal, H, inv_c, nq)
         dq, dkv = kernels.attention_train_backward(
             grad, q, kv, p, qrow, krow, kmask, causal, H, inv_c, nq, nk
@@ -647,15 +665,15 @@ def test_training_attention_is_eq_1_to_bf16_rounding(B, Tq, Tk, H, d, dv, causal
     assert (sums[packed] - 1).abs().max() < 2**-6 and not sums[~packed].any()
 
 
-@pytest.mark.parametrize("amx", [False, True])
-def test_training_attention_is_the_same_bits_on_one_thread_or_two(amx):
+@pytest.mark.parametrize("products", PRODUCTS)
+def test_training_attention_is_the_same_bits_on_one_thread_or_two(products):
     if not kernels.fused_supported():
         return
     g = torch.Generator().manual_seed(1)
     q, kv, grad, qrow, krow, kmask, nq, nk = packed_attention_case(6, 20, 25, 4, 32, 32, False, g)
     runs = []
     for threads in (1, 2):
-        with threads_of(threads), attention_on_amx(amx):
+        with threads_of(threads), attention_in(products):
             out, p = kernels.attention_train(q, kv, qrow, krow, kmask, False, 4, 0.17, nq)
             runs.append((out, p, *kernels.attention_train_backward(
                 grad, q, kv, p, qrow, krow, kmask, False, 4, 0.17, nq, nk
@@ -664,28 +682,32 @@ def test_training_attention_is_the_same_bits_on_one_thread_or_two(amx):
 
 
 @pytest.mark.parametrize("causal", [False, True])
-def test_training_attention_on_amx_is_the_lanes_to_bf16_rounding(causal):
-    """The tiles' products (bf16 operands, dS in two bf16 parts) against the fp32 lanes' on
-    the W1 shape's heads, with padding, a key mask and a row of 16 + 1 queries (a lone tile):
-    the same weights to one bf16 step, every output within a few bf16 roundings."""
+@pytest.mark.parametrize("products", ["tiles", "dots"])
+def test_training_attention_in_bf16_is_the_lanes_to_bf16_rounding(causal, products):
+    """The tiles' or the dot products' (bf16 operands, dS in two bf16 parts) against the fp32
+    lanes' on the W1 shape's heads, with padding, a key mask and a row of 16 + 1 queries (a
+    lone tile, a block of 4 and a row): the same weights to one bf16 step, every output within
+    a few bf16 roundings."""
     if not kernels.fused_supported():
         return
     g = torch.Generator().manual_seed(7)
     q, kv, grad, qrow, krow, kmask, nq, nk = packed_attention_case(5, 17, 33, 8, 64, 64, causal, g)
     runs = {}
-    for amx in (False, True):
-        with attention_on_amx(amx):
+    for which in ("lanes", products):
+        with attention_in(which):
             out, p = kernels.attention_train(q, kv, qrow, krow, kmask, causal, 8, 0.125, nq)
-            runs[amx] = (out, p, *kernels.attention_train_backward(
+            runs[which] = (out, p, *kernels.attention_train_backward(
                 grad, q, kv, p, qrow, krow, kmask, causal, 8, 0.125, nq, nk
             ))  # fmt: skip
-    if not {"amx_tile", "amx_bf16"} <= cpu_flags():  # the lanes both times: the same bits
-        assert all(torch.equal(a, b) for a, b in zip(runs[True], runs[False], strict=True))
+            runs[which] += (kernels.attention_products(),)
+    ours, lanes = runs[products][:-1], runs["lanes"][:-1]
+    if runs[products][-1] == "lanes":  # no bf16 products here: the lanes both times, same bits
+        assert all(torch.equal(a, b) for a, b in zip(ours, lanes, strict=True))
         return
-    for ours, lanes in zip(runs[True], runs[False], strict=True):
-        scale = lanes.double().abs().max()
-        assert (ours.double() - lanes.double()).abs().max() <= 2**-7 * scale
-    assert (runs[True][1].double() - runs[False][1].double()).abs().max() <= 2**-8
+    for a, b in zip(ours, lanes, strict=True):
+        scale = b.double().abs().max()
+        assert (a.double() - b.double()).abs().max() <= 2**-7 * scale
+    assert (ours[1].double() - lanes[1].double()).abs().max() <= 2**-8
 
 
 def test_training_attention_refuses_what_it_cannot_read():
@@ -727,8 +749,8 @@ def test_training_attention_refuses_what_it_cannot_read():
 
 
 @pytest.mark.parametrize("threads", [1, 2])
-@pytest.mark.parametrize("amx", [False, True])
-def test_training_attention_reads_and_writes_a_stacked_projection(threads, amx):
+@pytest.mark.parametrize("products", PRODUCTS)
+def test_training_attention_reads_and_writes_a_stacked_projection(threads, products):
     # Self-attention's q and kv as the two column blocks of one (N, H*D + H*(D+Dv)) tensor
     # (gradhelper.stacked_linear), its gradient written into one such tensor: the same bits
     # as from and into contiguous q and kv, every element of the stacked gradient written.
@@ -739,7 +761,7 @@ def test_training_attention_reads_and_writes_a_stacked_projection(threads, amx):
     qkv = torch.cat([q, kv], 1)
     qs, kvs = qkv.split([q.size(1), kv.size(1)], 1)
     assert not qs.is_contiguous() and not kvs.is_contiguous()
-    with threads_of(threads), attention_on_amx(amx):
+    with threads_of(threads), attention_in(products):
         out, p = kernels.attention_train(q, kv, qrow, krow, None, True, 2, 0.25, nq)
         out_s, p_s = kernels.attention_train(qs, kvs, qrow, krow, None, True, 2, 0.25, nq)
         dq, dkv = kernels.attention_train_backward(
@@ -775,15 +797,26 @@ def _described(prefix: str) -> str:
     return line
 
 
-def test_attention_amx_is_off_with_the_variable_and_where_the_cpu_has_no_amx():
-    on, line = _switched_off(
-        "TRANSFORMER_ATTENTION_AMX", "attention_amx", "bf16 training's attention products: "
-    )
-    assert on == "False"
+@pytest.mark.parametrize("variable", ["TRANSFORMER_ATTENTION_BF16", "TRANSFORMER_ATTENTION_AMX"])
+def test_attention_in_bf16_is_off_with_the_variable_and_where_the_cpu_has_no_bf16(variable):
+    # The older variable's name (the tiles' switch before the dot products) is heeded too.
+    on, line = _switched_off(variable, "attention_bf16", "bf16 training's attention products: ")
+    assert on == "False" and line.endswith("AVX-512 fp32 (TRANSFORMER_ATTENTION_BF16=0)") == (
+        kernels.fused_supported() and "avx512_bf16" in cpu_flags()
+    )  # fmt: skip
     if kernels.unavailable() is None:
+        bf16 = "avx512_bf16" in cpu_flags()  # every AMX CPU has it
         amx = {"amx_tile", "amx_bf16"} <= cpu_flags()
-        assert kernels.attention_amx() <= amx  # never without AMX (Linux may refuse it)
-        assert ("TRANSFORMER_ATTENTION_AMX=0" in line) == (amx and kernels.fused_supported())
+        expected = products_here("tiles" if amx else "dots")  # the variables unset here
+        assert kernels.attention_bf16() == (expected != "lanes") <= bf16
+        assert kernels.attention_products() == expected
+        assert _described("bf16 training's attention products: ").endswith(
+            {"tiles": "AMX tiles", "dots": "AVX-512 BF16 dot products", "lanes": "AVX-512 fp32"}[
+                expected
+            ]
+        )
+    with pytest.raises(ValueError, match="'amx' is not one of lanes, tiles, dots"):
+        kernels.attention_products("amx")
 
 
 def _bf16_views(a: tuple[int, int], b: tuple[int, int], seed: int, pad: int, b_scale=1.0):
