@@ -11,6 +11,8 @@
 #     bash benchmarks/bench_peers.sh train    # W1 before/after the row-major weight gradients
 #   OURS_TRAIN=ext:peers_adapter:make_train_torch_ops,ext:peers_adapter:make_train \
 #     bash benchmarks/bench_peers.sh train    # W1 before/after the fused kernels (round 27)
+#   OURS_TRAIN=ext:peers_adapter:make_train_lanes_attention,ext:peers_adapter:make_train \
+#     bash benchmarks/bench_peers.sh train    # W1 before/after the attention's dot products (r65)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PEERS=${PEERS_DIR:-../shared/peers}

@@ -96,10 +96,13 @@ class OurTrain:
         loss_fn=None,
         row_major_grads=None,
         fused: bool = True,
+        attention_bf16=None,
     ) -> None:
         self.cfg, self.model_cls = cfg, model_cls
         self.row_major_grads = row_major_grads  # None: as the CPU decides (gradhelper)
         self.fused = fused  # False: kernels.FUSED off for this adapter's own steps
+        # None: the training attention's products where the process has them (kernels)
+        self.attention_bf16 = attention_bf16
         self.loss_fn = loss_fn or chunked_label_smoothed_loss
         keep_large_blocks()  # as `transformer train` sets up its process (train._setup_torch)
         self.runs: dict[str, tuple[Transformer, MixedPrecisionAdam]] = {}
@@ -148,14 +151,17 @@ class OurTrain:
         model.train()
         eps, lr = self.cfg["label_smoothing"], self.cfg["lr"]
         # this adapter's choices for its own steps only
-        saved = gradhelper.ROW_MAJOR_GRADS, kernels.FUSED
+        saved = gradhelper.ROW_MAJOR_GRADS, kernels.FUSED, kernels.attention_products()
         if self.row_major_grads is not None:
             gradhelper.ROW_MAJOR_GRADS = self.row_major_grads
         kernels.FUSED = self.fused and saved[1]
+        if self.attention_bf16 is not None:
+            kernels.attention_bf16(self.attention_bf16)
         try:
             loss = train_step(model, opt, self.loss_fn, p, eps, lr)
         finally:
-            gradhelper.ROW_MAJOR_GRADS, kernels.FUSED = saved
+            gradhelper.ROW_MAJOR_GRADS, kernels.FUSED = saved[:2]
+            kernels.attention_products(saved[2])
         return float(loss.detach()) / p["ntokens"]
 
     @property
@@ -183,6 +189,13 @@ def make_train_torch_layouts(cfg: dict) -> OurTrain:
     """`make_train` with every weight gradient in torch's layouts (gradhelper.ROW_MAJOR_GRADS
     off): the before of a same-run before/after on an AMX CPU, beside `make_train`."""
     return OurTrain(cfg, row_major_grads=False)
+
+
+def make_train_lanes_attention(cfg: dict) -> OurTrain:
+    """`make_train` with the training attention's products on AVX-512's fp32 lanes
+    (kernels.attention_bf16 off): the before of round sixty-five's same-run before/after on a
+    CPU with AVX-512 BF16, beside `make_train`."""
+    return OurTrain(cfg, attention_bf16=False)
 
 
 def marian_sinusoids(n_pos: int, d: int) -> torch.Tensor:

@@ -77,3 +77,31 @@ def test_the_torch_ops_adapter_turns_the_fused_kernels_off_for_its_own_steps(mon
         loss = adapter.step(adapter.prepare(batch), torch.bfloat16)
         assert loss > 0 and kernels.FUSED == before  # restored after the step
     assert seen == [False, before]
+
+
+def test_the_lanes_attention_adapter_puts_the_attention_on_the_lanes_for_its_own_steps(
+    monkeypatch,
+):
+    import peers_adapter
+    from transformer import kernels
+
+    seen = []
+    real = peers_adapter.train_step
+    monkeypatch.setattr(
+        peers_adapter,
+        "train_step",
+        lambda *a: (seen.append(kernels.attention_products()), real(*a))[1],
+    )
+    cfg = dict(
+        d_model=32, d_ff=64, heads=2, layers=1, dropout=0.1, max_pos=64, vocab=300, seed=1,
+        betas=(0.9, 0.98), eps=1e-9, label_smoothing=0.1, lr=1e-4,
+    )  # fmt: skip
+    src = torch.randint(4, 300, (3, 6))
+    tgt = torch.randint(4, 300, (3, 5))
+    batch = {"src": src, "tgt_in": tgt, "tgt_out": tgt.roll(-1, 1)}
+    before = kernels.attention_products()
+    for make in (peers_adapter.make_train_lanes_attention, peers_adapter.make_train):
+        adapter = make(cfg)
+        loss = adapter.step(adapter.prepare(batch), torch.bfloat16)
+        assert loss > 0 and kernels.attention_products() == before  # restored after the step
+    assert seen == ["lanes", before]
