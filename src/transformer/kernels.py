@@ -3214,6 +3214,11 @@ def attention_bf16(on: bool | None = None) -> bool:
     return attention_products() != "lanes"
 
 
+# Rounds fifty-one to sixty-four's name for the switch, which their scripts under
+# benchmarks/results call: on an AMX CPU the same tiles.
+attention_amx = attention_bf16
+
+
 def amx_tiles() -> bool:
     """Whether the kernels can multiply on AMX's tiles in this process: the CPU has AMX-BF16 (and
     AVX-512 F, BW, VL), the compiler knew AMX's instructions (gcc 11, clang 12 on), and Linux

@@ -817,6 +817,7 @@ def test_attention_in_bf16_is_off_with_the_variable_and_where_the_cpu_has_no_bf1
         )
     with pytest.raises(ValueError, match="'amx' is not one of lanes, tiles, dots"):
         kernels.attention_products("amx")
+    assert kernels.attention_amx is kernels.attention_bf16  # the older scripts' name
 
 
 def _bf16_views(a: tuple[int, int], b: tuple[int, int], seed: int, pad: int, b_scale=1.0):
