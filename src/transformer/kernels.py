@@ -1284,13 +1284,15 @@ AMXBW static void amx_gemm(const uint16_t *A, const uint16_t *A2, int64_t lda, c
    is the lanes' own: pair by pair, A's part then A2's. */
 #define DOT_TILE(U)                                                                          \
   BF16BW static void dot4x##U(const uint16_t *A, const uint16_t *A2, int64_t lda,             \
-                              const word32 *B, int64_t ldb, int64_t K, float *C, int64_t ldc) { \
+                              const word32 *B, int64_t ldb, int64_t K, float *C,              \
+                              int64_t ldc) {                                                  \
     __m512 c[4][U];                                                                          \
     for (int r = 0; r < 4; ++r)                                                              \
       for (int u = 0; u < U; ++u) c[r][u] = _mm512_setzero_ps();                             \
     for (int64_t k = 0; k < K; k += 2, B += ldb) {                                           \
       __m512bh b[U];                                                                         \
-      for (int u = 0; u < U; ++u) b[u] = (__m512bh)_mm512_loadu_si512((const void *)(B + 16 * u)); \
+      for (int u = 0; u < U; ++u)                                                            \
+        b[u] = (__m512bh)_mm512_loadu_si512((const void *)(B + 16 * u));                     \
       for (int r = 0; r < 4; ++r) {                                                          \
         const __m512bh a = (__m512bh)_mm512_set1_epi32(*(const word32 *)(A + r * lda + k));  \
         for (int u = 0; u < U; ++u) c[r][u] = _mm512_dpbf16_ps(c[r][u], a, b[u]);            \
@@ -1361,8 +1363,8 @@ static void rows_pad(const uint16_t *x, int64_t ld, const int64_t *rows, const i
    2r, 2r + 1; zeros past n and past D: B = x^T in pairs, for a product A x^T (N a multiple
    of 16, D of 16, W of 32); rows NULL: x's first n rows in order */
 BF16BW static void words_t(const uint16_t *x, int64_t ld, const int64_t *rows,
-                          const int64_t *sel, int64_t n, int64_t N, int64_t D, int64_t W,
-                          word32 *t) {
+                           const int64_t *sel, int64_t n, int64_t N, int64_t D, int64_t W,
+                           word32 *t) {
   __m512i r[16];
   for (int64_t m0 = 0; m0 < N; m0 += 16)
     for (int64_t w0 = 0; w0 < D / 2; w0 += 16) {
@@ -1381,7 +1383,7 @@ BF16BW static void words_t(const uint16_t *x, int64_t ld, const int64_t *rows,
 /* the same rows two by two: t (K2/2, D) words, t[r][e] = (row 2r's e-th, row 2r+1's e-th);
    zero rows past n: B = x in pairs, for a product A x (D a multiple of 16) */
 BF16BW static void pairs(const uint16_t *x, int64_t ld, const int64_t *rows, const int64_t *sel,
-                        int64_t n, int64_t K2, int64_t D, word32 *t) {
+                         int64_t n, int64_t K2, int64_t D, word32 *t) {
   const __m512i zero = _mm512_setzero_si512();
   for (int64_t r = 0; r < K2 / 2; ++r) {
     const uint16_t *a = 2 * r < n ? x + rows[sel[2 * r]] * ld : NULL;
@@ -1397,7 +1399,7 @@ BF16BW static void pairs(const uint16_t *x, int64_t ld, const int64_t *rows, con
 /* d (C x Rp, row stride ldd) = s's first Rp rows transposed (s: rows of stride lds, C 16-bit
    values each), its rows from R on as zeros; Rp and C multiples of 32: t32x32's blocks */
 BF16BW static void t16_rows(const uint16_t *s, int64_t lds, int64_t R, int64_t Rp, int64_t C,
-                           uint16_t *d, int64_t ldd) {
+                            uint16_t *d, int64_t ldd) {
   for (int64_t i0 = 0; i0 < Rp; i0 += 32)
     for (int64_t j0 = 0; j0 < C; j0 += 32)
       t32x32(i0 < R ? s + i0 * lds + j0 : s, lds, R - i0, d + j0 * ldd + i0, ldd);
@@ -1408,13 +1410,13 @@ BF16BW static void t16_rows(const uint16_t *s, int64_t lds, int64_t R, int64_t R
    up32(D)) bf16, kb (up32(D) / 2, up32(Tk)) words, s (up32(Tq), up32(Tk)), o (up32(Tq), Dv)
    floats, pa (up32(Tq), up32(Tk)) bf16, vb (up32(Tk) / 2, Dv) words. */
 BF16BW static void attn_fwd_head_bf16(const uint16_t *q, int64_t lq, const uint16_t *k,
-                                    const uint16_t *v, int64_t lk, const int64_t *qrow,
-                                    const int64_t *krow, int64_t Tq, int64_t Tk, int64_t D,
-                                    int64_t Dv, float inv_c, uint16_t *out, int64_t lo,
-                                    uint16_t *p, uint16_t *qa, word32 *kb, float *s, float *o,
-                                    uint16_t *pa, word32 *vb,
-                                    const int64_t *kj, const int64_t *qi, const int64_t *nr,
-                                    int64_t nk, int64_t nq) {
+                                      const uint16_t *v, int64_t lk, const int64_t *qrow,
+                                      const int64_t *krow, int64_t Tq, int64_t Tk, int64_t D,
+                                      int64_t Dv, float inv_c, uint16_t *out, int64_t lo,
+                                      uint16_t *p, uint16_t *qa, word32 *kb, float *s, float *o,
+                                      uint16_t *pa, word32 *vb,
+                                      const int64_t *kj, const int64_t *qi, const int64_t *nr,
+                                      int64_t nk, int64_t nq) {
   memset(p, 0, (size_t)(Tq * Tk) * 2);
   if (nq == 0) return;
   const int64_t M = up16(nq), N = up16(nk), K2 = up32(nk), Dp = up32(D);
@@ -1451,16 +1453,16 @@ BF16BW static void attn_fwd_head_bf16(const uint16_t *q, int64_t lq, const uint1
    D), gp (up32(Tq) / 2, Dv) words, dqf (up32(Tq), D), dka (up32(Tk), D), dva (up32(Tk), Dv)
    floats. */
 BF16BW static void attn_bwd_head_bf16(const uint16_t *g, int64_t lg, const uint16_t *q,
-                                    int64_t lq, const uint16_t *k, const uint16_t *v, int64_t lk,
-                                    const int64_t *qrow, const int64_t *krow, int64_t Tk,
-                                    int64_t D, int64_t Dv, float inv_c, const uint16_t *p,
-                                    uint16_t *dq, int64_t ldq, uint16_t *dk, uint16_t *dv,
-                                    int64_t ldk, uint16_t *ga, word32 *vt, float *dp,
-                                    uint16_t *dsh, uint16_t *dsl, uint16_t *pb, uint16_t *dth,
-                                    uint16_t *dtl, uint16_t *pt, word32 *kp, word32 *qp,
-                                    word32 *gp, float *dqf, float *dka, float *dva,
-                                    const int64_t *kj, const int64_t *qi, const int64_t *nr,
-                                    int64_t nk, int64_t nq) {
+                                      int64_t lq, const uint16_t *k, const uint16_t *v, int64_t lk,
+                                      const int64_t *qrow, const int64_t *krow, int64_t Tk,
+                                      int64_t D, int64_t Dv, float inv_c, const uint16_t *p,
+                                      uint16_t *dq, int64_t ldq, uint16_t *dk, uint16_t *dv,
+                                      int64_t ldk, uint16_t *ga, word32 *vt, float *dp,
+                                      uint16_t *dsh, uint16_t *dsl, uint16_t *pb, uint16_t *dth,
+                                      uint16_t *dtl, uint16_t *pt, word32 *kp, word32 *qp,
+                                      word32 *gp, float *dqf, float *dka, float *dva,
+                                      const int64_t *kj, const int64_t *qi, const int64_t *nr,
+                                      int64_t nk, int64_t nq) {
   const int64_t N = up16(nk);
   if (nq) {
     const int64_t M = up16(nq), M2 = up32(nq), K2 = up32(nk), Dvp = up32(Dv);
@@ -1645,10 +1647,10 @@ int attention_train_fwd(const uint16_t *q, int64_t lq, const uint16_t *k, const 
           listed = b;
         }
         attn_fwd_head_bf16(q + h * D, lq, k + h * D, v + h * Dv, lk, qrow + b * Tq,
-                          krow + b * Tk, Tq, Tk, D, Dv, inv_c, out + h * Dv, lo,
-                          p + r * Tq * Tk, (uint16_t *)part[0], (word32 *)part[1],
-                          (float *)part[2], (float *)part[3], (uint16_t *)part[4],
-                          (word32 *)part[5], kj, kj + Tk, kj + Tk + Tq, nk, nq);
+                           krow + b * Tk, Tq, Tk, D, Dv, inv_c, out + h * Dv, lo,
+                           p + r * Tq * Tk, (uint16_t *)part[0], (word32 *)part[1],
+                           (float *)part[2], (float *)part[3], (uint16_t *)part[4],
+                           (word32 *)part[5], kj, kj + Tk, kj + Tk + Tq, nk, nq);
         continue;
       }
 #endif
@@ -1722,13 +1724,13 @@ int attention_train_bwd(const uint16_t *g, int64_t lg, const uint16_t *q, int64_
           listed = b;
         }
         attn_bwd_head_bf16(g + h * Dv, lg, q + h * D, lq, k + h * D, v + h * Dv, lk,
-                          qrow + b * Tq, krow + b * Tk, Tk, D, Dv, inv_c, p + r * Tq * Tk,
-                          dq + h * D, ldq, dk + h * D, dv + h * Dv, ldk, (uint16_t *)t[0],
-                          (word32 *)t[1], (float *)t[2],
-                          (uint16_t *)t[3], (uint16_t *)t[4], (uint16_t *)t[5],
-                          (uint16_t *)t[6], (uint16_t *)t[7], (uint16_t *)t[8], (word32 *)t[9],
-                          (word32 *)t[10], (word32 *)t[11], (float *)t[12], (float *)t[13],
-                          (float *)t[14], kj, kj + Tk, kj + Tk + Tq, nk, nq);
+                           qrow + b * Tq, krow + b * Tk, Tk, D, Dv, inv_c, p + r * Tq * Tk,
+                           dq + h * D, ldq, dk + h * D, dv + h * Dv, ldk, (uint16_t *)t[0],
+                           (word32 *)t[1], (float *)t[2],
+                           (uint16_t *)t[3], (uint16_t *)t[4], (uint16_t *)t[5],
+                           (uint16_t *)t[6], (uint16_t *)t[7], (uint16_t *)t[8], (word32 *)t[9],
+                           (word32 *)t[10], (word32 *)t[11], (float *)t[12], (float *)t[13],
+                           (float *)t[14], kj, kj + Tk, kj + Tk + Tq, nk, nq);
         continue;
       }
 #endif
