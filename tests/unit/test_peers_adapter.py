@@ -55,15 +55,14 @@ def test_forced_length_search_equals_ranking_every_pair(beam):
     assert got == _every_pair(model, src, src_mask, beam, 9, banned)
 
 
-def test_the_torch_ops_adapter_turns_the_fused_kernels_off_for_its_own_steps(monkeypatch):
+def _steps_seeing(monkeypatch, state, makes) -> list:
+    """One bf16 step of a tiny model by each adapter factory in makes, in turn; returns what
+    state() said inside each step (train_step wrapped), asserting it is back after each."""
     import peers_adapter
-    from transformer import kernels
 
     seen = []
     real = peers_adapter.train_step
-    monkeypatch.setattr(
-        peers_adapter, "train_step", lambda *a: (seen.append(kernels.FUSED), real(*a))[1]
-    )
+    monkeypatch.setattr(peers_adapter, "train_step", lambda *a: (seen.append(state()), real(*a))[1])
     cfg = dict(
         d_model=32, d_ff=64, heads=2, layers=1, dropout=0.1, max_pos=64, vocab=300, seed=1,
         betas=(0.9, 0.98), eps=1e-9, label_smoothing=0.1, lr=1e-4,
@@ -71,12 +70,21 @@ def test_the_torch_ops_adapter_turns_the_fused_kernels_off_for_its_own_steps(mon
     src = torch.randint(4, 300, (3, 6))
     tgt = torch.randint(4, 300, (3, 5))
     batch = {"src": src, "tgt_in": tgt, "tgt_out": tgt.roll(-1, 1)}
-    before = kernels.FUSED
-    for make in (peers_adapter.make_train_torch_ops, peers_adapter.make_train):
+    before = state()
+    for make in makes:
         adapter = make(cfg)
         loss = adapter.step(adapter.prepare(batch), torch.bfloat16)
-        assert loss > 0 and kernels.FUSED == before  # restored after the step
-    assert seen == [False, before]
+        assert loss > 0 and state() == before  # restored after the step
+    return seen
+
+
+def test_the_torch_ops_adapter_turns_the_fused_kernels_off_for_its_own_steps(monkeypatch):
+    import peers_adapter
+    from transformer import kernels
+
+    before = kernels.FUSED
+    makes = (peers_adapter.make_train_torch_ops, peers_adapter.make_train)
+    assert _steps_seeing(monkeypatch, lambda: kernels.FUSED, makes) == [False, before]
 
 
 def test_the_lanes_attention_adapter_puts_the_attention_on_the_lanes_for_its_own_steps(
@@ -85,23 +93,7 @@ def test_the_lanes_attention_adapter_puts_the_attention_on_the_lanes_for_its_own
     import peers_adapter
     from transformer import kernels
 
-    seen = []
-    real = peers_adapter.train_step
-    monkeypatch.setattr(
-        peers_adapter,
-        "train_step",
-        lambda *a: (seen.append(kernels.attention_products()), real(*a))[1],
-    )
-    cfg = dict(
-        d_model=32, d_ff=64, heads=2, layers=1, dropout=0.1, max_pos=64, vocab=300, seed=1,
-        betas=(0.9, 0.98), eps=1e-9, label_smoothing=0.1, lr=1e-4,
-    )  # fmt: skip
-    src = torch.randint(4, 300, (3, 6))
-    tgt = torch.randint(4, 300, (3, 5))
-    batch = {"src": src, "tgt_in": tgt, "tgt_out": tgt.roll(-1, 1)}
     before = kernels.attention_products()
-    for make in (peers_adapter.make_train_lanes_attention, peers_adapter.make_train):
-        adapter = make(cfg)
-        loss = adapter.step(adapter.prepare(batch), torch.bfloat16)
-        assert loss > 0 and kernels.attention_products() == before  # restored after the step
+    makes = (peers_adapter.make_train_lanes_attention, peers_adapter.make_train)
+    seen = _steps_seeing(monkeypatch, kernels.attention_products, makes)
     assert seen == ["lanes", before]
