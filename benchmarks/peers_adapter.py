@@ -151,17 +151,20 @@ class OurTrain:
         model.train()
         eps, lr = self.cfg["label_smoothing"], self.cfg["lr"]
         # this adapter's choices for its own steps only
-        saved = gradhelper.ROW_MAJOR_GRADS, kernels.FUSED, kernels.attention_products()
+        saved = gradhelper.ROW_MAJOR_GRADS, kernels.FUSED
         if self.row_major_grads is not None:
             gradhelper.ROW_MAJOR_GRADS = self.row_major_grads
         kernels.FUSED = self.fused and saved[1]
+        products = None  # untouched unless asked: an older tree's kernels lack the switch
         if self.attention_bf16 is not None:
+            products = kernels.attention_products()
             kernels.attention_bf16(self.attention_bf16)
         try:
             loss = train_step(model, opt, self.loss_fn, p, eps, lr)
         finally:
-            gradhelper.ROW_MAJOR_GRADS, kernels.FUSED = saved[:2]
-            kernels.attention_products(saved[2])
+            gradhelper.ROW_MAJOR_GRADS, kernels.FUSED = saved
+            if products is not None:
+                kernels.attention_products(products)
         return float(loss.detach()) / p["ntokens"]
 
     @property
