@@ -2873,10 +2873,15 @@ _ATTENTION_ISA = "avx512" if _AVX512 else "avx2" if {"avx2", "fma"} <= cpuinfo.c
 # lanes (a before/after); `attention_bf16` and `attention_products` switch it in a process.
 _AMX = {"amx_tile", "amx_bf16"} <= cpuinfo.cpu_flags() and _AVX512
 _DOTS = "avx512_bf16" in cpuinfo.cpu_flags() and _AVX512
-ATTENTION_BF16 = "0" not in (
-    os.environ.get("TRANSFORMER_ATTENTION_BF16", "1"),
-    os.environ.get("TRANSFORMER_ATTENTION_AMX", "1"),
+_ATTENTION_OFF_BY = next(  # the variable that keeps the lanes, for `describe`
+    (
+        v
+        for v in ("TRANSFORMER_ATTENTION_BF16", "TRANSFORMER_ATTENTION_AMX")
+        if os.environ.get(v) == "0"
+    ),
+    None,
 )
+ATTENTION_BF16 = _ATTENTION_OFF_BY is None
 # `attention_products`' names for the C side's modes (`attention_bf16` in the source)
 _PRODUCTS = ("lanes", "tiles", "dots")
 # A bf16 linear layer's weight gradient dW = g^T x (`weight_grad`) multiplies on AMX's tiles
@@ -3387,7 +3392,7 @@ def _attention_products() -> str:
     if not _AVX512:
         return "not on this CPU (no AVX-512 F, BW and VL)"
     if _DOTS and not ATTENTION_BF16:
-        return "AVX-512 fp32 (TRANSFORMER_ATTENTION_BF16=0)"
+        return f"AVX-512 fp32 ({_ATTENTION_OFF_BY}=0)"
     return "AVX-512 fp32"
 
 

@@ -801,7 +801,7 @@ def _described(prefix: str) -> str:
 def test_attention_in_bf16_is_off_with_the_variable_and_where_the_cpu_has_no_bf16(variable):
     # The older variable's name (the tiles' switch before the dot products) is heeded too.
     on, line = _switched_off(variable, "attention_bf16", "bf16 training's attention products: ")
-    assert on == "False" and line.endswith("AVX-512 fp32 (TRANSFORMER_ATTENTION_BF16=0)") == (
+    assert on == "False" and line.endswith(f"AVX-512 fp32 ({variable}=0)") == (
         kernels.fused_supported() and "avx512_bf16" in cpu_flags()
     )  # fmt: skip
     if kernels.unavailable() is None:
