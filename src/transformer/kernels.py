@@ -1517,10 +1517,11 @@ BF16BW static void attn_bwd_head_bf16(const uint16_t *g, int64_t lg, const uint1
 
 /* A hint to bring a batch row's packed rows (n bytes each from x, stride ld elements) into L2:
    the next batch row's, whole rows in order (the per-head hints fetch 128 scattered bytes a
-   row, one stall each); write 1: lines about to be written */
+   row, one stall each); write 1: lines about to be written. Only the rows i = part (mod
+   parts): one head's share (`prefetch_batch_row`). */
 static void prefetch_l2(const uint16_t *x, int64_t ld, const int64_t *rows, int64_t T,
-                        int64_t n, int write) {
-  for (int64_t i = 0; i < T; ++i)
+                        int64_t n, int write, int64_t part, int64_t parts) {
+  for (int64_t i = part; i < T; i += parts)
     if (rows[i] >= 0)
       for (int64_t off = 0; off < n; off += 64) {
         if (write)
@@ -1532,27 +1533,31 @@ static void prefetch_l2(const uint16_t *x, int64_t ld, const int64_t *rows, int6
 
 /* the hints for the next batch row `bn` of a thread's (its next, as OpenMP hands out whole
    batch rows in turn): its rows of q, k, v (and g), to be read, of out (dq, dk, dv) and its
-   weights p, to be written (read in the backward) */
+   weights p, to be written (read in the backward). Head `part` of this batch row asks for
+   the part-th of H shares (every H-th row, one head's weights): the ~2,500 lines at once, at
+   the first head, were mostly not there when asked for on a Zen 4 (the kernel at the W1
+   batch's heads, one thread: 32.1 / 59.0 -> 21.9-25.7 / 46.0-51.9 us a batch row, forward /
+   backward; docs/performance.md, "Round sixty-five"). */
 static void prefetch_batch_row(const uint16_t *q, int64_t lq, const uint16_t *k,
                                const uint16_t *v, int64_t lk, const uint16_t *g, int64_t lg,
                                const int64_t *qrow, const int64_t *krow, int64_t Tq,
                                int64_t Tk, int64_t H, int64_t D, int64_t Dv, const uint16_t *p,
                                int p_write, uint16_t *out, int64_t lo, uint16_t *dk,
-                               uint16_t *dv, int64_t ldk) {
-  prefetch_l2(q, lq, qrow, Tq, H * D * 2, 0);
-  prefetch_l2(k, lk, krow, Tk, H * D * 2, 0);
-  prefetch_l2(v, lk, krow, Tk, H * Dv * 2, 0);
-  if (g) prefetch_l2(g, lg, qrow, Tq, H * Dv * 2, 0);
-  for (int64_t off = 0; off < H * Tq * Tk * 2; off += 64) {
+                               uint16_t *dv, int64_t ldk, int64_t part) {
+  prefetch_l2(q, lq, qrow, Tq, H * D * 2, 0, part, H);
+  prefetch_l2(k, lk, krow, Tk, H * D * 2, 0, part, H);
+  prefetch_l2(v, lk, krow, Tk, H * Dv * 2, 0, part, H);
+  if (g) prefetch_l2(g, lg, qrow, Tq, H * Dv * 2, 0, part, H);
+  for (int64_t off = part * Tq * Tk * 2; off < (part + 1) * Tq * Tk * 2; off += 64) {
     if (p_write)
       __builtin_prefetch((const char *)p + off, 1, 2);
     else
       _mm_prefetch((const char *)p + off, _MM_HINT_T1);
   }
-  prefetch_l2(out, lo, qrow, Tq, H * (g ? D : Dv) * 2, 1); /* out, or dq */
+  prefetch_l2(out, lo, qrow, Tq, H * (g ? D : Dv) * 2, 1, part, H); /* out, or dq */
   if (dk) {
-    prefetch_l2(dk, ldk, krow, Tk, H * D * 2, 1);
-    prefetch_l2(dv, ldk, krow, Tk, H * Dv * 2, 1);
+    prefetch_l2(dk, ldk, krow, Tk, H * D * 2, 1, part, H);
+    prefetch_l2(dv, ldk, krow, Tk, H * Dv * 2, 1, part, H);
   }
 }
 
@@ -1633,10 +1638,10 @@ int attention_train_fwd(const uint16_t *q, int64_t lq, const uint16_t *k, const 
         continue;
       }
       const int64_t b = r / H, h = r % H;
-      if (h == 0 && b + nthreads < B)
+      if (b + nthreads < B)
         prefetch_batch_row(q, lq, k, v, lk, NULL, 0, qrow + (b + nthreads) * Tq,
                            krow + (b + nthreads) * Tk, Tq, Tk, H, D, Dv,
-                           p + (b + nthreads) * H * Tq * Tk, 1, out, lo, NULL, NULL, 0);
+                           p + (b + nthreads) * H * Tq * Tk, 1, out, lo, NULL, NULL, 0, h);
       if (h + 1 < H)
         prefetch_head(q, lq, k, v, lk, qrow + b * Tq, krow + b * Tk, Tq, Tk, D, Dv, h + 1);
 #ifdef HAVE_AMX
@@ -1708,10 +1713,10 @@ int attention_train_bwd(const uint16_t *g, int64_t lg, const uint16_t *q, int64_
         continue;
       }
       const int64_t b = r / H, h = r % H;
-      if (h == 0 && b + nthreads < B)
+      if (b + nthreads < B)
         prefetch_batch_row(q, lq, k, v, lk, g, lg, qrow + (b + nthreads) * Tq,
                            krow + (b + nthreads) * Tk, Tq, Tk, H, D, Dv,
-                           p + (b + nthreads) * H * Tq * Tk, 0, dq, ldq, dk, dv, ldk);
+                           p + (b + nthreads) * H * Tq * Tk, 0, dq, ldq, dk, dv, ldk, h);
       if (h + 1 < H) {
         prefetch_rows(g + (h + 1) * Dv, lg, qrow + b * Tq, Tq, Dv);
         prefetch_head(q, lq, k, v, lk, qrow + b * Tq, krow + b * Tk, Tq, Tk, D, Dv, h + 1);
