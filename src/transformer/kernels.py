@@ -3205,8 +3205,8 @@ def attention_products(which: str | None = None) -> str:
     operands, fp32 sums), "dots" (AVX-512 BF16's VDPBF16PS: the same operands and sums, 2 x 16
     at a time) or "lanes" (AVX-512's fp32 lanes: the operands widened to fp32). `which` sets it
     first, taken only where the CPU has it (both bf16 kinds on an AMX CPU) and the compiler
-    knew the instructions (gcc 11, clang 12 on), else the lanes; the tiles where Linux refuses
-    the process them, the dot products."""
+    knew the instructions (gcc 11, clang 12 on), else the lanes; the tiles, where Linux does
+    not give the process them, the dot products."""
     if which is not None and which not in _PRODUCTS:
         raise ValueError(f"attention_products: {which!r} is not one of {', '.join(_PRODUCTS)}")
     if _library() is None:
