@@ -1531,13 +1531,13 @@ static void prefetch_l2(const uint16_t *x, int64_t ld, const int64_t *rows, int6
       }
 }
 
-/* the hints for the next batch row `bn` of a thread's (its next, as OpenMP hands out whole
-   batch rows in turn): its rows of q, k, v (and g), to be read, of out (dq, dk, dv) and its
-   weights p, to be written (read in the backward). Head `part` of this batch row asks for
-   the part-th of H shares (every H-th row, one head's weights): the ~2,500 lines at once, at
-   the first head, were mostly not there when asked for on a Zen 4 (the kernel at the W1
-   batch's heads, one thread: 32.1 / 59.0 -> 21.9-25.7 / 46.0-51.9 us a batch row, forward /
-   backward; docs/performance.md, "Round sixty-five"). */
+/* the hints for a thread's next batch row (b + the thread count: OpenMP hands out whole batch
+   rows in turn; qrow, krow point at its rows): its rows of q, k, v (and g), to be read, of
+   out (dq, dk, dv) and its weights p, to be written (read in the backward). Head `part` of
+   this batch row asks for the part-th of H shares (every H-th row, one head's weights): the
+   ~2,500 lines at once, at the first head, were mostly not there when asked for on a Zen 4
+   (the kernel at the W1 batch's heads, one thread: 32.1 / 59.0 -> 21.9-25.7 / 46.0-51.9 us a
+   batch row, forward / backward; docs/performance.md, "Round sixty-five"). */
 static void prefetch_batch_row(const uint16_t *q, int64_t lq, const uint16_t *k,
                                const uint16_t *v, int64_t lk, const uint16_t *g, int64_t lg,
                                const int64_t *qrow, const int64_t *krow, int64_t Tq,
