@@ -1139,7 +1139,8 @@ AVX512BW int transpose16_wide(const uint16_t *s, uint16_t *d, int64_t rows, int6
 
 /* Where the compiler knows AMX's intrinsics (gcc 11, clang 12 on). The products above run on
    AVX-512's fp32 lanes at ~100 GFLOP/s on two cores of the AMX Xeon; its tiles multiply bf16 at
-   ~20x that. Each operand is an exact bf16 value either way (q, k, v, g, the bf16 weights P)
+   ~20x that, and AVX-512 BF16's dot products (no tiles: Zen 4, Zen 5) at ~2x the lanes' rate
+   on a Zen 4. Each operand is an exact bf16 value either way (q, k, v, g, the bf16 weights P)
    and the sums are fp32 either way, in another order; dS, fp32, goes in as two bf16 parts
    (hi = bf16(dS), lo = bf16(dS - hi)): ~16 bits of its 24. */
 #if defined(__x86_64__) && ((defined(__clang__) && __clang_major__ >= 12) || \
@@ -1151,10 +1152,10 @@ AVX512BW int transpose16_wide(const uint16_t *s, uint16_t *d, int64_t rows, int6
 /* AVX-512 BF16 without the tiles: VDPBF16PS's dot products and VCVTNEPS2BF16 (Zen 4 and 5 have
    them, and every AMX CPU) */
 #define BF16BW __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
-#endif
 /* where the training attention's products run: 0 AVX-512's fp32 lanes, 1 AMX's tiles, 2 AVX-512
    BF16's dot products (`attention_bf16`) */
 static int attn_bf16 = 0;
+#endif
 
 #ifdef HAVE_AMX
 /* `narrow` by the CPU's own conversion (VCVTNEPS2BF16, AVX512-BF16: every AMX CPU, Zen 4 and
