@@ -772,7 +772,9 @@ static int64_t packed_queries(const int64_t *qrow, int64_t Tq, const int64_t *kj
 }
 
 /* a batch row's legal keys (kj[0 .. *nk)) and packed queries (kj + Tk: their positions, kj + Tk
-   + Tq: their counts of legal keys; *nq of them), as `legal_keys` and `packed_queries` */
+   + Tq: their counts of legal keys; *nq of them), as `legal_keys` and `packed_queries`; only
+   the bf16 products' drivers call it (HAVE_AMX): without them it is built and not used */
+__attribute__((unused))
 static void batch_lists(const int64_t *qrow, const int64_t *krow, const uint8_t *kmask,
                         int causal, int64_t Tq, int64_t Tk, int64_t *kj, int64_t *nk,
                         int64_t *nq) {
@@ -1631,7 +1633,9 @@ int attention_train_fwd(const uint16_t *q, int64_t lq, const uint16_t *k, const 
 #endif
       scratch = malloc((size_t)(D * tp + Tk * Dv + Tq * D + Tq * tp + Tq * Dv) * 4);
     int64_t *kj = malloc((size_t)(Tk + 2 * Tq) * 8);
+#ifdef HAVE_AMX
     int64_t listed = -1, nk = 0, nq = 0; /* the batch row whose lists kj, qi, nr hold */
+#endif
 #pragma omp for schedule(dynamic, H)
     for (int64_t r = 0; r < B * H; ++r) {
       if (!scratch || !kj) {
@@ -1706,7 +1710,9 @@ int attention_train_bwd(const uint16_t *g, int64_t lg, const uint16_t *q, int64_
       scratch = malloc((size_t)(2 * Tk * D + Dv * tp + 2 * Tq * D + Tq * Dv + 2 * Tq * tp +
                                 Tk * Dv) * 4);
     int64_t *kj = malloc((size_t)(Tk + 2 * Tq) * 8);
+#ifdef HAVE_AMX
     int64_t listed = -1, nk = 0, nq = 0; /* the batch row whose lists kj, qi, nr hold */
+#endif
 #pragma omp for schedule(dynamic, H)
     for (int64_t r = 0; r < B * H; ++r) {
       if (!scratch || !kj) {
