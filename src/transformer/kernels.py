@@ -771,17 +771,6 @@ static int64_t packed_queries(const int64_t *qrow, int64_t Tq, const int64_t *kj
   return nq;
 }
 
-/* a batch row's legal keys (kj[0 .. *nk)) and packed queries (kj + Tk: their positions, kj + Tk
-   + Tq: their counts of legal keys; *nq of them), as `legal_keys` and `packed_queries`; only
-   the bf16 products' drivers call it (HAVE_AMX): without them it is built and not used */
-__attribute__((unused))
-static void batch_lists(const int64_t *qrow, const int64_t *krow, const uint8_t *kmask,
-                        int causal, int64_t Tq, int64_t Tk, int64_t *kj, int64_t *nk,
-                        int64_t *nq) {
-  *nk = legal_keys(krow, kmask, Tk, kj);
-  *nq = packed_queries(qrow, Tq, kj, *nk, causal, kj + Tk, kj + Tk + Tq);
-}
-
 /* C[r, 16 U columns] (+)= sum over k < K of A[r ar + k ak] B[k ldb + ..], r < R: R x U
    accumulators in registers, each B vector read once for the R rows */
 #define GEMM_TILE(R, U)                                                                      \
@@ -1406,6 +1395,16 @@ BF16BW static void t16_rows(const uint16_t *s, int64_t lds, int64_t R, int64_t R
   for (int64_t i0 = 0; i0 < Rp; i0 += 32)
     for (int64_t j0 = 0; j0 < C; j0 += 32)
       t32x32(i0 < R ? s + i0 * lds + j0 : s, lds, R - i0, d + j0 * ldd + i0, ldd);
+}
+
+/* a batch row's legal keys (kj[0 .. *nk)) and packed queries (kj + Tk: their positions, kj + Tk
+   + Tq: their counts of legal keys; *nq of them), as `legal_keys` and `packed_queries`: the
+   bf16 products' drivers share them across the row's heads */
+static void batch_lists(const int64_t *qrow, const int64_t *krow, const uint8_t *kmask,
+                        int causal, int64_t Tq, int64_t Tk, int64_t *kj, int64_t *nk,
+                        int64_t *nq) {
+  *nk = legal_keys(krow, kmask, Tk, kj);
+  *nq = packed_queries(qrow, Tq, kj, *nk, causal, kj + Tk, kj + Tk + Tq);
 }
 
 /* `attn_fwd_head` with bf16 products (`bf16_gemm`: the same softmax, the same outputs), given
