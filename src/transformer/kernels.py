@@ -22,7 +22,10 @@ s = x + t is the same bits), `residual_norm_backward` the backward in another, w
 in torch five ops before it (|x|, the row maxima, a clamp, their inverses, the scaling) and two
 after (the rows scaled back, the bias); `int8_rows_in` and `int8_rows_out_` do each side in one
 pass, the same bits (AVX-512, or AVX2), which takes 2-7% off a greedy search at the peers' W2
-shape (docs/performance.md, "Round thirty-seven"). They are called without holding the GIL.
+shape (docs/performance.md, "Round thirty-seven"). They are called without holding the GIL. On a
+CPU without VNNI (a Zen 3) the product itself is `int8_product` (AVX2): 8-bit weights, exact
+int32 sums (vpmaddwd on int16 pairs), where fbgemm's AVX2 kernel saturates with 8-bit weights
+and takes 7-bit ones ("Round sixty-eight").
 
 A decoding step's attention (`model._attention_rowwise` with a cache) is, in torch, four passes
 over the step's keys and values, each (batch, head) a tiny product; `step_attention` takes each
@@ -75,6 +78,7 @@ this code.
     xs, top = int8_rows_in(x, nonnegative, tiny)   # x * (1 / top), top each row's max |x|
     q, top = int8_rows_u8(x, nonnegative, tiny, levels, zero)   # the same, rounded to u8
     y = int8_rows_out_(y, top, bias)               # y * top + bias, in place
+    y = int8_product(q, zero, int8_pack(ints), n, scales, top, bias)  # exact, AVX2
     out = step_attention(q, k, v, bias, c)         # softmax(q k^T / c + bias) v, per head
     ids, values = row_top(x, n)                    # each row's n largest, in one pass
     s = adam_sum_squares(grads, scale)             # sum of (g * scale)^2, in fp64
@@ -2535,6 +2539,141 @@ AVX2 int int8_rows_out_avx2(float *y, int64_t rows, int64_t n, const float *top,
   }
   return 0;
 }
+/* `translate.Int8Linear`'s product on AVX2 with 8-bit weights, exact: y[r, c] = ((float)(sum_j
+   (q[r, j] - zp) w[c, j]) * cs[c]) * top[r] (+ bias[c]), each multiply and the add rounded on
+   its own, the sum an exact int32. A CPU without VNNI (a Zen 3) has AVX2's vpmaddubsw for u8 x
+   s8, which sums two products in int16 and saturates with 8-bit weights (fbgemm's kernel there
+   takes 7-bit ones); vpmaddwd sums two int16 x int16 products in int32: exact for any 8-bit
+   values, ~0.8x vpmaddubsw's rate (docs/performance.md, "Round sixty-seven"). The weights are
+   packed once (`int8_pack_avx2`), widened to int16: for each block of 8 columns and each pair
+   of k, one register's 16 values (column 0's two, column 1's, ...), which vpmaddwd reads from
+   memory; columns past n and a k past an odd k are 0. (int8 packs widened in the loop by
+   vpmovsxbw, half the bytes, ran at 0.64-0.71x: "Round sixty-eight".) Each row of q is widened
+   once to int16 (q - zp, k padded to even) in `a`. The tiles are 4 rows x 24 columns of int32
+   sums (12 of the 16 registers), threads taking whole panels of 24 columns. */
+AVX2 int int8_pack_avx2(const int8_t *w, int64_t n, int64_t k, int16_t *p, int nthreads) {
+  const int64_t k2 = (k + 1) / 2, blocks = (n + 7) / 8;
+#pragma omp parallel for schedule(static) num_threads(nthreads)
+  for (int64_t b = 0; b < blocks; ++b)
+    for (int64_t i = 0; i < k2; ++i)
+      for (int64_t c = 0; c < 8; ++c)
+        for (int64_t j = 0; j < 2; ++j) {
+          const int64_t col = 8 * b + c, kk = 2 * i + j;
+          p[((b * k2 + i) * 8 + c) * 2 + j] = col < n && kk < k ? w[col * k + kk] : 0;
+        }
+  return 0;
+}
+
+AVX2 static inline int32_t load32(const int16_t *a) {
+  int32_t v;
+  memcpy(&v, a, 4);
+  return v;
+}
+
+/* R rows (1..4) x U blocks of 8 columns (1..3) from row r0 and block b0; the constants R and U
+   unroll its loops where it is inlined. */
+AVX2 static inline __attribute__((always_inline)) void
+i8_tile(const int16_t *a, int64_t kp, const int16_t *p, int64_t k2, int R, int U, int64_t r0,
+        int64_t b0, int64_t n, const float *cs, const float *top, const float *bias, float *y) {
+  __m256i acc[4][3];
+  for (int r = 0; r < R; ++r)
+    for (int u = 0; u < U; ++u) acc[r][u] = _mm256_setzero_si256();
+  const int16_t *ar = a + r0 * kp;
+  const int16_t *pb = p + b0 * k2 * 16;
+  for (int64_t i = 0; i < k2; ++i) {
+    __m256i b[3];
+    for (int u = 0; u < U; ++u)
+      b[u] = _mm256_loadu_si256((const __m256i *)(pb + (u * k2 + i) * 16));
+    for (int r = 0; r < R; ++r) {
+      const __m256i av = _mm256_set1_epi32(load32(ar + r * kp + 2 * i));
+      for (int u = 0; u < U; ++u)
+        acc[r][u] = _mm256_add_epi32(acc[r][u], _mm256_madd_epi16(av, b[u]));
+    }
+  }
+  for (int u = 0; u < U; ++u) {
+    const int64_t c = 8 * (b0 + u), left = n - c;
+    const __m256i t = first_lanes8(left);
+    const __m256 s = left >= 8 ? _mm256_loadu_ps(cs + c) : _mm256_maskload_ps(cs + c, t);
+    __m256 bv = _mm256_setzero_ps();
+    if (bias) bv = left >= 8 ? _mm256_loadu_ps(bias + c) : _mm256_maskload_ps(bias + c, t);
+    for (int r = 0; r < R; ++r) {
+      __m256 v = _mm256_mul_ps(_mm256_cvtepi32_ps(acc[r][u]), s);
+      v = _mm256_mul_ps(v, _mm256_set1_ps(top[r0 + r]));
+      if (bias) {
+        __asm__("" : "+x"(v)); /* a multiply and an add, each rounded: no FMA */
+        v = _mm256_add_ps(v, bv);
+      }
+      float *o = y + (r0 + r) * n + c;
+      if (left >= 8)
+        _mm256_storeu_ps(o, v);
+      else
+        _mm256_maskstore_ps(o, t, v);
+    }
+  }
+}
+
+#define I8_TILE(R, U) \
+  i8_tile(a, kp, p, k2, R, U, r0, b0, n, cs, top, bias, y)
+AVX2 static void i8_tiles(const int16_t *a, int64_t kp, const int16_t *p, int64_t k2, int64_t m,
+                          int64_t b0, int U, int64_t n, const float *cs, const float *top,
+                          const float *bias, float *y) {
+  int64_t r0 = 0;
+  for (; r0 + 4 <= m; r0 += 4) {
+    if (U == 3) I8_TILE(4, 3);
+    else if (U == 2) I8_TILE(4, 2);
+    else I8_TILE(4, 1);
+  }
+  const int R = (int)(m - r0);
+  if (!R) return;
+  switch (R * 4 + U) {
+  case 13: I8_TILE(3, 1); break;
+  case 14: I8_TILE(3, 2); break;
+  case 15: I8_TILE(3, 3); break;
+  case 9: I8_TILE(2, 1); break;
+  case 10: I8_TILE(2, 2); break;
+  case 11: I8_TILE(2, 3); break;
+  case 5: I8_TILE(1, 1); break;
+  case 6: I8_TILE(1, 2); break;
+  default: I8_TILE(1, 3); break;
+  }
+}
+#undef I8_TILE
+
+AVX2 int int8_product_avx2(const uint8_t *q, int64_t m, int64_t k, int zp, const int16_t *p,
+                           int64_t n, const float *cs, const float *top, const float *bias,
+                           float *y, int16_t *a, int nthreads) {
+  const int64_t k2 = (k + 1) / 2, kp = 2 * k2, blocks = (n + 7) / 8, panels = (blocks + 2) / 3;
+  const int64_t mc = (131072 / (2 * kp)) / 4 * 4 > 4 ? (131072 / (2 * kp)) / 4 * 4 : 4;
+#pragma omp parallel num_threads(nthreads)
+  {
+#pragma omp for schedule(static)
+    for (int64_t r = 0; r < m; ++r) {
+      const uint8_t *qr = q + r * k;
+      int16_t *ar = a + r * kp;
+      const __m256i z = _mm256_set1_epi16((int16_t)zp);
+      int64_t j = 0;
+      for (; j + 16 <= k; j += 16) {
+        const __m256i v = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(qr + j)));
+        _mm256_storeu_si256((__m256i *)(ar + j), _mm256_sub_epi16(v, z));
+      }
+      for (; j < k; ++j) ar[j] = (int16_t)(qr[j] - zp);
+      if (kp > k) ar[k] = 0;
+    }
+    /* The rows in chunks of ~128 KiB of `a` (the panels' weights read once a chunk, not the
+       whole of `a` once a panel: an encoder's thousands of rows), each thread the same share
+       of the panels in every chunk. */
+    for (int64_t r0 = 0; r0 < m; r0 += mc) {
+      const int64_t rows = m - r0 < mc ? m - r0 : mc;
+#pragma omp for schedule(static) nowait
+      for (int64_t pnl = 0; pnl < panels; ++pnl) {
+        const int64_t b0 = 3 * pnl;
+        const int U = blocks - b0 < 3 ? (int)(blocks - b0) : 3;
+        i8_tiles(a + r0 * kp, kp, p, k2, rows, b0, U, n, cs, top + r0, bias, y + r0 * n);
+      }
+    }
+  }
+  return 0;
+}
 /* A decoding step's attention on AVX2 with FMA (8 lanes; CPUs without AVX-512, as Zen 3): the
    same work as `step_head` above, in the same order of keys, with its own roundings. */
 #define AVX2FMA __attribute__((target("avx2,fma")))
@@ -3177,6 +3316,9 @@ def _opened(
             [p, i64, i64, p, p, i32],
         )
         rows_in.restype = rows_out.restype = ctypes.c_int
+    free.int8_pack_avx2.argtypes = [p, i64, i64, p, i32]
+    free.int8_product_avx2.argtypes = [p, i64, i64, i32, p, i64, p, p, p, p, p, i32]
+    free.int8_pack_avx2.restype = free.int8_product_avx2.restype = ctypes.c_int
     free.step_attention.argtypes = (
         [p, i64, i64, i64, p, i32, i64, i64, i64, i64, p, i32, i64, i64, i64, p]
         + [i64] * 10
@@ -3358,6 +3500,8 @@ def build_ahead(into: Path | None = None) -> Path:
 
 def describe() -> list[str]:
     """What the compiled kernels do on this machine, a line each (after `unavailable`)."""
+    from transformer import translate  # (which imports this module)
+
     if unavailable() is not None:
         return [f"not in use: {unavailable()}"]
     off = "off (TRANSFORMER_FUSED_KERNELS=0)"
@@ -3381,6 +3525,7 @@ def describe() -> list[str]:
         f"bf16 training's square weight gradients: {weight_grads if FUSED else off}",
         f"bf16 training's attention products: {_attention_products() if FUSED else off}",
         f"bf16 decoding's output logits: {logits if FUSED else off}",
+        f"int8 decoding's products: {translate.int8_product_said()}",
     ]
 
 
@@ -3906,6 +4051,82 @@ def int8_rows_out_(y: torch.Tensor, top: torch.Tensor, bias: torch.Tensor | None
     if y.numel():
         b = None if bias is None else bias.data_ptr()
         _row_kernel("out")(y.data_ptr(), top.numel(), n, top.data_ptr(), b, _threads(y.numel()))
+    return y
+
+
+def int8_product_supported() -> bool:
+    """Whether `int8_pack` and `int8_product` run here: `FUSED`, the library built, and the
+    CPU has AVX2 (any x86-64 CPU since 2013-2015; their code is AVX2's alone)."""
+    return FUSED and "avx2" in cpuinfo.cpu_flags() and _library() is not None
+
+
+# `int8_product`'s int32 sums are exact while k x 255 x 127 < 2^31 (u8 inputs less a zero point,
+# int8 weights): k up to 66,311.
+INT8_PRODUCT_MAX_K = 65536
+
+
+def int8_pack(ints: torch.Tensor) -> torch.Tensor:
+    """`int8_product`'s packed weights: ints (N, K) int8 (an `Int8Linear`'s integer weights,
+    out x in) -> (ceil(N / 8), ceil(K / 2), 16) int16, for each block of 8 columns and pair of
+    k the 8 columns' two values (0 past N and past an odd K): twice int8's bytes, read at
+    1.4-1.6x the rate of int8 packs widened in the product. Only where
+    `int8_product_supported()`."""
+    if not int8_product_supported():
+        raise RuntimeError(f"int8_pack: not on this machine ({unavailable() or 'no AVX2'})")
+    ok = ints.dtype == torch.int8 and ints.dim() == 2 and ints.device.type == "cpu"
+    if not ok or not ints.is_contiguous():
+        raise ValueError("int8_pack: a contiguous (out, in) int8 CPU tensor")
+    n, k = ints.shape
+    if k > INT8_PRODUCT_MAX_K:
+        raise ValueError(f"int8_pack: at most {INT8_PRODUCT_MAX_K} inputs, got {k}")
+    packed = torch.empty((n + 7) // 8, (k + 1) // 2, 16, dtype=torch.int16)
+    if packed.numel():
+        _NOGIL.int8_pack_avx2(ints.data_ptr(), n, k, packed.data_ptr(), _threads(packed.numel()))
+    return packed
+
+
+def int8_unpack(packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    """`int8_pack`'s weights back as (n, k) int8: the integers it packed."""
+    blocks, k2 = packed.shape[:2]
+    ints = packed.view(blocks, k2, 8, 2).permute(0, 2, 1, 3).reshape(blocks * 8, k2 * 2)
+    return ints[:n, :k].to(torch.int8).contiguous()
+
+
+def int8_product(
+    q: torch.Tensor,
+    zero: int,
+    packed: torch.Tensor,
+    n: int,
+    scales: torch.Tensor,
+    top: torch.Tensor,
+    bias: torch.Tensor | None,
+) -> torch.Tensor:
+    """`translate.Int8Linear`'s product of 8-bit rows on AVX2 with 8-bit weights, exact: q (M,
+    K) uint8 rows (`int8_rows_u8`'s) less `zero` times the weights `packed` by `int8_pack`
+    (N columns), each int32 sum (exact) -> fp32 * scales[c] (N,), * top[r] (M, 1), + bias[c]
+    (N,; None: none), each rounded on its own: (M, N) fp32, a row's values the same in any
+    batch and on any number of threads. Only where `int8_product_supported()`."""
+    if not int8_product_supported():
+        raise RuntimeError(f"int8_product: not on this machine ({unavailable() or 'no AVX2'})")
+    tensors = (q, packed, scales, top) + (() if bias is None else (bias,))
+    if not all(t.is_contiguous() and t.device.type == "cpu" for t in tensors):
+        raise ValueError("int8_product: contiguous CPU tensors")
+    if q.dtype != torch.uint8 or q.dim() != 2 or packed.dtype != torch.int16 or not 0 <= zero < 256:
+        raise ValueError("int8_product: (M, K) uint8 rows, a zero point in 0..255, int8_pack's")
+    m, k = q.shape
+    if packed.shape != ((n + 7) // 8, (k + 1) // 2, 16) or k > INT8_PRODUCT_MAX_K:
+        raise ValueError(f"int8_product: weights packed for {k} inputs, {n} outputs (int8_pack)")
+    fp32 = all(t.dtype == torch.float32 for t in (scales, top) + tensors[4:])
+    sizes = (scales.numel(), top.numel(), n if bias is None else bias.numel())
+    if not fp32 or sizes != (n, m, n):
+        raise ValueError("int8_product: fp32 scales (N,), top (M, 1) and bias (N,)")
+    y = torch.empty(m, n)
+    if m and n:
+        a = torch.empty(m, 2 * ((k + 1) // 2), dtype=torch.int16)
+        b = None if bias is None else bias.data_ptr()
+        _NOGIL.int8_product_avx2(q.data_ptr(), m, k, zero, packed.data_ptr(), n,
+                                 scales.data_ptr(), top.data_ptr(), b, y.data_ptr(),
+                                 a.data_ptr(), _threads(m * n * max(k, 1) // 64))  # fmt: skip
     return y
 
 

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from transformer import kernels
+from transformer import cpuinfo, kernels
 from transformer.batching import batch_by_tokens
 from transformer.config import INFERENCE_DTYPES, WINDOW_LINES, DecodeConfig
 from transformer.cpuinfo import available_memory, cpu_flags, native_bf16
@@ -87,10 +87,13 @@ def auto_dtype(device: str | torch.device, gptq_levels: Sequence[int] = ()) -> t
     matrices on the tile unit, several times fp32's rate). int8 (`quantize_int8`) on CPUs
     without AMX that have 8-bit dot products (VNNI: `avx512_vnni` or `avx_vnni`), where it
     decodes faster than bf16 and fp32 (docs/performance.md, measured on AMD Zen 4), and on
-    CPUs with neither when the model file holds GPTQ's weights for their 7-bit grid
-    (`gptq_levels`: the grids of `LoadedModel.int8`; `transformer quantize`): there fp32's
-    products run at ~0.6x int8's, and int8 rounded to the nearest level cost 0.3 BLEU where
-    GPTQ's cost < 0.1 (docs/decoding.md). fp32 elsewhere. On the Multi30k quickstart model,
+    CPUs with neither where the library's exact AVX2 product runs (`int8_avx2`: the same
+    8-bit weights and integer sums as with VNNI). Without it (no compiled kernels, or
+    TRANSFORMER_INT8_PRODUCT=fbgemm), int8 on such a CPU only when the model file holds GPTQ's
+    weights for fbgemm's 7-bit grid there (`gptq_levels`: the grids of `LoadedModel.int8`;
+    `transformer quantize`): fp32's products run at ~0.6x int8's, and int8 rounded to the
+    nearest of 63 levels cost 0.3 BLEU where GPTQ's cost < 0.1 (docs/decoding.md). fp32
+    elsewhere. On the Multi30k quickstart model,
     bf16's and int8's sacreBLEU are within 0.1 of fp32 for beam 4 and greedy search
     (docs/decoding.md, "Precision").
     """
@@ -106,6 +109,8 @@ def auto_dtype(device: str | torch.device, gptq_levels: Sequence[int] = ()) -> t
     vnni = sorted(VNNI_FLAGS & flags)
     if vnni and fbgemm:
         return "int8", f"the CPU has {vnni[0]} and no AMX"
+    if fbgemm and int8_avx2():
+        return "int8", "the CPU has neither AMX nor VNNI: 8-bit weights on the exact AVX2 product"
     if fbgemm and int8_levels(flags) in gptq_levels:
         return "int8", "the CPU has neither AMX nor VNNI, and the model file has GPTQ int8 weights"
     return "fp32", "the CPU has neither AMX nor VNNI"
@@ -134,7 +139,8 @@ class SentenceAttention:
 class Int8Linear(nn.Module):
     """y = x W^T + b with W in int8, one scale per output row (symmetric), and each row of x
     quantized to 8 bits on its own range (oneDNN's int8 product where `int8_onednn()`: CPUs
-    with VNNI; fbgemm's elsewhere).
+    with VNNI; the library's exact AVX2 product where `int8_avx2()`: CPUs without; fbgemm's
+    elsewhere).
 
     Each input row is divided by its largest |x| and rounded on one fixed grid: [-1, 1] in 254
     steps (u8 1..255, zero point 128), or [0, 1] in 255 where the inputs are never negative
@@ -149,10 +155,11 @@ class Int8Linear(nn.Module):
     its row sits), so no value depends on its row's place in the batch (tested bit for bit,
     output widths that are and are not a multiple of the vector width).
 
-    narrow_weights: the weights take 7 bits (-63..63) instead of 8, which CPUs without VNNI
-    need: their kernel (AVX2 `vpmaddubsw`) sums pairs of u8 x s8 products in int16 and
-    saturates beyond 32,767; 2 x 255 x 63 stays below it while the inputs keep their 8 bits
-    (`int8_narrow_weights`). x may be fp32 or bf16; the output has x's dtype, or `out_dtype`.
+    narrow_weights: the weights take 7 bits (-63..63) instead of 8, which fbgemm's product needs
+    on CPUs without VNNI: its kernel there (AVX2 `vpmaddubsw`) sums pairs of u8 x s8 products
+    in int16 and saturates beyond 32,767; 2 x 255 x 63 stays below it while the inputs keep
+    their 8 bits (`int8_narrow_weights`). x may be fp32 or bf16; the output has x's dtype, or
+    `out_dtype`.
     hessian: X^T X of inputs like the layer's (`gptq.input_moments`): the weights are then
     rounded by GPTQ on the same grid (`gptq.gptq_round`) instead of to the nearest level.
     rounded: the weights already rounded on this grid (integers, row scales; a model file's
@@ -188,12 +195,15 @@ class Int8Linear(nn.Module):
                 qweight = torch._make_per_channel_quantized_tensor(ints, scales, zeros, 0)
         # The bias is added after each row is scaled back, so the product gets none. oneDNN's
         # product (`int8_onednn`) keeps the integers beside its packed copy (`stacked` reads
-        # them); fbgemm's packed weights give them back.
-        self.packed = self.ints = self.scales = self.dnn = None
+        # them); fbgemm's packed weights and the AVX2 product's (`int8_avx2`) give them back.
+        self.packed = self.ints = self.scales = self.dnn = self.avx2 = None
         if int8_onednn():
             self.ints, self.scales = qweight.int_repr(), scales.double()
             self.dnn = torch.ops.onednn.qlinear_prepack(self.ints, None)
             self.dnn_scales, self.dnn_zeros = self.scales.float(), zeros
+        elif int8_avx2():
+            self.scales = scales.double()
+            self.avx2 = kernels.int8_pack(qweight.int_repr())
         else:
             self.packed = torch.ops.quantized.linear_prepack(qweight, None)
         # A copy, not a view of the caller's tensor: its model's memory is not kept (nor, were
@@ -207,6 +217,8 @@ class Int8Linear(nn.Module):
         # The inputs' grid (u8 = round(x / scale) + zero point, x in [-1, 1] or [0, 1]).
         levels, zero = INPUT_GRIDS[nonnegative_inputs]
         self.grid = (1 / levels, zero)
+        if self.avx2 is not None:  # each column's scale: the input grid's step x the row's
+            self.avx2_scales = (self.scales / levels).float()
 
     @classmethod
     def stacked(cls, parts: Sequence[tuple[Int8Linear, float]]) -> Int8Linear:
@@ -233,6 +245,8 @@ class Int8Linear(nn.Module):
     def integer_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The weights as the product takes them: integers (out, in) int8 and each row's scale
         (out,) fp64."""
+        if self.avx2 is not None:
+            return kernels.int8_unpack(self.avx2, self.out_features, self.in_features), self.scales
         if self.packed is None:
             return self.ints, self.scales
         qweight = torch.ops.quantized.linear_unpack(self.packed)[0]
@@ -241,8 +255,8 @@ class Int8Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x.detach()  # inference only: the int8 products have no gradient
         fused = x.dtype == torch.float32 and x.is_contiguous() and int8_row_kernels()
-        if self.dnn is not None:
-            return self._forward_onednn(x, fused)
+        if self.dnn is not None or self.avx2 is not None:
+            return self._forward_u8(x, fused)
         # Each row's largest |x| (at least TINY: a row of zeros stays 0, not 0/0), and the
         # row times its inverse (a multiply by a per-row value: cheaper than dividing).
         if fused:  # the same bits in one pass each (`kernels.int8_rows_in`, `int8_rows_out_`)
@@ -256,15 +270,21 @@ class Int8Linear(nn.Module):
             return kernels.int8_rows_out_(y, top, self.bias).to(self.out_dtype or x.dtype)
         return _rows_out_(y, top, self.bias).to(self.out_dtype or x.dtype)
 
-    def _forward_onednn(self, x: torch.Tensor, fused: bool) -> torch.Tensor:
-        """oneDNN's product of each row's 8-bit inputs (`int8_onednn`): the rows quantized to
-        u8 in the pass that finds their ranges (`kernels.int8_rows_u8`, or `_rows_u8`)."""
+    def _forward_u8(self, x: torch.Tensor, fused: bool) -> torch.Tensor:
+        """oneDNN's product (`int8_onednn`) or the library's AVX2 one (`int8_avx2`) of each
+        row's 8-bit inputs: the rows quantized to u8 in the pass that finds their ranges
+        (`kernels.int8_rows_u8`, or `_rows_u8`). The AVX2 product scales its sums back, by
+        each row's top and adds the bias itself, in the same roundings as `int8_rows_out_`."""
         levels, zero = INPUT_GRIDS[self.nonnegative_inputs]
         rows = x.reshape(-1, self.in_features)
         if fused:
             q, top = kernels.int8_rows_u8(rows, self.nonnegative_inputs, TINY, levels, zero)
         else:
             q, top = _rows_u8(rows, self.nonnegative_inputs)
+        if self.avx2 is not None:
+            y = kernels.int8_product(q.contiguous(), zero, self.avx2, self.out_features,
+                                     self.avx2_scales, top.contiguous(), self.bias)  # fmt: skip
+            return y.view(*x.shape[:-1], self.out_features).to(self.out_dtype or x.dtype)
         if q.size(0):
             y = torch.ops.onednn.qlinear_pointwise(
                 q, self.grid[0], zero, self.dnn, self.dnn_scales, self.dnn_zeros, None, 1.0, 0,
@@ -278,7 +298,7 @@ class Int8Linear(nn.Module):
     def extra_repr(self) -> str:
         narrow = self.narrow_weights
         nonneg = self.nonnegative_inputs
-        product = "onednn" if self.dnn is not None else "fbgemm"
+        product = "fbgemm" if self.packed is not None else "avx2" if self.dnn is None else "onednn"
         return (f"in={self.in_features}, out={self.out_features}, narrow_weights={narrow}, "
                 f"nonnegative_inputs={nonneg}, product={product}")  # fmt: skip
 
@@ -499,11 +519,11 @@ def int8_onednn() -> bool:
     "Round forty-one"). On the AMX Xeon of round forty-eight oneDNN's sums are exact but a
     one-row batch's bits differ from the same row's in a batch of 40 (by 1 ulp), so there the
     check keeps fbgemm's (bf16 is `auto_dtype`'s choice on AMX).
-    `TRANSFORMER_INT8_PRODUCT=fbgemm` keeps fbgemm's. Decoding streams
-    may ask at once: each gets the same answer."""
-    if os.environ.get("TRANSFORMER_INT8_PRODUCT", "").lower() == "fbgemm":
+    `TRANSFORMER_INT8_PRODUCT=fbgemm` keeps fbgemm's (`=avx2`: the library's, `int8_avx2`).
+    Decoding streams may ask at once: each gets the same answer."""
+    if _int8_product_asked() in {"fbgemm", "avx2"}:
         return False
-    if int8_narrow_weights() or not torch.backends.mkldnn.is_available():
+    if not _vnni() or not torch.backends.mkldnn.is_available():
         return False
     try:
         prepack, product = torch.ops.onednn.qlinear_prepack, torch.ops.onednn.qlinear_pointwise
@@ -533,6 +553,86 @@ def int8_onednn() -> bool:
     return True
 
 
+def _int8_product_asked() -> str:
+    """TRANSFORMER_INT8_PRODUCT: the int8 product a user asked for ("fbgemm", "avx2"; "" for
+    the CPU's own choice)."""
+    return os.environ.get("TRANSFORMER_INT8_PRODUCT", "").strip().lower()
+
+
+def _vnni(flags: set[str] | None = None) -> bool:
+    """Whether a CPU with these feature flags (default /proc/cpuinfo's) has 8-bit dot
+    products (VNNI, or AMX's int8 tiles)."""
+    return bool(VNNI_FLAGS & (cpu_flags() if flags is None else flags))
+
+
+def int8_avx2() -> bool:
+    """Whether `Int8Linear` multiplies through the library's exact 8-bit product on AVX2
+    (`kernels.int8_product`) instead of fbgemm's: on CPUs without VNNI (a Zen 3), where
+    fbgemm's AVX2 kernel (`vpmaddubsw`, pairs of u8 x s8 products summed in int16) saturates
+    with 8-bit weights and so takes 7-bit ones (`int8_narrow_weights`); the library's sums two
+    int16 products in int32 (`vpmaddwd`): the same 8-bit weights and integer sums as a VNNI
+    CPU's, at ~0.8x the 7-bit scheme's rate in the same loops (docs/performance.md, "Round
+    sixty-seven"). Only where the library runs with AVX2, and once it has given the exact
+    product bit for bit (the int32 sums, then x scale, x top, + bias, each rounded) on shapes
+    with every edge and inputs that saturate `vpmaddubsw`. `TRANSFORMER_INT8_PRODUCT=avx2`
+    takes it on any CPU with AVX2 (a VNNI CPU too: to compare), `=fbgemm` keeps fbgemm's.
+    Decoding streams may ask at once: each gets the same answer."""
+    return _int8_avx2(_int8_product_asked(), cpuinfo.CPUINFO)
+
+
+@functools.cache
+def _int8_avx2(asked: str, cpuinfo_path: str) -> bool:
+    """`int8_avx2` for TRANSFORMER_INT8_PRODUCT's value and the CPU (the file its flags are
+    read from, which a test may replace): the check runs once for each."""
+    if asked == "fbgemm" or (asked != "avx2" and _vnni()):
+        return False
+    if not kernels.int8_product_supported():
+        logger.info("Int8Linear: fbgemm's product (the compiled kernels: %s)",
+                    kernels.unavailable() or "no AVX2")  # fmt: skip
+        return False
+    g = torch.Generator().manual_seed(0)
+    shapes = ((9, 37, 70, 128), (4, 300, 24, 0), (1, 2, 1, 128), (45, 512, 49, 0))
+    for m, k, n, zero in shapes + ((70, 512, 130, 128),):  # the last on two threads
+        ints = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8)
+        ints[0] = 127  # with inputs of 255, pairs that saturate int16 (2 x 255 x 127)
+        q = torch.randint(0, 256, (m, k), generator=g, dtype=torch.uint8)
+        q[0] = 255
+        scales = torch.rand(n, generator=g) * 1e-3 + 1e-6
+        top, bias = torch.rand(m, 1, generator=g) * 10, torch.randn(n, generator=g)
+        top[-1] = float("nan")
+        packed = kernels.int8_pack(ints)
+        sums = (q.long() - zero) @ ints.long().t()  # exact: int64
+        for b in (bias, None):
+            want = _rows_out_(sums.float() * scales, top, b)
+            got = kernels.int8_product(q, zero, packed, n, scales, top, b)
+            alone = kernels.int8_product(q[m // 2 :].contiguous(), zero, packed, n, scales,
+                                         top[m // 2 :].contiguous(), b)  # fmt: skip
+            if not (_same_bits(got, want) and _same_bits(alone, got[m // 2 :])):
+                logger.info("Int8Linear: fbgemm's product (the library's AVX2 one differs from "
+                            "the exact product)")  # fmt: skip
+                return False
+    return True
+
+
+def int8_product_said() -> str:
+    """Which product `Int8Linear` multiplies with on this CPU, and its weights' bits, in words
+    (`transformer kernels`)."""
+    asked = _int8_product_asked()
+    said = f" (TRANSFORMER_INT8_PRODUCT={asked})" if asked in {"avx2", "fbgemm"} else ""
+    if int8_onednn():
+        return "oneDNN's (VNNI), 8-bit weights"
+    if int8_avx2():
+        return f"the library's exact AVX2 product, 8-bit weights{said}"
+    return f"fbgemm's, {7 if int8_narrow_weights() else 8}-bit weights{said}"
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two fp32 tensors hold the same values bit for bit (a NaN matches any NaN)."""
+    if a.shape != b.shape:
+        return False
+    return bool(((a.view(torch.int32) == b.view(torch.int32)) | (a.isnan() & b.isnan())).all())
+
+
 def int8_kernels() -> bool:
     """Whether this torch multiplies `Int8Linear`'s products with fbgemm (x86; its quantized
     engine "fbgemm" or "x86"): the per-row product `Int8Linear` calls has no other kernel."""
@@ -541,11 +641,14 @@ def int8_kernels() -> bool:
 
 def int8_narrow_weights(flags: set[str] | None = None) -> bool:
     """Whether `Int8Linear` must take 7-bit weights on this CPU (`flags`: its feature flags,
-    default /proc/cpuinfo's): yes without VNNI, whose AVX2 path (vpmaddubsw) sums pairs of
-    8-bit products in int16 and saturates. Relative error of a random 512 -> 2048 layer on a
-    Zen 3 (normal inputs / rows whose scales span 100x): 8-bit weights and inputs 11.1% / 10.5%
-    (saturated), 7-bit inputs 1.9% / 4.3%, 7-bit weights 1.2% / 2.3%."""
-    return not (VNNI_FLAGS & (cpu_flags() if flags is None else flags))
+    default /proc/cpuinfo's; the library's product as `int8_avx2` finds it here): yes without
+    VNNI where the product is fbgemm's, whose AVX2 path (vpmaddubsw) sums pairs of 8-bit
+    products in int16 and saturates; not where the library's exact AVX2 product runs
+    (`int8_avx2`). Relative error of a random 512 -> 2048 layer on a Zen 3 (normal inputs /
+    rows whose scales span 100x), fbgemm: 8-bit weights and inputs 11.1% / 10.5% (saturated),
+    7-bit inputs 1.9% / 4.3%, 7-bit weights 1.2% / 2.3%."""
+    flags = cpu_flags() if flags is None else flags
+    return not _vnni(flags) and not ("avx2" in flags and int8_avx2())
 
 
 def relu_input_layers(model: nn.Module) -> set[str]:
@@ -595,7 +698,8 @@ def quantize_int8(
 
 def int8_levels(flags: set[str] | None = None) -> int:
     """The int8 weights' grid on this CPU (`flags`: default /proc/cpuinfo's): 63 levels
-    without VNNI, else 127."""
+    where the weights are narrow (`int8_narrow_weights`: no VNNI, fbgemm's product), else
+    127."""
     return 63 if int8_narrow_weights(flags) else 127
 
 

@@ -685,6 +685,26 @@ def test_int8_product_bench_times_a_real_models_searches_both_ways(tiny_model_fi
     assert " cores, " in out.stdout.splitlines()[0]  # the CPU and its ISA beside the figures
 
 
+def test_int8_product_bench_times_fbgemms_7_bit_weights_against_the_avx2_product(
+    tiny_model_file, src
+):
+    """A Zen 3's two int8 products (fbgemm's with 7-bit weights, the library's exact AVX2 one
+    with 8-bit), timed the same way on any CPU with AVX2; bad choices named in one line."""
+    out = _run("bench_int8_product.py", "--what", "real", "--model", str(tiny_model_file),
+               "--src", str(src), "--pairs", "1", "--threads", "1", "--products", "fbgemm,avx2",
+               "--fbgemm-bits=7")  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    rows = [line for line in out.stdout.splitlines() if "int8 beam" in line]
+    assert len(rows) == 2 and all("fbgemm" in r and "AVX2 exact" in r for r in rows)
+    assert "fbgemm's weights 7-bit" in out.stdout.splitlines()[0]
+    for bad, said in ((["--products", "avx2"], "--products: two of"),
+                      (["--products", "avx2,avx2"], "--products: two of"),
+                      (["--fbgemm-bits", "9"], "--fbgemm-bits: 7 or 8"),
+                      (["--products"], "--products needs a value")):  # fmt: skip
+        out = _run("bench_int8_product.py", *bad)
+        assert out.returncode == 2 and said in out.stderr and "Traceback" not in out.stderr
+
+
 def _limits(*args: str, **env: str) -> subprocess.CompletedProcess:
     import os
 

@@ -173,16 +173,22 @@ def test_translator_int8_takes_the_files_gptq_weights_and_auto_picks_them(
     from transformer.translate import Translator, int8_levels
 
     out, plain, _ = calibrated
-    fake_cpuinfo(monkeypatch, tmp_path, CPUINFO_ZEN3)  # no AMX, no VNNI: 63 levels
-    assert int8_levels() == 63
-    tr = Translator.from_path(out, dtype="int8")
-    ints, scales = load_model(out).int8[63]["encoder_layers.0.ffn.w_1"]
-    assert tr.loaded.int8 == {}  # taken into the model, not kept beside it
-    w_ints, w_scales = tr.model.encoder_layers[0].ffn.w_1.integer_weights()
-    assert torch.equal(w_ints, ints)
-    assert torch.equal(w_scales.float(), scales)
-    assert Translator.from_path(out, dtype="auto").dtype_name == "int8"
-    assert Translator.from_path(plain, dtype="auto").dtype_name == "fp32"
+    fake_cpuinfo(monkeypatch, tmp_path, CPUINFO_ZEN3)  # no AMX, no VNNI
+    # fbgemm's product there: 63 levels, and auto takes int8 only with GPTQ's weights for them
+    monkeypatch.setenv("TRANSFORMER_INT8_PRODUCT", "fbgemm")
+    for levels in (63, 127):
+        if levels == 127:  # the library's exact AVX2 product: 8-bit weights, int8 either way
+            monkeypatch.delenv("TRANSFORMER_INT8_PRODUCT")
+        assert int8_levels() == levels
+        tr = Translator.from_path(out, dtype="int8")
+        ints, scales = load_model(out).int8[levels]["encoder_layers.0.ffn.w_1"]
+        assert tr.loaded.int8 == {}  # taken into the model, not kept beside it
+        w_ints, w_scales = tr.model.encoder_layers[0].ffn.w_1.integer_weights()
+        assert torch.equal(w_ints, ints)
+        assert torch.equal(w_scales.float(), scales)
+        assert Translator.from_path(out, dtype="auto").dtype_name == "int8"
+        plain_auto = Translator.from_path(plain, dtype="auto").dtype_name
+        assert plain_auto == ("fp32" if levels == 63 else "int8")
     lines = ["A man is riding a bike.", "Two dogs play in the snow."]
     assert len(Translator.from_path(out, dtype="auto").translate(lines)) == 2
 

@@ -1168,6 +1168,106 @@ def test_int8_rows_keep_shape_and_refuse_what_they_cannot_read():
             kernels.int8_rows_out_(*args)
 
 
+def _exact_int8_product(q, zero, ints, scales, top, bias):
+    """`kernels.int8_product`'s definition in torch: the int64 sums (exact), then each step
+    rounded on its own (`_rows_out_`: x top, then + bias)."""
+    from transformer.translate import _rows_out_
+
+    # Integers below 2^53: exact in fp64; + 0.0 makes a sum of zero +0 as an integer's is (a
+    # product 0 x -w is -0 in floating point)
+    sums = (q.double() - zero) @ ints.double().t() + 0.0
+    return _rows_out_(sums.float() * scales, top, bias)
+
+
+def _same_bits(got: torch.Tensor, want: torch.Tensor) -> bool:
+    nan = want.isnan()
+    return torch.equal(got.isnan(), nan) and torch.equal(
+        got[~nan].view(torch.int32), want[~nan].view(torch.int32)
+    )
+
+
+@pytest.mark.parametrize("k", [1, 2, 15, 16, 17, 512])
+@pytest.mark.parametrize("n", [1, 7, 8, 9, 23, 24, 25, 49, 300])
+@pytest.mark.parametrize("zero", [0, 128])
+def test_int8_product_is_the_exact_product_bit_for_bit(k, n, zero):
+    """The int32 sums of (q - zero) x w exact (inputs at 255 and weights at 127 in the first
+    row and column: pairs of products past int16, where AVX2's vpmaddubsw saturates), scaled
+    per column, per row and the bias added in `_rows_out_`'s roundings: every tile of 1-4 rows
+    x 1-3 blocks of 8 columns, columns and k past whole blocks and pairs, a NaN row, with and
+    without a bias."""
+    g = torch.Generator().manual_seed(k * 1000 + n * 10 + zero)
+    ints = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8)
+    ints[0] = 127
+    packed = kernels.int8_pack(ints)
+    assert packed.shape == ((n + 7) // 8, (k + 1) // 2, 16) and packed.dtype == torch.int16
+    assert torch.equal(kernels.int8_unpack(packed, n, k), ints)
+    scales, bias = torch.rand(n, generator=g) * 1e-3 + 1e-6, torch.randn(n, generator=g)
+    for m in (1, 3, 4, 5, 9, 64):
+        q = torch.randint(0, 256, (m, k), generator=g, dtype=torch.uint8)
+        q[0] = 255
+        top = torch.rand(m, 1, generator=g) * 4
+        top[m // 2] = float("nan")
+        for b in (bias, None):
+            got = kernels.int8_product(q, zero, packed, n, scales, top, b)
+            assert got.shape == (m, n) and got.dtype == torch.float32
+            assert _same_bits(got, _exact_int8_product(q, zero, ints, scales, top, b)), (m, b)
+
+
+@pytest.mark.parametrize(("m", "k"), [(256, 512), (61, 512), (70, 2048)])
+def test_int8_product_is_the_same_on_one_thread_and_two_and_alone_in_a_batch(m, k):
+    """A decoding step's shapes (256 rows: beam 4, 512 -> 2,040; above MIN_THREADED; the
+    rows in chunks of 128, or 32 at k = 2,048), on one thread and on two: the same bits, each
+    row's the same alone; the largest sums exact."""
+    g = torch.Generator().manual_seed(m)
+    ints = torch.randint(-127, 128, (2040, k), generator=g, dtype=torch.int8)
+    q = torch.randint(0, 256, (m, k), generator=g, dtype=torch.uint8)
+    ints[5], q[7] = -127, 255  # -127 x 255 x k at zero 0: exact, an int16 pair sum would not be
+    scales, top = torch.full((2040,), 1.0), torch.ones(m, 1)
+    bias = torch.randn(2040, generator=g)
+    packed = kernels.int8_pack(ints)
+    with threads_of(1):
+        one = kernels.int8_product(q, 0, packed, 2040, scales, top, bias)
+    with threads_of(2):
+        two = kernels.int8_product(q, 0, packed, 2040, scales, top, bias)
+        row = kernels.int8_product(q[7:8].clone(), 0, packed, 2040, scales, top[7:8], bias)
+        last = kernels.int8_product(q[-3:].clone(), 0, packed, 2040, scales, top[-3:], bias)
+    assert _same_bits(one, two) and _same_bits(row, one[7:8]) and _same_bits(last, one[-3:])
+    assert one[7, 5] == float(-127 * 255 * k) + bias[5]
+    assert _same_bits(one, _exact_int8_product(q, 0, ints, scales, top, bias))
+
+
+def test_int8_product_refuses_what_it_cannot_read_in_one_line():
+    ints = torch.randint(-127, 128, (10, 6), dtype=torch.int8)
+    packed = kernels.int8_pack(ints)
+    q, scales, top = torch.zeros(3, 6, dtype=torch.uint8), torch.ones(10), torch.ones(3, 1)
+    assert kernels.int8_product(q[:0], 128, packed, 10, scales, top[:0], None).shape == (0, 10)
+    assert kernels.int8_pack(ints[:0]).shape == (0, 3, 16)
+    assert kernels.int8_unpack(kernels.int8_pack(ints[:0]), 0, 6).shape == (0, 6)
+    bad = [
+        (q.float(), 128, packed, 10, scales, top, None),  # not uint8
+        (q, 256, packed, 10, scales, top, None),  # a zero point past a byte
+        (q[:, :4], 128, packed, 10, scales, top, None),  # packed for another k
+        (q, 128, packed, 11, scales, top, None),  # ... and another n
+        (q, 128, packed, 10, scales[:9], top, None),
+        (q, 128, packed, 10, scales, top[:2], None),
+        (q, 128, packed, 10, scales, top, torch.ones(9)),
+        (q, 128, packed, 10, scales.double(), top, None),
+        (q.t(), 128, packed, 10, scales, top, None),  # not contiguous
+        (q, 128, packed.to(torch.int8), 10, scales, top, None),  # not int8_pack's
+    ]
+    for args in bad:
+        with pytest.raises(ValueError, match="int8_product"):
+            kernels.int8_product(*args)
+    for ints_bad in (ints.short(), ints.t(), ints[0], torch.zeros(1, 70000, dtype=torch.int8)):
+        with pytest.raises(ValueError, match="int8_pack"):
+            kernels.int8_pack(ints_bad)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(kernels, "FUSED", False)
+        assert not kernels.int8_product_supported()
+        with pytest.raises(RuntimeError, match="int8_product: not on this machine"):
+            kernels.int8_product(q, 128, packed, 10, scales, top, None)
+
+
 def test_the_library_is_first_loaded_in_inference_mode(fresh):
     """A translation may be the first to load the library (`Int8Linear`'s rows), inside
     torch.inference_mode: its check, which runs a backward, still passes."""

@@ -695,9 +695,9 @@ def test_a_search_on_its_own_keeps_to_one_thread_while_others_crowd_the_cpus(
 @pytest.mark.parametrize(
     ("cpuinfo", "expected"),
     [(CPUINFO_AMX, "bf16"), (CPUINFO_ZEN4, "int8"), (CPUINFO_AVX_VNNI, "int8"),
-     (CPUINFO_ZEN3, "fp32"), ("processor\t: 0\n", "fp32")],
+     (CPUINFO_ZEN3, "int8"), ("processor\t: 0\n", "fp32")],
 )  # fmt: skip
-def test_dtype_auto_is_bf16_with_amx_int8_with_vnni_else_fp32(
+def test_dtype_auto_is_bf16_with_amx_int8_with_vnni_or_avx2_else_fp32(
     model_file, tmp_path, monkeypatch, caplog, cpuinfo, expected
 ):
     fake_cpuinfo(monkeypatch, tmp_path, cpuinfo)
@@ -831,14 +831,20 @@ def test_the_stop_rule_reaches_the_search(model_file, monkeypatch):
 
 
 # `Int8Linear`'s products this CPU runs: fbgemm's everywhere, oneDNN's where
-# `int8_onednn()` holds (VNNI); the layer tests below run under each.
-INT8_PRODUCTS = ["fbgemm"] + (["onednn"] if transformer.translate.int8_onednn() else [])
+# `int8_onednn()` holds (VNNI), the library's exact AVX2 one wherever the library runs with
+# AVX2 (`int8_avx2()` takes it without VNNI); the layer tests below run under each.
+INT8_PRODUCTS = (
+    ["fbgemm"]
+    + (["onednn"] if transformer.translate.int8_onednn() else [])
+    + (["avx2"] if transformer.kernels.int8_product_supported() else [])
+)
 
 
 @pytest.fixture(params=INT8_PRODUCTS)
 def int8_product(request, monkeypatch):
     """Layers built in this test multiply through this product."""
     monkeypatch.setattr(transformer.translate, "int8_onednn", lambda: request.param == "onednn")
+    monkeypatch.setattr(transformer.translate, "int8_avx2", lambda: request.param == "avx2")
     return request.param
 
 
@@ -969,16 +975,25 @@ def test_narrow_int8_weights_do_not_saturate_on_any_cpu(int8_product):
 @pytest.mark.parametrize(
     ("cpuinfo", "narrow"),
     [(CPUINFO_AMX, False), (CPUINFO_ZEN4, False), (CPUINFO_AVX_VNNI, False),
-     (CPUINFO_ZEN3, True), ("processor\t: 0\n", True)],
+     (CPUINFO_ZEN3, False), ("processor\t: 0\n", True), (CPUINFO_ZEN3 + "fbgemm", True)],
 )  # fmt: skip
 def test_int8_weights_are_narrow_without_vnni(model_file, tmp_path, monkeypatch, cpuinfo, narrow):
-    # `--dtype int8` on a CPU without VNNI (a Zen 3) must take 7-bit weights in every layer.
+    # `--dtype int8` on a CPU without VNNI (a Zen 3) must take 7-bit weights in every layer
+    # where the product is fbgemm's (TRANSFORMER_INT8_PRODUCT=fbgemm, or a CPU without AVX2);
+    # the library's exact AVX2 product (`int8_avx2`) takes 8-bit ones, as a VNNI CPU does.
+    if cpuinfo.endswith("fbgemm"):
+        cpuinfo = cpuinfo.removesuffix("fbgemm")
+        monkeypatch.setenv("TRANSFORMER_INT8_PRODUCT", "fbgemm")
     fake_cpuinfo(monkeypatch, tmp_path, cpuinfo)
+    if "vnni" not in cpuinfo:  # (`int8_onednn` found this machine's CPU once, for the process)
+        monkeypatch.setattr(transformer.translate, "int8_onednn", lambda: False)
     assert int8_narrow_weights() is narrow
     assert int8_narrow_weights({"avx2", "avx512_vnni"}) is False and int8_narrow_weights(set())
     q = quantize_int8(Translator.from_path(model_file).loaded.model)
     layers = [m for m in q.modules() if isinstance(m, Int8Linear)]
     assert layers and {m.narrow_weights for m in layers} == {narrow}
+    if cpuinfo == CPUINFO_ZEN3 and not narrow:  # the library's product, 8-bit weights
+        assert {"product=avx2" in repr(m) for m in layers} == {True}
     assert all(m.integer_weights()[0].abs().max() == (63 if narrow else 127)
                for m in layers)  # fmt: skip
 
@@ -1337,7 +1352,7 @@ def test_int8_linears_products_agree_and_onednns_is_the_exact_one(monkeypatch, c
         with caplog.at_level(logging.INFO, logger="transformer.translate"):
             assert transformer.translate.int8_onednn.__wrapped__() is False
         # the two reasons a torch with oneDNN goes without it, and the second is said
-        assert int8_narrow_weights() or "fbgemm's product (oneDNN's" in caplog.text
+        assert not transformer.translate._vnni() or "fbgemm's product (oneDNN's" in caplog.text
         return
     g = torch.Generator().manual_seed(5)
     for rows, k, n, nonneg in ((64, 512, 300, False), (256, 512, 300, False), (40, 96, 24, True)):
@@ -1361,15 +1376,95 @@ def test_int8_linears_products_agree_and_onednns_is_the_exact_one(monkeypatch, c
         assert bool(((got[False] - exact).abs() <= 1e-3 * big).all())  # fbgemm: see the docstring
 
 
+def test_int8_linears_avx2_product_is_the_exact_one_with_8_bit_weights(monkeypatch):
+    """The library's AVX2 product (`int8_avx2`: CPUs without VNNI) takes the 8-bit weights a
+    VNNI CPU takes and gives the exact product bit for bit: the integer sums, x (row scale /
+    levels) in fp32, x each input row's top, + the bias; stacked layers too. fbgemm's AVX2
+    kernel saturates there with these weights (`int8_narrow_weights`)."""
+    assert transformer.kernels.int8_product_supported()
+    monkeypatch.setattr(transformer.translate, "int8_onednn", lambda: False)
+    monkeypatch.setattr(transformer.translate, "int8_avx2", lambda: True)
+    g = torch.Generator().manual_seed(6)
+    for rows, k, n, nonneg in ((64, 512, 300, False), (256, 512, 300, False), (40, 96, 24, True)):
+        w, b = torch.randn(n, k, generator=g) * 0.1, torch.randn(n, generator=g)
+        x = torch.randn(rows, k, generator=g)
+        x = x.relu() if nonneg else x
+        layer = Int8Linear(w, b, False, nonnegative_inputs=nonneg)
+        assert "product=avx2" in repr(layer) and not layer.narrow_weights
+        ints, scales = layer.integer_weights()
+        assert ints.abs().max() == 127
+        q, top = transformer.translate._rows_u8(x, nonneg)
+        levels, zero = (255.0, 0) if nonneg else (127.0, 128)
+        sums = (q.double() - zero) @ ints.double().t() + 0.0  # a sum of 0: +0, as an int's
+        exact = sums.float() * (scales / levels).float() * top + b
+        assert torch.equal(layer(x), exact)
+        h = n // 2
+        halves = [Int8Linear(w[:h], b[:h], False, nonnegative_inputs=nonneg),
+                  Int8Linear(w[h:], b[h:], False, nonnegative_inputs=nonneg)]  # fmt: skip
+        stacked = Int8Linear.stacked([(halves[0], 1.0), (halves[1], 0.5)])
+        want = torch.cat([halves[0](x), halves[1](x) * 0.5], dim=1)
+        assert "product=avx2" in repr(stacked) and torch.equal(stacked(x), want)
+
+
+@pytest.mark.parametrize(
+    ("onednn", "avx2", "narrow", "env", "said"),
+    [(True, False, False, None, "oneDNN's (VNNI), 8-bit weights"),
+     (False, True, False, None, "the library's exact AVX2 product, 8-bit weights"),
+     (False, True, False, "avx2",
+      "the library's exact AVX2 product, 8-bit weights (TRANSFORMER_INT8_PRODUCT=avx2)"),
+     (False, False, True, "fbgemm", "fbgemm's, 7-bit weights (TRANSFORMER_INT8_PRODUCT=fbgemm)"),
+     (False, False, False, None, "fbgemm's, 8-bit weights")],
+)  # fmt: skip
+def test_int8_product_said_names_the_product_and_its_weights(
+    monkeypatch, onednn, avx2, narrow, env, said
+):
+    t = transformer.translate
+    monkeypatch.setattr(t, "int8_onednn", lambda: onednn)
+    monkeypatch.setattr(t, "int8_avx2", lambda: avx2)
+    monkeypatch.setattr(t, "int8_narrow_weights", lambda flags=None: narrow)
+    if env is None:
+        monkeypatch.delenv("TRANSFORMER_INT8_PRODUCT", raising=False)
+    else:
+        monkeypatch.setenv("TRANSFORMER_INT8_PRODUCT", env)
+    assert t.int8_product_said() == said
+    assert f"int8 decoding's products: {said}" in transformer.kernels.describe()
+
+
+def test_int8_avx2_is_chosen_without_vnni_or_where_asked(monkeypatch, tmp_path):
+    from fixtures import CPUINFO_ZEN3, CPUINFO_ZEN4, fake_cpuinfo
+
+    choose = transformer.translate.int8_avx2
+    cases = ((CPUINFO_ZEN3, None, True), (CPUINFO_ZEN3, "fbgemm", False),
+             (CPUINFO_ZEN4, None, False), (CPUINFO_ZEN4, "AVX2", True),
+             ("processor\t: 0\n", None, False))  # fmt: skip
+    for i, (info, env, chosen) in enumerate(cases):
+        (tmp_path / str(i)).mkdir()
+        fake_cpuinfo(monkeypatch, tmp_path / str(i), info)  # a file of its own: checked anew
+        if env is None:
+            monkeypatch.delenv("TRANSFORMER_INT8_PRODUCT", raising=False)
+        else:
+            monkeypatch.setenv("TRANSFORMER_INT8_PRODUCT", env)
+        assert choose() is chosen, (info, env)
+    # a library whose product is not the exact one is not taken
+    monkeypatch.setattr(transformer.kernels, "int8_product", lambda *a: torch.zeros(1))
+    (tmp_path / "off").mkdir()
+    fake_cpuinfo(monkeypatch, tmp_path / "off", CPUINFO_ZEN3)
+    monkeypatch.delenv("TRANSFORMER_INT8_PRODUCT", raising=False)
+    assert choose() is False
+
+
 def test_int8_onednn_is_chosen_only_where_it_matches_the_exact_product(monkeypatch, caplog):
     check = transformer.translate.int8_onednn.__wrapped__
     monkeypatch.setenv("TRANSFORMER_INT8_PRODUCT", "fbgemm")  # the user's choice
     assert check() is False
     monkeypatch.delenv("TRANSFORMER_INT8_PRODUCT")
-    monkeypatch.setattr(transformer.translate, "int8_narrow_weights", lambda: True)
-    assert check() is False  # no VNNI: fbgemm's 7-bit path
-    monkeypatch.setattr(transformer.translate, "int8_narrow_weights", lambda: False)
-    if not INT8_PRODUCTS[-1] == "onednn":
+    monkeypatch.setenv("TRANSFORMER_INT8_PRODUCT", "avx2")  # the library's, asked for
+    assert check() is False
+    monkeypatch.delenv("TRANSFORMER_INT8_PRODUCT")
+    monkeypatch.setattr(transformer.translate, "_vnni", lambda: False)
+    assert check() is False  # no VNNI: the library's product, or fbgemm's 7-bit path
+    monkeypatch.setattr(transformer.translate, "_vnni", lambda: True)
+    if "onednn" not in INT8_PRODUCTS:
         return
     assert check() is True
     real = torch.ops.onednn.qlinear_pointwise
