@@ -2550,7 +2550,7 @@ AVX2 int int8_rows_out_avx2(float *y, int64_t rows, int64_t n, const float *top,
    memory; columns past n and a k past an odd k are 0. (int8 packs widened in the loop by
    vpmovsxbw, half the bytes, ran at 0.64-0.71x: "Round sixty-eight".) Each row of q is widened
    once to int16 (q - zp, k padded to even) in `a`. The tiles are 4 rows x 24 columns of int32
-   sums (12 of the 16 registers), threads taking whole panels of 24 columns. */
+   sums (`i8_sums43`), threads taking whole panels of 24 columns. */
 AVX2 int int8_pack_avx2(const int8_t *w, int64_t n, int64_t k, int16_t *p, int nthreads) {
   const int64_t k2 = (k + 1) / 2, blocks = (n + 7) / 8;
 #pragma omp parallel for schedule(static) num_threads(nthreads)
@@ -2570,24 +2570,64 @@ AVX2 static inline int32_t load32(const int16_t *a) {
   return v;
 }
 
+/* The whole tile's sums, 4 rows x 3 blocks, in 16 registers: the 12 sums, two blocks' weights,
+   the row's value and a product; the third block's weights read from memory by each of the 4
+   rows' products (1.7 loads a cycle at two products a cycle). Each product and its add are one
+   asm block: in C, gcc 12 copied every sum to another register after each add (the sums in an
+   array: ~half the rate) or sent one to the stack. */
+#define I8_MADD(sum, weights, where)                                                             \
+  __asm__("vpmaddwd %[w], %[x], %[t]\n\tvpaddd %[t], %[c], %[c]"                                   \
+          : [c] "+x"(sum), [t] "=&x"(t)                                                          \
+          : [x] "x"(x), [w] where(weights))
+#define I8_ROW(r)                                                                                \
+  x = _mm256_set1_epi32(load32(a##r + 2 * i));                                                   \
+  I8_MADD(c##r##0, *(const __m256i *)(p0 + 16 * i), "m");                                        \
+  I8_MADD(c##r##1, w1, "x");                                                                     \
+  I8_MADD(c##r##2, w2, "x");
+AVX2 static void i8_sums43(const int16_t *a, int64_t kp, const int16_t *pb, int64_t k2,
+                           __m256i acc[4][3]) {
+  const int16_t *a0 = a, *a1 = a + kp, *a2 = a + 2 * kp, *a3 = a + 3 * kp;
+  const int16_t *p0 = pb, *p1 = pb + k2 * 16, *p2 = pb + 2 * k2 * 16;
+  __m256i c00 = _mm256_setzero_si256(), c01 = c00, c02 = c00, c10 = c00, c11 = c00, c12 = c00;
+  __m256i c20 = c00, c21 = c00, c22 = c00, c30 = c00, c31 = c00, c32 = c00;
+  for (int64_t i = 0; i < k2; ++i) {
+    const __m256i w1 = _mm256_loadu_si256((const __m256i *)(p1 + 16 * i));
+    const __m256i w2 = _mm256_loadu_si256((const __m256i *)(p2 + 16 * i));
+    __m256i x, t;
+    I8_ROW(0)
+    I8_ROW(1)
+    I8_ROW(2)
+    I8_ROW(3)
+  }
+  acc[0][0] = c00, acc[0][1] = c01, acc[0][2] = c02, acc[1][0] = c10, acc[1][1] = c11;
+  acc[1][2] = c12, acc[2][0] = c20, acc[2][1] = c21, acc[2][2] = c22, acc[3][0] = c30;
+  acc[3][1] = c31, acc[3][2] = c32;
+}
+#undef I8_ROW
+#undef I8_MADD
+
 /* R rows (1..4) x U blocks of 8 columns (1..3) from row r0 and block b0; the constants R and U
    unroll its loops where it is inlined. */
 AVX2 static inline __attribute__((always_inline)) void
 i8_tile(const int16_t *a, int64_t kp, const int16_t *p, int64_t k2, int R, int U, int64_t r0,
         int64_t b0, int64_t n, const float *cs, const float *top, const float *bias, float *y) {
   __m256i acc[4][3];
-  for (int r = 0; r < R; ++r)
-    for (int u = 0; u < U; ++u) acc[r][u] = _mm256_setzero_si256();
   const int16_t *ar = a + r0 * kp;
   const int16_t *pb = p + b0 * k2 * 16;
-  for (int64_t i = 0; i < k2; ++i) {
-    __m256i b[3];
-    for (int u = 0; u < U; ++u)
-      b[u] = _mm256_loadu_si256((const __m256i *)(pb + (u * k2 + i) * 16));
-    for (int r = 0; r < R; ++r) {
-      const __m256i av = _mm256_set1_epi32(load32(ar + r * kp + 2 * i));
+  if (R == 4 && U == 3) {
+    i8_sums43(ar, kp, pb, k2, acc);
+  } else {
+    for (int r = 0; r < R; ++r)
+      for (int u = 0; u < U; ++u) acc[r][u] = _mm256_setzero_si256();
+    for (int64_t i = 0; i < k2; ++i) {
+      __m256i b[3];
       for (int u = 0; u < U; ++u)
-        acc[r][u] = _mm256_add_epi32(acc[r][u], _mm256_madd_epi16(av, b[u]));
+        b[u] = _mm256_loadu_si256((const __m256i *)(pb + (u * k2 + i) * 16));
+      for (int r = 0; r < R; ++r) {
+        const __m256i av = _mm256_set1_epi32(load32(ar + r * kp + 2 * i));
+        for (int u = 0; u < U; ++u)
+          acc[r][u] = _mm256_add_epi32(acc[r][u], _mm256_madd_epi16(av, b[u]));
+      }
     }
   }
   for (int u = 0; u < U; ++u) {
@@ -2623,9 +2663,7 @@ AVX2 static void i8_tiles(const int16_t *a, int64_t kp, const int16_t *p, int64_
     else if (U == 2) I8_TILE(4, 2);
     else I8_TILE(4, 1);
   }
-  const int R = (int)(m - r0);
-  if (!R) return;
-  switch (R * 4 + U) {
+  switch ((m - r0) * 4 + U) {
   case 13: I8_TILE(3, 1); break;
   case 14: I8_TILE(3, 2); break;
   case 15: I8_TILE(3, 3); break;
@@ -2634,7 +2672,8 @@ AVX2 static void i8_tiles(const int16_t *a, int64_t kp, const int16_t *p, int64_
   case 11: I8_TILE(2, 3); break;
   case 5: I8_TILE(1, 1); break;
   case 6: I8_TILE(1, 2); break;
-  default: I8_TILE(1, 3); break;
+  case 7: I8_TILE(1, 3); break;
+  default: break; /* no rows left */
   }
 }
 #undef I8_TILE
