@@ -3052,6 +3052,8 @@ _FLAGS = ["-O3", "-shared", "-fPIC", "-fopenmp"]
 _AVX512 = {"avx512f", "avx512bw", "avx512vl"} <= cpuinfo.cpu_flags()
 # `Int8Linear`'s row kernels run in AVX-512 (F), or AVX2 where a CPU has no AVX-512.
 _ROWS_ISA = "avx512" if _AVX512 else "avx2" if "avx2" in cpuinfo.cpu_flags() else None
+# `int8_product` is AVX2's code alone (a CPU without VNNI runs it: `translate.int8_avx2`).
+_INT8_AVX2 = "avx2" in cpuinfo.cpu_flags()
 # A decoding step's attention (`step_attention`) in AVX-512 (F, BW, VL), or AVX2 with FMA.
 _ATTENTION_ISA = "avx512" if _AVX512 else "avx2" if {"avx2", "fma"} <= cpuinfo.cpu_flags() else None
 # A training step's attention (`attention_train`) multiplies bf16 in bf16 products: on AMX's
@@ -4096,7 +4098,7 @@ def int8_rows_out_(y: torch.Tensor, top: torch.Tensor, bias: torch.Tensor | None
 def int8_product_supported() -> bool:
     """Whether `int8_pack` and `int8_product` run here: `FUSED`, the library built, and the
     CPU has AVX2 (any x86-64 CPU since 2013-2015; their code is AVX2's alone)."""
-    return FUSED and "avx2" in cpuinfo.cpu_flags() and _library() is not None
+    return FUSED and _INT8_AVX2 and _library() is not None
 
 
 # `int8_product`'s int32 sums are exact while k x 255 x 127 < 2^31 (u8 inputs less a zero point,

@@ -586,7 +586,7 @@ def _int8_avx2(asked: str, cpuinfo_path: str) -> bool:
     read from, which a test may replace): the check runs once for each."""
     if asked == "fbgemm" or (asked != "avx2" and _vnni()):
         return False
-    if not kernels.int8_product_supported():
+    if "avx2" not in cpu_flags() or not kernels.int8_product_supported():
         logger.info("Int8Linear: fbgemm's product (the compiled kernels: %s)",
                     kernels.unavailable() or "no AVX2")  # fmt: skip
         return False
