@@ -78,7 +78,7 @@ this code.
     xs, top = int8_rows_in(x, nonnegative, tiny)   # x * (1 / top), top each row's max |x|
     q, top = int8_rows_u8(x, nonnegative, tiny, levels, zero)   # the same, rounded to u8
     y = int8_rows_out_(y, top, bias)               # y * top + bias, in place
-    y = int8_product(q, zero, int8_pack(ints), n, scales, top, bias)  # exact, AVX2
+    y = int8_product(q, zero, step, int8_pack(ints), n, scales, top, bias)  # exact, AVX2
     out = step_attention(q, k, v, bias, c)         # softmax(q k^T / c + bias) v, per head
     ids, values = row_top(x, n)                    # each row's n largest, in one pass
     s = adam_sum_squares(grads, scale)             # sum of (g * scale)^2, in fp64
@@ -2539,18 +2539,20 @@ AVX2 int int8_rows_out_avx2(float *y, int64_t rows, int64_t n, const float *top,
   }
   return 0;
 }
-/* `translate.Int8Linear`'s product on AVX2 with 8-bit weights, exact: y[r, c] = ((float)(sum_j
-   (q[r, j] - zp) w[c, j]) * cs[c]) * top[r] (+ bias[c]), each multiply and the add rounded on
-   its own, the sum an exact int32. A CPU without VNNI (a Zen 3) has AVX2's vpmaddubsw for u8 x
-   s8, which sums two products in int16 and saturates with 8-bit weights (fbgemm's kernel there
-   takes 7-bit ones); vpmaddwd sums two int16 x int16 products in int32: exact for any 8-bit
-   values, ~0.8x vpmaddubsw's rate (docs/performance.md, "Round sixty-seven"). The weights are
-   packed once (`int8_pack_avx2`), widened to int16: for each block of 8 columns and each pair
-   of k, one register's 16 values (column 0's two, column 1's, ...), which vpmaddwd reads from
-   memory; columns past n and a k past an odd k are 0. (int8 packs widened in the loop by
-   vpmovsxbw, half the bytes, ran at 0.64-0.71x: "Round sixty-eight".) Each row of q is widened
-   once to int16 (q - zp, k padded to even) in `a`. The tiles are 4 rows x 24 columns of int32
-   sums (`i8_sums43`), threads taking whole panels of 24 columns. */
+/* `translate.Int8Linear`'s product on AVX2 with 8-bit weights, exact: y[r, c] = (((float)(sum_j
+   (q[r, j] - zp) w[c, j]) * step) * cs[c]) * top[r] (+ bias[c]), each multiply and the add
+   rounded on its own, the sum an exact int32: the bits of oneDNN's int8 product on a VNNI CPU
+   (its sums, x the inputs' step, x the weight row's scale), then `int8_rows_out`'s. A CPU
+   without VNNI (a Zen 3) has AVX2's vpmaddubsw for u8 x s8, which sums two products in int16
+   and saturates with 8-bit weights (fbgemm's kernel there takes 7-bit ones); vpmaddwd sums two
+   int16 x int16 products in int32: exact for any 8-bit values, ~0.8x vpmaddubsw's rate in the
+   same loops (docs/performance.md, "Round sixty-seven"). The weights are packed once
+   (`int8_pack_avx2`), widened to int16: for each block of 8 columns and each pair of k, one
+   register's 16 values (column 0's two, column 1's, ...), which vpmaddwd reads; columns past n
+   and a k past an odd k are 0 (int8 packs widened in the loop by vpmovsxbw, half the bytes,
+   ran at 0.64-0.71x: "Round sixty-eight"). Each row of q is widened once to int16 (q - zp, k
+   padded to even) in `a`. The tiles are 4 rows x 24 columns of int32 sums (`i8_sums43`),
+   threads taking whole panels of 24 columns. */
 AVX2 int int8_pack_avx2(const int8_t *w, int64_t n, int64_t k, int16_t *p, int nthreads) {
   const int64_t k2 = (k + 1) / 2, blocks = (n + 7) / 8;
 #pragma omp parallel for schedule(static) num_threads(nthreads)
@@ -2610,7 +2612,8 @@ AVX2 static void i8_sums43(const int16_t *a, int64_t kp, const int16_t *pb, int6
    unroll its loops where it is inlined. */
 AVX2 static inline __attribute__((always_inline)) void
 i8_tile(const int16_t *a, int64_t kp, const int16_t *p, int64_t k2, int R, int U, int64_t r0,
-        int64_t b0, int64_t n, const float *cs, const float *top, const float *bias, float *y) {
+        int64_t b0, int64_t n, float step, const float *cs, const float *top, const float *bias,
+        float *y) {
   __m256i acc[4][3];
   const int16_t *ar = a + r0 * kp;
   const int16_t *pb = p + b0 * k2 * 16;
@@ -2637,7 +2640,8 @@ i8_tile(const int16_t *a, int64_t kp, const int16_t *p, int64_t k2, int R, int U
     __m256 bv = _mm256_setzero_ps();
     if (bias) bv = left >= 8 ? _mm256_loadu_ps(bias + c) : _mm256_maskload_ps(bias + c, t);
     for (int r = 0; r < R; ++r) {
-      __m256 v = _mm256_mul_ps(_mm256_cvtepi32_ps(acc[r][u]), s);
+      __m256 v = _mm256_mul_ps(_mm256_cvtepi32_ps(acc[r][u]), _mm256_set1_ps(step));
+      v = _mm256_mul_ps(v, s);
       v = _mm256_mul_ps(v, _mm256_set1_ps(top[r0 + r]));
       if (bias) {
         __asm__("" : "+x"(v)); /* a multiply and an add, each rounded: no FMA */
@@ -2653,9 +2657,10 @@ i8_tile(const int16_t *a, int64_t kp, const int16_t *p, int64_t k2, int R, int U
 }
 
 #define I8_TILE(R, U) \
-  i8_tile(a, kp, p, k2, R, U, r0, b0, n, cs, top, bias, y)
+  i8_tile(a, kp, p, k2, R, U, r0, b0, n, step, cs, top, bias, y)
 AVX2 static void i8_tiles(const int16_t *a, int64_t kp, const int16_t *p, int64_t k2, int64_t m,
-                          int64_t b0, int U, int64_t n, const float *cs, const float *top,
+                          int64_t b0, int U, int64_t n, float step, const float *cs,
+                          const float *top,
                           const float *bias, float *y) {
   int64_t r0 = 0;
   for (; r0 + 4 <= m; r0 += 4) {
@@ -2679,7 +2684,8 @@ AVX2 static void i8_tiles(const int16_t *a, int64_t kp, const int16_t *p, int64_
 #undef I8_TILE
 
 AVX2 int int8_product_avx2(const uint8_t *q, int64_t m, int64_t k, int zp, const int16_t *p,
-                           int64_t n, const float *cs, const float *top, const float *bias,
+                           int64_t n, float step, const float *cs, const float *top,
+                           const float *bias,
                            float *y, int16_t *a, int nthreads) {
   const int64_t k2 = (k + 1) / 2, kp = 2 * k2, blocks = (n + 7) / 8, panels = (blocks + 2) / 3;
   const int64_t mc = (131072 / (2 * kp)) / 4 * 4 > 4 ? (131072 / (2 * kp)) / 4 * 4 : 4;
@@ -2707,7 +2713,7 @@ AVX2 int int8_product_avx2(const uint8_t *q, int64_t m, int64_t k, int zp, const
       for (int64_t pnl = 0; pnl < panels; ++pnl) {
         const int64_t b0 = 3 * pnl;
         const int U = blocks - b0 < 3 ? (int)(blocks - b0) : 3;
-        i8_tiles(a + r0 * kp, kp, p, k2, rows, b0, U, n, cs, top + r0, bias, y + r0 * n);
+        i8_tiles(a + r0 * kp, kp, p, k2, rows, b0, U, n, step, cs, top + r0, bias, y + r0 * n);
       }
     }
   }
@@ -3358,7 +3364,7 @@ def _opened(
         )
         rows_in.restype = rows_out.restype = ctypes.c_int
     free.int8_pack_avx2.argtypes = [p, i64, i64, p, i32]
-    free.int8_product_avx2.argtypes = [p, i64, i64, i32, p, i64, p, p, p, p, p, i32]
+    free.int8_product_avx2.argtypes = [p, i64, i64, i32, p, i64, f32, p, p, p, p, p, i32]
     free.int8_pack_avx2.restype = free.int8_product_avx2.restype = ctypes.c_int
     free.step_attention.argtypes = (
         [p, i64, i64, i64, p, i32, i64, i64, i64, i64, p, i32, i64, i64, i64, p]
@@ -4136,6 +4142,7 @@ def int8_unpack(packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
 def int8_product(
     q: torch.Tensor,
     zero: int,
+    step: float,
     packed: torch.Tensor,
     n: int,
     scales: torch.Tensor,
@@ -4144,9 +4151,11 @@ def int8_product(
 ) -> torch.Tensor:
     """`translate.Int8Linear`'s product of 8-bit rows on AVX2 with 8-bit weights, exact: q (M,
     K) uint8 rows (`int8_rows_u8`'s) less `zero` times the weights `packed` by `int8_pack`
-    (N columns), each int32 sum (exact) -> fp32 * scales[c] (N,), * top[r] (M, 1), + bias[c]
-    (N,; None: none), each rounded on its own: (M, N) fp32, a row's values the same in any
-    batch and on any number of threads. Only where `int8_product_supported()`."""
+    (N columns), each int32 sum (exact) -> fp32 * step (the inputs' grid step, in fp32), *
+    scales[c] (N,), * top[r] (M, 1), + bias[c] (N,; None: none), each rounded on its own: (M,
+    N) fp32, the bits of oneDNN's int8 product (`onednn::qlinear_pointwise`, which scales its
+    sums by step, then by scales) and `int8_rows_out_` on a VNNI CPU; a row's values the same
+    in any batch and on any number of threads. Only where `int8_product_supported()`."""
     if not int8_product_supported():
         raise RuntimeError(f"int8_product: not on this machine ({unavailable() or 'no AVX2'})")
     tensors = (q, packed, scales, top) + (() if bias is None else (bias,))
@@ -4165,7 +4174,7 @@ def int8_product(
     if m and n:
         a = torch.empty(m, 2 * ((k + 1) // 2), dtype=torch.int16)
         b = None if bias is None else bias.data_ptr()
-        _NOGIL.int8_product_avx2(q.data_ptr(), m, k, zero, packed.data_ptr(), n,
+        _NOGIL.int8_product_avx2(q.data_ptr(), m, k, zero, packed.data_ptr(), n, step,
                                  scales.data_ptr(), top.data_ptr(), b, y.data_ptr(),
                                  a.data_ptr(), _threads(m * n * max(k, 1) // 64))  # fmt: skip
     return y

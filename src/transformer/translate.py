@@ -217,8 +217,8 @@ class Int8Linear(nn.Module):
         # The inputs' grid (u8 = round(x / scale) + zero point, x in [-1, 1] or [0, 1]).
         levels, zero = INPUT_GRIDS[nonnegative_inputs]
         self.grid = (1 / levels, zero)
-        if self.avx2 is not None:  # each column's scale: the input grid's step x the row's
-            self.avx2_scales = (self.scales / levels).float()
+        if self.avx2 is not None:  # the weight rows' scales, as oneDNN's product takes them
+            self.avx2_scales = self.scales.float()
 
     @classmethod
     def stacked(cls, parts: Sequence[tuple[Int8Linear, float]]) -> Int8Linear:
@@ -273,8 +273,9 @@ class Int8Linear(nn.Module):
     def _forward_u8(self, x: torch.Tensor, fused: bool) -> torch.Tensor:
         """oneDNN's product (`int8_onednn`) or the library's AVX2 one (`int8_avx2`) of each
         row's 8-bit inputs: the rows quantized to u8 in the pass that finds their ranges
-        (`kernels.int8_rows_u8`, or `_rows_u8`). The AVX2 product scales its sums back, by
-        each row's top and adds the bias itself, in the same roundings as `int8_rows_out_`."""
+        (`kernels.int8_rows_u8`, or `_rows_u8`). The AVX2 product scales its sums as oneDNN's
+        does, and by each row's top and adds the bias itself, in `int8_rows_out_`'s roundings:
+        the same bits as oneDNN's path."""
         levels, zero = INPUT_GRIDS[self.nonnegative_inputs]
         rows = x.reshape(-1, self.in_features)
         if fused:
@@ -282,8 +283,9 @@ class Int8Linear(nn.Module):
         else:
             q, top = _rows_u8(rows, self.nonnegative_inputs)
         if self.avx2 is not None:
-            y = kernels.int8_product(q.contiguous(), zero, self.avx2, self.out_features,
-                                     self.avx2_scales, top.contiguous(), self.bias)  # fmt: skip
+            y = kernels.int8_product(q.contiguous(), zero, self.grid[0], self.avx2,
+                                     self.out_features, self.avx2_scales, top.contiguous(),
+                                     self.bias)  # fmt: skip
             return y.view(*x.shape[:-1], self.out_features).to(self.out_dtype or x.dtype)
         if q.size(0):
             y = torch.ops.onednn.qlinear_pointwise(
@@ -573,7 +575,9 @@ def int8_avx2() -> bool:
     int16 products in int32 (`vpmaddwd`): the same 8-bit weights and integer sums as a VNNI
     CPU's, at ~0.8x the 7-bit scheme's rate in the same loops (docs/performance.md, "Round
     sixty-seven"). Only where the library runs with AVX2, and once it has given the exact
-    product bit for bit (the int32 sums, then x scale, x top, + bias, each rounded) on shapes
+    product bit for bit (the int32 sums, then x step, x scale, x top, + bias, each rounded:
+    oneDNN's product's bits, then `int8_rows_out_`'s, so a CPU without VNNI translates as one
+    with it does, word for word) on shapes
     with every edge and inputs that saturate `vpmaddubsw`. `TRANSFORMER_INT8_PRODUCT=avx2`
     takes it on any CPU with AVX2 (a VNNI CPU too: to compare), `=fbgemm` keeps fbgemm's.
     Decoding streams may ask at once: each gets the same answer."""
@@ -597,16 +601,16 @@ def _int8_avx2(asked: str, cpuinfo_path: str) -> bool:
         ints[0] = 127  # with inputs of 255, pairs that saturate int16 (2 x 255 x 127)
         q = torch.randint(0, 256, (m, k), generator=g, dtype=torch.uint8)
         q[0] = 255
-        scales = torch.rand(n, generator=g) * 1e-3 + 1e-6
+        scales, step = torch.rand(n, generator=g) * 1e-3 + 1e-6, 1 / (255 - zero)
         top, bias = torch.rand(m, 1, generator=g) * 10, torch.randn(n, generator=g)
         top[-1] = float("nan")
         packed = kernels.int8_pack(ints)
         sums = (q.long() - zero) @ ints.long().t()  # exact: int64
         for b in (bias, None):
-            want = _rows_out_(sums.float() * scales, top, b)
-            got = kernels.int8_product(q, zero, packed, n, scales, top, b)
-            alone = kernels.int8_product(q[m // 2 :].contiguous(), zero, packed, n, scales,
-                                         top[m // 2 :].contiguous(), b)  # fmt: skip
+            want = _rows_out_(sums.float() * torch.tensor(step).float() * scales, top, b)
+            got = kernels.int8_product(q, zero, step, packed, n, scales, top, b)
+            alone = kernels.int8_product(q[m // 2 :].contiguous(), zero, step, packed, n,
+                                         scales, top[m // 2 :].contiguous(), b)  # fmt: skip
             if not (_same_bits(got, want) and _same_bits(alone, got[m // 2 :])):
                 logger.info("Int8Linear: fbgemm's product (the library's AVX2 one differs from "
                             "the exact product)")  # fmt: skip

@@ -1168,15 +1168,15 @@ def test_int8_rows_keep_shape_and_refuse_what_they_cannot_read():
             kernels.int8_rows_out_(*args)
 
 
-def _exact_int8_product(q, zero, ints, scales, top, bias):
+def _exact_int8_product(q, zero, step, ints, scales, top, bias):
     """`kernels.int8_product`'s definition in torch: the int64 sums (exact), then each step
-    rounded on its own (`_rows_out_`: x top, then + bias)."""
+    rounded on its own (x step, x scales; `_rows_out_`: x top, then + bias)."""
     from transformer.translate import _rows_out_
 
     # Integers below 2^53: exact in fp64; + 0.0 makes a sum of zero +0 as an integer's is (a
     # product 0 x -w is -0 in floating point)
     sums = (q.double() - zero) @ ints.double().t() + 0.0
-    return _rows_out_(sums.float() * scales, top, bias)
+    return _rows_out_(sums.float() * torch.tensor(step).float() * scales, top, bias)
 
 
 def _same_bits(got: torch.Tensor, want: torch.Tensor) -> bool:
@@ -1208,9 +1208,10 @@ def test_int8_product_is_the_exact_product_bit_for_bit(k, n, zero):
         top = torch.rand(m, 1, generator=g) * 4
         top[m // 2] = float("nan")
         for b in (bias, None):
-            got = kernels.int8_product(q, zero, packed, n, scales, top, b)
+            got = kernels.int8_product(q, zero, 1 / 127, packed, n, scales, top, b)
             assert got.shape == (m, n) and got.dtype == torch.float32
-            assert _same_bits(got, _exact_int8_product(q, zero, ints, scales, top, b)), (m, b)
+            want = _exact_int8_product(q, zero, 1 / 127, ints, scales, top, b)
+            assert _same_bits(got, want), (m, b)
 
 
 @pytest.mark.parametrize(("m", "k"), [(256, 512), (61, 512), (70, 2048)])
@@ -1226,34 +1227,37 @@ def test_int8_product_is_the_same_on_one_thread_and_two_and_alone_in_a_batch(m, 
     bias = torch.randn(2040, generator=g)
     packed = kernels.int8_pack(ints)
     with threads_of(1):
-        one = kernels.int8_product(q, 0, packed, 2040, scales, top, bias)
+        one = kernels.int8_product(q, 0, 1.0, packed, 2040, scales, top, bias)
     with threads_of(2):
-        two = kernels.int8_product(q, 0, packed, 2040, scales, top, bias)
-        row = kernels.int8_product(q[7:8].clone(), 0, packed, 2040, scales, top[7:8], bias)
-        last = kernels.int8_product(q[-3:].clone(), 0, packed, 2040, scales, top[-3:], bias)
+        two = kernels.int8_product(q, 0, 1.0, packed, 2040, scales, top, bias)
+        row = kernels.int8_product(q[7:8].clone(), 0, 1.0, packed, 2040, scales, top[7:8], bias)
+        last = kernels.int8_product(q[-3:].clone(), 0, 1.0, packed, 2040, scales, top[-3:], bias)
     assert _same_bits(one, two) and _same_bits(row, one[7:8]) and _same_bits(last, one[-3:])
     assert one[7, 5] == float(-127 * 255 * k) + bias[5]
-    assert _same_bits(one, _exact_int8_product(q, 0, ints, scales, top, bias))
+    assert _same_bits(one, _exact_int8_product(q, 0, 1.0, ints, scales, top, bias))
 
 
 def test_int8_product_refuses_what_it_cannot_read_in_one_line():
     ints = torch.randint(-127, 128, (10, 6), dtype=torch.int8)
     packed = kernels.int8_pack(ints)
     q, scales, top = torch.zeros(3, 6, dtype=torch.uint8), torch.ones(10), torch.ones(3, 1)
-    assert kernels.int8_product(q[:0], 128, packed, 10, scales, top[:0], None).shape == (0, 10)
+    assert kernels.int8_product(q[:0], 128, 0.1, packed, 10, scales, top[:0], None).shape == (
+        0,
+        10,
+    )
     assert kernels.int8_pack(ints[:0]).shape == (0, 3, 16)
     assert kernels.int8_unpack(kernels.int8_pack(ints[:0]), 0, 6).shape == (0, 6)
     bad = [
-        (q.float(), 128, packed, 10, scales, top, None),  # not uint8
-        (q, 256, packed, 10, scales, top, None),  # a zero point past a byte
-        (q[:, :4], 128, packed, 10, scales, top, None),  # packed for another k
-        (q, 128, packed, 11, scales, top, None),  # ... and another n
-        (q, 128, packed, 10, scales[:9], top, None),
-        (q, 128, packed, 10, scales, top[:2], None),
-        (q, 128, packed, 10, scales, top, torch.ones(9)),
-        (q, 128, packed, 10, scales.double(), top, None),
-        (q.t(), 128, packed, 10, scales, top, None),  # not contiguous
-        (q, 128, packed.to(torch.int8), 10, scales, top, None),  # not int8_pack's
+        (q.float(), 128, 0.1, packed, 10, scales, top, None),  # not uint8
+        (q, 256, 0.1, packed, 10, scales, top, None),  # a zero point past a byte
+        (q[:, :4], 128, 0.1, packed, 10, scales, top, None),  # packed for another k
+        (q, 128, 0.1, packed, 11, scales, top, None),  # ... and another n
+        (q, 128, 0.1, packed, 10, scales[:9], top, None),
+        (q, 128, 0.1, packed, 10, scales, top[:2], None),
+        (q, 128, 0.1, packed, 10, scales, top, torch.ones(9)),
+        (q, 128, 0.1, packed, 10, scales.double(), top, None),
+        (q.t(), 128, 0.1, packed, 10, scales, top, None),  # not contiguous
+        (q, 128, 0.1, packed.to(torch.int8), 10, scales, top, None),  # not int8_pack's
     ]
     for args in bad:
         with pytest.raises(ValueError, match="int8_product"):
@@ -1265,7 +1269,7 @@ def test_int8_product_refuses_what_it_cannot_read_in_one_line():
         mp.setattr(kernels, "FUSED", False)
         assert not kernels.int8_product_supported()
         with pytest.raises(RuntimeError, match="int8_product: not on this machine"):
-            kernels.int8_product(q, 128, packed, 10, scales, top, None)
+            kernels.int8_product(q, 128, 0.1, packed, 10, scales, top, None)
 
 
 def test_the_library_is_first_loaded_in_inference_mode(fresh):

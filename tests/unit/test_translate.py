@@ -1378,9 +1378,10 @@ def test_int8_linears_products_agree_and_onednns_is_the_exact_one(monkeypatch, c
 
 def test_int8_linears_avx2_product_is_the_exact_one_with_8_bit_weights(monkeypatch):
     """The library's AVX2 product (`int8_avx2`: CPUs without VNNI) takes the 8-bit weights a
-    VNNI CPU takes and gives the exact product bit for bit: the integer sums, x (row scale /
-    levels) in fp32, x each input row's top, + the bias; stacked layers too. fbgemm's AVX2
-    kernel saturates there with these weights (`int8_narrow_weights`)."""
+    VNNI CPU takes and gives the exact product bit for bit: the integer sums, x the inputs'
+    step, x the row's scale, x each input row's top, + the bias, each in fp32: oneDNN's
+    product's bits where it runs; stacked layers too. fbgemm's AVX2 kernel saturates there with
+    these weights (`int8_narrow_weights`)."""
     assert transformer.kernels.int8_product_supported()
     monkeypatch.setattr(transformer.translate, "int8_onednn", lambda: False)
     monkeypatch.setattr(transformer.translate, "int8_avx2", lambda: True)
@@ -1396,8 +1397,14 @@ def test_int8_linears_avx2_product_is_the_exact_one_with_8_bit_weights(monkeypat
         q, top = transformer.translate._rows_u8(x, nonneg)
         levels, zero = (255.0, 0) if nonneg else (127.0, 128)
         sums = (q.double() - zero) @ ints.double().t() + 0.0  # a sum of 0: +0, as an int's
-        exact = sums.float() * (scales / levels).float() * top + b
+        exact = sums.float() * torch.tensor(1 / levels).float() * scales.float() * top + b
         assert torch.equal(layer(x), exact)
+        if "onednn" in INT8_PRODUCTS:  # and a VNNI CPU's product (oneDNN's): the same bits
+            monkeypatch.setattr(transformer.translate, "int8_onednn", lambda: True)
+            dnn = Int8Linear(w, b, False, nonnegative_inputs=nonneg)
+            monkeypatch.setattr(transformer.translate, "int8_onednn", lambda: False)
+            assert "product=onednn" in repr(dnn)
+            assert torch.equal(dnn(x).view(torch.int32), layer(x).view(torch.int32))
         h = n // 2
         halves = [Int8Linear(w[:h], b[:h], False, nonnegative_inputs=nonneg),
                   Int8Linear(w[h:], b[h:], False, nonnegative_inputs=nonneg)]  # fmt: skip
