@@ -769,7 +769,7 @@ def _add_export(sub: argparse._SubParsersAction) -> None:
 
 
 def _cmd_kernels(args: argparse.Namespace) -> int:
-    from transformer import kernels
+    from transformer import kernels, translate
 
     why = kernels.unavailable()
     if why is not None:  # nothing to keep: torch's ops run here
@@ -777,6 +777,7 @@ def _cmd_kernels(args: argparse.Namespace) -> int:
     target = kernels.build_ahead(args.into)
     for line in kernels.describe():
         print(line)
+    print(f"int8 decoding's products: {translate.int8_product_said()}")
     found = "" if args.into is None else f" with TRANSFORMER_KERNELS={target.parent}"
     print(f"kept in {target}: a process without a C compiler loads it from there{found}")
     return 0

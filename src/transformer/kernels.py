@@ -3547,8 +3547,6 @@ def build_ahead(into: Path | None = None) -> Path:
 
 def describe() -> list[str]:
     """What the compiled kernels do on this machine, a line each (after `unavailable`)."""
-    from transformer import translate  # (which imports this module)
-
     if unavailable() is not None:
         return [f"not in use: {unavailable()}"]
     off = "off (TRANSFORMER_FUSED_KERNELS=0)"
@@ -3572,7 +3570,6 @@ def describe() -> list[str]:
         f"bf16 training's square weight gradients: {weight_grads if FUSED else off}",
         f"bf16 training's attention products: {_attention_products() if FUSED else off}",
         f"bf16 decoding's output logits: {logits if FUSED else off}",
-        f"int8 decoding's products: {translate.int8_product_said()}",
     ]
 
 

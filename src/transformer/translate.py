@@ -555,10 +555,17 @@ def int8_onednn() -> bool:
     return True
 
 
+INT8_PRODUCTS = ("fbgemm", "avx2")  # TRANSFORMER_INT8_PRODUCT's values
+
+
 def _int8_product_asked() -> str:
     """TRANSFORMER_INT8_PRODUCT: the int8 product a user asked for ("fbgemm", "avx2"; "" for
-    the CPU's own choice)."""
-    return os.environ.get("TRANSFORMER_INT8_PRODUCT", "").strip().lower()
+    the CPU's own choice); UserError for any other value."""
+    asked = os.environ.get("TRANSFORMER_INT8_PRODUCT", "").strip().lower()
+    if asked and asked not in INT8_PRODUCTS:
+        raise UserError(f"TRANSFORMER_INT8_PRODUCT: {' or '.join(INT8_PRODUCTS)} (or unset for "
+                        f"the CPU's own choice), not {asked!r}")  # fmt: skip
+    return asked
 
 
 def _vnni(flags: set[str] | None = None) -> bool:
@@ -748,6 +755,7 @@ class Translator:
                 raise UserError(f"dtype int8 runs on a CPU with fbgemm's kernels (x86); this is "
                                 f"{self.device.type} with quantized engine {engine!r}: use fp32 "
                                 "or bf16")  # fmt: skip
+            _int8_product_asked()  # a TRANSFORMER_INT8_PRODUCT nobody has: a one-line error
             # GPTQ's weights for this CPU's grid when the file has them (`transformer quantize`)
             levels = int8_levels()
             rounded = loaded.int8.get(levels)

@@ -1695,7 +1695,10 @@ def test_the_kernels_command_keeps_a_copy_and_says_what_runs(fresh, capsys, tmp_
     assert main(["kernels"]) == 0
     out = capsys.readouterr().out.splitlines()
     (kept,) = kernels.PREBUILT.glob("kernels-*.so")
-    assert out[0] == f"in use: {kernels.library_path()}" and out[1:-1] == kernels.describe()[1:]
+    from transformer.translate import int8_product_said
+
+    assert out[0] == f"in use: {kernels.library_path()}" and out[1:-2] == kernels.describe()[1:]
+    assert out[-2] == f"int8 decoding's products: {int8_product_said()}"
     assert out[-1].startswith(f"kept in {kept}: a process without a C compiler loads it")
     assert main(["kernels", "--into", str(tmp_path / "k")]) == 0
     assert (

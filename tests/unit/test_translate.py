@@ -1434,7 +1434,20 @@ def test_int8_product_said_names_the_product_and_its_weights(
     else:
         monkeypatch.setenv("TRANSFORMER_INT8_PRODUCT", env)
     assert t.int8_product_said() == said
-    assert f"int8 decoding's products: {said}" in transformer.kernels.describe()
+
+
+def test_an_int8_product_nobody_has_is_a_one_line_error(model_file, monkeypatch, capsys):
+    from transformer.cli import main
+
+    monkeypatch.setenv("TRANSFORMER_INT8_PRODUCT", "vnni")
+    for check in (transformer.translate.int8_avx2, transformer.translate.int8_product_said):
+        with pytest.raises(UserError, match="TRANSFORMER_INT8_PRODUCT: fbgemm or avx2"):
+            check()
+    with pytest.raises(UserError, match="not 'vnni'"):
+        Translator.from_path(model_file, dtype="int8")
+    assert main(["kernels", "--into", str(model_file.parent / "k")]) == 2
+    err = capsys.readouterr().err
+    assert "TRANSFORMER_INT8_PRODUCT" in err and "Traceback" not in err
 
 
 def test_int8_avx2_is_chosen_without_vnni_or_where_asked(monkeypatch, tmp_path):
