@@ -2656,12 +2656,10 @@ i8_tile(const int16_t *a, int64_t kp, const int16_t *p, int64_t k2, int R, int U
   }
 }
 
-#define I8_TILE(R, U) \
-  i8_tile(a, kp, p, k2, R, U, r0, b0, n, step, cs, top, bias, y)
+#define I8_TILE(R, U) i8_tile(a, kp, p, k2, R, U, r0, b0, n, step, cs, top, bias, y)
 AVX2 static void i8_tiles(const int16_t *a, int64_t kp, const int16_t *p, int64_t k2, int64_t m,
                           int64_t b0, int U, int64_t n, float step, const float *cs,
-                          const float *top,
-                          const float *bias, float *y) {
+                          const float *top, const float *bias, float *y) {
   int64_t r0 = 0;
   for (; r0 + 4 <= m; r0 += 4) {
     if (U == 3) I8_TILE(4, 3);
@@ -2685,8 +2683,7 @@ AVX2 static void i8_tiles(const int16_t *a, int64_t kp, const int16_t *p, int64_
 
 AVX2 int int8_product_avx2(const uint8_t *q, int64_t m, int64_t k, int zp, const int16_t *p,
                            int64_t n, float step, const float *cs, const float *top,
-                           const float *bias,
-                           float *y, int16_t *a, int nthreads) {
+                           const float *bias, float *y, int16_t *a, int nthreads) {
   const int64_t k2 = (k + 1) / 2, kp = 2 * k2, blocks = (n + 7) / 8, panels = (blocks + 2) / 3;
   const int64_t mc = (131072 / (2 * kp)) / 4 * 4 > 4 ? (131072 / (2 * kp)) / 4 * 4 : 4;
 #pragma omp parallel num_threads(nthreads)

@@ -93,9 +93,9 @@ def auto_dtype(device: str | torch.device, gptq_levels: Sequence[int] = ()) -> t
     weights for fbgemm's 7-bit grid there (`gptq_levels`: the grids of `LoadedModel.int8`;
     `transformer quantize`): fp32's products run at ~0.6x int8's, and int8 rounded to the
     nearest of 63 levels cost 0.3 BLEU where GPTQ's cost < 0.1 (docs/decoding.md). fp32
-    elsewhere. On the Multi30k quickstart model,
-    bf16's and int8's sacreBLEU are within 0.1 of fp32 for beam 4 and greedy search
-    (docs/decoding.md, "Precision").
+    elsewhere. On the Multi30k quickstart model, bf16's and int8's sacreBLEU are within 0.1 of
+    fp32 for beam 4 and greedy search (docs/decoding.md, "Precision"); the exact AVX2 product
+    gives oneDNN's int8 bits (docs/performance.md, "Round sixty-eight").
     """
     device = torch.device(device)
     if device.type != "cpu":
@@ -523,7 +523,7 @@ def int8_onednn() -> bool:
     check keeps fbgemm's (bf16 is `auto_dtype`'s choice on AMX).
     `TRANSFORMER_INT8_PRODUCT=fbgemm` keeps fbgemm's (`=avx2`: the library's, `int8_avx2`).
     Decoding streams may ask at once: each gets the same answer."""
-    if _int8_product_asked() in {"fbgemm", "avx2"}:
+    if _int8_product_asked():  # fbgemm's or the library's, asked for
         return False
     if not _vnni() or not torch.backends.mkldnn.is_available():
         return False
@@ -555,16 +555,17 @@ def int8_onednn() -> bool:
     return True
 
 
-INT8_PRODUCTS = ("fbgemm", "avx2")  # TRANSFORMER_INT8_PRODUCT's values
+INT8_PRODUCT_CHOICES = ("fbgemm", "avx2")  # TRANSFORMER_INT8_PRODUCT's values
 
 
 def _int8_product_asked() -> str:
     """TRANSFORMER_INT8_PRODUCT: the int8 product a user asked for ("fbgemm", "avx2"; "" for
     the CPU's own choice); UserError for any other value."""
     asked = os.environ.get("TRANSFORMER_INT8_PRODUCT", "").strip().lower()
-    if asked and asked not in INT8_PRODUCTS:
-        raise UserError(f"TRANSFORMER_INT8_PRODUCT: {' or '.join(INT8_PRODUCTS)} (or unset for "
-                        f"the CPU's own choice), not {asked!r}")  # fmt: skip
+    if asked and asked not in INT8_PRODUCT_CHOICES:
+        choices = " or ".join(INT8_PRODUCT_CHOICES)
+        raise UserError(f"TRANSFORMER_INT8_PRODUCT: {choices} (or unset for the CPU's own "
+                        f"choice), not {asked!r}")  # fmt: skip
     return asked
 
 
@@ -580,14 +581,14 @@ def int8_avx2() -> bool:
     fbgemm's AVX2 kernel (`vpmaddubsw`, pairs of u8 x s8 products summed in int16) saturates
     with 8-bit weights and so takes 7-bit ones (`int8_narrow_weights`); the library's sums two
     int16 products in int32 (`vpmaddwd`): the same 8-bit weights and integer sums as a VNNI
-    CPU's, at ~0.8x the 7-bit scheme's rate in the same loops (docs/performance.md, "Round
-    sixty-seven"). Only where the library runs with AVX2, and once it has given the exact
-    product bit for bit (the int32 sums, then x step, x scale, x top, + bias, each rounded:
-    oneDNN's product's bits, then `int8_rows_out_`'s, so a CPU without VNNI translates as one
-    with it does, word for word) on shapes
-    with every edge and inputs that saturate `vpmaddubsw`. `TRANSFORMER_INT8_PRODUCT=avx2`
-    takes it on any CPU with AVX2 (a VNNI CPU too: to compare), `=fbgemm` keeps fbgemm's.
-    Decoding streams may ask at once: each gets the same answer."""
+    CPU's; W2 as a Zen 3 runs it 0.97x (greedy) and 1.01x (beam 4) of fbgemm's 7-bit product
+    (docs/performance.md, "Round sixty-eight"). Only where the library runs with AVX2, and once
+    it has given the exact product bit for bit (the int32 sums, then x step, x scale, x top, +
+    bias, each rounded: oneDNN's product's bits, then `int8_rows_out_`'s, so a CPU without VNNI
+    translates as one with it does, word for word) on shapes with every edge and inputs that
+    saturate `vpmaddubsw`. `TRANSFORMER_INT8_PRODUCT=avx2` takes it on any CPU with AVX2 (a
+    VNNI CPU too: to compare), `=fbgemm` keeps fbgemm's. Decoding streams may ask at once:
+    each gets the same answer."""
     return _int8_avx2(_int8_product_asked(), cpuinfo.CPUINFO)
 
 
@@ -629,7 +630,7 @@ def int8_product_said() -> str:
     """Which product `Int8Linear` multiplies with on this CPU, and its weights' bits, in words
     (`transformer kernels`)."""
     asked = _int8_product_asked()
-    said = f" (TRANSFORMER_INT8_PRODUCT={asked})" if asked in {"avx2", "fbgemm"} else ""
+    said = f" (TRANSFORMER_INT8_PRODUCT={asked})" if asked else ""
     if int8_onednn():
         return "oneDNN's (VNNI), 8-bit weights"
     if int8_avx2():
