@@ -31,6 +31,7 @@ a VNNI CPU then times a Zen 3's int8 products in the same instructions:
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 
@@ -124,43 +125,40 @@ def real(args) -> None:
                   switch=SWITCH, labels=LABELS)  # fmt: skip
 
 
-def _usage(problem: str) -> None:
-    """Stop as argparse does on a bad argument: the problem on stderr, exit status 2."""
-    print(f"bench_int8_product.py: error: {problem}", file=sys.stderr)
-    sys.exit(2)
-
-
-def _options(argv: list[str]) -> tuple[tuple[str, str], bool, list[str]]:
-    """--products A,B and --fbgemm-bits {7,8} taken out of argv (the rest is
-    `bench_int8_rows.arguments`'): the two products, whether fbgemm's weights are 7-bit."""
-    products, bits, rest, i = "fbgemm,onednn", "8", [], 0
-    while i < len(argv):
-        flag, _, value = argv[i].partition("=")
-        if flag in ("--products", "--fbgemm-bits"):
-            if not value:
-                if i + 1 >= len(argv):
-                    _usage(f"{flag} needs a value")
-                value, i = argv[i + 1], i + 1
-            if flag == "--products":
-                products = value
-            else:
-                bits = value
-        else:
-            rest.append(argv[i])
-        i += 1
-    chosen = tuple(products.split(","))
+def _products(value: str) -> tuple[str, str]:
+    """--products: two of PRODUCTS, comma-separated."""
+    chosen = tuple(value.split(","))
     if len(chosen) != 2 or len(set(chosen)) != 2 or not set(chosen) <= set(PRODUCTS):
-        _usage(f"--products: two of {', '.join(PRODUCTS)}, comma-separated, not {products!r}")
-    if bits not in ("7", "8"):
-        _usage(f"--fbgemm-bits: 7 or 8, not {bits!r}")
-    return chosen, bits == "7", rest  # type: ignore[return-value]
+        raise argparse.ArgumentTypeError(
+            f"two of {', '.join(PRODUCTS)}, comma-separated, not {value!r}"
+        )
+    return chosen  # type: ignore[return-value]
+
+
+def _bits(value: str) -> int:
+    """--fbgemm-bits: 7 or 8."""
+    if value not in ("7", "8"):
+        raise argparse.ArgumentTypeError(f"7 or 8, not {value!r}")
+    return int(value)
+
+
+def _options(ap: argparse.ArgumentParser) -> None:
+    """This script's own options, beside `bench_int8_rows.arguments`'."""
+    ap.add_argument(
+        "--products",
+        type=_products,
+        default=("fbgemm", "onednn"),
+        help="the two products timed, comma-separated (fbgemm, onednn, avx2)",
+    )
+    ap.add_argument("--fbgemm-bits", type=_bits, default=8,
+                    help="fbgemm's weights: 7 as on a CPU without VNNI, or 8")  # fmt: skip
 
 
 def main() -> None:
     global CHOSEN, LABELS, FBGEMM_NARROW
-    CHOSEN, FBGEMM_NARROW, sys.argv[1:] = _options(sys.argv[1:])
+    args = ab.arguments(__doc__.split("\n")[0], more=_options)
+    CHOSEN, FBGEMM_NARROW = args.products, args.fbgemm_bits == 7
     LABELS = (PRODUCTS[CHOSEN[0]], PRODUCTS[CHOSEN[1]])
-    args = ab.arguments(__doc__.split("\n")[0])
     runs = {"onednn": T.int8_onednn, "avx2": T.kernels.int8_product_supported}
     for product in CHOSEN:
         if product != "fbgemm" and not runs[product]():

@@ -116,10 +116,12 @@ def real(args, switch=None, dtype: str = "int8", labels=None) -> None:
                switch=switch, labels=labels)  # fmt: skip
 
 
-def arguments(description: str, dtypes: bool = False) -> argparse.Namespace:
+def arguments(description: str, dtypes: bool = False, more=None) -> argparse.Namespace:
     """This script's options (also `bench_step_attention.py`'s, with `dtypes`: --dtype for
-    --what w2 / real), checked; torch's threads set."""
+    --what w2 / real; `more(parser)` adds a script's own), checked; torch's threads set."""
     ap = argparse.ArgumentParser(description=description)
+    if more is not None:
+        more(ap)
     ap.add_argument("--what", choices=("layers", "w2", "real"), default="w2")
     ap.add_argument("--pairs", type=int, default=8)
     ap.add_argument("--threads", default="2", help="torch threads (real: N or auto)")

@@ -700,7 +700,7 @@ def test_int8_product_bench_times_fbgemms_7_bit_weights_against_the_avx2_product
     for bad, said in ((["--products", "avx2"], "--products: two of"),
                       (["--products", "avx2,avx2"], "--products: two of"),
                       (["--fbgemm-bits", "9"], "--fbgemm-bits: 7 or 8"),
-                      (["--products"], "--products needs a value")):  # fmt: skip
+                      (["--products"], "--products: expected one argument")):  # fmt: skip
         out = _run("bench_int8_product.py", *bad)
         assert out.returncode == 2 and said in out.stderr and "Traceback" not in out.stderr
 
