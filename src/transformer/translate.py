@@ -596,9 +596,10 @@ def int8_avx2() -> bool:
 def _int8_avx2(asked: str, cpuinfo_path: str) -> bool:
     """`int8_avx2` for TRANSFORMER_INT8_PRODUCT's value and the CPU (the file its flags are
     read from, which a test may replace): the check runs once for each."""
-    if asked == "fbgemm" or (asked != "avx2" and _vnni()):
+    flags = cpu_flags()
+    if asked == "fbgemm" or (asked != "avx2" and _vnni(flags)):
         return False
-    if "avx2" not in cpu_flags() or not kernels.int8_product_supported():
+    if "avx2" not in flags or not kernels.int8_product_supported():
         logger.info("Int8Linear: fbgemm's product (the compiled kernels: %s)",
                     kernels.unavailable() or "no AVX2")  # fmt: skip
         return False

@@ -19,6 +19,7 @@ import torch
 from transformer import kernels
 from transformer.cpuinfo import cpu_flags
 from transformer.model import packed_attention_case
+from transformer.translate import _same_bits
 
 # the training attention's products (`kernels.attention_products`) each test takes in turn
 PRODUCTS = ["lanes", "tiles", "dots"]
@@ -1177,13 +1178,6 @@ def _exact_int8_product(q, zero, step, ints, scales, top, bias):
     # product 0 x -w is -0 in floating point)
     sums = (q.double() - zero) @ ints.double().t() + 0.0
     return _rows_out_(sums.float() * torch.tensor(step).float() * scales, top, bias)
-
-
-def _same_bits(got: torch.Tensor, want: torch.Tensor) -> bool:
-    nan = want.isnan()
-    return torch.equal(got.isnan(), nan) and torch.equal(
-        got[~nan].view(torch.int32), want[~nan].view(torch.int32)
-    )
 
 
 @pytest.mark.parametrize("k", [1, 2, 15, 16, 17, 512])
