@@ -24,8 +24,9 @@ after (the rows scaled back, the bias); `int8_rows_in` and `int8_rows_out_` do e
 pass, the same bits (AVX-512, or AVX2), which takes 2-7% off a greedy search at the peers' W2
 shape (docs/performance.md, "Round thirty-seven"). They are called without holding the GIL. On a
 CPU without VNNI (a Zen 3) the product itself is `int8_product` (AVX2): 8-bit weights, exact
-int32 sums (vpmaddwd on int16 pairs), where fbgemm's AVX2 kernel saturates with 8-bit weights
-and takes 7-bit ones ("Round sixty-eight").
+int32 sums (vpmaddwd on int16 pairs; the weights held as int8 and widened a panel at a time),
+where fbgemm's AVX2 kernel saturates with 8-bit weights and takes 7-bit ones ("Round
+sixty-eight", "Round sixty-nine").
 
 A decoding step's attention (`model._attention_rowwise` with a cache) is, in torch, four passes
 over the step's keys and values, each (batch, head) a tiny product; `step_attention` takes each
@@ -2547,25 +2548,17 @@ AVX2 int int8_rows_out_avx2(float *y, int64_t rows, int64_t n, const float *top,
    and saturates with 8-bit weights (fbgemm's kernel there takes 7-bit ones); vpmaddwd sums two
    int16 x int16 products in int32: exact for any 8-bit values, ~0.8x vpmaddubsw's rate in the
    same loops (docs/performance.md, "Round sixty-seven"). The weights are packed once
-   (`int8_pack_avx2`), widened to int16: for each block of 8 columns and each pair of k, one
-   register's 16 values (column 0's two, column 1's, ...), which vpmaddwd reads; columns past n
-   and a k past an odd k are 0 (int8 packs widened in the loop by vpmovsxbw, half the bytes,
-   ran at 0.64-0.71x: "Round sixty-eight"). Each row of q is widened once to int16 (q - zp, k
-   padded to even) in `a`. The tiles are 4 rows x 24 columns of int32 sums (`i8_sums43`),
-   threads taking whole panels of 24 columns. */
-AVX2 int int8_pack_avx2(const int8_t *w, int64_t n, int64_t k, int16_t *p, int nthreads) {
-  const int64_t k2 = (k + 1) / 2, blocks = (n + 7) / 8;
-#pragma omp parallel for schedule(static) num_threads(nthreads)
-  for (int64_t b = 0; b < blocks; ++b)
-    for (int64_t i = 0; i < k2; ++i)
-      for (int64_t c = 0; c < 8; ++c)
-        for (int64_t j = 0; j < 2; ++j) {
-          const int64_t col = 8 * b + c, kk = 2 * i + j;
-          p[((b * k2 + i) * 8 + c) * 2 + j] = col < n && kk < k ? w[col * k + kk] : 0;
-        }
-  return 0;
-}
-
+   (`kernels.int8_pack`) as int8: for each block of 8 columns and each pair of k, 16 bytes
+   (column 0's two, column 1's, ...), which vpmovsxbw widens to the 16 int16 vpmaddwd reads;
+   columns past n and a k past an odd k are 0. Each row of q is widened once to int16 (q - zp,
+   k padded to even) at the start of `work`. The tiles are 4 rows x 24 columns of int32 sums
+   (`i8_sums43`), threads taking whole panels of 24 columns; each panel's weights widened once
+   into the thread's part of `work` for all the rows of a chunk, by the chunk's first 3 rows'
+   tile (`i8_sums33_widen`; widened in the loop by each tile, they ran at 0.64-0.71x: "Round
+   sixty-eight"), the next panel's bytes fetched meanwhile; a chunk of 1-3 rows reads each
+   weight once and widens it as it reads. int8 packs: half the bytes of int16 ones (round
+   sixty-eight's), which a decoder's layers read from memory at every step: W2 3-5% faster
+   ("Round sixty-nine"). */
 AVX2 static inline int32_t load32(const int16_t *a) {
   int32_t v;
   memcpy(&v, a, 4);
@@ -2605,34 +2598,47 @@ AVX2 static void i8_sums43(const int16_t *a, int64_t kp, const int16_t *pb, int6
   acc[1][2] = c12, acc[2][0] = c20, acc[2][1] = c21, acc[2][2] = c22, acc[3][0] = c30;
   acc[3][1] = c31, acc[3][2] = c32;
 }
+/* The first 3 rows of a chunk x a panel's 3 blocks, from the panel's int8 bytes pb8: each
+   register of weights widened (vpmovsxbw) and stored into `wide` for the chunk's other rows'
+   tiles as it is first used, instead of a pass of its own before them (3-6% of a 64-row
+   chunk's time at k = 512). 9 sums, 3 blocks' weights, the row's value and a product: 14
+   registers (4 rows would take 17 of AVX2's 16). */
+#define I8_ROW3(r)                                                                               \
+  x = _mm256_set1_epi32(load32(a##r + 2 * i));                                                   \
+  I8_MADD(c##r##0, w0, "x");                                                                     \
+  I8_MADD(c##r##1, w1, "x");                                                                     \
+  I8_MADD(c##r##2, w2, "x");
+AVX2 static void i8_sums33_widen(const int16_t *a, int64_t kp, const int8_t *pb8, int16_t *wide,
+                                 int64_t k2, __m256i acc[4][3]) {
+  const int16_t *a0 = a, *a1 = a + kp, *a2 = a + 2 * kp;
+  __m256i c00 = _mm256_setzero_si256(), c01 = c00, c02 = c00, c10 = c00, c11 = c00, c12 = c00;
+  __m256i c20 = c00, c21 = c00, c22 = c00;
+  for (int64_t i = 0; i < k2; ++i) {
+    const __m256i w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(pb8 + 16 * i)));
+    const __m256i w1 =
+        _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(pb8 + (k2 + i) * 16)));
+    const __m256i w2 =
+        _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(pb8 + (2 * k2 + i) * 16)));
+    _mm256_storeu_si256((__m256i *)(wide + 16 * i), w0);
+    _mm256_storeu_si256((__m256i *)(wide + (k2 + i) * 16), w1);
+    _mm256_storeu_si256((__m256i *)(wide + (2 * k2 + i) * 16), w2);
+    __m256i x, t;
+    I8_ROW3(0)
+    I8_ROW3(1)
+    I8_ROW3(2)
+  }
+  acc[0][0] = c00, acc[0][1] = c01, acc[0][2] = c02, acc[1][0] = c10, acc[1][1] = c11;
+  acc[1][2] = c12, acc[2][0] = c20, acc[2][1] = c21, acc[2][2] = c22;
+}
+#undef I8_ROW3
 #undef I8_ROW
 #undef I8_MADD
 
-/* R rows (1..4) x U blocks of 8 columns (1..3) from row r0 and block b0; the constants R and U
-   unroll its loops where it is inlined. */
+/* A tile's sums acc (R rows x U blocks of 8 columns, from row r0 and block b0) scaled, biased and
+   written into y (row stride n). */
 AVX2 static inline __attribute__((always_inline)) void
-i8_tile(const int16_t *a, int64_t kp, const int16_t *p, int64_t k2, int R, int U, int64_t r0,
-        int64_t b0, int64_t n, float step, const float *cs, const float *top, const float *bias,
-        float *y) {
-  __m256i acc[4][3];
-  const int16_t *ar = a + r0 * kp;
-  const int16_t *pb = p + b0 * k2 * 16;
-  if (R == 4 && U == 3) {
-    i8_sums43(ar, kp, pb, k2, acc);
-  } else {
-    for (int r = 0; r < R; ++r)
-      for (int u = 0; u < U; ++u) acc[r][u] = _mm256_setzero_si256();
-    for (int64_t i = 0; i < k2; ++i) {
-      __m256i b[3];
-      for (int u = 0; u < U; ++u)
-        b[u] = _mm256_loadu_si256((const __m256i *)(pb + (u * k2 + i) * 16));
-      for (int r = 0; r < R; ++r) {
-        const __m256i av = _mm256_set1_epi32(load32(ar + r * kp + 2 * i));
-        for (int u = 0; u < U; ++u)
-          acc[r][u] = _mm256_add_epi32(acc[r][u], _mm256_madd_epi16(av, b[u]));
-      }
-    }
-  }
+i8_out(__m256i acc[4][3], int R, int U, int64_t r0, int64_t b0, int64_t n, float step,
+       const float *cs, const float *top, const float *bias, float *y) {
   for (int u = 0; u < U; ++u) {
     const int64_t c = 8 * (b0 + u), left = n - c;
     const __m256i t = first_lanes8(left);
@@ -2656,38 +2662,88 @@ i8_tile(const int16_t *a, int64_t kp, const int16_t *p, int64_t k2, int R, int U
   }
 }
 
-#define I8_TILE(R, U) i8_tile(a, kp, p, k2, R, U, r0, b0, n, step, cs, top, bias, y)
-AVX2 static void i8_tiles(const int16_t *a, int64_t kp, const int16_t *p, int64_t k2, int64_t m,
-                          int64_t b0, int U, int64_t n, float step, const float *cs,
+/* R rows (1..4) x U blocks of 8 columns (1..3) from row r0 and block b0, the panel's weights
+   pb widened (`i8_widen`), or where w8 its int8 bytes, widened here as they are read (a chunk
+   of fewer than 4 rows: each weight read once); the constants R, U and w8 unroll its loops
+   where it is inlined. */
+AVX2 static inline __attribute__((always_inline)) void
+i8_tile(const int16_t *a, int64_t kp, const void *pb, int w8, int64_t k2, int R, int U,
+        int64_t r0, int64_t b0, int64_t n, float step, const float *cs, const float *top,
+        const float *bias, float *y) {
+  __m256i acc[4][3];
+  const int16_t *ar = a + r0 * kp;
+  if (R == 4 && U == 3 && !w8) {
+    i8_sums43(ar, kp, (const int16_t *)pb, k2, acc);
+  } else {
+    for (int r = 0; r < R; ++r)
+      for (int u = 0; u < U; ++u) acc[r][u] = _mm256_setzero_si256();
+    for (int64_t i = 0; i < k2; ++i) {
+      __m256i b[3];
+      for (int u = 0; u < U; ++u)
+        b[u] = w8 ? _mm256_cvtepi8_epi16(
+                        _mm_loadu_si128((const __m128i *)((const int8_t *)pb + (u * k2 + i) * 16)))
+                  : _mm256_loadu_si256((const __m256i *)((const int16_t *)pb + (u * k2 + i) * 16));
+      for (int r = 0; r < R; ++r) {
+        const __m256i av = _mm256_set1_epi32(load32(ar + r * kp + 2 * i));
+        for (int u = 0; u < U; ++u)
+          acc[r][u] = _mm256_add_epi32(acc[r][u], _mm256_madd_epi16(av, b[u]));
+      }
+    }
+  }
+  i8_out(acc, R, U, r0, b0, n, step, cs, top, bias, y);
+}
+
+#define I8_TILE(R, U, W8) i8_tile(a, kp, pb, W8, k2, R, U, r0, b0, n, step, cs, top, bias, y)
+#define I8_LAST(W8)                                                                              \
+  switch ((m - r0) * 4 + U) {                                                                    \
+  case 13: I8_TILE(3, 1, W8); break;                                                             \
+  case 14: I8_TILE(3, 2, W8); break;                                                             \
+  case 15: I8_TILE(3, 3, W8); break;                                                             \
+  case 9: I8_TILE(2, 1, W8); break;                                                              \
+  case 10: I8_TILE(2, 2, W8); break;                                                             \
+  case 11: I8_TILE(2, 3, W8); break;                                                             \
+  case 5: I8_TILE(1, 1, W8); break;                                                              \
+  case 6: I8_TILE(1, 2, W8); break;                                                              \
+  case 7: I8_TILE(1, 3, W8); break;                                                              \
+  default: break; /* no rows left */                                                             \
+  }
+/* A panel's tiles for m rows: pb its weights widened, or where w8 (m < 4) its int8 bytes. */
+AVX2 static void i8_tiles(const int16_t *a, int64_t kp, const void *pb, int w8, int64_t k2,
+                          int64_t m, int64_t b0, int U, int64_t n, float step, const float *cs,
                           const float *top, const float *bias, float *y) {
   int64_t r0 = 0;
+  if (w8) {
+    I8_LAST(1)
+    return;
+  }
   for (; r0 + 4 <= m; r0 += 4) {
-    if (U == 3) I8_TILE(4, 3);
-    else if (U == 2) I8_TILE(4, 2);
-    else I8_TILE(4, 1);
+    if (U == 3) I8_TILE(4, 3, 0);
+    else if (U == 2) I8_TILE(4, 2, 0);
+    else I8_TILE(4, 1, 0);
   }
-  switch ((m - r0) * 4 + U) {
-  case 13: I8_TILE(3, 1); break;
-  case 14: I8_TILE(3, 2); break;
-  case 15: I8_TILE(3, 3); break;
-  case 9: I8_TILE(2, 1); break;
-  case 10: I8_TILE(2, 2); break;
-  case 11: I8_TILE(2, 3); break;
-  case 5: I8_TILE(1, 1); break;
-  case 6: I8_TILE(1, 2); break;
-  case 7: I8_TILE(1, 3); break;
-  default: break; /* no rows left */
-  }
+  I8_LAST(0)
 }
+#undef I8_LAST
 #undef I8_TILE
 
-AVX2 int int8_product_avx2(const uint8_t *q, int64_t m, int64_t k, int zp, const int16_t *p,
+/* count int8 weights -> int16 (count a multiple of 16: whole blocks of k pairs) */
+AVX2 static void i8_widen(const int8_t *s, int16_t *d, int64_t count) {
+  for (int64_t j = 0; j < count; j += 16)
+    _mm256_storeu_si256((__m256i *)(d + j),
+                        _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(s + j))));
+}
+
+/* work: the rows widened (m x kp int16), then nthreads parts of 48 k2 int16 for the widened
+   panels */
+AVX2 int int8_product_avx2(const uint8_t *q, int64_t m, int64_t k, int zp, const int8_t *p,
                            int64_t n, float step, const float *cs, const float *top,
-                           const float *bias, float *y, int16_t *a, int nthreads) {
+                           const float *bias, float *y, int16_t *work, int nthreads) {
   const int64_t k2 = (k + 1) / 2, kp = 2 * k2, blocks = (n + 7) / 8, panels = (blocks + 2) / 3;
-  const int64_t mc = (131072 / (2 * kp)) / 4 * 4 > 4 ? (131072 / (2 * kp)) / 4 * 4 : 4;
+  const int64_t mc = (524288 / (2 * kp)) / 4 * 4 > 4 ? (524288 / (2 * kp)) / 4 * 4 : 4;
+  int16_t *a = work;
 #pragma omp parallel num_threads(nthreads)
   {
+    int16_t *wide = work + m * kp + (int64_t)omp_get_thread_num() * 48 * k2;
 #pragma omp for schedule(static)
     for (int64_t r = 0; r < m; ++r) {
       const uint8_t *qr = q + r * k;
@@ -2701,16 +2757,36 @@ AVX2 int int8_product_avx2(const uint8_t *q, int64_t m, int64_t k, int zp, const
       for (; j < k; ++j) ar[j] = (int16_t)(qr[j] - zp);
       if (kp > k) ar[k] = 0;
     }
-    /* The rows in chunks of ~128 KiB of `a` (the panels' weights read once a chunk, not the
-       whole of `a` once a panel: an encoder's thousands of rows), each thread the same share
-       of the panels in every chunk. */
+    /* The rows in chunks of ~512 KiB of `a` (the panels' weights read and widened once a
+       chunk, not the whole of `a` read once a panel: an encoder's thousands of rows), each
+       thread the same share of the panels in every chunk. */
     for (int64_t r0 = 0; r0 < m; r0 += mc) {
       const int64_t rows = m - r0 < mc ? m - r0 : mc;
 #pragma omp for schedule(static) nowait
       for (int64_t pnl = 0; pnl < panels; ++pnl) {
         const int64_t b0 = 3 * pnl;
         const int U = blocks - b0 < 3 ? (int)(blocks - b0) : 3;
-        i8_tiles(a + r0 * kp, kp, p, k2, rows, b0, U, n, step, cs, top + r0, bias, y + r0 * n);
+        const int8_t *pb = p + b0 * k2 * 16;
+        if (pnl + 1 < panels) { /* the next panel's bytes on their way to L2 */
+          const int64_t next = (blocks - b0 - 3 < 3 ? blocks - b0 - 3 : 3) * k2 * 16;
+          for (int64_t o = 0; o < next; o += 64)
+            _mm_prefetch((const char *)(pb + U * k2 * 16) + o, _MM_HINT_T1);
+        }
+        const int16_t *ac = a + r0 * kp;
+        const float *tc = top + r0;
+        float *yc = y + r0 * n;
+        if (rows < 4) { /* each weight read once: widened as it is read */
+          i8_tiles(ac, kp, pb, 1, k2, rows, b0, U, n, step, cs, tc, bias, yc);
+        } else if (U == 3) { /* the first 3 rows widen the panel for the others */
+          __m256i acc[4][3];
+          i8_sums33_widen(ac, kp, pb, wide, k2, acc);
+          i8_out(acc, 3, 3, 0, b0, n, step, cs, tc, bias, yc);
+          i8_tiles(ac + 3 * kp, kp, wide, 0, k2, rows - 3, b0, U, n, step, cs, tc + 3, bias,
+                   yc + 3 * n);
+        } else { /* the last panel, of 1 or 2 blocks */
+          i8_widen(pb, wide, U * k2 * 16);
+          i8_tiles(ac, kp, wide, 0, k2, rows, b0, U, n, step, cs, tc, bias, yc);
+        }
       }
     }
   }
@@ -3360,9 +3436,8 @@ def _opened(
             [p, i64, i64, p, p, i32],
         )
         rows_in.restype = rows_out.restype = ctypes.c_int
-    free.int8_pack_avx2.argtypes = [p, i64, i64, p, i32]
     free.int8_product_avx2.argtypes = [p, i64, i64, i32, p, i64, f32, p, p, p, p, p, i32]
-    free.int8_pack_avx2.restype = free.int8_product_avx2.restype = ctypes.c_int
+    free.int8_product_avx2.restype = ctypes.c_int
     free.step_attention.argtypes = (
         [p, i64, i64, i64, p, i32, i64, i64, i64, i64, p, i32, i64, i64, i64, p]
         + [i64] * 10
@@ -4108,10 +4183,9 @@ INT8_PRODUCT_MAX_K = 65536
 
 def int8_pack(ints: torch.Tensor) -> torch.Tensor:
     """`int8_product`'s packed weights: ints (N, K) int8 (an `Int8Linear`'s integer weights,
-    out x in) -> (ceil(N / 8), ceil(K / 2), 16) int16, for each block of 8 columns and pair of
-    k the 8 columns' two values (0 past N and past an odd K): twice int8's bytes, read at
-    1.4-1.6x the rate of int8 packs widened in the product. Only where
-    `int8_product_supported()`."""
+    out x in) -> (ceil(N / 8), ceil(K / 2), 16) int8, for each block of 8 columns and pair of
+    k the 8 columns' two values (0 past N and past an odd K), which the product widens to
+    int16 a panel at a time. Only where `int8_product_supported()`."""
     if not int8_product_supported():
         raise RuntimeError(f"int8_pack: not on this machine ({unavailable() or 'no AVX2'})")
     ok = ints.dtype == torch.int8 and ints.dim() == 2 and ints.device.type == "cpu"
@@ -4120,17 +4194,20 @@ def int8_pack(ints: torch.Tensor) -> torch.Tensor:
     n, k = ints.shape
     if k > INT8_PRODUCT_MAX_K:
         raise ValueError(f"int8_pack: at most {INT8_PRODUCT_MAX_K} inputs, got {k}")
-    packed = torch.empty((n + 7) // 8, (k + 1) // 2, 16, dtype=torch.int16)
-    if packed.numel():
-        _NOGIL.int8_pack_avx2(ints.data_ptr(), n, k, packed.data_ptr(), _threads(packed.numel()))
-    return packed
+    blocks, k2 = (n + 7) // 8, (k + 1) // 2
+    padded = ints
+    if (8 * blocks, 2 * k2) != (n, k):
+        padded = torch.zeros(8 * blocks, 2 * k2, dtype=torch.int8)  # zeros past N and K
+        padded[:n, :k] = ints
+    packed = torch.empty(blocks, k2, 8, 2, dtype=torch.int8)  # its own memory, not ints'
+    return packed.copy_(padded.view(blocks, 8, k2, 2).transpose(1, 2)).view(blocks, k2, 16)
 
 
 def int8_unpack(packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
     """`int8_pack`'s weights back as (n, k) int8: the integers it packed."""
     blocks, k2 = packed.shape[:2]
-    ints = packed.view(blocks, k2, 8, 2).permute(0, 2, 1, 3).reshape(blocks * 8, k2 * 2)
-    return ints[:n, :k].to(torch.int8).contiguous()
+    ints = packed.view(blocks, k2, 8, 2).transpose(1, 2).reshape(blocks * 8, k2 * 2)
+    return ints[:n, :k].contiguous()
 
 
 def int8_product(
@@ -4155,7 +4232,7 @@ def int8_product(
     tensors = (q, packed, scales, top) + (() if bias is None else (bias,))
     if not all(t.is_contiguous() and t.device.type == "cpu" for t in tensors):
         raise ValueError("int8_product: contiguous CPU tensors")
-    if q.dtype != torch.uint8 or q.dim() != 2 or packed.dtype != torch.int16 or not 0 <= zero < 256:
+    if q.dtype != torch.uint8 or q.dim() != 2 or packed.dtype != torch.int8 or not 0 <= zero < 256:
         raise ValueError("int8_product: (M, K) uint8 rows, a zero point in 0..255, int8_pack's")
     m, k = q.shape
     if packed.shape != ((n + 7) // 8, (k + 1) // 2, 16) or k > INT8_PRODUCT_MAX_K:
@@ -4166,11 +4243,13 @@ def int8_product(
         raise ValueError("int8_product: fp32 scales (N,), top (M, 1) and bias (N,)")
     y = torch.empty(m, n)
     if m and n:
-        a = torch.empty(m, 2 * ((k + 1) // 2), dtype=torch.int16)
+        # The rows widened (m x 2 k2 int16), then each thread's widened panel (48 k2).
+        threads, k2 = _threads(m * n * max(k, 1) // 64), (k + 1) // 2
+        work = torch.empty(2 * k2 * m + 48 * k2 * threads, dtype=torch.int16)
         b = None if bias is None else bias.data_ptr()
         _NOGIL.int8_product_avx2(q.data_ptr(), m, k, zero, packed.data_ptr(), n, step,
                                  scales.data_ptr(), top.data_ptr(), b, y.data_ptr(),
-                                 a.data_ptr(), _threads(m * n * max(k, 1) // 64))  # fmt: skip
+                                 work.data_ptr(), threads)  # fmt: skip
     return y
 
 

@@ -1193,10 +1193,11 @@ def test_int8_product_is_the_exact_product_bit_for_bit(k, n, zero):
     ints = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8)
     ints[0] = 127
     packed = kernels.int8_pack(ints)
-    assert packed.shape == ((n + 7) // 8, (k + 1) // 2, 16) and packed.dtype == torch.int16
+    assert packed.shape == ((n + 7) // 8, (k + 1) // 2, 16) and packed.dtype == torch.int8
     assert torch.equal(kernels.int8_unpack(packed, n, k), ints)
+    assert packed.untyped_storage().data_ptr() != ints.untyped_storage().data_ptr()  # a copy
     scales, bias = torch.rand(n, generator=g) * 1e-3 + 1e-6, torch.randn(n, generator=g)
-    for m in (1, 3, 4, 5, 9, 64):
+    for m in (1, 2, 3, 4, 5, 9, 64):
         q = torch.randint(0, 256, (m, k), generator=g, dtype=torch.uint8)
         q[0] = 255
         top = torch.rand(m, 1, generator=g) * 4
@@ -1208,11 +1209,12 @@ def test_int8_product_is_the_exact_product_bit_for_bit(k, n, zero):
             assert _same_bits(got, want), (m, b)
 
 
-@pytest.mark.parametrize(("m", "k"), [(256, 512), (61, 512), (70, 2048)])
+@pytest.mark.parametrize(("m", "k"), [(256, 512), (61, 512), (515, 512), (130, 2048)])
 def test_int8_product_is_the_same_on_one_thread_and_two_and_alone_in_a_batch(m, k):
     """A decoding step's shapes (256 rows: beam 4, 512 -> 2,040; above MIN_THREADED; the
-    rows in chunks of 128, or 32 at k = 2,048), on one thread and on two: the same bits, each
-    row's the same alone; the largest sums exact."""
+    rows in chunks of 512, or 128 at k = 2,048, a last chunk of 3 or 2 rows read from the int8
+    bytes), on one thread and on two: the same bits, each row's the same alone; the largest
+    sums exact."""
     g = torch.Generator().manual_seed(m)
     ints = torch.randint(-127, 128, (2040, k), generator=g, dtype=torch.int8)
     q = torch.randint(0, 256, (m, k), generator=g, dtype=torch.uint8)
@@ -1251,7 +1253,7 @@ def test_int8_product_refuses_what_it_cannot_read_in_one_line():
         (q, 128, 0.1, packed, 10, scales, top, torch.ones(9)),
         (q, 128, 0.1, packed, 10, scales.double(), top, None),
         (q.t(), 128, 0.1, packed, 10, scales, top, None),  # not contiguous
-        (q, 128, 0.1, packed.to(torch.int8), 10, scales, top, None),  # not int8_pack's
+        (q, 128, 0.1, packed.short(), 10, scales, top, None),  # not int8_pack's
     ]
     for args in bad:
         with pytest.raises(ValueError, match="int8_product"):
