@@ -2553,8 +2553,8 @@ AVX2 int int8_rows_out_avx2(float *y, int64_t rows, int64_t n, const float *top,
    columns past n and a k past an odd k are 0. Each row of q is widened once to int16 (q - zp,
    k padded to even) at the start of `work`. The tiles are 4 rows x 24 columns of int32 sums
    (`i8_sums43`), threads taking whole panels of 24 columns; each panel's weights widened once
-   into the thread's part of `work` for all the rows of a chunk, by the chunk's first 3 rows'
-   tile (`i8_sums33_widen`; widened in the loop by each tile, they ran at 0.64-0.71x: "Round
+   into the thread's part of `work` for all the rows of a chunk, by the chunk's first 4 rows'
+   tile (`i8_sums43_widen`; widened in the loop by each tile, they ran at 0.64-0.71x: "Round
    sixty-eight"), the next panel's bytes fetched meanwhile; a chunk of 1-3 rows reads each
    weight once and widens it as it reads. int8 packs: half the bytes of int16 ones (round
    sixty-eight's), which a decoder's layers read from memory at every step: W2 3-5% faster
@@ -2598,37 +2598,40 @@ AVX2 static void i8_sums43(const int16_t *a, int64_t kp, const int16_t *pb, int6
   acc[1][2] = c12, acc[2][0] = c20, acc[2][1] = c21, acc[2][2] = c22, acc[3][0] = c30;
   acc[3][1] = c31, acc[3][2] = c32;
 }
-/* The first 3 rows of a chunk x a panel's 3 blocks, from the panel's int8 bytes pb8: each
-   register of weights widened (vpmovsxbw) and stored into `wide` for the chunk's other rows'
-   tiles as it is first used, instead of a pass of its own before them (3-6% of a 64-row
-   chunk's time at k = 512). 9 sums, 3 blocks' weights, the row's value and a product: 14
-   registers (4 rows would take 17 of AVX2's 16). */
+/* i8_sums43 for the first 4 rows of a chunk, from the panel's int8 bytes pb8: each register of
+   weights widened (vpmovsxbw) and stored into `wide` for the chunk's other rows' tiles as it is
+   first used, instead of a pass of its own before them (3-6% of a 64-row chunk's time at k =
+   512). Blocks 0 and 1 widened into registers, block 2 stored and read back by the rows'
+   products, as i8_sums43 reads block 0: 16 registers. */
 #define I8_ROW3(r)                                                                               \
   x = _mm256_set1_epi32(load32(a##r + 2 * i));                                                   \
   I8_MADD(c##r##0, w0, "x");                                                                     \
   I8_MADD(c##r##1, w1, "x");                                                                     \
-  I8_MADD(c##r##2, w2, "x");
-AVX2 static void i8_sums33_widen(const int16_t *a, int64_t kp, const int8_t *pb8, int16_t *wide,
+  I8_MADD(c##r##2, *(const __m256i *)(d2 + 16 * i), "m");
+AVX2 static void i8_sums43_widen(const int16_t *a, int64_t kp, const int8_t *pb8, int16_t *wide,
                                  int64_t k2, __m256i acc[4][3]) {
-  const int16_t *a0 = a, *a1 = a + kp, *a2 = a + 2 * kp;
+  const int16_t *a0 = a, *a1 = a + kp, *a2 = a + 2 * kp, *a3 = a + 3 * kp;
+  int16_t *d2 = wide + 2 * k2 * 16;
   __m256i c00 = _mm256_setzero_si256(), c01 = c00, c02 = c00, c10 = c00, c11 = c00, c12 = c00;
-  __m256i c20 = c00, c21 = c00, c22 = c00;
+  __m256i c20 = c00, c21 = c00, c22 = c00, c30 = c00, c31 = c00, c32 = c00;
   for (int64_t i = 0; i < k2; ++i) {
     const __m256i w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(pb8 + 16 * i)));
     const __m256i w1 =
         _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(pb8 + (k2 + i) * 16)));
-    const __m256i w2 =
-        _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(pb8 + (2 * k2 + i) * 16)));
     _mm256_storeu_si256((__m256i *)(wide + 16 * i), w0);
     _mm256_storeu_si256((__m256i *)(wide + (k2 + i) * 16), w1);
-    _mm256_storeu_si256((__m256i *)(wide + (2 * k2 + i) * 16), w2);
+    _mm256_storeu_si256(
+        (__m256i *)(d2 + 16 * i),
+        _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(pb8 + (2 * k2 + i) * 16))));
     __m256i x, t;
     I8_ROW3(0)
     I8_ROW3(1)
     I8_ROW3(2)
+    I8_ROW3(3)
   }
   acc[0][0] = c00, acc[0][1] = c01, acc[0][2] = c02, acc[1][0] = c10, acc[1][1] = c11;
-  acc[1][2] = c12, acc[2][0] = c20, acc[2][1] = c21, acc[2][2] = c22;
+  acc[1][2] = c12, acc[2][0] = c20, acc[2][1] = c21, acc[2][2] = c22, acc[3][0] = c30;
+  acc[3][1] = c31, acc[3][2] = c32;
 }
 #undef I8_ROW3
 #undef I8_ROW
@@ -2777,12 +2780,12 @@ AVX2 int int8_product_avx2(const uint8_t *q, int64_t m, int64_t k, int zp, const
         float *yc = y + r0 * n;
         if (rows < 4) { /* each weight read once: widened as it is read */
           i8_tiles(ac, kp, pb, 1, k2, rows, b0, U, n, step, cs, tc, bias, yc);
-        } else if (U == 3) { /* the first 3 rows widen the panel for the others */
+        } else if (U == 3) { /* the first 4 rows widen the panel for the others */
           __m256i acc[4][3];
-          i8_sums33_widen(ac, kp, pb, wide, k2, acc);
-          i8_out(acc, 3, 3, 0, b0, n, step, cs, tc, bias, yc);
-          i8_tiles(ac + 3 * kp, kp, wide, 0, k2, rows - 3, b0, U, n, step, cs, tc + 3, bias,
-                   yc + 3 * n);
+          i8_sums43_widen(ac, kp, pb, wide, k2, acc);
+          i8_out(acc, 4, 3, 0, b0, n, step, cs, tc, bias, yc);
+          i8_tiles(ac + 4 * kp, kp, wide, 0, k2, rows - 4, b0, U, n, step, cs, tc + 4, bias,
+                   yc + 4 * n);
         } else { /* the last panel, of 1 or 2 blocks */
           i8_widen(pb, wide, U * k2 * 16);
           i8_tiles(ac, kp, wide, 0, k2, rows, b0, U, n, step, cs, tc, bias, yc);
