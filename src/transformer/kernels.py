@@ -2557,8 +2557,8 @@ AVX2 int int8_rows_out_avx2(float *y, int64_t rows, int64_t n, const float *top,
    tile (`i8_sums43_widen`; widened in the loop by each tile, they ran at 0.64-0.71x: "Round
    sixty-eight"), the next panel's bytes fetched meanwhile; a chunk of 1-3 rows reads each
    weight once and widens it as it reads. int8 packs: half the bytes of int16 ones (round
-   sixty-eight's), which a decoder's layers read from memory at every step: W2 3-5% faster
-   ("Round sixty-nine"). */
+   sixty-eight's), which a decoder's layers read from memory at every step: the projection
+   ~1.08x and 1-4 rows 1.03-2.08x faster, W2 within 3% ("Round sixty-nine"). */
 AVX2 static inline int32_t load32(const int16_t *a) {
   int32_t v;
   memcpy(&v, a, 4);
