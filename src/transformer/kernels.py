@@ -2579,61 +2579,53 @@ AVX2 static inline int32_t load32(const int16_t *a) {
   I8_MADD(c##r##0, *(const __m256i *)(p0 + 16 * i), "m");                                        \
   I8_MADD(c##r##1, w1, "x");                                                                     \
   I8_MADD(c##r##2, w2, "x");
+#define I8_ROWS /* the tile's 12 products of a pair of k, row by row */                        \
+  __m256i x, t;                                                                                  \
+  I8_ROW(0) I8_ROW(1) I8_ROW(2) I8_ROW(3)
+#define I8_SUMS_ZERO                                                                             \
+  __m256i c00 = _mm256_setzero_si256(), c01 = c00, c02 = c00, c10 = c00, c11 = c00, c12 = c00;   \
+  __m256i c20 = c00, c21 = c00, c22 = c00, c30 = c00, c31 = c00, c32 = c00;
+#define I8_SUMS_OUT                                                                              \
+  acc[0][0] = c00, acc[0][1] = c01, acc[0][2] = c02, acc[1][0] = c10, acc[1][1] = c11;          \
+  acc[1][2] = c12, acc[2][0] = c20, acc[2][1] = c21, acc[2][2] = c22, acc[3][0] = c30;          \
+  acc[3][1] = c31, acc[3][2] = c32;
 AVX2 static void i8_sums43(const int16_t *a, int64_t kp, const int16_t *pb, int64_t k2,
                            __m256i acc[4][3]) {
   const int16_t *a0 = a, *a1 = a + kp, *a2 = a + 2 * kp, *a3 = a + 3 * kp;
   const int16_t *p0 = pb, *p1 = pb + k2 * 16, *p2 = pb + 2 * k2 * 16;
-  __m256i c00 = _mm256_setzero_si256(), c01 = c00, c02 = c00, c10 = c00, c11 = c00, c12 = c00;
-  __m256i c20 = c00, c21 = c00, c22 = c00, c30 = c00, c31 = c00, c32 = c00;
+  I8_SUMS_ZERO
   for (int64_t i = 0; i < k2; ++i) {
     const __m256i w1 = _mm256_loadu_si256((const __m256i *)(p1 + 16 * i));
     const __m256i w2 = _mm256_loadu_si256((const __m256i *)(p2 + 16 * i));
-    __m256i x, t;
-    I8_ROW(0)
-    I8_ROW(1)
-    I8_ROW(2)
-    I8_ROW(3)
+    I8_ROWS
   }
-  acc[0][0] = c00, acc[0][1] = c01, acc[0][2] = c02, acc[1][0] = c10, acc[1][1] = c11;
-  acc[1][2] = c12, acc[2][0] = c20, acc[2][1] = c21, acc[2][2] = c22, acc[3][0] = c30;
-  acc[3][1] = c31, acc[3][2] = c32;
+  I8_SUMS_OUT
 }
 /* i8_sums43 for the first 4 rows of a chunk, from the panel's int8 bytes pb8: each register of
    weights widened (vpmovsxbw) and stored into `wide` for the chunk's other rows' tiles as it is
    first used, instead of a pass of its own before them (3-6% of a 64-row chunk's time at k =
-   512). Blocks 0 and 1 widened into registers, block 2 stored and read back by the rows'
-   products, as i8_sums43 reads block 0: 16 registers. */
-#define I8_ROW3(r)                                                                               \
-  x = _mm256_set1_epi32(load32(a##r + 2 * i));                                                   \
-  I8_MADD(c##r##0, w0, "x");                                                                     \
-  I8_MADD(c##r##1, w1, "x");                                                                     \
-  I8_MADD(c##r##2, *(const __m256i *)(d2 + 16 * i), "m");
+   512). Blocks 1 and 2 widened into registers, block 0 stored and read back by the rows'
+   products from `wide`, as i8_sums43 reads it from the widened panel: the same 16 registers. */
 AVX2 static void i8_sums43_widen(const int16_t *a, int64_t kp, const int8_t *pb8, int16_t *wide,
                                  int64_t k2, __m256i acc[4][3]) {
-  const int16_t *a0 = a, *a1 = a + kp, *a2 = a + 2 * kp, *a3 = a + 3 * kp;
-  int16_t *d2 = wide + 2 * k2 * 16;
-  __m256i c00 = _mm256_setzero_si256(), c01 = c00, c02 = c00, c10 = c00, c11 = c00, c12 = c00;
-  __m256i c20 = c00, c21 = c00, c22 = c00, c30 = c00, c31 = c00, c32 = c00;
+  const int16_t *a0 = a, *a1 = a + kp, *a2 = a + 2 * kp, *a3 = a + 3 * kp, *p0 = wide;
+  I8_SUMS_ZERO
   for (int64_t i = 0; i < k2; ++i) {
-    const __m256i w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(pb8 + 16 * i)));
+    _mm256_storeu_si256((__m256i *)(wide + 16 * i),
+                        _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(pb8 + 16 * i))));
     const __m256i w1 =
         _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(pb8 + (k2 + i) * 16)));
-    _mm256_storeu_si256((__m256i *)(wide + 16 * i), w0);
+    const __m256i w2 =
+        _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(pb8 + (2 * k2 + i) * 16)));
     _mm256_storeu_si256((__m256i *)(wide + (k2 + i) * 16), w1);
-    _mm256_storeu_si256(
-        (__m256i *)(d2 + 16 * i),
-        _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(pb8 + (2 * k2 + i) * 16))));
-    __m256i x, t;
-    I8_ROW3(0)
-    I8_ROW3(1)
-    I8_ROW3(2)
-    I8_ROW3(3)
+    _mm256_storeu_si256((__m256i *)(wide + (2 * k2 + i) * 16), w2);
+    I8_ROWS
   }
-  acc[0][0] = c00, acc[0][1] = c01, acc[0][2] = c02, acc[1][0] = c10, acc[1][1] = c11;
-  acc[1][2] = c12, acc[2][0] = c20, acc[2][1] = c21, acc[2][2] = c22, acc[3][0] = c30;
-  acc[3][1] = c31, acc[3][2] = c32;
+  I8_SUMS_OUT
 }
-#undef I8_ROW3
+#undef I8_SUMS_OUT
+#undef I8_SUMS_ZERO
+#undef I8_ROWS
 #undef I8_ROW
 #undef I8_MADD
 
