@@ -3121,23 +3121,25 @@ int row_top(const float *x, int64_t rows, int64_t V, int64_t n, int64_t *ids, fl
 # -O3: the dropout mask's four PCG64 runs stay in registers (0.57 against 1.9 ms at -O2 for
 # 2M values, 2 threads); the other kernels as fast or faster.
 _FLAGS = ["-O3", "-shared", "-fPIC", "-fopenmp"]
+# This CPU's feature flags, read from /proc/cpuinfo once for the ISA choices below.
+_CPU_FLAGS = cpuinfo.cpu_flags()
 # The residual LayerNorm's, ReLU's and the attention softmax's rows are AVX-512 code (F, BW and
 # VL: every AVX-512 CPU but the Xeon Phi has the three); without it the CPU keeps torch's ops.
-_AVX512 = {"avx512f", "avx512bw", "avx512vl"} <= cpuinfo.cpu_flags()
+_AVX512 = {"avx512f", "avx512bw", "avx512vl"} <= _CPU_FLAGS
 # `Int8Linear`'s row kernels run in AVX-512 (F), or AVX2 where a CPU has no AVX-512.
-_ROWS_ISA = "avx512" if _AVX512 else "avx2" if "avx2" in cpuinfo.cpu_flags() else None
+_ROWS_ISA = "avx512" if _AVX512 else "avx2" if "avx2" in _CPU_FLAGS else None
 # `int8_product` is AVX2's code alone (a CPU without VNNI runs it: `translate.int8_avx2`).
-_INT8_AVX2 = "avx2" in cpuinfo.cpu_flags()
+_INT8_AVX2 = "avx2" in _CPU_FLAGS
 # A decoding step's attention (`step_attention`) in AVX-512 (F, BW, VL), or AVX2 with FMA.
-_ATTENTION_ISA = "avx512" if _AVX512 else "avx2" if {"avx2", "fma"} <= cpuinfo.cpu_flags() else None
+_ATTENTION_ISA = "avx512" if _AVX512 else "avx2" if {"avx2", "fma"} <= _CPU_FLAGS else None
 # A training step's attention (`attention_train`) multiplies bf16 in bf16 products: on AMX's
 # tiles where the CPU has them, its heads' products on AVX-512's fp32 lanes having run at ~100
 # GFLOP/s, 11% of a W1 step on the AMX Xeon (docs/performance.md, "Round fifty-one"); else on
 # AVX-512 BF16's dot products (VDPBF16PS: twice the fp32 lanes' rate on a Zen 4, "Round
 # sixty-five"). TRANSFORMER_ATTENTION_BF16=0 (or the older TRANSFORMER_ATTENTION_AMX=0) keeps the
 # lanes (a before/after); `attention_bf16` and `attention_products` switch it in a process.
-_AMX = {"amx_tile", "amx_bf16"} <= cpuinfo.cpu_flags() and _AVX512
-_DOTS = "avx512_bf16" in cpuinfo.cpu_flags() and _AVX512
+_AMX = {"amx_tile", "amx_bf16"} <= _CPU_FLAGS and _AVX512
+_DOTS = "avx512_bf16" in _CPU_FLAGS and _AVX512
 _ATTENTION_OFF_BY = next(  # the variable that keeps the lanes, for `describe`
     (
         v

@@ -201,9 +201,9 @@ class Int8Linear(nn.Module):
             self.ints, self.scales = qweight.int_repr(), scales.double()
             self.dnn = torch.ops.onednn.qlinear_prepack(self.ints, None)
             self.dnn_scales, self.dnn_zeros = self.scales.float(), zeros
-        elif int8_avx2():
+        elif int8_avx2():  # its rows' scales in fp32, as oneDNN's product takes them
             self.scales = scales.double()
-            self.avx2 = kernels.int8_pack(qweight.int_repr())
+            self.avx2, self.avx2_scales = kernels.int8_pack(qweight.int_repr()), self.scales.float()
         else:
             self.packed = torch.ops.quantized.linear_prepack(qweight, None)
         # A copy, not a view of the caller's tensor: its model's memory is not kept (nor, were
@@ -217,8 +217,6 @@ class Int8Linear(nn.Module):
         # The inputs' grid (u8 = round(x / scale) + zero point, x in [-1, 1] or [0, 1]).
         levels, zero = INPUT_GRIDS[nonnegative_inputs]
         self.grid = (1 / levels, zero)
-        if self.avx2 is not None:  # the weight rows' scales, as oneDNN's product takes them
-            self.avx2_scales = self.scales.float()
 
     @classmethod
     def stacked(cls, parts: Sequence[tuple[Int8Linear, float]]) -> Int8Linear:
@@ -614,9 +612,8 @@ def _int8_avx2(asked: str, cpuinfo_path: str) -> bool:
         top, bias = torch.rand(m, 1, generator=g) * 10, torch.randn(n, generator=g)
         top[-1] = float("nan")
         packed = kernels.int8_pack(ints)
-        sums = (q.long() - zero) @ ints.long().t()  # exact: int64
         for b in (bias, None):
-            want = _rows_out_(sums.float() * torch.tensor(step).float() * scales, top, b)
+            want = int8_product_exact(q, zero, step, ints, scales, top, b)
             got = kernels.int8_product(q, zero, step, packed, n, scales, top, b)
             alone = kernels.int8_product(q[m // 2 :].contiguous(), zero, step, packed, n,
                                          scales, top[m // 2 :].contiguous(), b)  # fmt: skip
@@ -625,6 +622,14 @@ def _int8_avx2(asked: str, cpuinfo_path: str) -> bool:
                             "the exact product)")  # fmt: skip
                 return False
     return True
+
+
+def int8_product_exact(q, zero: int, step: float, ints, scales, top, bias) -> torch.Tensor:
+    """`kernels.int8_product`'s definition in torch, the reference its check and tests hold it
+    to: the int64 sums of (q - zero) x ints^T (exact), then each step rounded on its own in fp32
+    (x step, x scales; `_rows_out_`: x top, then + bias). A sum of 0 is +0, as an integer's."""
+    sums = (q.long() - zero) @ ints.long().t()
+    return _rows_out_(sums.float() * torch.tensor(step).float() * scales, top, bias)
 
 
 def int8_product_said() -> str:

@@ -19,7 +19,7 @@ import torch
 from transformer import kernels
 from transformer.cpuinfo import cpu_flags
 from transformer.model import packed_attention_case
-from transformer.translate import _same_bits
+from transformer.translate import _same_bits, int8_product_exact
 
 # the training attention's products (`kernels.attention_products`) each test takes in turn
 PRODUCTS = ["lanes", "tiles", "dots"]
@@ -1169,17 +1169,6 @@ def test_int8_rows_keep_shape_and_refuse_what_they_cannot_read():
             kernels.int8_rows_out_(*args)
 
 
-def _exact_int8_product(q, zero, step, ints, scales, top, bias):
-    """`kernels.int8_product`'s definition in torch: the int64 sums (exact), then each step
-    rounded on its own (x step, x scales; `_rows_out_`: x top, then + bias)."""
-    from transformer.translate import _rows_out_
-
-    # Integers below 2^53: exact in fp64; + 0.0 makes a sum of zero +0 as an integer's is (a
-    # product 0 x -w is -0 in floating point)
-    sums = (q.double() - zero) @ ints.double().t() + 0.0
-    return _rows_out_(sums.float() * torch.tensor(step).float() * scales, top, bias)
-
-
 @pytest.mark.parametrize("k", [1, 2, 15, 16, 17, 512])
 @pytest.mark.parametrize("n", [1, 7, 8, 9, 23, 24, 25, 49, 300])
 @pytest.mark.parametrize("zero", [0, 128])
@@ -1205,7 +1194,7 @@ def test_int8_product_is_the_exact_product_bit_for_bit(k, n, zero):
         for b in (bias, None):
             got = kernels.int8_product(q, zero, 1 / 127, packed, n, scales, top, b)
             assert got.shape == (m, n) and got.dtype == torch.float32
-            want = _exact_int8_product(q, zero, 1 / 127, ints, scales, top, b)
+            want = int8_product_exact(q, zero, 1 / 127, ints, scales, top, b)
             assert _same_bits(got, want), (m, b)
 
 
@@ -1230,7 +1219,7 @@ def test_int8_product_is_the_same_on_one_thread_and_two_and_alone_in_a_batch(m, 
         last = kernels.int8_product(q[-3:].clone(), 0, 1.0, packed, 2040, scales, top[-3:], bias)
     assert _same_bits(one, two) and _same_bits(row, one[7:8]) and _same_bits(last, one[-3:])
     assert one[7, 5] == float(-127 * 255 * k) + bias[5]
-    assert _same_bits(one, _exact_int8_product(q, 0, 1.0, ints, scales, top, bias))
+    assert _same_bits(one, int8_product_exact(q, 0, 1.0, ints, scales, top, bias))
 
 
 def test_int8_product_refuses_what_it_cannot_read_in_one_line():

@@ -1396,8 +1396,9 @@ def test_int8_linears_avx2_product_is_the_exact_one_with_8_bit_weights(monkeypat
         assert ints.abs().max() == 127
         q, top = transformer.translate._rows_u8(x, nonneg)
         levels, zero = (255.0, 0) if nonneg else (127.0, 128)
-        sums = (q.double() - zero) @ ints.double().t() + 0.0  # a sum of 0: +0, as an int's
-        exact = sums.float() * torch.tensor(1 / levels).float() * scales.float() * top + b
+        exact = transformer.translate.int8_product_exact(
+            q, zero, 1 / levels, ints, scales.float(), top, b
+        )
         assert torch.equal(layer(x), exact)
         if "onednn" in INT8_PRODUCTS:  # and a VNNI CPU's product (oneDNN's): the same bits
             monkeypatch.setattr(transformer.translate, "int8_onednn", lambda: True)
