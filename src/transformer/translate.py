@@ -111,7 +111,7 @@ def auto_dtype(device: str | torch.device, gptq_levels: Sequence[int] = ()) -> t
         return "int8", f"the CPU has {vnni[0]} and no AMX"
     if fbgemm and int8_avx2():
         return "int8", "the CPU has neither AMX nor VNNI: 8-bit weights on the exact AVX2 product"
-    if fbgemm and int8_levels(flags) in gptq_levels:
+    if fbgemm and int8_levels() in gptq_levels:
         return "int8", "the CPU has neither AMX nor VNNI, and the model file has GPTQ int8 weights"
     return "fp32", "the CPU has neither AMX nor VNNI"
 
@@ -508,7 +508,6 @@ def int8_row_kernels() -> bool:
     return bool(kernels.int8_rows_in(nan, False, TINY)[1].isnan().all())
 
 
-@functools.cache
 def int8_onednn() -> bool:
     """Whether `Int8Linear` multiplies through oneDNN (`onednn::qlinear_pointwise` on u8 rows)
     instead of fbgemm: on CPUs with VNNI (8-bit weights), where this torch has the op, and
@@ -521,7 +520,14 @@ def int8_onednn() -> bool:
     check keeps fbgemm's (bf16 is `auto_dtype`'s choice on AMX).
     `TRANSFORMER_INT8_PRODUCT=fbgemm` keeps fbgemm's (`=avx2`: the library's, `int8_avx2`).
     Decoding streams may ask at once: each gets the same answer."""
-    if _int8_product_asked():  # fbgemm's or the library's, asked for
+    return _int8_onednn(_int8_product_asked(), cpuinfo.CPUINFO)
+
+
+@functools.cache
+def _int8_onednn(asked: str, cpuinfo_path: str) -> bool:
+    """`int8_onednn` for TRANSFORMER_INT8_PRODUCT's value and the CPU (the file its flags are
+    read from, which a test may replace): the check runs once for each."""
+    if asked:  # fbgemm's or the library's, asked for
         return False
     if not _vnni() or not torch.backends.mkldnn.is_available():
         return False
@@ -657,16 +663,25 @@ def int8_kernels() -> bool:
     return torch.backends.quantized.engine in {"fbgemm", "x86"}
 
 
-def int8_narrow_weights(flags: set[str] | None = None) -> bool:
-    """Whether `Int8Linear` must take 7-bit weights on this CPU (`flags`: its feature flags,
-    default /proc/cpuinfo's; the library's product as `int8_avx2` finds it here): yes without
-    VNNI where the product is fbgemm's, whose AVX2 path (vpmaddubsw) sums pairs of 8-bit
-    products in int16 and saturates; not where the library's exact AVX2 product runs
-    (`int8_avx2`). Relative error of a random 512 -> 2048 layer on a Zen 3 (normal inputs /
-    rows whose scales span 100x), fbgemm: 8-bit weights and inputs 11.1% / 10.5% (saturated),
-    7-bit inputs 1.9% / 4.3%, 7-bit weights 1.2% / 2.3%."""
+def int8_narrow_weights(flags: set[str] | None = None, avx2_product: bool | None = None) -> bool:
+    """Whether `Int8Linear` must take 7-bit weights on a CPU: yes without VNNI where the
+    product is fbgemm's, whose AVX2 path (vpmaddubsw) sums pairs of 8-bit products in int16
+    and saturates; not where the library's exact AVX2 product runs (`int8_avx2`). Relative
+    error of a random 512 -> 2048 layer on a Zen 3 (normal inputs / rows whose scales span
+    100x), fbgemm: 8-bit weights and inputs 11.1% / 10.5% (saturated), 7-bit inputs 1.9% /
+    4.3%, 7-bit weights 1.2% / 2.3%.
+
+    Args:
+        flags: the CPU's feature flags; default this one's (/proc/cpuinfo).
+        avx2_product: whether the library's exact AVX2 product multiplies there; default
+            `int8_avx2()`, this CPU's answer, so another CPU's `flags` must come with it.
+    """
+    if avx2_product is None:
+        if flags is not None:
+            raise TypeError("int8_narrow_weights: another CPU's flags need its avx2_product")
+        avx2_product = int8_avx2()
     flags = cpu_flags() if flags is None else flags
-    return not _vnni(flags) and not ("avx2" in flags and int8_avx2())
+    return not _vnni(flags) and not ("avx2" in flags and avx2_product)
 
 
 def relu_input_layers(model: nn.Module) -> set[str]:
@@ -714,11 +729,10 @@ def quantize_int8(
     return model.to(activations)
 
 
-def int8_levels(flags: set[str] | None = None) -> int:
-    """The int8 weights' grid on this CPU (`flags`: default /proc/cpuinfo's): 63 levels
-    where the weights are narrow (`int8_narrow_weights`: no VNNI, fbgemm's product), else
-    127."""
-    return 63 if int8_narrow_weights(flags) else 127
+def int8_levels() -> int:
+    """The int8 weights' grid on this CPU: 63 levels where the weights are narrow
+    (`int8_narrow_weights`: no VNNI, fbgemm's product), else 127."""
+    return 63 if int8_narrow_weights() else 127
 
 
 class Translator:

@@ -15,6 +15,7 @@ import sentencepiece as spm
 import torch
 from torch import nn
 
+import transformer.cpuinfo
 import transformer.threads
 import transformer.translate
 from fixtures import CPUINFO_AMX, CPUINFO_AVX_VNNI, CPUINFO_ZEN3, CPUINFO_ZEN4, fake_cpuinfo
@@ -984,11 +985,8 @@ def test_int8_weights_are_narrow_without_vnni(model_file, tmp_path, monkeypatch,
     if cpuinfo.endswith("fbgemm"):
         cpuinfo = cpuinfo.removesuffix("fbgemm")
         monkeypatch.setenv("TRANSFORMER_INT8_PRODUCT", "fbgemm")
-    fake_cpuinfo(monkeypatch, tmp_path, cpuinfo)
-    if "vnni" not in cpuinfo:  # (`int8_onednn` found this machine's CPU once, for the process)
-        monkeypatch.setattr(transformer.translate, "int8_onednn", lambda: False)
+    fake_cpuinfo(monkeypatch, tmp_path, cpuinfo)  # (`int8_onednn` asks anew for each file)
     assert int8_narrow_weights() is narrow
-    assert int8_narrow_weights({"avx2", "avx512_vnni"}) is False and int8_narrow_weights(set())
     q = quantize_int8(Translator.from_path(model_file).loaded.model)
     layers = [m for m in q.modules() if isinstance(m, Int8Linear)]
     assert layers and {m.narrow_weights for m in layers} == {narrow}
@@ -1341,6 +1339,34 @@ def test_int8_row_kernels_run_only_where_they_give_torchs_bits(monkeypatch, capl
         check.cache_clear()
 
 
+def test_int8_narrow_weights_of_another_cpu_come_with_its_product():
+    # another CPU's flags say nothing of whether the library's AVX2 product runs there (this
+    # machine's `int8_avx2` does not either), so the caller says it
+    assert int8_narrow_weights({"avx2", "avx512_vnni"}, avx2_product=False) is False
+    assert int8_narrow_weights({"avx2"}, avx2_product=True) is False  # a Zen 3, the library's
+    assert int8_narrow_weights({"avx2"}, avx2_product=False) is True  # a Zen 3, fbgemm's
+    assert int8_narrow_weights(set(), avx2_product=True) is True  # no AVX2: no such product
+    with pytest.raises(TypeError, match="another CPU's flags need its avx2_product"):
+        int8_narrow_weights({"avx2"})
+
+
+def _onednn_check() -> bool:
+    """`int8_onednn`'s check itself, run anew (not its answer cached for the process)."""
+    t = transformer.translate
+    return t._int8_onednn.__wrapped__(t._int8_product_asked(), transformer.cpuinfo.CPUINFO)
+
+
+def test_int8_onednn_follows_a_later_change_of_the_users_product(monkeypatch):
+    # the answer is cached for each value of TRANSFORMER_INT8_PRODUCT, not the first one
+    t = transformer.translate
+    monkeypatch.setenv("TRANSFORMER_INT8_PRODUCT", "fbgemm")
+    assert t.int8_onednn() is False
+    monkeypatch.delenv("TRANSFORMER_INT8_PRODUCT")
+    assert t.int8_onednn() is _onednn_check()
+    monkeypatch.setenv("TRANSFORMER_INT8_PRODUCT", "avx2")
+    assert t.int8_onednn() is False
+
+
 def test_int8_linears_products_agree_and_onednns_is_the_exact_one(monkeypatch, caplog):
     """oneDNN's product of the same 8-bit inputs and integer weights is fbgemm's to fp32
     rounding where fbgemm's integer sums are exact, and the exact one (integer sums, then
@@ -1350,7 +1376,7 @@ def test_int8_linears_products_agree_and_onednns_is_the_exact_one(monkeypatch, c
     batch's bits differ from the same row's in a batch of 40)."""
     if not transformer.translate.int8_onednn():
         with caplog.at_level(logging.INFO, logger="transformer.translate"):
-            assert transformer.translate.int8_onednn.__wrapped__() is False
+            assert _onednn_check() is False
         # the two reasons a torch with oneDNN goes without it, and the second is said
         assert not transformer.translate._vnni() or "fbgemm's product (oneDNN's" in caplog.text
         return
@@ -1475,7 +1501,7 @@ def test_int8_avx2_is_chosen_without_vnni_or_where_asked(monkeypatch, tmp_path):
 
 
 def test_int8_onednn_is_chosen_only_where_it_matches_the_exact_product(monkeypatch, caplog):
-    check = transformer.translate.int8_onednn.__wrapped__
+    check = _onednn_check
     monkeypatch.setenv("TRANSFORMER_INT8_PRODUCT", "fbgemm")  # the user's choice
     assert check() is False
     monkeypatch.delenv("TRANSFORMER_INT8_PRODUCT")
