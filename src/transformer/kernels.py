@@ -2564,6 +2564,10 @@ AVX2 static inline int32_t load32(const int16_t *a) {
   memcpy(&v, a, 4);
   return v;
 }
+/* 16 packed int8 weights (a block's pair of k) widened to the 16 int16 vpmaddwd reads */
+AVX2 static inline __m256i i8_load_wide(const int8_t *s) {
+  return _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)s));
+}
 
 /* The whole tile's sums, 4 rows x 3 blocks, in 16 registers: the 12 sums, two blocks' weights,
    the row's value and a product; the third block's weights read from memory by each of the 4
@@ -2611,12 +2615,9 @@ AVX2 static void i8_sums43_widen(const int16_t *a, int64_t kp, const int8_t *pb8
   const int16_t *a0 = a, *a1 = a + kp, *a2 = a + 2 * kp, *a3 = a + 3 * kp, *p0 = wide;
   I8_SUMS_ZERO
   for (int64_t i = 0; i < k2; ++i) {
-    _mm256_storeu_si256((__m256i *)(wide + 16 * i),
-                        _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(pb8 + 16 * i))));
-    const __m256i w1 =
-        _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(pb8 + (k2 + i) * 16)));
-    const __m256i w2 =
-        _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(pb8 + (2 * k2 + i) * 16)));
+    _mm256_storeu_si256((__m256i *)(wide + 16 * i), i8_load_wide(pb8 + 16 * i));
+    const __m256i w1 = i8_load_wide(pb8 + (k2 + i) * 16);
+    const __m256i w2 = i8_load_wide(pb8 + (2 * k2 + i) * 16);
     _mm256_storeu_si256((__m256i *)(wide + (k2 + i) * 16), w1);
     _mm256_storeu_si256((__m256i *)(wide + (2 * k2 + i) * 16), w2);
     I8_ROWS
@@ -2675,8 +2676,7 @@ i8_tile(const int16_t *a, int64_t kp, const void *pb, int w8, int64_t k2, int R,
     for (int64_t i = 0; i < k2; ++i) {
       __m256i b[3];
       for (int u = 0; u < U; ++u)
-        b[u] = w8 ? _mm256_cvtepi8_epi16(
-                        _mm_loadu_si128((const __m128i *)((const int8_t *)pb + (u * k2 + i) * 16)))
+        b[u] = w8 ? i8_load_wide((const int8_t *)pb + (u * k2 + i) * 16)
                   : _mm256_loadu_si256((const __m256i *)((const int16_t *)pb + (u * k2 + i) * 16));
       for (int r = 0; r < R; ++r) {
         const __m256i av = _mm256_set1_epi32(load32(ar + r * kp + 2 * i));
@@ -2724,8 +2724,7 @@ AVX2 static void i8_tiles(const int16_t *a, int64_t kp, const void *pb, int w8, 
 /* count int8 weights -> int16 (count a multiple of 16: whole blocks of k pairs) */
 AVX2 static void i8_widen(const int8_t *s, int16_t *d, int64_t count) {
   for (int64_t j = 0; j < count; j += 16)
-    _mm256_storeu_si256((__m256i *)(d + j),
-                        _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(s + j))));
+    _mm256_storeu_si256((__m256i *)(d + j), i8_load_wide(s + j));
 }
 
 /* work: the rows widened (m x kp int16), then nthreads parts of 48 k2 int16 for the widened
