@@ -618,8 +618,9 @@ def _int8_avx2(asked: str, cpuinfo_path: str) -> bool:
         top, bias = torch.rand(m, 1, generator=g) * 10, torch.randn(n, generator=g)
         top[-1] = float("nan")
         packed = kernels.int8_pack(ints)
+        sums = _exact_sums(q, zero, ints)  # one reference's sums for both biases
         for b in (bias, None):
-            want = int8_product_exact(q, zero, step, ints, scales, top, b)
+            want = _exact_out(sums, step, scales, top, b)
             got = kernels.int8_product(q, zero, step, packed, n, scales, top, b)
             alone = kernels.int8_product(q[m // 2 :].contiguous(), zero, step, packed, n,
                                          scales, top[m // 2 :].contiguous(), b)  # fmt: skip
@@ -634,7 +635,16 @@ def int8_product_exact(q, zero: int, step: float, ints, scales, top, bias) -> to
     """`kernels.int8_product`'s definition in torch, the reference its check and tests hold it
     to: the int64 sums of (q - zero) x ints^T (exact), then each step rounded on its own in fp32
     (x step, x scales; `_rows_out_`: x top, then + bias). A sum of 0 is +0, as an integer's."""
-    sums = (q.long() - zero) @ ints.long().t()
+    return _exact_out(_exact_sums(q, zero, ints), step, scales, top, bias)
+
+
+def _exact_sums(q, zero: int, ints) -> torch.Tensor:
+    """`int8_product_exact`'s integer sums, (q - zero) x ints^T in int64."""
+    return (q.long() - zero) @ ints.long().t()
+
+
+def _exact_out(sums, step: float, scales, top, bias) -> torch.Tensor:
+    """`int8_product_exact`'s fp32 steps on its integer sums."""
     return _rows_out_(sums.float() * torch.tensor(step).float() * scales, top, bias)
 
 
