@@ -1500,6 +1500,31 @@ def test_int8_avx2_is_chosen_without_vnni_or_where_asked(monkeypatch, tmp_path):
     assert choose() is False
 
 
+def test_int8_avx2_checks_the_product_with_and_without_a_bias(monkeypatch, tmp_path):
+    """The check's reference sums, made once per shape, serve both biases: a product that is
+    one ulp off only without a bias (or only with one) is not taken."""
+    from fixtures import CPUINFO_ZEN3, fake_cpuinfo
+
+    real = transformer.kernels.int8_product
+    monkeypatch.delenv("TRANSFORMER_INT8_PRODUCT", raising=False)
+    for i, off_without in enumerate((True, False)):
+
+        def product(*args, off_without=off_without):
+            y = real(*args)
+            if (args[-1] is None) is off_without:
+                y = torch.nextafter(y, torch.full_like(y, float("inf")))
+            return y
+
+        monkeypatch.setattr(transformer.kernels, "int8_product", product)
+        (tmp_path / str(i)).mkdir()
+        fake_cpuinfo(monkeypatch, tmp_path / str(i), CPUINFO_ZEN3)  # checked anew
+        assert transformer.translate.int8_avx2() is False, off_without
+    monkeypatch.setattr(transformer.kernels, "int8_product", real)
+    (tmp_path / "exact").mkdir()
+    fake_cpuinfo(monkeypatch, tmp_path / "exact", CPUINFO_ZEN3)
+    assert transformer.translate.int8_avx2() is True
+
+
 def test_int8_onednn_is_chosen_only_where_it_matches_the_exact_product(monkeypatch, caplog):
     check = _onednn_check
     monkeypatch.setenv("TRANSFORMER_INT8_PRODUCT", "fbgemm")  # the user's choice
