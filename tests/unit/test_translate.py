@@ -1503,8 +1503,6 @@ def test_int8_avx2_is_chosen_without_vnni_or_where_asked(monkeypatch, tmp_path):
 def test_int8_avx2_checks_the_product_with_and_without_a_bias(monkeypatch, tmp_path):
     """The check's reference sums, made once per shape, serve both biases: a product that is
     one ulp off only without a bias (or only with one) is not taken."""
-    from fixtures import CPUINFO_ZEN3, fake_cpuinfo
-
     real = transformer.kernels.int8_product
     monkeypatch.delenv("TRANSFORMER_INT8_PRODUCT", raising=False)
     for i, off_without in enumerate((True, False)):
