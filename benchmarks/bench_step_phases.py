@@ -54,6 +54,7 @@ def training_setup(
     torch.manual_seed(1)
     model = build_model(config, torch.device("cpu")).train()
     opt = MixedPrecisionAdam(model.parameters(), (0.9, 0.98), 1e-9)
+    opt.reserve_state()  # as train._run, before the first batch
     sampler = TokenBatchSampler(split.src_lens, split.tgt_lens, config.train.max_tokens, seed=1)
     return config, model, opt, endless_batches(sampler, split)
 

@@ -97,8 +97,10 @@ class OurTrain:
         row_major_grads=None,
         fused: bool = True,
         attention_bf16=None,
+        reserve_state: bool = True,
     ) -> None:
         self.cfg, self.model_cls = cfg, model_cls
+        self.reserve_state = reserve_state  # False: the Adam moments made at the first step
         self.row_major_grads = row_major_grads  # None: as the CPU decides (gradhelper)
         self.fused = fused  # False: kernels.FUSED off for this adapter's own steps
         # None: the training attention's products where the process has them (kernels)
@@ -131,6 +133,8 @@ class OurTrain:
             for p in model.parameters():  # as train.build_model: parameters in the dtype
                 p.data = p.data.to(DTYPES[dtype])
             opt = MixedPrecisionAdam(model.parameters(), tuple(c["betas"]), c["eps"])
+            if self.reserve_state:  # as train._run, before the first batch
+                opt.reserve_state()
             self.runs[dtype] = (model, opt)
         return self.runs[dtype]
 
@@ -199,6 +203,13 @@ def make_train_lanes_attention(cfg: dict) -> OurTrain:
     (kernels.attention_bf16 off): the before of round sixty-five's same-run before/after on a
     CPU with AVX-512 BF16, beside `make_train`."""
     return OurTrain(cfg, attention_bf16=False)
+
+
+def make_train_lazy_adam(cfg: dict) -> OurTrain:
+    """`make_train` with the Adam moments made at the first step, not before the first batch
+    (`MixedPrecisionAdam.reserve_state` not called): the before of round seventy-two's same-run
+    before/after, beside `make_train`."""
+    return OurTrain(cfg, reserve_state=False)
 
 
 def marian_sinusoids(n_pos: int, d: int) -> torch.Tensor:

@@ -73,14 +73,39 @@ class FusedAdam:
         self.betas, self.eps, self.lr = (float(betas[0]), float(betas[1])), float(eps), 0.0
         # Per parameter, as torch.optim.Adam: empty until the parameter's first gradient.
         self.state: list[dict[str, torch.Tensor]] = [{} for _ in self.params]
+        # The moments made ahead by `reserve`, each pair taken at its parameter's first
+        # gradient (`_start`); None: none made.
+        self.reserved: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * len(self.params)
 
-    @staticmethod
-    def _start(p: torch.Tensor, state: dict[str, torch.Tensor]) -> None:
-        """torch.optim.Adam's state of a parameter at its first gradient (in place)."""
+    def reserve(self) -> None:
+        """Make the moments of every parameter without state now, zeros, to be taken at its
+        first gradient (the state itself stays empty until then, as torch.optim.Adam's): call
+        before the first batch. Made at the first step instead, after that batch's activations
+        had come and gone, they took the memory those had used, and the second batch's grew
+        the heap again: fresh pages, ~3% of the second step of a base model on a Zen 4
+        (docs/performance.md, "Round seventy-two")."""
+        for i, (p, state) in enumerate(zip(self.params, self.state, strict=True)):
+            if not state and self.reserved[i] is None:
+                self.reserved[i] = (
+                    torch.zeros_like(p, memory_format=torch.preserve_format),
+                    torch.zeros_like(p, memory_format=torch.preserve_format),
+                )
+
+    def _start(self, i: int) -> dict[str, torch.Tensor]:
+        """Parameter i's state, made as torch.optim.Adam's at its first gradient (the moments
+        from `reserve` where made there)."""
+        state = self.state[i]
         if not state:
+            p, made = self.params[i], self.reserved[i]
+            self.reserved[i] = None
             state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
-            state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            if made is None:
+                made = (
+                    torch.zeros_like(p, memory_format=torch.preserve_format),
+                    torch.zeros_like(p, memory_format=torch.preserve_format),
+                )
+            state["exp_avg"], state["exp_avg_sq"] = made
+        return state
 
     @torch.no_grad()
     def step(self, lr: float) -> None:
@@ -88,11 +113,10 @@ class FusedAdam:
         self.lr = float(lr)
         # One kernel call per (device, dtype), each tensor's update independent of the others'.
         groups: dict[tuple[torch.device, torch.dtype], list[tuple[torch.Tensor, dict]]] = {}
-        for p, state in zip(self.params, self.state, strict=True):
+        for i, p in enumerate(self.params):
             if p.grad is None:
                 continue
-            self._start(p, state)
-            groups.setdefault((p.device, p.dtype), []).append((p, state))
+            groups.setdefault((p.device, p.dtype), []).append((p, self._start(i)))
         for rows in groups.values():
             params, states = [p for p, _ in rows], [s for _, s in rows]
             steps = [s["step"] for s in states]
@@ -122,8 +146,8 @@ class FusedAdam:
         parameter's new value: `kernels.adam_update`, one pass over each tensor (CPU tensors
         that `kernels.adam_problem` takes). The same bits as `step`."""
         self.lr = float(lr)
-        for p, state in zip(self.params, self.state, strict=True):
-            self._start(p, state)
+        for i in range(len(self.params)):
+            self._start(i)
         steps = [s["step"] for s in self.state]
         torch._foreach_add_(steps, 1)
         kernels.adam_update(
@@ -181,6 +205,7 @@ class FusedAdam:
                 "exp_avg_sq": saved["exp_avg_sq"].to(dtype=p.dtype, device=p.device),
             }
         self.state = loaded
+        self.reserved = [None] * len(self.params)  # a parameter without saved state makes its own
         self.lr = float(group["lr"])
         self.betas = (float(group["betas"][0]), float(group["betas"][1]))
         self.eps = float(group["eps"])
@@ -260,6 +285,11 @@ class MixedPrecisionAdam:
         # A step's first bf16 gradients, held as they are for a one-pass step (`one_pass_adam`)
         # to read: not copied to fp32 (`master_grads` makes the copies when asked).
         self.held: list[torch.Tensor | None] = [None] * len(self.params)
+
+    def reserve_state(self) -> None:
+        """Make the Adam moments of the parameters without state now (`FusedAdam.reserve`):
+        after a resume, before the first batch."""
+        self.adam.reserve()
 
     def collect_grads(self) -> None:
         """Add the model's fresh gradients into the fp32 master gradients (call after each

@@ -359,6 +359,7 @@ def _run(data, data_dir, out_dir, config, resume, info, dev, progress, tuner=Non
         state = _restore(out_dir, model, optimizer, sampler, info)
     else:
         torch.manual_seed(config.train.seed + info.rank)  # dropout differs between ranks
+    optimizer.reserve_state()  # the moments' memory before the first batch's (optim.py)
     if info.is_main:  # after the restore: a refused resume leaves the run's files as they were
         rundir.write_run_files(out_dir, config, data_dir)
     logger.info(

@@ -250,6 +250,61 @@ def test_fused_adam_refuses_a_state_of_other_parameters():
         mine.load_state_dict(saved)
 
 
+def test_fused_adam_reserved_moments_are_taken_at_each_first_gradient_bit_for_bit():
+    ours, theirs, g = _adam_pair(2)
+    mine = FusedAdam(ours, (0.9, 0.98), 1e-9)
+    mine.reserve()
+    made = [pair[0].data_ptr() for pair in mine.reserved]
+    ref = torch.optim.Adam(theirs, lr=0.0, betas=(0.9, 0.98), eps=1e-9, fused=True)
+    assert mine.state_dict()["state"] == {}  # nothing in the state before a gradient
+    for step, lr in enumerate((1e-3, 5e-3, 2e-2)):
+        _same_grads(ours, theirs, g, skip=1 if step < 2 else None)
+        mine.step(lr)
+        _torch_step(ref, lr)
+        assert all(torch.equal(o, t) for o, t in zip(ours, theirs, strict=True)), step
+        # the state appears at each parameter's first gradient, as torch's does
+        assert mine.state_dict()["state"].keys() == ref.state_dict()["state"].keys(), step
+        assert (mine.reserved[1] is None) == (step == 2), step
+    # each parameter's moments are the memory made by `reserve`, not a second allocation
+    assert [s["exp_avg"].data_ptr() for s in mine.state] == made
+    a, b = mine.state_dict(), ref.state_dict()
+    for i in a["state"]:
+        for key in ("step", "exp_avg", "exp_avg_sq"):
+            assert torch.equal(a["state"][i][key], b["state"][i][key]), (i, key)
+
+
+def test_fused_adam_drops_its_reserve_on_load_and_keeps_made_state():
+    ours, theirs, g = _adam_pair(3)
+    ref = torch.optim.Adam(theirs, lr=0.0, betas=(0.9, 0.98), eps=1e-9, fused=True)
+    _same_grads(ours, theirs, g, skip=2)
+    _torch_step(ref, 1e-2)
+    mine = FusedAdam(ours, (0.9, 0.98), 1e-9)
+    mine.reserve()
+    mine.load_state_dict(copy.deepcopy(ref.state_dict()))
+    assert mine.reserved == [None, None, None]  # a resume holds no second set of moments
+    mine.reserve()  # after a resume: only the parameter without saved state gets moments
+    assert [r is None for r in mine.reserved] == [True, True, False]
+    saved = mine.state[0]["exp_avg"]
+    mine.reserve()  # made state is not touched
+    assert mine.state[0]["exp_avg"] is saved
+
+
+def test_mixed_precision_adam_reserve_state_gives_the_same_bits():
+    models = [_linear(torch.bfloat16) for _ in range(2)]  # the same seed: the same weights
+    opts = [MixedPrecisionAdam(m.parameters(), (0.9, 0.98), 1e-9) for m in models]
+    opts[1].reserve_state()
+    x = torch.randn(6, 4, generator=torch.Generator().manual_seed(1)).bfloat16()
+    for step in range(3):
+        for m, o in zip(models, opts, strict=True):
+            m(x).float().square().sum().backward()
+            o.collect_grads()
+            o.step(1e-2 * (step + 1), grad_scale=0.25)
+    for a, b in zip(models[0].parameters(), models[1].parameters(), strict=True):
+        assert torch.equal(a, b)
+    for a, b in zip(opts[0].adam.state, opts[1].adam.state, strict=True):
+        assert all(torch.equal(a[k], b[k]) for k in ("step", "exp_avg", "exp_avg_sq"))
+
+
 def test_training_does_not_import_torch_dynamo():
     """torch.optim's wrappers and torch.use_deterministic_algorithms import torch._dynamo (~2 s
     of every training process's start on a 2-core CPU): `FusedAdam`, `train.set_deterministic`."""

@@ -184,6 +184,23 @@ def test_resume_in_process_is_exact(data_dir, tmp_path, dtype):
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
+def test_train_makes_the_adam_moments_before_the_first_batch(data_dir, tmp_path, monkeypatch):
+    """`MixedPrecisionAdam.reserve_state` before the first batch: made at the first step, after
+    that batch's activations, the moments took their memory and the second step grew the heap
+    again (docs/performance.md, "Round seventy-two"). The state itself stays empty until then."""
+    first = []
+    collect = MixedPrecisionAdam.collect_grads
+
+    def spy(self):
+        if not first:
+            first.append((all(r is not None for r in self.adam.reserved), any(self.adam.state)))
+        collect(self)
+
+    monkeypatch.setattr(MixedPrecisionAdam, "collect_grads", spy)
+    train(data_dir, tmp_path / "run", _config("train.max_steps=2"), progress=False)
+    assert first == [(True, False)]
+
+
 def test_checkpoints_keep_the_training_seconds_over_resumes_without_the_gap(data_dir, tmp_path):
     """TrainState.seconds: what a time budget has spent, for `recipe --resume`. A resume adds
     its own training time, not the time between the two runs."""
