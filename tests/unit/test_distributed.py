@@ -446,15 +446,38 @@ def test_ctrl_c_while_the_ranks_start_stops_the_started_ones(monkeypatch):
     assert len(started) == 1 and started[0].exitcode is not None  # stopped and joined
 
 
-def _interrupted_if_rank_1() -> int:
+def _interrupted_if_rank_1(wait: float = 5.0) -> int:
     if int(os.environ["RANK"]) == 1:
         os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C, to this rank alone
-        time.sleep(5)
-    return 0
+        time.sleep(wait)
+    return int(os.environ["RANK"])
+
+
+def _with_ctrl_c(handler, fn, *args):
+    """fn(*args) with this process's Ctrl-C handler set to `handler`, as it was after: the job's
+    process takes Ctrl-C, or ignores it, whatever the suite's own start left it (a shell
+    without job control starts a background command with Ctrl-C ignored, and Python keeps
+    that)."""
+    previous = signal.signal(signal.SIGINT, handler)
+    try:
+        return fn(*args)
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def test_a_rank_takes_ctrl_c_though_its_server_ignores_it():
     """The server starts with Ctrl-C ignored (rankserver.start); a rank takes it again as the
     job's process does: KeyboardInterrupt, reported, the job interrupted."""
     with pytest.raises(KeyboardInterrupt):
-        distributed.run_local(2, _interrupted_if_rank_1)
+        _with_ctrl_c(signal.default_int_handler, distributed.run_local, 2, _interrupted_if_rank_1)
+
+
+def test_the_ranks_ignore_ctrl_c_where_the_jobs_process_does():
+    """A job started with Ctrl-C ignored (`transformer train --procs 2 &` from a script): its
+    ranks ignore it as well, and the job goes on."""
+    job = (2, _interrupted_if_rank_1, (0.3,))
+    try:  # (a KeyboardInterrupt let out of a test would stop the whole session)
+        result = _with_ctrl_c(signal.SIG_IGN, distributed.run_local, *job)
+    except KeyboardInterrupt:
+        pytest.fail("a rank took the Ctrl-C that the job's process ignores")
+    assert result == 0  # rank 0's
