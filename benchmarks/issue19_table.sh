@@ -16,7 +16,8 @@
 # the W2 rows steadier, for ~20 more minutes on a 2-core Zen 4; W1_ROUNDS (default 2) the same
 # for W1 with a process per implementation (~3 minutes a round there; round seventy's table read
 # 1.78x over two rounds, then 2.08x and 1.90x over four; round seventy-one's 1.99x over four,
-# then 2.11x over four more: the peers' own speed moves too);
+# then 2.11x over four more: the peers' own speed moves too; round seventy-two's 1.86x over six,
+# and pooled over rounds sixty-five to seventy-two 1.93x, results/peers_zen4/round72);
 # SHARE_ROUNDS (default 8) the rounds of bench_w1_share.py (~9 s each on the AMX Xeon).
 # Ends with the issue's table and a verdict per target (benchmarks/issue19_summary.py, from the
 # JSON files in OUT), also written to OUT/summary.md.
