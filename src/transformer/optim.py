@@ -82,8 +82,8 @@ class FusedAdam:
         first gradient (the state itself stays empty until then, as torch.optim.Adam's): call
         before the first batch. Made at the first step instead, after that batch's activations
         had come and gone, they took the memory those had used, and the second batch's grew
-        the heap again: fresh pages, ~3% of the second step of a base model on a Zen 4
-        (docs/performance.md, "Round seventy-two")."""
+        the heap again: ~120,000 fresh pages, the second step of a base model 1.014-1.063x the
+        third's time on a Zen 4 (docs/performance.md, "Round seventy-two")."""
         for i, (p, state) in enumerate(zip(self.params, self.state, strict=True)):
             if not state and self.reserved[i] is None:
                 self.reserved[i] = (
