@@ -86,10 +86,15 @@ class FusedAdam:
         third's time on a Zen 4 (docs/performance.md, "Round seventy-two")."""
         for i, (p, state) in enumerate(zip(self.params, self.state, strict=True)):
             if not state and self.reserved[i] is None:
-                self.reserved[i] = (
-                    torch.zeros_like(p, memory_format=torch.preserve_format),
-                    torch.zeros_like(p, memory_format=torch.preserve_format),
-                )
+                self.reserved[i] = self._moments(p)
+
+    @staticmethod
+    def _moments(p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Zero first and second moments for parameter p, as torch.optim.Adam makes them."""
+        return (
+            torch.zeros_like(p, memory_format=torch.preserve_format),
+            torch.zeros_like(p, memory_format=torch.preserve_format),
+        )
 
     def _start(self, i: int) -> dict[str, torch.Tensor]:
         """Parameter i's state, made as torch.optim.Adam's at its first gradient (the moments
@@ -99,12 +104,7 @@ class FusedAdam:
             p, made = self.params[i], self.reserved[i]
             self.reserved[i] = None
             state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
-            if made is None:
-                made = (
-                    torch.zeros_like(p, memory_format=torch.preserve_format),
-                    torch.zeros_like(p, memory_format=torch.preserve_format),
-                )
-            state["exp_avg"], state["exp_avg_sq"] = made
+            state["exp_avg"], state["exp_avg_sq"] = self._moments(p) if made is None else made
         return state
 
     @torch.no_grad()
